@@ -1,0 +1,143 @@
+"""The resolved job config: what the operator writes into the ConfigMap and every role reads at start.
+
+``JobConfig`` = the validated spec + what the operator resolved from the cluster (names, addresses, Redis
+keys, the data-parallel size). Serialised as camelCase JSON at ``/etc/rljob/config.json`` (env
+``RLJOB_CONFIG``); its hash labels every pod, so every rank provably reads the same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Optional
+
+from pydantic import Field
+
+from rljob_api import constants as c
+from rljob_api.spec import ApiModel, RLTrainingJobSpec
+
+
+class RedisKeys(ApiModel):
+    """Every Redis key of one job (DESIGN §2 "Keys").
+
+    With managed Redis the stream and event keys keep the upstream names; with external Redis they get
+    the job prefix. Every other key always lives under the prefix.
+    """
+
+    prefix: str = Field(..., description="prefix: `rljob:{namespace}:{job}:`.")
+    stream: str
+    group: str
+    consumer_prefix: str
+    events: str
+    progress: str
+    rollout: str
+    members: str
+    dead_letter: str
+    checkpoint: str
+
+    def consumer(self, dp_rank: int) -> str:
+        """Consumer name of one data-parallel rank, e.g. ``fast_llm_consumer_0``."""
+        return f"{self.consumer_prefix}{dp_rank}"
+
+    @classmethod
+    def build(cls, namespace: str, job: str, spec: RLTrainingJobSpec) -> "RedisKeys":
+        prefix = c.key_prefix(namespace, job)
+        upstream = "" if spec.redis.mode == "managed" else prefix
+        return cls(
+            prefix=prefix,
+            stream=upstream + spec.redis.stream_key,
+            group=spec.redis.group_name,
+            consumer_prefix=spec.redis.consumer_prefix,
+            events=upstream + spec.redis.events_key,
+            progress=prefix + c.KEY_PROGRESS,
+            rollout=prefix + c.KEY_ROLLOUT,
+            members=prefix + c.KEY_MEMBERS,
+            dead_letter=prefix + c.KEY_DEAD_LETTER,
+            checkpoint=prefix + c.KEY_CHECKPOINT,
+        )
+
+
+class RedisConnection(ApiModel):
+    """Where the roles reach Redis. The password always comes from env ``REDIS_PASSWORD``."""
+
+    host: str
+    port: int = c.PORT_REDIS
+    tls: bool = False
+    db: int = 0
+
+
+class JobConfig(ApiModel):
+    """The one resolved config every role reads (operator renders it, trainer and rollout load it)."""
+
+    name: str = Field(..., description="name: the RLTrainingJob's name.")
+    namespace: str = Field(..., description="namespace: the RLTrainingJob's namespace.")
+    spec: RLTrainingJobSpec
+    data_parallel_size: int = Field(..., ge=1, description="dataParallelSize: DP = nodes*ppn/(TP*PP).")
+    redis: RedisConnection
+    keys: RedisKeys
+    trainer_service: str = Field(..., description="trainerService: headless Service name of the trainer gang.")
+    trainer_master_host: str = Field(
+        ..., description="trainerMasterHost: DNS name of trainer pod 0 (rendezvous, weight transfer)."
+    )
+    checkpoint_dir: str = c.CHECKPOINT_MOUNT_DIR
+    metrics_port: int = c.PORT_METRICS
+    weights_port: int = c.PORT_WEIGHTS
+    rendezvous_port: int = c.PORT_RENDEZVOUS
+
+    def to_json(self) -> str:
+        """Canonical JSON (camelCase, sorted keys): the bytes the ConfigMap holds and the hash covers."""
+        import json
+
+        return json.dumps(self.model_dump(mode="json", by_alias=True), sort_keys=True, separators=(",", ":"))
+
+    def config_hash(self) -> str:
+        """First 16 hex digits of sha256 over :meth:`to_json` (fits a label value)."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    @classmethod
+    def from_json(cls, text: str) -> "JobConfig":
+        return cls.model_validate_json(text)
+
+    @classmethod
+    def load(cls, path: Optional[str | os.PathLike[str]] = None) -> "JobConfig":
+        """Load and validate the config from ``path`` or env ``RLJOB_CONFIG`` (default /etc/rljob/config.json).
+
+        Raises:
+            FileNotFoundError: no file at the path.
+            pydantic.ValidationError: the file does not match the model (names the field).
+        """
+        path = Path(path or os.environ.get(c.ENV_CONFIG, c.CONFIG_PATH))
+        return cls.from_json(path.read_text())
+
+    def transfer_rank(self, replica_index: int, local_gpu: int = 0) -> int:
+        """Weight-transfer group rank of GPU process ``local_gpu`` of rollout pod ``replica_index`` (DESIGN §2)."""
+        per_replica = max(1, self.spec.rollout.gpus_per_replica)
+        return 1 + replica_index * per_replica + local_gpu
+
+    @property
+    def transfer_world_size(self) -> int:
+        """1 (trainer rank 0) + every rollout process."""
+        return 1 + self.spec.rollout.replicas * max(1, self.spec.rollout.gpus_per_replica)
+
+
+def resolve(name: str, namespace: str, spec: RLTrainingJobSpec, redis: RedisConnection) -> JobConfig:
+    """Build the resolved config of one job (the operator's and the tests' single way to make one).
+
+    Raises:
+        ValueError: the trainer topology does not divide (see :func:`rljob_api.validation.data_parallel_size`).
+    """
+    from rljob_api import names
+    from rljob_api.validation import data_parallel_size
+
+    service = names.trainer_service(name)
+    return JobConfig(
+        name=name,
+        namespace=namespace,
+        spec=spec,
+        data_parallel_size=data_parallel_size(spec),
+        redis=redis,
+        keys=RedisKeys.build(namespace, name, spec),
+        trainer_service=service,
+        trainer_master_host=names.pod_dns(names.trainer_pod(name, 0), service, namespace),
+    )

@@ -1,0 +1,150 @@
+"""Every name that two roles must agree on: API group, labels, annotations, env, ports, Redis keys,
+condition types and reasons.
+
+Who writes and who reads each key is said next to it. Nothing else in the project spells these strings.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+# --- API identity -------------------------------------------------------------------------------
+GROUP = "rljob.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "RLTrainingJob"
+PLURAL = "rltrainingjobs"
+SINGULAR = "rltrainingjob"
+SHORT_NAMES = ["rljob"]
+CRD_NAME = f"{PLURAL}.{GROUP}"
+FIELD_MANAGER = "rljob-operator"
+
+# --- Labels (written by the operator on every child; read by the operator's selectors) ---------
+LABEL_JOB_NAME = f"{GROUP}/job-name"
+"""Name of the owning RLTrainingJob, on every child object."""
+LABEL_ROLE = f"{GROUP}/role"
+"""One of :class:`Role`, on every child object."""
+LABEL_ATTEMPT = f"{GROUP}/attempt"
+"""Gang attempt number (0-based) on trainer pods; pods of different attempts never coexist."""
+LABEL_CONFIG_HASH = f"{GROUP}/config-hash"
+"""Short sha256 of the resolved config JSON, on every pod that mounts it."""
+LABEL_REPLICA_INDEX = f"{GROUP}/replica-index"
+"""Trainer node rank or rollout replica index, on pods."""
+LABEL_KUEUE_QUEUE_NAME = "kueue.x-k8s.io/queue-name"
+"""Copied from the job's labels to its pods (Kueue compatibility)."""
+
+# --- Annotations -----------------------------------------------------------------------------
+ANNOTATION_ATTEMPT = f"{GROUP}/attempt"
+
+
+class Role(str, Enum):
+    """The value of :data:`LABEL_ROLE`."""
+
+    TRAINER = "trainer"
+    ROLLOUT = "rollout"
+    REDIS = "redis"
+    CONFIG = "config"
+
+
+# --- Environment variables (set by the operator in pods; read by trainer and rollout) ----------
+ENV_CONFIG = "RLJOB_CONFIG"
+"""Path of the resolved config JSON inside every pod."""
+ENV_REDIS_PASSWORD = "REDIS_PASSWORD"
+ENV_HF_TOKEN = "HF_TOKEN"
+ENV_POD_IP = "POD_IP"
+ENV_POD_NAME = "POD_NAME"
+ENV_POD_NAMESPACE = "POD_NAMESPACE"
+ENV_REPLICA_INDEX = "RLJOB_REPLICA_INDEX"
+"""Rollout replica index i (pod ``<job>-rollout-<i>``), or trainer node rank."""
+ENV_ATTEMPT = "RLJOB_ATTEMPT"
+
+CONFIG_MOUNT_DIR = "/etc/rljob"
+CONFIG_FILE_NAME = "config.json"
+CONFIG_PATH = f"{CONFIG_MOUNT_DIR}/{CONFIG_FILE_NAME}"
+CHECKPOINT_MOUNT_DIR = "/var/lib/rljob/checkpoints"
+SHM_MOUNT_DIR = "/dev/shm"
+
+# --- Ports (declared on the headless trainer Service so DNS names reach them) -----------------
+PORT_RENDEZVOUS = 29400
+"""torchrun c10d rendezvous store on trainer pod 0."""
+PORT_MASTER = 29500
+"""torch.distributed master port (MASTER_PORT) on trainer pod 0."""
+PORT_WEIGHTS = 29600
+"""TCPStore of the weight-transfer group on trainer pod 0 (DESIGN §3)."""
+PORT_METRICS = 9400
+"""Prometheus endpoint of trainer rank 0 and of rollout workers."""
+PORT_REDIS = 6379
+
+# --- Redis keys (DESIGN §2, §3) --------------------------------------------------------------
+DEFAULT_STREAM_KEY = "fast_llm_streaming"
+DEFAULT_GROUP_NAME = "fast_llm_group"
+DEFAULT_CONSUMER_PREFIX = "fast_llm_consumer_"
+DEFAULT_EVENTS_KEY = "fast_llm_events"
+KEY_PROGRESS = "progress"
+"""Hash written by trainer rank 0 after each step; read by the operator."""
+KEY_ROLLOUT = "rollout"
+"""Hash written by rollout workers; read by the operator."""
+KEY_MEMBERS = "members"
+"""Hash of rollout worker heartbeats (field = transfer rank, value = unix time)."""
+KEY_DEAD_LETTER = "dead_letter"
+"""Stream of malformed entries with their reason (written by trainer ranks)."""
+KEY_CHECKPOINT = "checkpoint"
+"""Hash: last committed checkpoint (step, documents_seen, path); written by trainer rank 0."""
+
+EVENT_WEIGHTS_READY = "weights_ready"
+EVENT_TRAINING_FINISHED = "training_finished"
+
+
+def key_prefix(namespace: str, job: str) -> str:
+    """Prefix of every rljob key for one job: ``rljob:{namespace}:{job}:``."""
+    return f"rljob:{namespace}:{job}:"
+
+
+# --- Conditions (metav1.Condition shaped; written by the operator) ----------------------------
+class ConditionType(str, Enum):
+    VALID = "Valid"
+    REDIS_READY = "RedisReady"
+    ROLLOUT_READY = "RolloutReady"
+    TRAINER_READY = "TrainerReady"
+    RUNNING = "Running"
+    RESTARTING = "Restarting"
+    SUSPENDED = "Suspended"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+class Phase(str, Enum):
+    PENDING = "Pending"
+    STARTING = "Starting"
+    RUNNING = "Running"
+    RESTARTING = "Restarting"
+    SUSPENDED = "Suspended"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    INVALID = "Invalid"
+
+
+class Reason(str, Enum):
+    """Condition and Event reasons (CamelCase, as Kubernetes API conventions ask)."""
+
+    SPEC_VALID = "SpecValid"
+    INVALID_SPEC = "InvalidSpec"
+    NOT_SUPPORTED = "NotSupported"
+    REDIS_AVAILABLE = "RedisAvailable"
+    REDIS_UNAVAILABLE = "RedisUnavailable"
+    PODS_READY = "PodsReady"
+    PODS_NOT_READY = "PodsNotReady"
+    UNSCHEDULABLE = "Unschedulable"
+    WAITING_FOR_GANG = "WaitingForGang"
+    TRAINING = "Training"
+    GANG_RESTART = "GangRestart"
+    TEARING_DOWN = "TearingDown"
+    POD_FAILED = "PodFailed"
+    POD_EVICTED = "PodEvicted"
+    POD_DELETED = "PodDeleted"
+    BACKOFF_LIMIT_EXCEEDED = "BackoffLimitExceeded"
+    DEADLINE_EXCEEDED = "DeadlineExceeded"
+    JOB_SUSPENDED = "JobSuspended"
+    JOB_RESUMED = "JobResumed"
+    TRAINING_FINISHED = "TrainingFinished"
+    ALL_REWARDS_FAILED = "AllRewardsFailed"

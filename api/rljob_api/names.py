@@ -1,0 +1,57 @@
+"""Child object names (DESIGN §2, §5): deterministic, DNS-1123, within 63 characters.
+
+A job name too long for a suffix is cut and given a short hash, so two long names never collide.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+MAX_NAME = 63
+
+
+def base_name(job: str, longest_suffix: str = "-rollout-9999") -> str:
+    """The job name, or a cut name + 6-hex hash when ``job + longest_suffix`` would pass 63 characters."""
+    if len(job) + len(longest_suffix) <= MAX_NAME:
+        return job
+    digest = hashlib.sha256(job.encode()).hexdigest()[:6]
+    keep = MAX_NAME - len(longest_suffix) - len(digest) - 1
+    return f"{job[:keep].rstrip('-')}-{digest}"
+
+
+def trainer_service(job: str) -> str:
+    return f"{base_name(job)}-trainer"
+
+
+def trainer_pod(job: str, index: int) -> str:
+    return f"{base_name(job)}-trainer-{index}"
+
+
+def rollout_pod(job: str, index: int) -> str:
+    return f"{base_name(job)}-rollout-{index}"
+
+
+def rollout_service(job: str) -> str:
+    return f"{base_name(job)}-rollout"
+
+
+def redis_name(job: str) -> str:
+    """Managed Redis Deployment and Service name."""
+    return f"{base_name(job)}-redis"
+
+
+def redis_secret(job: str) -> str:
+    return f"{base_name(job)}-redis-auth"
+
+
+def config_map(job: str) -> str:
+    return f"{base_name(job)}-config"
+
+
+def pod_dns(pod: str, service: str, namespace: str) -> str:
+    """``<pod>.<service>.<namespace>.svc.cluster.local`` (pod hostname + headless subdomain)."""
+    return f"{pod}.{service}.{namespace}.svc.cluster.local"
+
+
+def service_dns(service: str, namespace: str) -> str:
+    return f"{service}.{namespace}.svc.cluster.local"

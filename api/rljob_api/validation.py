@@ -1,0 +1,96 @@
+"""Checks that only code can make (the CRD's CEL rules repeat the ones the API server can make).
+
+Every problem names the field by its camelCase path, so the message reads like the API server's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rljob_api.spec import RLTrainingJobSpec
+
+
+@dataclass(frozen=True)
+class SpecProblem:
+    """One reason a spec cannot run. ``supported=False`` marks a valid but not-yet-implemented request."""
+
+    field: str
+    message: str
+    supported: bool = True
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+def data_parallel_size(spec: RLTrainingJobSpec) -> int:
+    """DP = nodes × processesPerNode / (tensorParallel × pipelineParallel) (DESIGN §5).
+
+    Raises:
+        ValueError: the product does not divide; the message prints the numbers.
+    """
+    t = spec.trainer
+    world = t.nodes * t.processes_per_node
+    model_parallel = t.tensor_parallel * t.pipeline_parallel
+    if world % model_parallel:
+        raise ValueError(
+            f"spec.trainer: nodes*processesPerNode = {t.nodes}*{t.processes_per_node} = {world} is not divisible "
+            f"by tensorParallel*pipelineParallel = {t.tensor_parallel}*{t.pipeline_parallel} = {model_parallel}"
+        )
+    return world // model_parallel
+
+
+def check_spec(spec: RLTrainingJobSpec) -> list[SpecProblem]:
+    """All problems of a spec, in field order; empty when the job can run."""
+    problems: list[SpecProblem] = []
+    t, r, a = spec.trainer, spec.rollout, spec.algorithm
+    try:
+        dp = data_parallel_size(spec)
+    except ValueError as err:
+        problems.append(SpecProblem("spec.trainer.nodes", str(err)))
+        dp = None
+    if a.metrics in ("basic", "full") and t.pipeline_parallel != 1:
+        problems.append(
+            SpecProblem("spec.algorithm.metrics", f"metrics={a.metrics} requires pipelineParallel == 1")
+        )
+    if t.tensor_parallel != 1:
+        problems.append(SpecProblem("spec.trainer.tensorParallel", "tensor parallelism > 1 is not supported yet", False))
+    if t.pipeline_parallel != 1:
+        problems.append(
+            SpecProblem("spec.trainer.pipelineParallel", "pipeline parallelism > 1 is not supported yet", False)
+        )
+    if t.backend != "builtin":
+        problems.append(SpecProblem("spec.trainer.backend", f"backend {t.backend!r} is not supported yet", False))
+    if dp is not None and t.batch.documents_per_step % dp:
+        problems.append(
+            SpecProblem(
+                "spec.trainer.batch.documentsPerStep",
+                f"documentsPerStep = {t.batch.documents_per_step} is not divisible by the data-parallel size {dp}",
+            )
+        )
+    lo, hi = a.resolved_epsilons()
+    if lo >= 1:
+        problems.append(SpecProblem("spec.algorithm.epsilonLow", f"must be < 1, got {lo}"))
+    m = spec.model
+    if m.source == "tiny" and m.tiny.hidden_size % m.tiny.heads:
+        problems.append(
+            SpecProblem(
+                "spec.model.tiny.heads", f"heads = {m.tiny.heads} does not divide hiddenSize = {m.tiny.hidden_size}"
+            )
+        )
+    if m.source == "path" and not m.path:
+        problems.append(SpecProblem("spec.model.path", "required when source is 'path'"))
+    if spec.redis.mode == "external" and not spec.redis.url:
+        problems.append(SpecProblem("spec.redis.url", "required when mode is 'external'"))
+    if spec.redis.mode == "external" and spec.redis.url and not spec.redis.url.startswith(("redis://", "rediss://")):
+        problems.append(SpecProblem("spec.redis.url", f"must start with redis:// or rediss://, got {spec.redis.url!r}"))
+    if r.task.name in ("math", "custom") and not r.task.dataset_path:
+        problems.append(SpecProblem("spec.rollout.task.datasetPath", f"required for task {r.task.name!r}"))
+    if r.task.name == "custom" and not r.task.reward_function:
+        problems.append(SpecProblem("spec.rollout.task.rewardFunction", "required for task 'custom'"))
+    if r.task.reward_function and ":" not in r.task.reward_function:
+        problems.append(
+            SpecProblem("spec.rollout.task.rewardFunction", f"must be 'module:function', got {r.task.reward_function!r}")
+        )
+    if r.backend == "vllm" and r.gpus_per_replica < 1:
+        problems.append(SpecProblem("spec.rollout.gpusPerReplica", "must be >= 1 with backend 'vllm'"))
+    return problems
