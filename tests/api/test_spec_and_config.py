@@ -1,0 +1,116 @@
+"""The shared config model: defaults, validation messages, resolved config, names."""
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from rljob_api import JobConfig, RLTrainingJobSpec, check_spec, data_parallel_size, names, resolve
+from rljob_api.config import RedisConnection
+
+
+def spec(**overrides) -> RLTrainingJobSpec:
+    return RLTrainingJobSpec.model_validate(overrides)
+
+
+def test_defaults_and_camel_case_round_trip():
+    s = spec(trainer={"nodes": 2, "processesPerNode": 4, "batch": {"documentsPerStep": 64}})
+    assert s.trainer.processes_per_node == 4
+    assert s.trainer.batch.documents_per_step == 64
+    dumped = s.model_dump(by_alias=True)
+    assert dumped["trainer"]["processesPerNode"] == 4
+    assert dumped["runPolicy"]["backoffLimit"] == 3
+    assert RLTrainingJobSpec.model_validate(dumped) == s
+
+
+def test_unknown_field_is_rejected_with_its_path():
+    with pytest.raises(ValidationError) as err:
+        spec(trainer={"nodez": 2})
+    assert "trainer.nodez" in str(err.value)
+
+
+def test_bounds_name_the_field():
+    with pytest.raises(ValidationError) as err:
+        spec(trainer={"nodes": 0})
+    assert "trainer.nodes" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "ppn", "tp", "pp", "dp"), [(1, 1, 1, 1, 1), (2, 1, 1, 1, 2), (1, 2, 1, 1, 2), (2, 8, 2, 2, 4)]
+)
+def test_data_parallel_size(nodes, ppn, tp, pp, dp):
+    s = spec(trainer={"nodes": nodes, "processesPerNode": ppn, "tensorParallel": tp, "pipelineParallel": pp})
+    assert data_parallel_size(s) == dp
+
+
+def test_indivisible_topology_message_prints_the_numbers():
+    s = spec(trainer={"nodes": 3, "processesPerNode": 1, "tensorParallel": 2})
+    with pytest.raises(ValueError, match=r"3\*1 = 3 is not divisible by tensorParallel\*pipelineParallel = 2\*1 = 2"):
+        data_parallel_size(s)
+    fields = [p.field for p in check_spec(s)]
+    assert fields[0] == "spec.trainer.nodes"
+
+
+def test_code_checks_name_fields():
+    s = spec(
+        trainer={"nodes": 2, "pipelineParallel": 2, "backend": "fast-llm", "batch": {"documentsPerStep": 3}},
+        algorithm={"metrics": "basic"},
+        redis={"mode": "external"},
+        rollout={"task": {"name": "custom"}},
+    )
+    problems = {p.field: p for p in check_spec(s)}
+    assert problems["spec.algorithm.metrics"].message == "metrics=basic requires pipelineParallel == 1"
+    assert problems["spec.trainer.pipelineParallel"].supported is False
+    assert problems["spec.trainer.backend"].message == "backend 'fast-llm' is not supported yet"
+    assert problems["spec.redis.url"].message == "required when mode is 'external'"
+    assert problems["spec.rollout.task.datasetPath"].message == "required for task 'custom'"
+    assert problems["spec.rollout.task.rewardFunction"].message == "required for task 'custom'"
+    assert "spec.trainer.batch.documentsPerStep" not in problems  # DP = 2 / 2 = 1 divides 3
+    s2 = spec(trainer={"nodes": 2, "batch": {"documentsPerStep": 3}})
+    assert [str(p) for p in check_spec(s2)] == [
+        "spec.trainer.batch.documentsPerStep: documentsPerStep = 3 is not divisible by the data-parallel size 2"
+    ]
+
+
+def test_epsilon_defaults_follow_the_loss():
+    assert spec().algorithm.resolved_epsilons() == (0.2, 0.2)
+    assert spec(algorithm={"loss": "gspo"}).algorithm.resolved_epsilons() == (3e-4, 4e-4)
+    assert spec(algorithm={"loss": "gspo", "epsilonHigh": 0.01}).algorithm.resolved_epsilons() == (3e-4, 0.01)
+
+
+def test_resolved_config_keys_and_hash():
+    s = spec(trainer={"nodes": 2, "batch": {"documentsPerStep": 64}})
+    managed = resolve("demo", "ns1", s, RedisConnection(host="demo-redis"))
+    assert managed.keys.stream == "fast_llm_streaming"
+    assert managed.keys.events == "fast_llm_events"
+    assert managed.keys.progress == "rljob:ns1:demo:progress"
+    assert managed.keys.consumer(1) == "fast_llm_consumer_1"
+    assert managed.data_parallel_size == 2
+    assert managed.trainer_master_host == "demo-trainer-0.demo-trainer.ns1.svc.cluster.local"
+    external = resolve("demo", "ns1", s.model_copy(update={"redis": s.redis.model_copy(update={"mode": "external"})}),
+                       RedisConnection(host="shared"))
+    assert external.keys.stream == "rljob:ns1:demo:fast_llm_streaming"
+    assert external.keys.events == "rljob:ns1:demo:fast_llm_events"
+    again = JobConfig.from_json(managed.to_json())
+    assert again == managed and again.config_hash() == managed.config_hash()
+    assert len(managed.config_hash()) == 16
+    assert json.loads(managed.to_json())["spec"]["trainer"]["nodes"] == 2
+    assert managed.config_hash() != external.config_hash()
+
+
+def test_transfer_ranks_follow_the_design_formula():
+    s = spec(rollout={"replicas": 3, "gpusPerReplica": 2, "backend": "vllm"})
+    cfg = resolve("j", "n", s, RedisConnection(host="r"))
+    assert [cfg.transfer_rank(i, t) for i in range(3) for t in range(2)] == [1, 2, 3, 4, 5, 6]
+    assert cfg.transfer_world_size == 7
+
+
+def test_long_job_names_stay_within_63_characters_and_stay_distinct():
+    a = "x" * 60 + "a"
+    b = "x" * 60 + "b"
+    for job in (a, b):
+        for name in (names.rollout_pod(job, 9999), names.trainer_pod(job, 4095), names.redis_secret(job),
+                     names.config_map(job), names.trainer_service(job)):
+            assert len(name) <= 63, name
+    assert names.trainer_pod(a, 0) != names.trainer_pod(b, 0)
+    assert names.trainer_pod("short", 1) == "short-trainer-1"
