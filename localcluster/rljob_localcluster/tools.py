@@ -1,0 +1,74 @@
+"""Locating (and if needed building) the Go tools: kube-*, kubectl, etcd, helm.
+
+All of them come from ``localcluster/build-go-tools.sh``, which caches binaries outside the
+repository keyed by version and prints a bin dir of symlinks for the pinned set. With the cache
+present that script returns in well under a second, so calling it is the way to find the bin dir.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+#: Binaries the bin dir holds.
+TOOLS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "helm")
+
+_LOCALCLUSTER_DIR = Path(__file__).resolve().parent.parent
+
+
+def build_script() -> Path:
+    """Path of ``localcluster/build-go-tools.sh`` (override the repo with RLJOB_REPO_ROOT)."""
+    root = os.environ.get("RLJOB_REPO_ROOT")
+    if root:
+        return Path(root) / "localcluster" / "build-go-tools.sh"
+    return _LOCALCLUSTER_DIR / "build-go-tools.sh"
+
+
+def pinned_versions() -> dict[str, str]:
+    """{"kubernetes": "v1.34.4", "etcd": "v3.6.16", "helm": "v3.19.5"} as pinned in gotools/."""
+    out = subprocess.run(
+        ["bash", str(build_script()), "--versions"], check=True, capture_output=True, text=True
+    ).stdout
+    return dict(line.split(None, 1) for line in out.splitlines() if line.strip())
+
+
+@cache
+def tools_bin_dir() -> Path:
+    """Directory holding every tool of the pinned set.
+
+    ``RLJOB_TOOLS_BIN_DIR`` overrides it (a dir with the same binaries). Otherwise runs
+    ``build-go-tools.sh``, which builds whatever is missing (tens of minutes cold; its progress
+    goes to this process's stderr) and prints the bin dir.
+    """
+    override = os.environ.get("RLJOB_TOOLS_BIN_DIR")
+    if override:
+        d = Path(override)
+        missing = [t for t in TOOLS if not (d / t).exists()]
+        if missing:
+            raise FileNotFoundError(f"RLJOB_TOOLS_BIN_DIR={d} lacks {', '.join(missing)}")
+        return d
+    script = build_script()
+    if not script.exists():
+        raise FileNotFoundError(f"{script} not found; set RLJOB_TOOLS_BIN_DIR or RLJOB_REPO_ROOT")
+    cmd = ["bash", str(script)]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed with exit code {proc.returncode}")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    if not lines:
+        raise RuntimeError(f"{' '.join(cmd)} printed no bin dir")
+    d = Path(lines[-1].strip())
+    missing = [t for t in TOOLS if not (d / t).exists()]
+    if missing:
+        raise RuntimeError(f"bin dir {d} lacks {', '.join(missing)}")
+    return d
+
+
+def tool(name: str) -> str:
+    """Absolute path of one tool from the bin dir."""
+    if name not in TOOLS:
+        raise KeyError(f"unknown tool {name!r}; known: {', '.join(TOOLS)}")
+    return str(tools_bin_dir() / name)

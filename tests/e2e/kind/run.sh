@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Runs the e2e suite against a kind cluster on a host with Docker (cannot run on machines without a
+# container engine). Builds the operator and CPU trainer images from the project's Dockerfiles, loads
+# them into kind, installs the chart and runs `pytest -m e2e --cluster=existing`.
+#
+#   tests/e2e/kind/run.sh            # create cluster "rljob", build, load, install, test, keep the cluster
+#   KEEP_CLUSTER=0 tests/e2e/kind/run.sh   # delete the cluster at the end
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+
+CLUSTER=${CLUSTER:-rljob}
+VERSION=$(python3 -c 'import tomllib;print(tomllib.load(open("pyproject.toml","rb"))["project"]["version"])')
+OPERATOR_IMAGE=rljob/operator:${VERSION}
+TRAINER_IMAGE=rljob/trainer-cpu:${VERSION}
+
+command -v kind >/dev/null || { echo "kind is not installed: https://kind.sigs.k8s.io" >&2; exit 2; }
+command -v docker >/dev/null || { echo "docker is not installed" >&2; exit 2; }
+
+kind get clusters | grep -qx "$CLUSTER" || kind create cluster --name "$CLUSTER" --config tests/e2e/kind/kind-config.yaml
+docker build -t "$OPERATOR_IMAGE" -f Dockerfile .
+docker build -t "$TRAINER_IMAGE" -f trainer_image/Dockerfile.cpu .
+kind load docker-image --name "$CLUSTER" "$OPERATOR_IMAGE" "$TRAINER_IMAGE"
+
+export KUBECONFIG=${KUBECONFIG:-$(mktemp)}
+kind get kubeconfig --name "$CLUSTER" > "$KUBECONFIG"
+python3 -m pip install -q -e '.[test]'
+python3 -m pytest -m e2e --cluster=existing --operator-image="$OPERATOR_IMAGE" -q tests/e2e
+status=$?
+[ "${KEEP_CLUSTER:-1}" = 1 ] || kind delete cluster --name "$CLUSTER"
+exit $status

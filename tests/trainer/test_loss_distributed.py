@@ -1,0 +1,247 @@
+"""Loss and metrics across real torch.distributed gloo ranks (spawned processes, file:// rendezvous).
+
+- DDP with 2 ranks, the step's global normaliser and :func:`scale_for_ddp_mean` gives the single-process
+  gradient on the same documents (GRPO and GSPO).
+- Reduced metrics are identical on every rank (2 and 3 ranks) and equal the single-process metrics.
+- Mixed presence of ``reward`` makes every rank raise the same MetricsInputError, within a bounded time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from rljob_trainer.loss import count_labels_and_documents, grpo_loss, gspo_loss, scale_for_ddp_mean
+from rljob_trainer.loss_metrics import MetricsInputError, StepMetrics
+
+torch.set_num_threads(1)
+VOCAB, WIDTH = 11, 8
+JOIN_TIMEOUT_S = 90
+
+
+# --- harness -------------------------------------------------------------------------------------
+def run_ranks(worker, world_size: int, tmp_path: Path, *args) -> None:
+    """Run ``worker(rank, world_size, tmp_dir, *args)`` in spawned processes; fail on an error or a timeout."""
+    context = mp.start_processes(
+        worker, args=(world_size, str(tmp_path), *args), nprocs=world_size, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world_size} gloo ranks did not finish within {JOIN_TIMEOUT_S} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(5)
+
+
+def init_gloo(rank: int, world_size: int, tmp_dir: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp_dir}/rendezvous",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=30),
+    )
+
+
+# --- a tiny policy and its documents ------------------------------------------------------------------
+class TinyPolicy(torch.nn.Module):
+    """logits of token t = Linear(Embedding(token t-1)): enough parameters for a real DDP gradient."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, WIDTH)
+        self.head = torch.nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[T] int64 -> [T] log p(tokens[t] | tokens[t-1]) (position 0 of a document is masked by callers)."""
+        previous = torch.roll(tokens, 1)
+        log_probs = torch.log_softmax(self.head(self.embed(previous)), dim=-1)
+        return log_probs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def make_documents(seed: int, count: int) -> list[dict[str, torch.Tensor]]:
+    """Documents with 1-2 masked prompt tokens, old log-probs = current ones + noise, a per-document advantage."""
+    g = torch.Generator().manual_seed(seed)
+    policy = TinyPolicy()
+    documents = []
+    for i in range(count):
+        length = int(torch.randint(3, 8, (1,), generator=g))
+        tokens = torch.randint(0, VOCAB, (length,), generator=g)
+        mask = torch.arange(length) >= int(torch.randint(1, 3, (1,), generator=g))
+        with torch.no_grad():
+            old = policy(tokens) + 0.4 * torch.randn(length, generator=g)
+        documents.append(
+            {
+                "tokens": tokens,
+                "old_logprobs": old,
+                "label_mask": mask,
+                "advantages": torch.full((length,), float(torch.randn(1, generator=g))),
+                "reward": torch.full((length,), float(torch.rand(1, generator=g))),
+                "model_version": torch.full((length,), 2**30 + seed * 100 + i, dtype=torch.int64),
+            }
+        )
+    return documents
+
+
+def pack(documents: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One micro-batch: concatenated documents and a 0-based document index."""
+    packed = {key: torch.cat([d[key] for d in documents]) for key in documents[0]}
+    packed["document_index"] = torch.cat([torch.full((len(d["tokens"]),), i) for i, d in enumerate(documents)])
+    return packed
+
+
+def step_gradient(model, micro_batches, loss_name: str, num_labels, num_documents, world_size: int):
+    """One optimizer step's backward over micro-batches (DDP syncs on the last one); returns the gradients."""
+    for i, batch in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        sync = model.no_sync() if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not last else None
+        inputs = (
+            model(batch["tokens"]),
+            batch["old_logprobs"],
+            batch["advantages"],
+            batch["label_mask"],
+            batch["document_index"],
+        )
+        if loss_name == "grpo":
+            loss = grpo_loss(*inputs, num_labels_in_batch=num_labels)
+        else:
+            loss = gspo_loss(*inputs, epsilon_low=0.05, epsilon_high=0.05, num_documents_in_batch=num_documents)
+        if sync is None:
+            scale_for_ddp_mean(loss, world_size).backward()
+        else:
+            with sync:
+                scale_for_ddp_mean(loss, world_size).backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+DOCUMENTS_PER_RANK = 4
+
+
+def ddp_worker(rank: int, world_size: int, tmp_dir: str) -> None:
+    init_gloo(rank, world_size, tmp_dir)
+    documents = make_documents(seed=7, count=DOCUMENTS_PER_RANK * world_size)
+    mine = documents[rank * DOCUMENTS_PER_RANK : (rank + 1) * DOCUMENTS_PER_RANK]
+    micro_batches = [pack(mine[:2]), pack(mine[2:])]
+    counts = torch.stack(
+        [torch.stack(count_labels_and_documents(b["label_mask"], b["document_index"])) for b in micro_batches]
+    ).sum(0)
+    dist.all_reduce(counts)  # the step's global labelled-token and document counts
+    result = {}
+    for loss_name in ("grpo", "gspo"):
+        model = torch.nn.parallel.DistributedDataParallel(TinyPolicy())
+        grads = step_gradient(model, micro_batches, loss_name, counts[0], counts[1], world_size)
+        result[loss_name] = {name.removeprefix("module."): g for name, g in grads.items()}
+    torch.save(result, f"{tmp_dir}/grads_{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_two_ddp_ranks_give_the_single_process_gradient(tmp_path):
+    run_ranks(ddp_worker, 2, tmp_path)
+    documents = make_documents(seed=7, count=DOCUMENTS_PER_RANK * 2)
+    whole = pack(documents)
+    num_labels, num_documents = count_labels_and_documents(whole["label_mask"], whole["document_index"])
+    ranks = [torch.load(tmp_path / f"grads_{r}.pt") for r in range(2)]
+    for loss_name in ("grpo", "gspo"):
+        single = step_gradient(TinyPolicy(), [whole], loss_name, num_labels, num_documents, world_size=1)
+        assert any(g.abs().sum() > 0 for g in single.values())
+        for rank_grads in ranks:
+            for name, expected in single.items():
+                torch.testing.assert_close(rank_grads[loss_name][name], expected, rtol=1e-5, atol=1e-7)
+
+
+# --- metrics -------------------------------------------------------------------------------------------
+def rank_micro_batches(rank: int) -> list[dict[str, torch.Tensor]]:
+    documents = make_documents(seed=rank + 1, count=3 + rank)  # ranks see different amounts of data
+    return [pack(documents[:2]), pack(documents[2:])]
+
+
+def metric_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    new = TinyPolicy()(batch["tokens"])
+    logits = torch.randn(len(batch["tokens"]), VOCAB, generator=torch.Generator().manual_seed(len(batch["tokens"])))
+    return {
+        "new_logprobs": new,
+        "old_logprobs": batch["old_logprobs"],
+        "advantages": batch["advantages"],
+        "label_mask": batch["label_mask"],
+        "document_index": batch["document_index"],
+        "reward": batch["reward"],
+        "model_version": batch["model_version"],
+        "logits": logits,
+    }
+
+
+DOCUMENTS_SEEN = 2**30 + 1000
+
+
+def metrics_worker(rank: int, world_size: int, tmp_dir: str) -> None:
+    init_gloo(rank, world_size, tmp_dir)
+    metrics = StepMetrics("full")
+    for batch in rank_micro_batches(rank):
+        metrics.update(**metric_inputs(batch), documents_seen=DOCUMENTS_SEEN)
+    Path(f"{tmp_dir}/metrics_{rank}.json").write_text(json.dumps(metrics.reduce()))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_reduced_metrics_are_identical_on_every_rank_and_match_one_process(tmp_path, world_size):
+    run_ranks(metrics_worker, world_size, tmp_path)
+    per_rank = [json.loads((tmp_path / f"metrics_{r}.json").read_text()) for r in range(world_size)]
+    assert all(result == per_rank[0] for result in per_rank)  # exactly equal, not just close
+    single = StepMetrics("full")
+    for rank in range(world_size):
+        for batch in rank_micro_batches(rank):
+            single.update(**metric_inputs(batch), documents_seen=DOCUMENTS_SEEN)
+    expected = single.reduce()
+    assert per_rank[0] == pytest.approx(expected, rel=1e-12)
+    # Extremes come from different ranks: the newest version is on the last rank, the oldest on rank 0.
+    assert per_rank[0]["min_staleness"] == DOCUMENTS_SEEN - (2**30 + world_size * 100 + 2 + world_size - 1)
+    assert per_rank[0]["max_staleness"] == DOCUMENTS_SEEN - (2**30 + 100)
+    assert per_rank[0]["num_tokens"] == sum(
+        float(b["label_mask"].sum()) for r in range(world_size) for b in rank_micro_batches(r)
+    )
+
+
+def mixed_presence_worker(rank: int, world_size: int, tmp_dir: str) -> None:
+    init_gloo(rank, world_size, tmp_dir)
+    metrics = StepMetrics("basic")
+    for i, batch in enumerate(rank_micro_batches(rank)):
+        inputs = metric_inputs(batch)
+        del inputs["logits"]
+        if rank == 1 and i == 1:
+            del inputs["reward"]  # as if a reward-less entry got past the decoder on rank 1 only
+        metrics.update(**inputs, documents_seen=DOCUMENTS_SEEN)
+    try:
+        metrics.reduce()
+        outcome = "no error"
+    except MetricsInputError as err:
+        outcome = str(err)
+    # The ranks are still in step: one more collective completes.
+    check = torch.ones(1)
+    dist.all_reduce(check)
+    Path(f"{tmp_dir}/outcome_{rank}.txt").write_text(f"{outcome}|{check.item()}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_mixed_presence_raises_the_same_error_on_every_rank(tmp_path):
+    started = time.monotonic()
+    run_ranks(mixed_presence_worker, 2, tmp_path)
+    outcomes = [(tmp_path / f"outcome_{r}.txt").read_text() for r in range(2)]
+    assert outcomes[0] == outcomes[1]
+    assert "`reward` missing in 1 micro-batch(es) on rank(s) [1]" in outcomes[0]
+    assert outcomes[0].endswith("|2.0")
+    assert time.monotonic() - started < JOIN_TIMEOUT_S

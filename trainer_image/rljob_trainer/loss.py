@@ -1,0 +1,285 @@
+"""The policy-gradient losses of the trainer: GRPO (token level) and GSPO (sequence level), DESIGN §4.
+
+Both losses are pure functions of per-token tensors of one packed micro-batch of T tokens, with an explicit
+label mask, document index and normaliser; autograd does the backward pass.
+
+Notation per token t of document d: ``lp_new``, ``lp_old`` (log-probabilities of the token under the
+trained and the sampling policy, at the sampling temperature), advantage ``A``, label mask ``m`` (True on
+labelled completion tokens), ``r = exp(lp_new - lp_old)``, ``clip(x) = clamp(x, 1 - epsilon_low,
+1 + epsilon_high)``.
+
+Normaliser and data parallelism: each loss divides by a normaliser that defaults to this micro-batch's own
+count. A training loop with several micro-batches and data-parallel ranks passes the count of the whole
+optimizer step (all micro-batches, all ranks; see :func:`count_labels_and_documents`) and multiplies the loss
+by the data-parallel size (:func:`scale_for_ddp_mean`) to undo DDP's gradient mean, so the gradient equals the
+single-process gradient on the same documents.
+
+Sources: GRPO, Shao et al., "DeepSeekMath", arXiv:2402.03300, eq. 3 (here without the KL-to-reference term);
+GSPO, Zheng et al., "Group Sequence Policy Optimization", arXiv:2507.18071, eq. 5-7; ServiceNow Fast-LLM,
+``fast_llm/layers/language_model/loss/policy_gradient.py`` (the length-weighted GSPO form).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+
+Normaliser = int | float | torch.Tensor | None
+"""A loss normaliser: a positive number, a scalar tensor (e.g. all-reduced on the device), or None."""
+
+GSPOForm = Literal["fast-llm", "paper"]
+
+
+class DocumentSegments(NamedTuple):
+    """The per-document view of a packed micro-batch (documents never span micro-batches).
+
+    ``index`` [T] int64 (0-based document id of each token), ``label_mask`` [T] bool,
+    ``labelled_tokens`` [D] float32 (labelled tokens of each document id, D = max id + 1; ids without
+    tokens or labels count 0), ``has_labels`` [D] bool.
+    """
+
+    index: torch.Tensor
+    label_mask: torch.Tensor
+    labelled_tokens: torch.Tensor
+    has_labels: torch.Tensor
+
+    @property
+    def num_documents(self) -> torch.Tensor:
+        """Documents with at least one labelled token: int64 scalar tensor."""
+        return self.has_labels.sum()
+
+
+def segment_documents(label_mask: torch.Tensor, document_index: torch.Tensor) -> DocumentSegments:
+    """Group the tokens of a micro-batch by document.
+
+    Args:
+        label_mask: [T] bool, True on labelled tokens.
+        document_index: [T] integer, the 0-based document id of each token (ids need not be contiguous).
+
+    Raises:
+        ValueError: shapes differ, ``label_mask`` is not bool, ``document_index`` is not an integer tensor
+            or holds a negative id.
+
+    Reads the largest id back to the host (one device synchronisation).
+    """
+    _check_same_shape(label_mask=label_mask, document_index=document_index)
+    _check_mask_and_index(label_mask, document_index)
+    index = document_index.reshape(-1).long()
+    mask = label_mask.reshape(-1)
+    if index.numel() == 0:
+        num_segments = 0
+    else:
+        low, high = torch.aminmax(index)
+        low, high = int(low), int(high)
+        if low < 0:
+            raise ValueError(f"document_index must be >= 0, got a minimum of {low}")
+        num_segments = high + 1
+    labelled_tokens = torch.zeros(num_segments, dtype=torch.float32, device=index.device).index_add_(
+        0, index, mask.to(torch.float32)
+    )
+    return DocumentSegments(index, mask, labelled_tokens, labelled_tokens > 0)
+
+
+def document_means(values: torch.Tensor, segments: DocumentSegments) -> torch.Tensor:
+    """Mean of ``values`` over each document's labelled tokens.
+
+    Args:
+        values: [T] or [T, K] float (K quantities at once). Unlabelled positions are ignored, even if not
+            finite.
+        segments: from :func:`segment_documents` on the same micro-batch.
+
+    Returns:
+        [D] or [D, K], in ``values``' dtype promoted to at least float32; 0 for documents without labelled
+        tokens. Differentiable with respect to ``values``.
+    """
+    if values.dim() not in (1, 2) or values.shape[0] != segments.index.shape[0]:
+        raise ValueError(f"values must be [T] or [T, K] with T = {segments.index.shape[0]}, got {tuple(values.shape)}")
+    dtype = torch.promote_types(values.dtype, torch.float32)
+    column = (slice(None),) + (None,) * (values.dim() - 1)
+    masked = torch.where(segments.label_mask[column], values.to(dtype), 0.0)
+    sums = masked.new_zeros((segments.labelled_tokens.shape[0], *values.shape[1:])).index_add(0, segments.index, masked)
+    return sums / segments.labelled_tokens.to(dtype).clamp(min=1)[column]
+
+
+def count_labels_and_documents(
+    label_mask: torch.Tensor, document_index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two normaliser counts of one micro-batch, to be summed over a step and all-reduced over ranks.
+
+    Returns:
+        (labelled tokens, documents with at least one labelled token), both int64 scalar tensors on the
+        inputs' device: the GRPO (``num_labels_in_batch``) and GSPO (``num_documents_in_batch``) counts.
+
+    Raises:
+        ValueError: as :func:`segment_documents`.
+    """
+    segments = segment_documents(label_mask, document_index)
+    return segments.label_mask.sum(), segments.num_documents
+
+
+def scale_for_ddp_mean(loss: torch.Tensor, data_parallel_size: int) -> torch.Tensor:
+    """``loss * data_parallel_size``: undoes DDP's mean of gradients over data-parallel ranks.
+
+    DDP averages gradients over its ranks. When every rank's loss is already divided by the step's global
+    normaliser, the correct gradient is the sum over ranks, so the loop backpropagates this scaled loss.
+
+    Raises:
+        ValueError: ``data_parallel_size`` < 1.
+    """
+    if data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+    return loss * data_parallel_size
+
+
+def grpo_loss(
+    new_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    label_mask: torch.Tensor,
+    document_index: torch.Tensor,
+    *,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    num_labels_in_batch: Normaliser = None,
+) -> torch.Tensor:
+    """GRPO: token-level clipped importance-ratio loss (DeepSeekMath, arXiv:2402.03300; Fast-LLM GRPO).
+
+    ``loss = sum_t m_t * -min(r_t * A_t, clip(r_t) * A_t) / num_labels_in_batch``.
+
+    Args:
+        new_logprobs: [T] float, log-probabilities of the tokens under the trained policy (differentiable).
+        old_logprobs: [T] float, log-probabilities under the sampling policy.
+        advantages: [T] float, the document's advantage broadcast to its tokens.
+        label_mask: [T] bool, True on labelled completion tokens.
+        document_index: [T] integer; unused by GRPO, accepted so both losses share one call signature.
+        epsilon_low, epsilon_high: the ratio is clipped to [1 - epsilon_low, 1 + epsilon_high].
+        num_labels_in_batch: labelled tokens the sum is divided by; default this micro-batch's count
+            (at least 1, so an all-masked micro-batch gives 0). Pass the optimizer step's global count
+            (all micro-batches and data-parallel ranks) to get the step's token mean.
+
+    Returns:
+        A float scalar (float32, or float64 for float64 inputs).
+
+    Raises:
+        ValueError: shapes differ, a mask or index has the wrong dtype, an epsilon is out of range, or a
+            numeric normaliser is not positive.
+    """
+    _check_inputs(new_logprobs, old_logprobs, advantages, label_mask, document_index, epsilon_low, epsilon_high)
+    mask = label_mask.reshape(-1)
+    dtype = torch.promote_types(new_logprobs.dtype, torch.float32)
+    # Masking the log-ratio before exp keeps unlabelled positions from producing inf (and NaN gradients).
+    log_ratio = torch.where(mask, (new_logprobs - old_logprobs).reshape(-1).to(dtype), 0.0)
+    per_token = _clipped_objective(log_ratio.exp(), advantages.reshape(-1).to(dtype), epsilon_low, epsilon_high)
+    total = torch.where(mask, per_token, 0.0).sum()
+    return total / _normaliser(num_labels_in_batch, mask.sum(), "num_labels_in_batch")
+
+
+def gspo_loss(
+    new_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    label_mask: torch.Tensor,
+    document_index: torch.Tensor,
+    *,
+    epsilon_low: float = 3e-4,
+    epsilon_high: float = 4e-4,
+    num_documents_in_batch: Normaliser = None,
+    form: GSPOForm = "fast-llm",
+) -> torch.Tensor:
+    """GSPO: sequence-level clipped importance-ratio loss (arXiv:2507.18071; Fast-LLM GSPO).
+
+    Per document d with n_d labelled tokens: ``R_d = exp(mean_{t in d, m_t} (lp_new_t - lp_old_t))`` (the
+    geometric mean of the token ratios, i.e. the paper's length-normalised sequence ratio s_i) and
+    ``A_d = mean_{t in d, m_t} A_t`` (treated as a constant). With ``l_d = -min(R_d * A_d, clip(R_d) * A_d)``:
+
+    - ``form="fast-llm"`` (default, DESIGN §4): every labelled token of d contributes ``l_d``, so
+      ``loss = sum_d n_d * l_d / num_documents_in_batch``. A document weighs by its length, and the gradient
+      is the one of GRPO's token sum with the token ratio replaced by R_d.
+    - ``form="paper"``: one term per sequence, ``loss = sum_d l_d / num_documents_in_batch``, the paper's
+      ``-1/G sum_i min(s_i A_i, clip(s_i) A_i)``: every sequence weighs the same whatever its length.
+
+    Args:
+        new_logprobs, old_logprobs, advantages, label_mask: as :func:`grpo_loss`, [T].
+        document_index: [T] integer, 0-based document id of each token; a document's tokens all lie in this
+            micro-batch.
+        epsilon_low, epsilon_high: R_d is clipped to [1 - epsilon_low, 1 + epsilon_high]; the defaults are
+            the paper's (3e-4, 4e-4): a sequence ratio moves far less than a token ratio.
+        num_documents_in_batch: documents the sum is divided by; default this micro-batch's documents with
+            at least one labelled token (at least 1). Pass the optimizer step's global count.
+        form: ``"fast-llm"`` or ``"paper"``, see above.
+
+    Returns:
+        A float scalar (float32, or float64 for float64 inputs).
+
+    Raises:
+        ValueError: as :func:`grpo_loss`, a negative document id, or an unknown ``form``.
+    """
+    _check_inputs(new_logprobs, old_logprobs, advantages, label_mask, document_index, epsilon_low, epsilon_high)
+    if form not in ("fast-llm", "paper"):
+        raise ValueError(f"form must be 'fast-llm' or 'paper', got {form!r}")
+    segments = segment_documents(label_mask, document_index)
+    sequence_log_ratio = document_means((new_logprobs - old_logprobs).reshape(-1), segments)  # [D]
+    sequence_advantage = document_means(advantages.detach().reshape(-1), segments)  # [D]
+    per_sequence = _clipped_objective(sequence_log_ratio.exp(), sequence_advantage, epsilon_low, epsilon_high)
+    weight = segments.labelled_tokens if form == "fast-llm" else segments.has_labels
+    total = (per_sequence * weight.to(per_sequence.dtype)).sum()
+    return total / _normaliser(num_documents_in_batch, segments.num_documents, "num_documents_in_batch")
+
+
+def _clipped_objective(
+    ratio: torch.Tensor, advantage: torch.Tensor, epsilon_low: float, epsilon_high: float
+) -> torch.Tensor:
+    """``-min(ratio * A, clip(ratio) * A)`` elementwise (PPO's pessimistic clipped surrogate, negated)."""
+    clipped = ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)
+    return -torch.minimum(ratio * advantage, clipped * advantage)
+
+
+def _normaliser(value: Normaliser, default: torch.Tensor, name: str) -> torch.Tensor | float:
+    if value is None:
+        return default.clamp(min=1)
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a scalar, got a tensor of shape {tuple(value.shape)}")
+        return value.reshape(())
+    if not value > 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
+def _check_same_shape(**tensors: torch.Tensor) -> None:
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) > 1:
+        raise ValueError(f"per-token inputs must have the same shape [T], got {shapes}")
+
+
+def _check_mask_and_index(label_mask: torch.Tensor, document_index: torch.Tensor) -> None:
+    if label_mask.dtype != torch.bool:
+        raise ValueError(f"label_mask must be a bool tensor, got dtype {label_mask.dtype}")
+    if document_index.dtype.is_floating_point or document_index.dtype == torch.bool:
+        raise ValueError(f"document_index must be an integer tensor, got dtype {document_index.dtype}")
+
+
+def _check_inputs(
+    new_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    label_mask: torch.Tensor,
+    document_index: torch.Tensor,
+    epsilon_low: float,
+    epsilon_high: float,
+) -> None:
+    _check_same_shape(
+        new_logprobs=new_logprobs,
+        old_logprobs=old_logprobs,
+        advantages=advantages,
+        label_mask=label_mask,
+        document_index=document_index,
+    )
+    _check_mask_and_index(label_mask, document_index)
+    if not new_logprobs.dtype.is_floating_point:
+        raise ValueError(f"new_logprobs must be a floating-point tensor, got dtype {new_logprobs.dtype}")
+    if not 0.0 < epsilon_low < 1.0:
+        raise ValueError(f"epsilon_low must be in (0, 1), got {epsilon_low}")
+    if not epsilon_high > 0.0:
+        raise ValueError(f"epsilon_high must be > 0, got {epsilon_high}")
