@@ -1,0 +1,183 @@
+"""The training entrypoint end to end: torchrun with 2 gloo ranks fed by a real Redis, against hand
+references (first-step loss, metric values), a 1-rank in-process run on the same documents, the world-size
+check and the no-data timeout."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from conftest import free_port
+from rljob_trainer.checkpoint import COMMIT_FILE, committed_checkpoints
+from rljob_trainer.model import DigitTokenizer, build_model
+from rljob_trainer.stream.reader import DataTimeout
+from rljob_trainer.train import run
+from train_harness import (
+    Torchrun,
+    WeightReceiver,
+    json_lines,
+    make_config,
+    make_documents,
+    read_events,
+    wait_until,
+    write_config,
+    write_documents,
+)
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def no_torchrun_env(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def reference_first_step(config, docs):
+    """Loss and metrics of the untrained model's first step on ``docs``, one document at a time in float64:
+    log p(tokens[t] | tokens[<t]) at the sampling temperature, the loss of DESIGN §4 (GRPO: token-level, over
+    the step's labelled tokens; GSPO in Fast-LLM's form: each labelled token of d contributes
+    -min(R_d A_d, clip(R_d) A_d), over the step's documents), and the document-weighted means of the new
+    log-probabilities and of the entropy."""
+    model = build_model(config.spec.model, DigitTokenizer().vocab_size, config.spec.trainer.seed).double()
+    temperature = config.spec.rollout.sampling.temperature
+    low, high = config.spec.algorithm.resolved_epsilons()
+    total, labels, new_means, entropy_means = 0.0, 0, [], []
+    for doc in docs:
+        ids = torch.tensor(doc.tokens)[None]
+        with torch.no_grad():
+            log_p = torch.log_softmax(model(input_ids=ids).logits[0, :-1] / temperature, -1)  # scores tokens 1..T-1
+        new = log_p.gather(1, ids[0, 1:, None]).squeeze(1)
+        mask = torch.tensor(doc.label_mask()[1:])
+        log_ratio = new - torch.tensor(doc.old_log_probabilities[1:], dtype=torch.float64)
+        if config.spec.algorithm.loss == "grpo":
+            ratio = log_ratio.exp()[mask]
+        else:
+            ratio = log_ratio[mask].mean().exp().expand(int(mask.sum()))
+        total += -torch.minimum(ratio * doc.advantage, ratio.clamp(1 - low, 1 + high) * doc.advantage).sum().item()
+        labels += int(mask.sum())
+        new_means.append(new[mask].mean().item())
+        entropy_means.append(-(log_p.exp() * log_p).sum(-1)[mask].mean().item())
+    normaliser = labels if config.spec.algorithm.loss == "grpo" else len(docs)
+    return {
+        "loss": total / normaliser,
+        "new_logprobs": sum(new_means) / len(docs),
+        "entropy": sum(entropy_means) / len(docs),
+    }
+
+
+def test_two_rank_run_trains_checkpoints_reports_and_matches_one_rank(redis_server, tmp_path):
+    config = make_config(redis_server, tmp_path / "ckpt", processes=2, documents_per_step=4, max_steps=3, every_steps=2)
+    client = redis_server.client()
+    docs = make_documents(12, seed=0)
+    ids = write_documents(client, config, docs)
+    receiver = WeightReceiver(config, client)  # a live rollout member: gets the full weights of every update
+    try:
+        trainer = Torchrun(write_config(config, tmp_path / "config.json"), 2, free_port(), redis_server.password, tmp_path, "run")
+        assert trainer.wait(240) == 0, trainer.logs()
+        trainer.kill()
+        wait_until(lambda: receiver.finished or receiver.error, 30, "training_finished at the receiver")
+    finally:
+        receiver.stop()
+    assert receiver.error is None, receiver.error
+
+    lines = json_lines(trainer)
+    assert [(x["step"], x["documents_seen"], x["model_version"]) for x in lines] == [(1, 4, 4), (2, 8, 8), (3, 12, 12)]
+    for k, line in enumerate(lines):
+        step_docs = docs[4 * k : 4 * k + 4]  # each rank reads exactly 2 per step, so step k gets entries 4k..4k+3
+        m = line["metrics"]
+        assert m["num_tokens"] == 16  # 4 documents x 4 labelled completion tokens
+        assert m["staleness"] == m["max_staleness"] == m["min_staleness"] == 4 * k  # documents_seen before - 0
+        rewards = [d.reward for d in step_docs]
+        assert m["train_samples_reward"] == pytest.approx(sum(rewards) / 4, rel=1e-6)
+        assert m["max_train_samples_reward"] == pytest.approx(max(rewards), rel=1e-6)
+        assert m["min_train_samples_reward"] == pytest.approx(min(rewards), rel=1e-6)
+        assert m["advantage"] == pytest.approx(sum(d.advantage for d in step_docs) / 4, rel=1e-5, abs=1e-6)
+        assert line["stream"]["redeliveries"] == 0 and line["tokens_per_second"] > 0
+    reference = reference_first_step(config, docs[:4])
+    assert lines[0]["metrics"]["loss"] == pytest.approx(reference["loss"], rel=1e-4)
+    assert lines[0]["metrics"]["new_logprobs"] == pytest.approx(reference["new_logprobs"], rel=1e-5)
+    assert "entropy" not in lines[0]["metrics"]  # basic level
+
+    progress = {k.decode(): v.decode() for k, v in client.hgetall(config.keys.progress).items()}
+    assert (progress["step"], progress["documents_seen"], progress["model_version"]) == ("3", "12", "12")
+    assert json.loads(progress["metrics"]) == pytest.approx(lines[-1]["metrics"])
+    assert read_events(client, config) == [
+        {"type": "weights_ready", "step": s, "documents_seen": 4 * s} for s in range(4)
+    ] + [{"type": "training_finished"}]
+
+    # Delivery: every entry covered by exactly one committed checkpoint, acked, nothing pending.
+    checkpoints = committed_checkpoints(tmp_path / "ckpt")
+    assert [p.name for p in checkpoints] == ["step-00000002", "step-00000003"]
+    covered = [json.loads((p / COMMIT_FILE).read_text())["covered_entry_ids"] for p in checkpoints]
+    assert [sorted(c) for c in covered] == [["fast_llm_consumer_0", "fast_llm_consumer_1"]] * 2
+    flat = [entry for c in covered for per_rank in c.values() for entry in per_rank]
+    assert sorted(flat) == sorted(ids) and len(flat) == len(set(flat))
+    group = client.xinfo_groups(config.keys.stream)[0]
+    assert (group["pending"], group["entries-read"], group["consumers"]) == (0, 12, 2)
+    assert client.xlen(config.keys.stream) == 0  # acked entries were trimmed
+
+    # The same documents through one in-process rank give the same weights (2 ranks = 1 rank).
+    client.flushall()
+    single = make_config(redis_server, tmp_path / "single", processes=1, documents_per_step=4, max_steps=3)
+    write_documents(client, single, docs)
+    result = run(single, client=client, stdout=io.StringIO())
+    assert (result.step, result.documents_seen) == (3, 12)
+    two_ranks = load_file(tmp_path / "ckpt" / "export" / "model.safetensors")
+    one_rank = load_file(Path(result.export_dir) / "model.safetensors")
+    assert two_ranks.keys() == one_rank.keys()
+    initial = build_model(config.spec.model, DigitTokenizer().vocab_size, 0).state_dict()
+    assert not torch.equal(two_ranks["lm_head.weight"], initial["lm_head.weight"])  # it did train
+    for name in two_ranks:
+        torch.testing.assert_close(two_ranks[name], one_rank[name], rtol=1e-5, atol=1e-6, msg=name)
+
+    # The rollout member got the initial weights at start and the trained weights after every step.
+    assert sorted(receiver.received) == [0, 4, 8, 12]
+    assert receiver.received[0].keys() == initial.keys()
+    for name, value in initial.items():
+        assert torch.equal(receiver.received[0][name], value), name
+    for name, value in two_ranks.items():
+        assert torch.equal(receiver.received[12][name], value), name
+
+
+def test_gspo_with_full_metrics_in_process(redis_server, tmp_path):
+    config = make_config(
+        redis_server, tmp_path / "ckpt", processes=1, documents_per_step=4, max_steps=1, loss="gspo", metrics="full"
+    )
+    client = redis_server.client()
+    docs = make_documents(4, seed=5)
+    write_documents(client, config, docs)
+    out = io.StringIO()
+    result = run(config, client=client, stdout=out)
+    assert (result.step, result.documents_seen) == (1, 4)
+    (line,) = [json.loads(x) for x in out.getvalue().splitlines()]
+    reference = reference_first_step(config, docs)
+    for name in ("loss", "new_logprobs", "entropy"):
+        assert line["metrics"][name] == pytest.approx(reference[name], rel=1e-4), name
+
+
+def test_world_size_mismatch_exits_non_zero_with_the_numbers(redis_server, tmp_path):
+    config = make_config(redis_server, tmp_path / "ckpt", processes=1)  # dataParallelSize 1
+    trainer = Torchrun(write_config(config, tmp_path / "config.json"), 2, free_port(), redis_server.password, tmp_path, "bad")
+    status = trainer.wait(120)
+    trainer.kill()
+    assert status != 0
+    assert "WORLD_SIZE=2 / (tensorParallel=1 × pipelineParallel=1) = 2 but the config's dataParallelSize is 1" in (
+        trainer.stderr_path.read_text()
+    )
+    assert redis_server.client().xlen(config.keys.events) == 0  # it never started training
+
+
+def test_no_data_fails_with_a_clear_error_after_the_data_timeout(redis_server, tmp_path):
+    config = make_config(redis_server, tmp_path / "ckpt", processes=1, data_timeout_seconds=1)
+    client = redis_server.client()
+    with pytest.raises(DataTimeout, match="no valid document on stream 'fast_llm_streaming' for 1 s"):
+        run(config, client=client, stdout=io.StringIO())
+    assert not dist.is_initialized()
+    assert read_events(client, config) == [{"type": "weights_ready", "step": 0, "documents_seen": 0}]

@@ -1,0 +1,270 @@
+"""Helpers of the trainer tests: a small job config, test documents, and torchrun launches of the trainer."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from conftest import free_port
+from rljob_api.config import JobConfig, RedisConnection, resolve
+from rljob_api.spec import RLTrainingJobSpec
+from rljob_trainer.model import DigitTokenizer
+from rljob_trainer.stream.codec import Document, encode_document
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = {"layers": 1, "hiddenSize": 16, "heads": 2, "intermediateSize": 32, "maxPositionEmbeddings": 32}
+
+
+def make_config(
+    redis_server: Any,
+    checkpoint_dir: Path,
+    *,
+    processes: int = 2,
+    documents_per_step: int = 4,
+    max_steps: int = 3,
+    every_steps: int = 2,
+    keep_last: int = 10,
+    metrics: str = "basic",
+    loss: str = "grpo",
+    metrics_port: int = 0,
+    data_timeout_seconds: int = 120,
+    init_from: Optional[str] = None,
+) -> JobConfig:
+    """A resolved config for a one-node trainer of ``processes`` ranks with a tiny model and a managed Redis."""
+    spec = RLTrainingJobSpec.model_validate(
+        {
+            "model": {"source": "tiny", "tiny": TINY},
+            "algorithm": {"loss": loss, "metrics": metrics},
+            "trainer": {
+                "processesPerNode": processes,
+                "batch": {"documentsPerStep": documents_per_step, "microBatchTokens": 24},
+                "optimizer": {"learningRate": 1e-2, "warmupSteps": 1, "gradClip": 1.0, "weightDecay": 0.01},
+                "checkpoint": {"everySteps": every_steps, "keepLast": keep_last, "initFrom": init_from},
+                "maxSteps": max_steps,
+                "collectiveTimeoutSeconds": 120,
+                "dataTimeoutSeconds": data_timeout_seconds,
+            },
+            "rollout": {"sampling": {"temperature": 0.7}, "replicas": 1},
+        }
+    )
+    config = resolve("job", "ns", spec, RedisConnection(host=redis_server.host, port=redis_server.port))
+    update = {
+        "checkpoint_dir": str(checkpoint_dir),
+        "metrics_port": metrics_port,
+        "weights_port": free_port(),
+        "trainer_master_host": "127.0.0.1",
+    }
+    return config.model_copy(update=update)
+
+
+def read_events(client: Any, config: JobConfig) -> list[dict]:
+    """The events stream as JSON objects, without the transfer ticket (an rljob extension with random ids)."""
+    events = [json.loads(fields[b"event"]) for _, fields in client.xrange(config.keys.events)]
+    for event in events:
+        event.pop("transfer", None)
+    return events
+
+
+def digit_document(rng: np.random.Generator, model_version: int) -> Document:
+    """A digit-task document: <bos>, 4 prompt digits, separator, 4 completion digits (prompt labels masked)."""
+    tokenizer = DigitTokenizer()
+    digits = "".join(str(d) for d in rng.integers(0, 10, 8))
+    tokens = np.asarray(tokenizer.encode(digits[:4] + "|" + digits[4:]), dtype=np.int64)
+    old = np.zeros(len(tokens), dtype=np.float32)
+    old[6:] = rng.uniform(-3.0, -1.0, len(tokens) - 6).astype(np.float32)
+    return Document(
+        tokens=tokens,
+        old_log_probabilities=old,
+        model_version=np.full(len(tokens), model_version, dtype=np.int64),
+        loss_masking_spans=[(0, 6)],
+        advantage=float(rng.normal()),
+        reward=float(rng.uniform()),
+    )
+
+
+def make_documents(count: int, seed: int, model_version: int = 0) -> list[Document]:
+    """``count`` digit documents from a seeded generator (the same seed gives the same documents)."""
+    rng = np.random.default_rng(seed)
+    return [digit_document(rng, model_version) for _ in range(count)]
+
+
+def write_documents(client: Any, config: JobConfig, docs: list[Document]) -> list[str]:
+    """XADD ``docs`` to the job's stream in order; return their entry ids."""
+    ids = []
+    for doc in docs:
+        entry = client.xadd(config.keys.stream, encode_document(doc))
+        ids.append(entry.decode() if isinstance(entry, bytes) else entry)
+    return ids
+
+
+def write_config(config: JobConfig, path: Path) -> Path:
+    path.write_text(config.to_json())
+    return path
+
+
+class Torchrun:
+    """``python -m torch.distributed.run --nproc-per-node=N -m rljob_trainer.train`` in its own session.
+
+    stdout and stderr go to files under ``log_dir``; :meth:`kill` SIGKILLs torchrun and every process below
+    it (torchrun starts each worker in a session of its own, so a process-group kill would miss them).
+    """
+
+    def __init__(self, config_path: Path, nproc: int, port: int, password: str, log_dir: Path, tag: str):
+        env = {
+            k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        }
+        env.update(
+            RLJOB_CONFIG=str(config_path),
+            REDIS_PASSWORD=password,
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join(
+                [str(REPO / "api"), str(REPO / "trainer_image"), env.get("PYTHONPATH", "")]
+            ),
+        )
+        self.stdout_path = log_dir / f"{tag}.stdout"
+        self.stderr_path = log_dir / f"{tag}.stderr"
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
+            "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "rljob_trainer.train",
+        ]
+        self._out = open(self.stdout_path, "w")
+        self._err = open(self.stderr_path, "w")
+        self.process = subprocess.Popen(command, env=env, stdout=self._out, stderr=self._err, start_new_session=True)
+
+    def wait(self, timeout: float) -> int:
+        """Exit status; on timeout kill the group and fail with the logs."""
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"torchrun did not finish within {timeout} s\n{self.logs()}") from None
+
+    def kill(self) -> None:
+        """SIGKILL torchrun and its descendants at once (a node loss, not a graceful stop)."""
+        for pid in [self.process.pid, *_descendants(self.process.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.process.wait(30)
+        self._out.close()
+        self._err.close()
+
+    def logs(self) -> str:
+        self._out.flush()
+        self._err.flush()
+        return f"--- stdout\n{self.stdout_path.read_text()[-4000:]}\n--- stderr\n{self.stderr_path.read_text()[-8000:]}"
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc/<pid>/task/*/children)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += children
+            todo += children
+    return found
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str, on_fail: Callable[[], str] = lambda: "") -> Any:
+    """Poll ``predicate`` every 0.2 s until truthy; fail after ``timeout`` seconds naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{on_fail()}")
+
+
+class WeightReceiver:
+    """A rollout member on a thread: heartbeats as transfer rank 1 and receives every weight update.
+
+    ``received`` maps each update's documents_seen to its tensors (name → CPU tensor); stops at
+    ``training_finished`` or :meth:`stop`.
+    """
+
+    def __init__(self, config: JobConfig, client: Any):
+        from rljob_trainer.weights import WeightSubscriber
+
+        self.subscriber = WeightSubscriber(config, client, replica_index=0)
+        self.subscriber.follow_from_now()
+        self.subscriber.start_heartbeats(interval_s=0.5)
+        self.received: dict[int, dict[str, Any]] = {}
+        self.finished = False
+        self.error: Optional[BaseException] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="weight-receiver", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        import torch
+
+        from rljob_trainer.weights import receive_update
+
+        try:
+            while not self._stop.is_set() and not self.finished:
+                for event in self.subscriber.poll(block_ms=200):
+                    if event.type == "training_finished":
+                        self.finished = True
+                    elif event.ticket is not None:
+                        tensors: dict[str, Any] = {}
+                        rank = self.subscriber.transfer_ranks[0]
+                        sink = functools.partial(_keep, tensors)
+                        if receive_update(self.subscriber.address, event.ticket, rank, device=torch.device("cpu"), sink=sink):
+                            self.received[event.documents_seen] = tensors
+                            self.subscriber.version = event.documents_seen
+        except BaseException as error:  # noqa: BLE001 - reported to the test
+            self.error = error
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        self.subscriber.leave()
+
+
+def _keep(into: dict[str, Any], name: str, tensor: Any) -> None:
+    into[name] = tensor.clone()
+
+
+def run_until_step_then_kill(
+    config: JobConfig, config_path: Path, nproc: int, step: int, redis_server: Any, log_dir: Path, tag: str
+) -> Torchrun:
+    """Launch the trainer, wait until its progress hash reports ``step``, then SIGKILL the whole gang.
+
+    The caller writes exactly ``step`` steps of documents, so the ranks are blocked reading the next step
+    when the kill lands (mid-run, after the checkpoints of the steps before).
+    """
+    client = redis_server.client()
+    trainer = Torchrun(config_path, nproc, free_port(), redis_server.password, log_dir, tag)
+
+    def reached() -> bool:
+        if trainer.process.poll() is not None:
+            raise AssertionError(f"trainer exited with {trainer.process.returncode} before step {step}\n{trainer.logs()}")
+        return client.hget(config.keys.progress, "step") == str(step).encode()
+
+    try:
+        wait_until(reached, 240, f"progress step {step}", trainer.logs)
+    finally:
+        trainer.kill()
+    return trainer
+
+
+def json_lines(trainer: Torchrun) -> list[dict]:
+    """The per-step JSON objects a trainer printed on stdout."""
+    return [json.loads(line) for line in trainer.stdout_path.read_text().splitlines() if line.startswith("{")]

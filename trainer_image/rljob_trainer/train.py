@@ -1,0 +1,332 @@
+"""The trainer entrypoint: ``torchrun … -m rljob_trainer.train`` (DESIGN §2), or :func:`run` in process.
+
+One optimizer step on every data-parallel rank (DESIGN §4, §6):
+
+1. read ``documentsPerStep / DP`` documents from the stream (this rank's consumer) and pack them into
+   micro-batches of at most ``microBatchTokens`` tokens;
+2. all-reduce the step's counts (labelled tokens, documents, tokens) so the loss divides by the GLOBAL
+   normaliser (labelled tokens for GRPO, documents for GSPO);
+3. per micro-batch: log-probabilities at the sampling temperature, the loss × DP (undoing DDP's gradient
+   mean; ``no_sync`` on all but the last micro-batch), backward, metrics;
+4. gradient clipping, AdamW with linear warm-up, metrics all-reduced (sum/max/min);
+5. ``documents_seen`` += the step's documents; the new model_version is ``documents_seen``; rank 0 publishes
+   the weights (``weights_ready``) and the progress hash;
+6. every ``everySteps`` and at ``maxSteps``: a checkpoint; once it is durable each rank XACKs the entries it
+   covers and rank 0 trims acked entries.
+
+At every start (resumes included) the latest checkpoint (or ``initFrom``) is loaded and rank 0 publishes
+the full weights with the checkpoint's documents_seen. At ``maxSteps``: final checkpoint, safetensors
+export, ``training_finished``, exit 0. Logs go to stderr, one JSON line per step to stdout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, TextIO
+
+import redis
+import torch
+import torch.distributed as dist
+
+from rljob_api.config import JobConfig
+from rljob_trainer import loss as losses
+from rljob_trainer.checkpoint import CheckpointManager, CommittedCheckpoint, acknowledge_covered
+from rljob_trainer.loss_metrics import StepMetrics, token_entropy
+from rljob_trainer.model import build_model, build_tokenizer, sequence_logprobs
+from rljob_trainer.parallel import Distributed, init_distributed, shutdown_distributed, wrap_model
+from rljob_trainer.progress import Progress, StepRecord, build_progress
+from rljob_trainer.stream.batch import MicroBatch, flat_from_padded, pack_documents
+from rljob_trainer.stream.connection import connect
+from rljob_trainer.stream.reader import StreamReader
+from rljob_trainer.weights import WeightPublisher
+
+log = logging.getLogger("rljob_trainer.train")
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """How a run ended: optimizer steps done, documents that entered the loss, the export directory (rank 0)."""
+
+    step: int
+    documents_seen: int
+    export_dir: Optional[Path]
+
+
+def learning_rate(step: int, base: float, warmup_steps: int) -> float:
+    """Linear warm-up: ``base * (step + 1) / warmup_steps`` for the first ``warmup_steps`` updates, then ``base``.
+
+    ``step`` is the number of updates already done (0 for the first one).
+    """
+    if step < warmup_steps:
+        return base * (step + 1) / warmup_steps
+    return base
+
+
+class _LogitsTap:
+    """Calls the model like :func:`sequence_logprobs` does and keeps the logits (for the entropy metric)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.logits: Optional[torch.Tensor] = None
+
+    def __call__(self, **kwargs: Any) -> Any:
+        output = self.model(**kwargs)
+        self.logits = output.logits
+        return output
+
+
+class Trainer:
+    """One rank's training loop; built and driven by :func:`run`.
+
+    Args:
+        config: the resolved job config (every rank reads the same one).
+        where: this rank's place in the process group (:func:`rljob_trainer.parallel.init_distributed`).
+        client: the Redis client of this rank.
+        stdout: where rank 0 writes the per-step JSON lines.
+    """
+
+    def __init__(self, config: JobConfig, where: Distributed, client: redis.Redis, stdout: TextIO = sys.stdout):
+        spec = config.spec
+        self.config = config
+        self.where = where
+        self.client = client
+        self.temperature = spec.rollout.sampling.temperature
+        self.epsilon_low, self.epsilon_high = spec.algorithm.resolved_epsilons()
+        self.documents_per_rank = spec.trainer.batch.documents_per_step // config.data_parallel_size
+        if self.documents_per_rank * config.data_parallel_size != spec.trainer.batch.documents_per_step:
+            raise ValueError(
+                f"spec.trainer.batch.documentsPerStep = {spec.trainer.batch.documents_per_step} is not divisible "
+                f"by the data-parallel size {config.data_parallel_size}"
+            )
+        torch.manual_seed(spec.trainer.seed + where.rank)
+        self.tokenizer = build_tokenizer(spec.model)
+        vocab_size = len(self.tokenizer) if hasattr(self.tokenizer, "__len__") else self.tokenizer.vocab_size
+        # float32 master weights (a Hub model loads in bf16); bf16 only inside autocast on GPU.
+        self.model = build_model(spec.model, vocab_size, spec.trainer.seed).to(where.device, torch.float32)
+        opt = spec.trainer.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=opt.learning_rate, betas=(opt.beta1, opt.beta2), weight_decay=opt.weight_decay
+        )
+        self.checkpoints = CheckpointManager(config, where, client)
+        self.step = 0
+        self.documents_seen = 0
+        self.metrics = StepMetrics.from_config(config, device=where.device)
+        self.publisher: Optional[WeightPublisher] = None
+        self.reader = StreamReader(
+            client,
+            config.keys,
+            where.rank,
+            config.data_parallel_size,
+            micro_batch_tokens=spec.trainer.batch.micro_batch_tokens,
+            require_metrics_fields=self.metrics.enabled,
+            data_timeout_seconds=spec.trainer.data_timeout_seconds,
+            vocab_size=self.model.get_input_embeddings().num_embeddings,
+        )
+        self.ddp: Optional[torch.nn.parallel.DistributedDataParallel] = None
+        self.progress: Progress = build_progress(config, client, where.rank, stdout=stdout)
+
+    # --- start and end ----------------------------------------------------------------------------
+    def resume(self) -> Optional[CommittedCheckpoint]:
+        """Load the latest own checkpoint (or ``initFrom``), ack what it covers, start the reader. Collective."""
+        source, own = self.checkpoints.resume_source()
+        committed = None
+        if source is not None:
+            committed = self.checkpoints.load(source, self.model, self.optimizer)
+            self.step, self.documents_seen = committed.step, committed.documents_seen
+            if own and self.where.is_rank_zero:
+                acknowledge_covered(self.client, self.config, committed)
+        dist.barrier()  # covered entries are acked before any rank re-reads its pending entries
+        self.reader.start()
+        self.ddp = wrap_model(self.model, self.where)
+        if self.where.is_rank_zero:
+            self.publisher = WeightPublisher(self.config, self.client)
+        self._publish()
+        return committed
+
+    def fit(self) -> RunResult:
+        """Train until ``maxSteps``, then checkpoint, export and announce ``training_finished``. Collective."""
+        max_steps = self.config.spec.trainer.max_steps
+        every = self.config.spec.trainer.checkpoint.every_steps
+        while self.step < max_steps:
+            self.train_step()
+            if self.step % every == 0 or self.step == max_steps:
+                self.save_checkpoint()
+        export_dir = None
+        if self.config.spec.trainer.export.safetensors:
+            export_dir = self.checkpoints.export(self.model, self.tokenizer)
+        if self.publisher is not None:
+            self.publisher.finish()
+        log.info("training finished at step %d (%d documents seen)", self.step, self.documents_seen)
+        return RunResult(self.step, self.documents_seen, export_dir)
+
+    def close(self) -> None:
+        """Release the Prometheus endpoint and the weight publisher (idempotent)."""
+        self.progress.close()
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
+
+    def save_checkpoint(self) -> CommittedCheckpoint:
+        """Checkpoint (collective), then XACK the entries it covers and trim acked entries (rank 0)."""
+        covered = self.reader.pending_ids()
+        committed = self.checkpoints.save(self.step, self.documents_seen, self.model, self.optimizer, covered)
+        self.reader.ack(covered)
+        dist.barrier()  # every rank's acks are in, so the trim reaches this checkpoint's entries
+        if self.where.is_rank_zero:
+            self.reader.trim_acked()
+        return committed
+
+    def _publish(self) -> None:
+        if self.publisher is not None:
+            named = ((name, tensor.detach()) for name, tensor in self.model.state_dict().items())
+            self.publisher.publish(named, step=self.step, documents_seen=self.documents_seen)
+
+    # --- one step ---------------------------------------------------------------------------------
+    def train_step(self) -> StepRecord:
+        """Read, train and report one optimizer step (collective); see the module docstring."""
+        assert self.ddp is not None, "call resume() first"
+        # Exactly documents_per_rank (>= 1) valid documents: every rank has at least one micro-batch, so every
+        # rank joins DDP's gradient all-reduce in its last backward.
+        entries = self.reader.next_documents(self.documents_per_rank)
+        started = time.monotonic()
+        micro_batches = [
+            mb.to(self.where.device)
+            for mb in pack_documents([doc for _, doc in entries], self.config.spec.trainer.batch.micro_batch_tokens)
+        ]
+        counts = torch.zeros(4, dtype=torch.int64, device=self.where.device)
+        for mb in micro_batches:
+            labels, documents = losses.count_labels_and_documents(mb.label_mask, mb.document_index)
+            counts += torch.stack([labels, documents, counts.new_tensor(mb.num_documents), counts.new_tensor(mb.num_tokens)])
+        dist.all_reduce(counts)
+        global_labels, global_documents, step_documents, step_tokens = counts.tolist()
+
+        self.ddp.train()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.where.device)
+        for index, mb in enumerate(micro_batches):
+            sync = index == len(micro_batches) - 1
+            with contextlib.nullcontext() if sync else self.ddp.no_sync():
+                loss = self._micro_batch_loss(mb, global_labels, global_documents)
+                losses.scale_for_ddp_mean(loss, self.where.world_size).backward()
+            loss_sum += loss.detach().double()
+
+        opt = self.config.spec.trainer.optimizer
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), opt.grad_clip if opt.grad_clip > 0 else torch.inf)
+        lr = learning_rate(self.step, opt.learning_rate, opt.warmup_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+        reduced = self.metrics.reduce()
+        stream_names = ("redeliveries", "dropped_too_long", "dead_lettered", "lost_pending")
+        totals = torch.tensor(
+            [loss_sum.item(), *(self._stream_counter(name) for name in stream_names)],
+            dtype=torch.float64, device=self.where.device,
+        )
+        dist.all_reduce(totals)
+        elapsed = max(time.monotonic() - started, 1e-9)
+
+        self.step += 1
+        self.documents_seen += step_documents
+        self._publish()
+        record = StepRecord(
+            step=self.step,
+            documents_seen=self.documents_seen,
+            model_version=self.documents_seen,
+            tokens_per_second=step_tokens / elapsed,
+            metrics={"loss": totals[0].item(), "grad_norm": float(grad_norm), "learning_rate": lr, **reduced},
+            stream={name: int(value) for name, value in zip(stream_names, totals[1:].tolist(), strict=True)},
+        )
+        self.progress.report(record)
+        return record
+
+    def _micro_batch_loss(self, mb: MicroBatch, global_labels: int, global_documents: int) -> torch.Tensor:
+        """This micro-batch's share of the step loss (global normaliser) and its metrics update."""
+        full = self.metrics.enabled and self.metrics.level == "full"
+        model: Callable[..., Any] = _LogitsTap(self.ddp) if full else self.ddp
+        with self._autocast():
+            padded = sequence_logprobs(model, mb.input_ids, mb.attention_mask, self.temperature)  # [B, L] float32
+        new_logprobs = flat_from_padded(padded, mb.attention_mask)  # [T]
+        common = dict(epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high)
+        if self.config.spec.algorithm.loss == "grpo":
+            loss = losses.grpo_loss(
+                new_logprobs, mb.old_logprobs, mb.advantages, mb.label_mask, mb.document_index,
+                num_labels_in_batch=max(global_labels, 1), **common,
+            )
+        else:
+            loss = losses.gspo_loss(
+                new_logprobs, mb.old_logprobs, mb.advantages, mb.label_mask, mb.document_index,
+                num_documents_in_batch=max(global_documents, 1), **common,
+            )
+        if self.metrics.enabled:
+            entropy = None
+            if full:
+                per_row = token_entropy(model.logits[:, :-1], temperature=self.temperature)  # [B*(L-1)]
+                per_row = per_row.reshape(mb.input_ids.shape[0], -1)
+                entropy = flat_from_padded(torch.nn.functional.pad(per_row, (1, 0)), mb.attention_mask)
+            self.metrics.update(
+                new_logprobs=new_logprobs,
+                old_logprobs=mb.old_logprobs,
+                advantages=mb.advantages,
+                label_mask=mb.label_mask,
+                document_index=mb.document_index,
+                documents_seen=self.documents_seen,
+                reward=None if mb.rewards is None else mb.rewards[mb.document_index],
+                model_version=mb.model_version,
+                entropy=entropy,
+            )
+        return loss
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.where.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _stream_counter(self, name: str) -> float:
+        value = getattr(self.reader.counters, name)
+        return float(sum(value.values()) if isinstance(value, dict) else value)
+
+
+def run(config: JobConfig, *, client: Optional[redis.Redis] = None, stdout: TextIO = sys.stdout) -> RunResult:
+    """Train one job on this process's rank until ``maxSteps``; the in-process form of the entrypoint.
+
+    Under torchrun it joins the gang from the env; without it (tests) it forms a world of one. The process
+    group is destroyed on return, also on failure.
+
+    Raises:
+        rljob_trainer.parallel.WorldSizeMismatch: WORLD_SIZE / (TP × PP) ≠ the config's DP size.
+        rljob_trainer.stream.reader.DataTimeout: no document arrived for ``dataTimeoutSeconds``.
+        FileNotFoundError: ``initFrom`` names no committed checkpoint.
+    """
+    where = init_distributed(config)
+    trainer = None
+    try:
+        trainer = Trainer(config, where, client or connect(config), stdout)
+        trainer.resume()
+        return trainer.fit()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        shutdown_distributed()
+
+
+def main() -> int:
+    """Console entry: load ``RLJOB_CONFIG``, train, exit 0 at ``maxSteps``."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(
+        stream=sys.stderr, level=logging.INFO, format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s"
+    )
+    record(lambda: run(JobConfig.load()))()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
