@@ -85,11 +85,37 @@ KEY_PROGRESS = "progress"
 KEY_ROLLOUT = "rollout"
 """Hash written by rollout workers; read by the operator."""
 KEY_MEMBERS = "members"
-"""Hash of rollout worker heartbeats (field = transfer rank, value = unix time)."""
+"""Hash of rollout worker heartbeats (field = transfer rank, value = JSON {"time": Redis TIME seconds, "version":
+loaded model_version or null, "instance": worker process id}; a bare unix time is accepted too). Written by rollout
+workers, read by trainer rank 0 (rljob_trainer.weights)."""
 KEY_DEAD_LETTER = "dead_letter"
 """Stream of malformed entries with their reason (written by trainer ranks)."""
 KEY_CHECKPOINT = "checkpoint"
 """Hash: last committed checkpoint (step, documents_seen, path); written by trainer rank 0."""
+
+# Fields of the progress hash (trainer global rank 0 writes them after each step; the operator reads them).
+PROGRESS_STEP = "step"
+PROGRESS_DOCUMENTS_SEEN = "documents_seen"
+PROGRESS_MODEL_VERSION = "model_version"
+PROGRESS_TOKENS_PER_SECOND = "tokens_per_second"
+PROGRESS_METRICS = "metrics"
+"""JSON object {metric name: number} of the last step (DESIGN §4 names)."""
+
+# Fields of the rollout hash. Rollout workers add to them (HINCRBYFLOAT / HINCRBY), so several workers sum up;
+# the operator reports sum / count of the newest model version as status.rolloutReward.
+ROLLOUT_REWARD_SUM_PREFIX = "reward_sum:"
+"""``reward_sum:{model_version}``: sum of raw rewards of every document generated with that weights version."""
+ROLLOUT_REWARD_COUNT_PREFIX = "reward_count:"
+"""``reward_count:{model_version}``: number of documents generated with that weights version."""
+ROLLOUT_REWARD = "reward"
+"""Mean reward of ``reward_version`` (sum / count over every worker), set by the worker that wrote last."""
+ROLLOUT_REWARD_VERSION = "reward_version"
+ROLLOUT_ALL_REWARDS_FAILED = "all_rewards_failed"
+"""Present (JSON {version, samples, errors: {kind: count}, message}) while a worker's last batch had no sample
+whose reward function returned; deleted by the next batch that has one. The operator reports it
+(Reason.ALL_REWARDS_FAILED) instead of letting the job train on nothing."""
+ROLLOUT_REWARD_ERRORS_PREFIX = "reward_errors:"
+"""``reward_errors:{exception class}``: samples dropped because the reward function raised that (count)."""
 
 EVENT_WEIGHTS_READY = "weights_ready"
 EVENT_TRAINING_FINISHED = "training_finished"
@@ -147,4 +173,7 @@ class Reason(str, Enum):
     JOB_SUSPENDED = "JobSuspended"
     JOB_RESUMED = "JobResumed"
     TRAINING_FINISHED = "TrainingFinished"
+    CONFIG_CHANGED = "ConfigChanged"
+    POD_LOST = "PodLost"
+    GANG_CREATED = "GangCreated"
     ALL_REWARDS_FAILED = "AllRewardsFailed"

@@ -215,6 +215,8 @@ class Trainer:
                 losses.scale_for_ddp_mean(loss, self.where.world_size).backward()
             loss_sum += loss.detach().double()
 
+        # Before the optimizer step: a mixed-presence error raised here (on every rank) leaves the weights untouched.
+        reduced = self.metrics.reduce()
         opt = self.config.spec.trainer.optimizer
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), opt.grad_clip if opt.grad_clip > 0 else torch.inf)
         lr = learning_rate(self.step, opt.learning_rate, opt.warmup_steps)
@@ -223,7 +225,6 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-        reduced = self.metrics.reduce()
         stream_names = ("redeliveries", "dropped_too_long", "dead_lettered", "lost_pending")
         totals = torch.tensor(
             [loss_sum.item(), *(self._stream_counter(name) for name in stream_names)],

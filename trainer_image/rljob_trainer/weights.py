@@ -27,9 +27,9 @@ One update (ticket ``U``; keys under ``rljob/weights/U/`` in the store):
 3. Rank 0 and the ``final`` members build the group (collective timeout ``timeout_s``). Per tensor: an object
    broadcast of ``(shard name, parameter name, shape, dtype)``, then the tensor; an object broadcast of
    ``None`` ends the update. Object broadcasts use the layout of ``torch.distributed.broadcast_object_list``
-   for one object (an int64 size tensor, then the pickled bytes as uint8), so a Fast-LLM sender interoperates;
-   receivers unpickle with an allow-list (builtins containers, ``torch.Size``, torch dtypes) so a stray peer
-   cannot run code.
+   for one object (an int64 size tensor, then the pickled bytes as uint8), the per-tensor layout upstream's
+   ``broadcast_object`` produces; receivers unpickle with an allow-list (builtins containers, ``torch.Size``,
+   torch dtypes) so a stray peer cannot run code. The ready/final handshake of step 2 is rljob's own.
 
 Late joiners: a worker that starts after an update (a restarted pod, or the initial update published before
 any worker was up) would otherwise wait for the next optimizer step, which may never come if no other worker
@@ -38,7 +38,11 @@ that serves every live member whose reported version differs from it (a repeated
 the same step and documents_seen, inviting only them).
 
 Timeouts: ``join_timeout_s + timeout_s`` must stay below the trainer's DP collective timeout, because the other
-DP ranks wait at their next collective while rank 0 transfers (DESIGN §3).
+DP ranks wait at their next collective while rank 0 transfers (DESIGN §3). A receiver lost in the middle of an
+update makes rank 0's broadcast fail: over gloo at once (connection reset) or after ``timeout_s``; the update
+is abandoned (the surviving receivers keep their old weights, see :func:`receive_update`) and the late-joiner
+thread serves them again. Over NCCL, PyTorch's NCCL watchdog may instead end the trainer process when an
+operation times out (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, process-wide): a gang restart, still never a hang.
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ TRANSFER_KEY = "transfer"
 HEARTBEAT_INTERVAL_S = 2.0
 MEMBER_TTL_S = 15.0
 """A member whose heartbeat is older than this (seconds, Redis clock) is not invited."""
+FINAL_MARGIN_S = 10.0
+"""A receiver waits join_timeout_s + this for the publisher's `final` list (seconds)."""
 EVENTS_MAXLEN = 10_000
 """Approximate cap of the events stream (events are notifications, not data: old ones may go)."""
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -345,9 +351,10 @@ def receive_update(
     sink_error: Optional[BaseException] = None
     timeout = datetime.timedelta(seconds=ticket.timeout_s)
     try:
-        scoped = _ticket_store(connect_store(address, ticket.join_timeout_s + ticket.timeout_s), ticket)
+        # The publisher writes `final` at most join_timeout_s after announcing, and it is there for good after.
+        scoped = _ticket_store(connect_store(address, ticket.join_timeout_s), ticket)
         scoped.set(f"ready/{transfer_rank}", b"1")
-        scoped.wait(["final"], datetime.timedelta(seconds=ticket.join_timeout_s + ticket.timeout_s))
+        scoped.wait(["final"], datetime.timedelta(seconds=ticket.join_timeout_s + FINAL_MARGIN_S))
         final = json.loads(scoped.get("final"))
         if transfer_rank not in final:
             return False

@@ -1,0 +1,192 @@
+"""The weight transfer (DESIGN §2, §3) across real processes over gloo, with real Redis membership."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollout_harness import make_config, tiny_model, wait_until
+from rljob_api import constants as c
+from rljob_trainer.weights import (
+    TransferTicket,
+    WeightPublisher,
+    WeightSubscriber,
+    _AllowListUnpickler,
+    parse_event,
+    parse_member,
+    receive_update,
+    unwrapped_name,
+)
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+JOIN_S, TRANSFER_S = 3.0, 8.0
+
+
+def _receiver(config_path: Path, replica: int, out: Path, password: str, die_after: int | None = None) -> subprocess.Popen:
+    env = dict(os.environ, REDIS_PASSWORD=password, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "api"), str(REPO / "trainer_image"), env.get("PYTHONPATH", "")])
+    args = [sys.executable, str(HERE / "transfer_receiver.py"), str(config_path), str(replica), str(out)]
+    if die_after is not None:
+        args.append(str(die_after))
+    return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+        process.wait(10)
+
+
+def _assert_same(received_path: Path, model: torch.nn.Module) -> None:
+    received = torch.load(received_path)
+    expected = model.state_dict()
+    assert sorted(received) == sorted(expected)
+    for name, tensor in expected.items():
+        assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
+
+
+@pytest.fixture()
+def setup(redis_server, tmp_path):
+    config = make_config(redis_server)
+    path = tmp_path / "config.json"
+    path.write_text(config.to_json())
+    client = redis_server.client()
+    publisher = WeightPublisher(config, client, join_timeout_s=JOIN_S, transfer_timeout_s=TRANSFER_S, poll_interval_s=0.5)
+    yield config, path, client, publisher
+    publisher.close()
+
+
+def _live_ranks(publisher: WeightPublisher, ranks: set[int]) -> bool:
+    return ranks <= set(publisher.live_members())
+
+
+def test_two_receiver_processes_get_equal_tensors_and_a_dead_one_costs_one_join_timeout(setup, redis_server, tmp_path):
+    config, path, client, publisher = setup
+    receivers = [_receiver(path, i, tmp_path, redis_server.password) for i in range(2)]
+    try:
+        wait_until(lambda: _live_ranks(publisher, {1, 2}), 60, "both receivers heartbeating")
+        first = tiny_model(config, seed=1)
+        assert publisher.publish(first.named_parameters(), step=1, documents_seen=10) == 2
+        for replica in range(2):
+            wait_until(lambda r=replica: (tmp_path / f"{r}-10.pt").exists(), 10, f"receiver {replica} saving update 10")
+            _assert_same(tmp_path / f"{replica}-10.pt", first)
+
+        receivers[1].kill()  # its heartbeat stays fresh for MEMBER_TTL_S: it is still invited
+        receivers[1].wait(10)
+        second = tiny_model(config, seed=2)
+        started = time.monotonic()
+        assert publisher.publish(second.named_parameters(), step=2, documents_seen=20) == 1
+        elapsed = time.monotonic() - started
+        assert elapsed < 2 * JOIN_S + TRANSFER_S, f"publish with a dead member took {elapsed:.1f} s"
+        wait_until(lambda: (tmp_path / "0-20.pt").exists(), 10, "the live receiver saving update 20")
+        _assert_same(tmp_path / "0-20.pt", second)
+        assert not (tmp_path / "1-20.pt").exists()
+
+        events = [parse_event(i.decode(), f) for i, f in client.xrange(config.keys.events)]
+        ready = [e for e in events if e.type == c.EVENT_WEIGHTS_READY]
+        assert [(e.step, e.documents_seen) for e in ready][:2] == [(1, 10), (2, 20)]
+        assert ready[1].ticket.members == (1, 2)
+
+        publisher.finish()
+        assert receivers[0].wait(30) == 0
+    finally:
+        _stop(receivers)
+
+
+def test_receiver_dying_mid_transfer_does_not_hang_and_the_survivor_is_served_again(setup, redis_server, tmp_path):
+    config, path, client, publisher = setup
+    receivers = [_receiver(path, 0, tmp_path, redis_server.password),
+                 _receiver(path, 1, tmp_path, redis_server.password, die_after=3)]
+    try:
+        wait_until(lambda: _live_ranks(publisher, {1, 2}), 60, "both receivers heartbeating")
+        assert publisher.publish(tiny_model(config, seed=1).named_parameters(), step=1, documents_seen=10) == 2
+        wait_until(lambda: (tmp_path / "0-10.pt").exists() and (tmp_path / "1-10.pt").exists(), 10, "update 10 saved")
+
+        second = tiny_model(config, seed=2)
+        started = time.monotonic()
+        received = publisher.publish(second.named_parameters(), step=2, documents_seen=20)
+        elapsed = time.monotonic() - started
+        assert receivers[1].wait(10) == 17  # died after 3 tensors of update 20
+        assert received < 2 and elapsed < JOIN_S + 2 * TRANSFER_S, (received, elapsed)
+        # The survivor's update failed with the group; the late-joiner service sends version 20 again.
+        wait_until(lambda: (tmp_path / "0-20.pt").exists(), 3 * (JOIN_S + TRANSFER_S), "survivor re-served with version 20")
+        _assert_same(tmp_path / "0-20.pt", second)
+    finally:
+        _stop(receivers)
+
+
+def test_a_late_joiner_gets_the_last_published_weights(setup):
+    config, _path, client, publisher = setup
+    model = tiny_model(config, seed=4)
+    assert publisher.publish(model.named_parameters(), step=3, documents_seen=30) == 0  # nobody there yet
+    subscriber = WeightSubscriber(config, client, replica_index=0)
+    subscriber.follow_from_now()
+    subscriber.heartbeat()
+    received: dict[str, torch.Tensor] = {}
+    deadline = time.monotonic() + 20
+    while not received and time.monotonic() < deadline:
+        for event in subscriber.poll(block_ms=200):
+            assert (event.step, event.documents_seen) == (3, 30)
+            receive_update(subscriber.address, event.ticket, 1, device=torch.device("cpu"), sink=received.__setitem__)
+    assert sorted(received) == sorted(model.state_dict())
+    assert all(torch.equal(received[n], t) for n, t in model.state_dict().items())
+
+
+def test_publish_consumes_every_tensor_once_without_members_and_strips_wrapper_prefixes(setup):
+    _config, _path, _client, publisher = setup
+    consumed = []
+
+    def tensors():
+        for i in range(3):
+            consumed.append(i)
+            yield f"module.layer{i}.weight", torch.full((2,), float(i))
+
+    assert publisher.publish(tensors(), step=0, documents_seen=0) == 0
+    assert consumed == [0, 1, 2]
+    assert [name for name, _ in publisher._snapshot] == ["layer0.weight", "layer1.weight", "layer2.weight"]
+    assert unwrapped_name("module._orig_mod.model.x") == "model.x"
+
+
+def test_timeouts_must_stay_below_the_collective_timeout(redis_server):
+    config = make_config(redis_server, trainer={"collectiveTimeoutSeconds": 20})
+    with pytest.raises(ValueError, match="collectiveTimeoutSeconds = 20"):
+        WeightPublisher(config, redis_server.client(), join_timeout_s=5, transfer_timeout_s=15, serve_late_joiners=False)
+
+
+def test_events_members_and_tickets_parse_or_fail_clearly():
+    ticket = TransferTicket("abc", (1, 3), "gloo", 2.0, 9.0)
+    assert TransferTicket.from_json(json.loads(json.dumps(ticket.to_json()))) == ticket
+    body = {"type": "weights_ready", "step": 4, "documents_seen": 512, "transfer": ticket.to_json()}
+    event = parse_event("1-0", {b"event": json.dumps(body).encode()})
+    assert (event.type, event.step, event.documents_seen, event.ticket) == ("weights_ready", 4, 512, ticket)
+    upstream = parse_event("2-0", {b"event": b'{"type": "weights_ready", "step": 1, "documents_seen": 2}'})
+    assert upstream.ticket is None
+    assert parse_event("3-0", {b"event": b'{"type": "training_finished"}'}).type == "training_finished"
+    for bad in ({}, {b"event": b"nope"}, {b"event": b'{"type": "weights_ready", "step": "1", "documents_seen": 2}'}):
+        with pytest.raises(ValueError):
+            parse_event("4-0", bad)
+    with pytest.raises(ValueError, match="transfer.backend"):
+        TransferTicket.from_json({"id": "x", "members": [1], "backend": "mpi"})
+    assert parse_member(b'{"time": 5.5, "version": 7, "instance": "ab"}').version == 7
+    assert parse_member(b"12.5").time == 12.5
+    with pytest.raises(ValueError):
+        parse_member(b'{"version": 1}')
+
+
+def test_metadata_unpickling_refuses_anything_but_the_allow_list():
+    meta = ("weights", "model.x", torch.Size([2, 3]), torch.bfloat16)
+    assert _AllowListUnpickler(io.BytesIO(pickle.dumps(meta))).load() == meta
+    with pytest.raises(pickle.UnpicklingError, match="refusing"):
+        _AllowListUnpickler(io.BytesIO(pickle.dumps(threading.Thread))).load()

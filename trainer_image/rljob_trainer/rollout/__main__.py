@@ -1,0 +1,73 @@
+"""``python -m rljob_trainer.rollout``: the rollout pod's entry point (DESIGN §2).
+
+Reads the resolved config (env ``RLJOB_CONFIG``), the replica index (env ``RLJOB_REPLICA_INDEX``, required when
+``spec.rollout.replicas`` > 1) and the Redis password (env ``REDIS_PASSWORD``), serves Prometheus metrics
+(:mod:`.metrics`) on ``config.metrics_port`` at env ``POD_IP``, then runs
+:class:`~rljob_trainer.rollout.worker.RolloutWorker` until ``training_finished`` (exit 0) or SIGTERM (exit 0).
+Exit 2: bad config or replica index (the message names the field).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from typing import Optional
+
+from rljob_api import constants as c
+from rljob_api.config import JobConfig
+
+log = logging.getLogger("rljob_trainer.rollout")
+
+
+def replica_index(config: JobConfig, environ: Optional[dict[str, str]] = None) -> int:
+    """This pod's replica index from env ``RLJOB_REPLICA_INDEX`` (default 0 for a single replica).
+
+    Raises:
+        ValueError: missing with several replicas, not an integer, or outside [0, replicas).
+    """
+    env = os.environ if environ is None else environ
+    replicas = config.spec.rollout.replicas
+    raw = env.get(c.ENV_REPLICA_INDEX)
+    if raw is None:
+        if replicas == 1:
+            return 0
+        raise ValueError(f"env {c.ENV_REPLICA_INDEX}: required with spec.rollout.replicas = {replicas}")
+    try:
+        index = int(raw)
+    except ValueError:
+        raise ValueError(f"env {c.ENV_REPLICA_INDEX}: not an integer: {raw!r}") from None
+    if not 0 <= index < replicas:
+        raise ValueError(f"env {c.ENV_REPLICA_INDEX}: {index} is outside [0, spec.rollout.replicas = {replicas})")
+    return index
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = JobConfig.load()
+        index = replica_index(config)
+        from rljob_trainer.rollout.worker import RolloutWorker
+
+        worker = RolloutWorker.from_config(config, index)
+    except (OSError, ValueError, ImportError) as error:
+        log.error("rollout: cannot start: %s", error)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
+    try:
+        port = worker.metrics.serve(config.metrics_port, os.environ.get(c.ENV_POD_IP, "0.0.0.0"))
+    except OSError as error:
+        log.warning("rollout: no Prometheus endpoint (port %d: %s)", config.metrics_port, error)
+        port = None
+    log.info("rollout: replica %d of job %s/%s, transfer ranks %s, metrics port %s", index, config.namespace,
+             config.name, list(worker.subscriber.transfer_ranks), port)
+    try:
+        return worker.run()
+    finally:
+        worker.metrics.close()
+        worker.backend.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

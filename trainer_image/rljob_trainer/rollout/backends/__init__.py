@@ -1,0 +1,27 @@
+"""Generation backends behind one interface (:class:`~.base.GenerationBackend`): ``cpu`` and ``vllm``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rljob_api.config import JobConfig
+from rljob_trainer.rollout.backends.base import Completion, GenerationBackend, UpdateOutcome
+
+
+def build_backend(config: JobConfig, tokenizer: Any, seed: int) -> GenerationBackend:
+    """The backend named by ``spec.rollout.backend``, seeded with ``seed``.
+
+    Raises:
+        ImportError: ``vllm`` without vLLM installed.
+        ValueError: sampling settings the backend cannot serve exactly (names the field).
+    """
+    if config.spec.rollout.backend == "vllm":
+        from rljob_trainer.rollout.backends.vllm import VllmBackend
+
+        return VllmBackend(config, tokenizer, seed)
+    from rljob_trainer.rollout.backends.cpu import CpuBackend
+
+    return CpuBackend.from_config(config, tokenizer, seed)
+
+
+__all__ = ["Completion", "GenerationBackend", "UpdateOutcome", "build_backend"]

@@ -1,0 +1,60 @@
+"""Prometheus metrics of one rollout worker (served by ``python -m rljob_trainer.rollout`` on ``config.metrics_port``).
+
+Names: ``rljob_rollout_samples_total`` (completions generated), ``rljob_rollout_documents_total`` (documents
+written), ``rljob_rollout_reward_errors_total{kind}`` (samples dropped because the reward function raised),
+``rljob_rollout_filtered_samples_total`` (zero-variance filter), ``rljob_rollout_weight_updates_total{outcome}``,
+``rljob_rollout_model_version`` (documents), ``rljob_rollout_reward`` (mean reward of the last batch, before
+filtering), ``rljob_rollout_samples_per_second``, ``rljob_rollout_waiting`` (1 while back-pressure or max lag
+holds the worker).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from rljob_trainer.rollout.writer import BatchReport
+
+
+class RolloutMetrics:
+    """The worker's Prometheus instruments, in their own registry."""
+
+    def __init__(self, registry: Optional[CollectorRegistry] = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.samples = Counter("rljob_rollout_samples", "Completions generated.", registry=r)
+        self.documents = Counter("rljob_rollout_documents", "Documents written to the stream.", registry=r)
+        self.reward_errors = Counter(
+            "rljob_rollout_reward_errors", "Samples dropped: the reward function raised.", ["kind"], registry=r
+        )
+        self.filtered = Counter("rljob_rollout_filtered_samples", "Samples of zero-variance groups dropped.", registry=r)
+        self.updates = Counter("rljob_rollout_weight_updates", "Weight updates by outcome.", ["outcome"], registry=r)
+        self.model_version = Gauge("rljob_rollout_model_version", "Version of the loaded weights (documents).", registry=r)
+        self.reward = Gauge("rljob_rollout_reward", "Mean reward of the last batch, before filtering.", registry=r)
+        self.samples_per_second = Gauge("rljob_rollout_samples_per_second", "Generation + scoring rate.", registry=r)
+        self.waiting = Gauge("rljob_rollout_waiting", "1 while back-pressure or max lag holds the worker.", registry=r)
+        self._server = None
+
+    def serve(self, port: int, address: str = "0.0.0.0") -> int:
+        """Start the HTTP endpoint; returns the bound port (``port`` 0 picks a free one). Raises OSError."""
+        self._server, _thread = start_http_server(port, addr=address, registry=self.registry)
+        return self._server.server_address[1]
+
+    def observe_batch(self, batch: BatchReport, documents: int) -> None:
+        """Count one written batch."""
+        self.samples.inc(batch.samples_generated)
+        self.documents.inc(documents)
+        self.filtered.inc(batch.samples_filtered)
+        for kind, count in batch.reward_errors.items():
+            self.reward_errors.labels(kind=kind).inc(count)
+        if batch.rewards:
+            self.reward.set(sum(batch.rewards) / len(batch.rewards))
+        self.samples_per_second.set(batch.samples_generated / max(batch.seconds, 1e-9))
+
+    def close(self) -> None:
+        """Stop the HTTP endpoint, if started."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

@@ -1,0 +1,320 @@
+"""Tasks with verifiable rewards: where prompts come from and how a completion is scored.
+
+Three tasks (``spec.rollout.task.name``):
+
+* ``digits-copy`` / ``digits-reverse`` — the built-in toy task of DESIGN §10. A prompt is ``<bos>``, ``digits``
+  random digits and the separator ``|``; the completion is ``digits`` tokens; the reward is the fraction of
+  positions whose token equals the prompt's digit (copy) or the reversed prompt's digit (reverse). A tiny
+  random model learns it by RL alone in about a minute of CPU.
+* ``math`` — JSONL records ``{"question": str, "answer": str | number}`` (GSM8K layout: the answer text ends
+  in ``#### <number>``), or ``{"prompt": str, "answer": ...}`` to give the prompt text verbatim. Reward 1.0
+  when the number extracted from the completion equals the reference, else 0.0 (:func:`extract_number`).
+* ``custom`` — JSONL records with a ``prompt`` string (any other keys are passed through), scored by the user
+  function named in ``rewardFunction`` as ``module:function``, imported with :mod:`importlib` (the module
+  must be importable in the rollout image, e.g. installed or on ``PYTHONPATH``). It is called as
+  ``function(prompt: str, completion: str, record: dict) -> float`` with the prompt text, the decoded
+  completion (special tokens skipped) and the JSONL record. It may raise: the worker drops that sample and
+  counts the exception's class name (:mod:`rljob_trainer.rollout.worker`).
+
+Prompt text of ``math`` and ``custom`` goes through the tokenizer's chat template when it has one (a user
+turn, generation prompt added), else it is encoded as is with the tokenizer's special tokens.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from rljob_api.spec import TaskSpec
+
+MATH_TEMPLATE = "{question}\nSolve the problem step by step. Write the final answer as '#### <number>'."
+"""Prompt text of a ``math`` record that has a ``question`` and no ``prompt``."""
+
+
+class InvalidReward(ValueError):
+    """A reward function returned something that is not a finite real number (counted as ``InvalidReward``)."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of a task.
+
+    Attributes:
+        token_ids: the prompt's token ids, special tokens included (what the model is conditioned on).
+        text: the prompt's text before tokenisation (the user's text for dataset tasks, digits for the toy task).
+        reference: what the verifier compares with (target digits, reference number, or the record).
+        record: the dataset record the prompt came from (empty for the toy task).
+    """
+
+    token_ids: tuple[int, ...]
+    text: str
+    reference: Any
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+class Task(ABC):
+    """Prompts and their verifier. Implementations are deterministic given their seed."""
+
+    name: str
+    max_new_tokens: Optional[int] = None
+    """A task-imposed cap on completion length (tokens), applied on top of ``sampling.maxNewTokens``."""
+
+    @abstractmethod
+    def next_prompts(self, count: int) -> list[Prompt]:
+        """The next ``count`` prompts (dataset tasks cycle through a reshuffled dataset, epoch after epoch)."""
+
+    @abstractmethod
+    def reward(self, prompt: Prompt, completion_ids: Sequence[int], completion_text: str) -> float:
+        """The reward of one completion (finite float). May raise; the worker drops the sample and counts it."""
+
+
+def _single_token(tokenizer: Any, text: str) -> int:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != 1:
+        raise ValueError(
+            f"spec.rollout.task.name: the digits task needs every digit to be one token, but the tokenizer "
+            f"encodes {text!r} as {ids}"
+        )
+    return ids[0]
+
+
+class DigitsTask(Task):
+    """The toy task of DESIGN §10: copy (or reverse) ``digits`` random digits.
+
+    Prompt tokens: ``[<bos>] + digit ids + ids("|")``; reward = (1/digits) · Σ_i [completion_ids[i] == target[i]]
+    over i < digits, target = the prompt's digit ids, reversed for ``reverse``. Missing positions (a completion
+    that stopped early) count as wrong.
+    """
+
+    def __init__(self, tokenizer: Any, *, digits: int, reverse: bool, seed: int) -> None:
+        if digits < 1:
+            raise ValueError(f"spec.rollout.task.digits: must be >= 1, got {digits}")
+        self.name = "digits-reverse" if reverse else "digits-copy"
+        self.digits = digits
+        self.reverse = reverse
+        self.max_new_tokens = digits
+        self._digit_ids = np.array([_single_token(tokenizer, str(d)) for d in range(10)], dtype=np.int64)
+        bos = getattr(tokenizer, "bos_token_id", None)
+        self._prefix = [bos] if bos is not None else []
+        self._suffix = tokenizer.encode("|", add_special_tokens=False)
+        self._rng = np.random.default_rng(seed)
+
+    def next_prompts(self, count: int) -> list[Prompt]:
+        values = self._rng.integers(0, 10, size=(count, self.digits))
+        prompts = []
+        for row in values:
+            ids = self._digit_ids[row].tolist()
+            target = ids[::-1] if self.reverse else ids
+            text = "".join(str(int(d)) for d in row)
+            prompts.append(Prompt(tuple(self._prefix + ids + self._suffix), text, tuple(target)))
+        return prompts
+
+    def reward(self, prompt: Prompt, completion_ids: Sequence[int], completion_text: str) -> float:
+        target = prompt.reference
+        matches = sum(1 for i, token in enumerate(completion_ids[: len(target)]) if int(token) == target[i])
+        return matches / len(target)
+
+
+_NUMBER = r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)"
+_FINAL_ANSWER = re.compile(r"####\s*\$?\s*(" + _NUMBER + ")")
+_BOXED = re.compile(r"\\boxed\{\s*\$?\s*(" + _NUMBER + r")\s*\}")
+_ANY_NUMBER = re.compile(_NUMBER)
+
+
+def extract_number(text: str) -> Optional[float]:
+    """The final numeric answer of a GSM8K-style text, or None.
+
+    Order of preference (as GSM8K's and the usual math verifiers' answer parsing): the last ``#### <number>``,
+    else the last ``\\boxed{<number>}``, else the last number anywhere. Thousands separators and a leading
+    ``$`` are ignored: ``"#### $1,234.5"`` → 1234.5.
+    """
+    for pattern in (_FINAL_ANSWER, _BOXED, _ANY_NUMBER):
+        found = pattern.findall(text)
+        if found:
+            try:
+                return float(found[-1].replace(",", ""))
+            except ValueError:
+                return None
+    return None
+
+
+def numbers_equal(a: float, b: float) -> bool:
+    """``|a - b| <= 1e-6 · max(1, |b|)`` (answers are integers or short decimals)."""
+    return abs(a - b) <= 1e-6 * max(1.0, abs(b))
+
+
+def encode_prompt_text(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a user prompt: through the chat template (user turn + generation prompt) when the
+    tokenizer has one, else ``tokenizer.encode(text)`` with its special tokens."""
+    if getattr(tokenizer, "chat_template", None):
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        return list(tokenizer.encode(rendered, add_special_tokens=False))
+    return list(tokenizer.encode(text))
+
+
+def load_jsonl(path: str, *, required: Sequence[str]) -> list[dict[str, Any]]:
+    """Records of a JSONL file (blank lines skipped).
+
+    Raises:
+        FileNotFoundError: no file at ``path`` (message names ``spec.rollout.task.datasetPath``).
+        ValueError: a line is not a JSON object, or lacks one of ``required`` (message names the line), or the
+            file holds no record.
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"spec.rollout.task.datasetPath: no file at {path!r}")
+    records = []
+    with file.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as error:
+                raise ValueError(f"spec.rollout.task.datasetPath: {path}:{number} is not valid JSON ({error})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"spec.rollout.task.datasetPath: {path}:{number} is a JSON {type(record).__name__}, not an object")
+            missing = [name for name in required if name not in record]
+            if missing:
+                raise ValueError(f"spec.rollout.task.datasetPath: {path}:{number} has no field {missing[0]!r}")
+            records.append(record)
+    if not records:
+        raise ValueError(f"spec.rollout.task.datasetPath: {path} holds no record")
+    return records
+
+
+class _DatasetTask(Task):
+    """Shared prompt cycling of the JSONL tasks: a fresh shuffle of the records every epoch."""
+
+    def __init__(self, tokenizer: Any, records: list[dict[str, Any]], seed: int) -> None:
+        self._tokenizer = tokenizer
+        self._records = records
+        self._rng = np.random.default_rng(seed)
+        self._order: list[int] = []
+
+    def _next_record(self) -> dict[str, Any]:
+        if not self._order:
+            self._order = self._rng.permutation(len(self._records)).tolist()
+        return self._records[self._order.pop()]
+
+    def next_prompts(self, count: int) -> list[Prompt]:
+        prompts = []
+        for _ in range(count):
+            record = self._next_record()
+            text = self._prompt_text(record)
+            ids = tuple(encode_prompt_text(self._tokenizer, text))
+            prompts.append(Prompt(ids, text, self._reference(record), record))
+        return prompts
+
+    @abstractmethod
+    def _prompt_text(self, record: dict[str, Any]) -> str: ...
+
+    @abstractmethod
+    def _reference(self, record: dict[str, Any]) -> Any: ...
+
+
+class MathTask(_DatasetTask):
+    """GSM8K-style word problems: reward 1.0 when the completion's final number equals the reference."""
+
+    name = "math"
+
+    def __init__(self, tokenizer: Any, path: str, seed: int) -> None:
+        records = load_jsonl(path, required=("answer",))
+        for number, record in enumerate(records, start=1):
+            if "question" not in record and "prompt" not in record:
+                raise ValueError(f"spec.rollout.task.datasetPath: record {number} of {path} has neither 'question' nor 'prompt'")
+            if self._parse_reference(record["answer"]) is None:
+                raise ValueError(
+                    f"spec.rollout.task.datasetPath: record {number} of {path}: no number in answer {record['answer']!r}"
+                )
+        super().__init__(tokenizer, records, seed)
+
+    @staticmethod
+    def _parse_reference(answer: Any) -> Optional[float]:
+        if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+            return float(answer)
+        return extract_number(str(answer))
+
+    def _prompt_text(self, record: dict[str, Any]) -> str:
+        return str(record["prompt"]) if "prompt" in record else MATH_TEMPLATE.format(question=record["question"])
+
+    def _reference(self, record: dict[str, Any]) -> float:
+        return self._parse_reference(record["answer"])
+
+    def reward(self, prompt: Prompt, completion_ids: Sequence[int], completion_text: str) -> float:
+        answer = extract_number(completion_text)
+        return 1.0 if answer is not None and numbers_equal(answer, prompt.reference) else 0.0
+
+
+def load_reward_function(reference: str) -> Callable[[str, str, dict], Any]:
+    """Import ``module:function`` (``module`` may be dotted).
+
+    Raises:
+        ValueError: not of the form ``module:function``, the module cannot be imported, or it has no callable
+            of that name (each message names ``spec.rollout.task.rewardFunction``).
+    """
+    module_name, sep, attribute = reference.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ValueError(f"spec.rollout.task.rewardFunction: must be 'module:function', got {reference!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"spec.rollout.task.rewardFunction: cannot import {module_name!r}: {error}") from error
+    function = module
+    for part in attribute.split("."):
+        function = getattr(function, part, None)
+    if not callable(function):
+        raise ValueError(f"spec.rollout.task.rewardFunction: {module_name!r} has no callable {attribute!r}")
+    return function
+
+
+class CustomTask(_DatasetTask):
+    """Prompts from JSONL (``prompt`` field), rewards from a user function (see the module docstring)."""
+
+    name = "custom"
+
+    def __init__(self, tokenizer: Any, path: str, reward_function: str, seed: int) -> None:
+        self._function = load_reward_function(reward_function)
+        super().__init__(tokenizer, load_jsonl(path, required=("prompt",)), seed)
+
+    def _prompt_text(self, record: dict[str, Any]) -> str:
+        return str(record["prompt"])
+
+    def _reference(self, record: dict[str, Any]) -> dict[str, Any]:
+        return record
+
+    def reward(self, prompt: Prompt, completion_ids: Sequence[int], completion_text: str) -> float:
+        value = self._function(prompt.text, completion_text, prompt.record)
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise InvalidReward(f"reward function returned {type(value).__name__} {value!r}, not a number")
+        if not math.isfinite(float(value)):
+            raise InvalidReward(f"reward function returned {value}, not a finite number")
+        return float(value)
+
+
+def build_task(spec: TaskSpec, tokenizer: Any, seed: int) -> Task:
+    """The task named by ``spec.name``, seeded with ``seed`` (the rollout seed + the replica index).
+
+    Raises:
+        ValueError / FileNotFoundError: a missing or malformed dataset, reward function or tokenizer
+            mismatch; each message names the spec field.
+    """
+    if spec.name in ("digits-copy", "digits-reverse"):
+        return DigitsTask(tokenizer, digits=spec.digits, reverse=spec.name == "digits-reverse", seed=seed)
+    if not spec.dataset_path:
+        raise ValueError(f"spec.rollout.task.datasetPath: required for task {spec.name!r}")
+    if spec.name == "math":
+        return MathTask(tokenizer, spec.dataset_path, seed)
+    if not spec.reward_function:
+        raise ValueError("spec.rollout.task.rewardFunction: required for task 'custom'")
+    return CustomTask(tokenizer, spec.dataset_path, spec.reward_function, seed)

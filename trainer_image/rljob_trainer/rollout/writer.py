@@ -1,0 +1,197 @@
+"""Documents onto the stream (DESIGN §3), with back-pressure and max lag (DESIGN §6), and the rollout hash (§2).
+
+Back-pressure: ``backlog`` = the consumer group's ``lag`` (entries not yet delivered to any trainer rank) +
+``pending`` (delivered, not yet acknowledged, i.e. not yet covered by a committed checkpoint), from XINFO GROUPS;
+before the trainer has created the group, the stream length. A worker starts a batch only while
+``backlog < redis.maxPending``. Nothing is ever trimmed here: only the trainer trims, and only acked entries.
+
+Max lag: ``ahead`` = documents written by every worker (``documents_written`` in the rollout hash) − the
+trainer's ``documents_seen`` (progress hash), capped by ``backlog`` (documents the trainer drops — too long,
+malformed — never reach documents_seen but are acked at once, so the cap keeps them from stalling the
+workers for good). A worker starts a batch only while ``ahead < max(rollout.maxLag, trainer.batch.documentsPerStep)``:
+the floor of one step's worth keeps the trainer able to fill a step when maxLag is smaller (maxLag = 0 then means
+"one step ahead at most", the synchronous limit). A batch may overshoot by its own size, per worker.
+
+Rollout hash (``keys.rollout``; every worker adds to the same fields, see :mod:`rljob_api.constants`):
+``reward_sum:{v}`` / ``reward_count:{v}`` over every scored sample generated with weights version v, before
+filtering; ``reward`` / ``reward_version`` = that mean for the writer's newest version; ``samples_generated``,
+``documents_written``, ``reward_errors`` and ``reward_errors:{kind}``, ``groups_filtered`` and
+``samples_filtered`` (zero-variance filter), ``all_rewards_failed`` (see the constant), ``worker:{replica}`` =
+JSON {version, samples_per_second, updated_at}, ``updated_at``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import redis
+
+from rljob_api import constants as c
+from rljob_api.config import JobConfig
+from rljob_trainer.stream.codec import Document, encode_document
+
+log = logging.getLogger(__name__)
+
+DOCUMENTS_WRITTEN = "documents_written"
+SAMPLES_GENERATED = "samples_generated"
+REWARD_ERRORS = "reward_errors"
+GROUPS_FILTERED = "groups_filtered"
+SAMPLES_FILTERED = "samples_filtered"
+UPDATED_AT = "updated_at"
+WORKER_PREFIX = "worker:"
+
+
+def make_document(prompt_ids: Sequence[int], completion_ids: Sequence[int], completion_logprobs: Sequence[float],
+                  *, reward: float, advantage: float, model_version: int) -> Document:
+    """One stream document: prompt + completion tokens, the prompt's labels masked.
+
+    Returns:
+        :class:`Document` with tokens [T] int64 (T = P + N), old_log_probabilities [T] float32 (0 on the P
+        prompt tokens, the sampling log-probabilities on the N completion tokens), model_version [T] int64 all
+        equal to ``model_version`` (documents), loss_masking_spans ``[(0, P)]``, the advantage and raw reward.
+    """
+    num_prompt = len(prompt_ids)
+    tokens = np.asarray(list(prompt_ids) + list(completion_ids), dtype=np.int64)
+    old = np.zeros(len(tokens), dtype=np.float32)
+    old[num_prompt:] = np.asarray(completion_logprobs, dtype=np.float32)
+    versions = np.full(len(tokens), model_version, dtype=np.int64)
+    return Document(tokens, old, versions, [(0, num_prompt)], float(advantage), float(reward))
+
+
+@dataclass(frozen=True)
+class BatchReport:
+    """What one generated batch contributes to the rollout hash.
+
+    Attributes:
+        version: the weights version every sample of the batch was generated with (documents).
+        rewards: rewards of every scored sample (before filtering; failed samples excluded).
+        samples_generated: completions generated (scored or not).
+        reward_errors: failed samples per exception class name.
+        groups_filtered / samples_filtered: dropped by the zero-variance filter.
+        seconds: wall time of generation + scoring (seconds).
+    """
+
+    version: int
+    rewards: Sequence[float]
+    samples_generated: int
+    reward_errors: Counter
+    groups_filtered: int
+    samples_filtered: int
+    seconds: float
+
+
+class DocumentWriter:
+    """Writes one worker's documents and statistics (see the module docstring).
+
+    Args:
+        client: a Redis client (bytes responses).
+        config: the resolved job config (keys, maxPending, maxLag, documentsPerStep).
+        replica_index: this worker's replica index (names its ``worker:{i}`` field).
+    """
+
+    def __init__(self, client: redis.Redis, config: JobConfig, replica_index: int) -> None:
+        self._client = client
+        self._keys = config.keys
+        self.max_pending = config.spec.redis.max_pending
+        self.max_ahead = max(config.spec.rollout.max_lag, config.spec.trainer.batch.documents_per_step)
+        self._worker_field = f"{WORKER_PREFIX}{replica_index}"
+
+    def backlog(self) -> int:
+        """Group lag + pending (documents), or the stream length before the group exists. Raises RedisError."""
+        try:
+            groups = self._client.xinfo_groups(self._keys.stream)
+        except redis.ResponseError:  # no such stream yet
+            return 0
+        for group in groups:
+            name = group.get("name")
+            if (name.decode() if isinstance(name, bytes) else name) == self._keys.group:
+                lag = group.get("lag")
+                if lag is None:  # Redis cannot tell after deletions: assume every entry is undelivered
+                    lag = self._client.xlen(self._keys.stream)
+                return int(lag) + int(group.get("pending") or 0)
+        return int(self._client.xlen(self._keys.stream))
+
+    def ahead(self, backlog: int) -> int:
+        """Documents written by all workers and not yet seen by the trainer, capped by ``backlog``."""
+        written = self._client.hget(self._keys.rollout, DOCUMENTS_WRITTEN)
+        seen = self._client.hget(self._keys.progress, c.PROGRESS_DOCUMENTS_SEEN)
+        return max(0, min(int(written or 0) - int(seen or 0), backlog))
+
+    def wait_reason(self) -> Optional[str]:
+        """Why the worker must not start a batch now (back-pressure or max lag), or None. Raises RedisError."""
+        backlog = self.backlog()
+        if backlog >= self.max_pending:
+            return f"backlog {backlog} >= spec.redis.maxPending {self.max_pending} documents"
+        ahead = self.ahead(backlog)
+        if ahead >= self.max_ahead:
+            return f"{ahead} documents ahead of the trainer >= max(maxLag, documentsPerStep) = {self.max_ahead}"
+        return None
+
+    def write(self, documents: Sequence[Document]) -> None:
+        """XADD every document and add their count to ``documents_written``, in one MULTI/EXEC. Raises RedisError."""
+        if not documents:
+            return
+        pipe = self._client.pipeline(transaction=True)
+        for doc in documents:
+            pipe.xadd(self._keys.stream, encode_document(doc))
+        pipe.hincrby(self._keys.rollout, DOCUMENTS_WRITTEN, len(documents))
+        pipe.execute()
+
+    def report(self, batch: BatchReport) -> None:
+        """Add one batch to the rollout hash (module docstring). Raises RedisError."""
+        key, version = self._keys.rollout, batch.version
+        pipe = self._client.pipeline(transaction=True)
+        pipe.hincrbyfloat(key, f"{c.ROLLOUT_REWARD_SUM_PREFIX}{version}", float(sum(batch.rewards)))
+        pipe.hincrby(key, f"{c.ROLLOUT_REWARD_COUNT_PREFIX}{version}", len(batch.rewards))
+        pipe.hincrby(key, SAMPLES_GENERATED, batch.samples_generated)
+        for kind, count in batch.reward_errors.items():
+            pipe.hincrby(key, f"{c.ROLLOUT_REWARD_ERRORS_PREFIX}{kind}", count)
+        if batch.reward_errors:
+            pipe.hincrby(key, REWARD_ERRORS, sum(batch.reward_errors.values()))
+        if batch.groups_filtered:
+            pipe.hincrby(key, GROUPS_FILTERED, batch.groups_filtered)
+            pipe.hincrby(key, SAMPLES_FILTERED, batch.samples_filtered)
+        total, count = pipe.execute()[:2]
+        now = time.time()
+        mapping = {
+            self._worker_field: json.dumps(
+                {"version": version, "samples_per_second": batch.samples_generated / max(batch.seconds, 1e-9), "updated_at": now}
+            ),
+            UPDATED_AT: repr(now),
+        }
+        if count:
+            mapping[c.ROLLOUT_REWARD] = repr(float(total) / int(count))
+            mapping[c.ROLLOUT_REWARD_VERSION] = str(version)
+        if batch.rewards:
+            self._client.hset(key, mapping=mapping)
+            self._client.hdel(key, c.ROLLOUT_ALL_REWARDS_FAILED)
+            return
+        errors = dict(batch.reward_errors)
+        mapping[c.ROLLOUT_ALL_REWARDS_FAILED] = json.dumps(
+            {
+                "version": version,
+                "samples": batch.samples_generated,
+                "errors": errors,
+                "message": f"every one of {batch.samples_generated} samples failed its reward function: {errors}",
+            }
+        )
+        self._client.hset(key, mapping=mapping)
+
+
+def rollout_rewards(client: redis.Redis, key: str) -> dict[int, tuple[float, int]]:
+    """Per weights version: (mean reward, number of scored samples), from the rollout hash ``key``."""
+    raw = {(k.decode() if isinstance(k, bytes) else k): v for k, v in client.hgetall(key).items()}
+    out = {}
+    for name, value in raw.items():
+        if name.startswith(c.ROLLOUT_REWARD_SUM_PREFIX):
+            version = name[len(c.ROLLOUT_REWARD_SUM_PREFIX):]
+            count = int(raw.get(f"{c.ROLLOUT_REWARD_COUNT_PREFIX}{version}", 0))
+            if count:
+                out[int(version)] = (float(value) / count, count)
+    return dict(sorted(out.items()))
