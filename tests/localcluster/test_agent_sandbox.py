@@ -1,0 +1,159 @@
+"""The agent's container sandbox on the real kernel, without a cluster: the shim (network, mount,
+UTS and PID namespaces, bind mounts, init that forwards signals) and pod networking (bridge,
+per-pod network namespace, veth). Needs root and iproute2; uses its own bridge and a 10.251/16
+subnet, and removes both.
+
+Run: ``python -m pytest tests/localcluster/test_agent_sandbox.py -q``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from rljob_localcluster.agent.network import Bridge, PodSandboxNet
+from rljob_localcluster.agent.process import ContainerProcess, LaunchSpec
+from rljob_localcluster.agent.volumes import Mount
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 (namespaces, bridges)"
+)
+
+IMAGE_ENV = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin", "PYTHONUNBUFFERED": "1"}
+
+
+def wait_for(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture
+def bridge():
+    br = Bridge(f"rljt{uuid.uuid4().hex[:6]}", ipaddress.ip_interface("10.251.0.1/16"))
+    br.ensure()
+    try:
+        yield br
+    finally:
+        br.delete()
+
+
+def launch(tmp_path: Path, code: str, **kw) -> tuple[ContainerProcess, Path]:
+    log = tmp_path / "c.log"
+    spec = LaunchSpec(argv=[sys.executable, "-c", code], env=dict(IMAGE_ENV, **kw.pop("env", {})), **kw)
+    return ContainerProcess(spec, tmp_path / "run", log), log
+
+
+def test_pod_network_namespace_with_real_mount_path(tmp_path, bridge):
+    """A server in a pod namespace on 0.0.0.0 is reached at the pod IP from the host; the pod sees
+    its volume at a real absolute path, its own hostname and PID 1; the host sees none of it."""
+    net = PodSandboxNet.for_pod(f"test-{uuid.uuid4()}", "10.251.1.2")
+    vol = tmp_path / "vol"
+    vol.mkdir()
+    (vol / "config.json").write_text('{"k": 1}')
+    target = f"/tmp/rljob-agent-test-{uuid.uuid4().hex[:8]}"
+    os.mkdir(target)
+    code = (
+        "import os, socket\n"
+        "cfg = open(os.environ['TARGET'] + '/config.json').read()\n"
+        "s = socket.socket(); s.bind(('0.0.0.0', 8080)); s.listen()\n"
+        "c, peer = s.accept()\n"
+        "c.sendall(f'{cfg}|{socket.gethostname()}|{os.getpid()}'.encode()); c.close()\n"
+        "print('served', peer[0])\n"
+    )
+    try:
+        net.create(bridge)
+        proc, log = launch(tmp_path, code, env={"TARGET": target}, hostname="pod-a", netns=net.netns_path,
+                           mounts=[Mount(str(vol), target, read_only=True)])
+
+        def connect():
+            try:
+                with socket.create_connection(("10.251.1.2", 8080), timeout=1) as c:
+                    return c.recv(1024).decode()
+            except OSError:
+                return None
+
+        reply = wait_for(connect, 15, "the pod's server")
+        assert reply == '{"k": 1}|pod-a|2'  # PID 2: the shim's init is PID 1
+        assert wait_for(lambda: proc.poll() is not None, 10, "exit") and proc.poll() == 0
+        assert log.read_text() == "served 10.251.0.1\n"  # the host came in through the bridge
+        assert os.listdir(target) == []  # the bind mount never reached the host
+        assert socket.gethostname() != "pod-a"
+    finally:
+        net.delete()
+        os.rmdir(target)
+    assert subprocess.run(["ip", "netns", "pids", net.netns], capture_output=True, check=False).returncode != 0
+
+
+def test_exit_codes_and_start_errors(tmp_path):
+    proc, _ = launch(tmp_path / "a", "import sys; sys.exit(3)")
+    wait_for(lambda: proc.poll() is not None, 10, "exit")
+    assert proc.poll() == 3 and proc.start_error() is None
+
+    spec = LaunchSpec(argv=["no-such-binary-rljob"], env=IMAGE_ENV)
+    proc = ContainerProcess(spec, tmp_path / "b" / "run", tmp_path / "b.log")
+    wait_for(lambda: proc.poll() is not None, 10, "exit")
+    assert proc.poll() == 128
+    assert proc.start_error() == 'exec: "no-such-binary-rljob": executable file not found in $PATH'
+
+    spec = LaunchSpec(argv=["true"], env=IMAGE_ENV, cwd="/no/such/dir")
+    proc = ContainerProcess(spec, tmp_path / "c" / "run", tmp_path / "c.log")
+    wait_for(lambda: proc.poll() is not None, 10, "exit")
+    assert proc.poll() == 128
+    assert proc.start_error() == 'chdir to working dir "/no/such/dir": no such file or directory'
+
+
+def _pids_with_marker(marker: str) -> list[int]:
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if marker.encode() in (d / "environ").read_bytes():
+                    found.append(int(d.name))
+            except OSError:
+                pass
+    return found
+
+
+def test_sigterm_reaches_main_process_and_the_tree_dies_with_it(tmp_path):
+    marker = f"RLJOB_TEST_MARKER={uuid.uuid4().hex}"
+    key, value = marker.split("=")
+    code = (
+        "import signal, subprocess, sys, time\n"
+        "kids = [subprocess.Popen(['sleep', '1000']) for _ in range(2)]\n"
+        "signal.signal(signal.SIGTERM, lambda *a: (print('got SIGTERM', flush=True), sys.exit(7)))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(1000)\n"
+    )
+    proc, log = launch(tmp_path, code, env={key: value})
+    wait_for(lambda: "ready" in log.read_text(), 15, "the container to start")
+    assert len(_pids_with_marker(marker)) == 3  # main + 2 children (the shim's env has no marker)
+    proc.signal(signal.SIGTERM)
+    wait_for(lambda: proc.poll() is not None, 10, "exit")
+    assert proc.poll() == 7
+    assert "got SIGTERM" in log.read_text()
+    wait_for(lambda: not _pids_with_marker(marker), 5, "the orphaned children to be killed")
+
+
+def test_kill_ends_a_process_that_ignores_sigterm(tmp_path):
+    code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(1000)\n"
+    proc, log = launch(tmp_path, code)
+    wait_for(lambda: "ready" in log.read_text(), 15, "the container to start")
+    proc.signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert proc.poll() is None
+    proc.kill()
+    assert proc.poll() == 137  # 128 + SIGKILL
