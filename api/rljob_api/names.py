@@ -19,6 +19,11 @@ def base_name(job: str, longest_suffix: str = "-rollout-9999") -> str:
     return f"{job[:keep].rstrip('-')}-{digest}"
 
 
+def job_label(job: str) -> str:
+    """The job name as a label value (at most 63 characters): the name itself, or a cut name + hash when longer."""
+    return base_name(job, longest_suffix="")
+
+
 def trainer_service(job: str) -> str:
     return f"{base_name(job)}-trainer"
 

@@ -46,7 +46,7 @@ def check_spec(spec: RLTrainingJobSpec) -> list[SpecProblem]:
     try:
         dp = data_parallel_size(spec)
     except ValueError as err:
-        problems.append(SpecProblem("spec.trainer.nodes", str(err)))
+        problems.append(SpecProblem("spec.trainer.nodes", str(err).removeprefix("spec.trainer: ")))
         dp = None
     if a.metrics in ("basic", "full") and t.pipeline_parallel != 1:
         problems.append(
@@ -67,9 +67,6 @@ def check_spec(spec: RLTrainingJobSpec) -> list[SpecProblem]:
                 f"documentsPerStep = {t.batch.documents_per_step} is not divisible by the data-parallel size {dp}",
             )
         )
-    lo, hi = a.resolved_epsilons()
-    if lo >= 1:
-        problems.append(SpecProblem("spec.algorithm.epsilonLow", f"must be < 1, got {lo}"))
     m = spec.model
     if m.source == "tiny" and m.tiny.hidden_size % m.tiny.heads:
         problems.append(

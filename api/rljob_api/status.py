@@ -1,0 +1,110 @@
+"""The RLTrainingJob status: written only by the operator, read by users, ``kubectl get`` and the tests.
+
+Conditions are shaped like ``metav1.Condition`` (type, status, reason, message, lastTransitionTime,
+observedGeneration) and keyed by type. Progress fields (step, documentsSeen, modelVersion, rolloutReward,
+lastMetrics) are copied from the Redis progress hashes of DESIGN §2.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal, Optional
+
+from pydantic import ConfigDict, Field
+
+from rljob_api import constants as c
+from rljob_api.spec import ApiModel
+
+
+class StatusModel(ApiModel):
+    """Base of status models: like :class:`ApiModel` but tolerant of fields a newer operator wrote."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class Condition(StatusModel):
+    """One observation of the job, metav1.Condition shaped."""
+
+    type: c.ConditionType = Field(..., description="type: Valid, RedisReady, RolloutReady, TrainerReady, Running, "
+                                  "Restarting, Suspended, Succeeded or Failed.")
+    status: Literal["True", "False", "Unknown"] = Field(..., description="status: True, False or Unknown.")
+    reason: str = Field(
+        ..., min_length=1, max_length=1024, description="reason: CamelCase reason of the last transition."
+    )
+    message: str = Field("", max_length=32768, description="message: what happened and what to do about it.")
+    last_transition_time: datetime = Field(
+        ..., description="lastTransitionTime: when status last changed (RFC 3339, UTC)."
+    )
+    observed_generation: Optional[int] = Field(
+        None, ge=0, description="observedGeneration: metadata.generation the condition was computed from."
+    )
+
+
+class RLTrainingJobStatus(StatusModel):
+    """status of an RLTrainingJob."""
+
+    phase: Optional[c.Phase] = Field(
+        None,
+        description="phase: Pending, Starting, Running, Restarting, Suspended, Succeeded, Failed or Invalid; a "
+        "summary of the conditions.",
+    )
+    observed_generation: Optional[int] = Field(
+        None, ge=0, description="observedGeneration: the metadata.generation this status was computed from."
+    )
+    attempt: int = Field(
+        0,
+        ge=0,
+        description="attempt: number of the current trainer gang (the `rljob.dev/attempt` label of its pods); "
+        "+1 on every gang restart and on every resume.",
+    )
+    restarts: int = Field(
+        0, ge=0, description="restarts: gang restarts after a trainer pod failure, eviction, deletion or spec change."
+    )
+    failed_attempts: int = Field(
+        0,
+        ge=0,
+        description="failedAttempts: restarts counted against runPolicy.backoffLimit (evictions, preemptions and "
+        "spec changes are not counted).",
+    )
+    gang_created: bool = Field(
+        False,
+        description="gangCreated: every trainer pod of `attempt` has been created; from then on a missing pod is a "
+        "deletion that restarts the gang.",
+    )
+    data_parallel_size: Optional[int] = Field(
+        None, ge=1, description="dataParallelSize: nodes × processesPerNode / (tensorParallel × pipelineParallel)."
+    )
+    start_time: Optional[datetime] = Field(
+        None,
+        description="startTime: when the job last started being active (reset on resume, like a Kubernetes Job); "
+        "runPolicy.activeDeadlineSeconds counts from here.",
+    )
+    completion_time: Optional[datetime] = Field(
+        None, description="completionTime: when the job reached Succeeded or Failed."
+    )
+    step: Optional[int] = Field(None, ge=0, description="step: optimizer steps done (from the progress hash).")
+    documents_seen: Optional[int] = Field(
+        None, ge=0, description="documentsSeen: documents that entered the loss, all ranks (documents)."
+    )
+    model_version: Optional[int] = Field(
+        None, ge=0, description="modelVersion: version of the trainer's weights, in documents (DESIGN §6)."
+    )
+    tokens_per_second: Optional[float] = Field(
+        None, ge=0, description="tokensPerSecond: real tokens per second of the last step, all ranks."
+    )
+    rollout_reward: Optional[float] = Field(
+        None,
+        description="rolloutReward: mean raw reward of everything generated with the newest weights version "
+        "(before filtering; the policy's performance, DESIGN §4).",
+    )
+    rollout_model_version: Optional[int] = Field(
+        None, ge=0, description="rolloutModelVersion: the weights version rolloutReward was measured on."
+    )
+    last_metrics: dict[str, float] = Field(
+        default_factory=dict, description="lastMetrics: loss metrics of the last step by name (DESIGN §4)."
+    )
+    conditions: list[Condition] = Field(default_factory=list, description="conditions: the latest observations.")
+
+    def condition(self, type_: c.ConditionType) -> Optional[Condition]:
+        """The condition of ``type_``, or None when it was never set."""
+        return next((cond for cond in self.conditions if cond.type == type_), None)

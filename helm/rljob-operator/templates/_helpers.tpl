@@ -1,0 +1,63 @@
+{{- define "rljob-operator.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "rljob-operator.labels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "rljob-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "rljob-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "rljob-operator.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Rules for the namespaced resources the operator reads and writes (a ClusterRole or per-namespace Roles). */}}
+{{- define "rljob-operator.namespacedRules" -}}
+# RLTrainingJobs: kopf lists, watches and annotates them (and holds a finalizer); the TTL deletes them.
+- apiGroups: ["rljob.dev"]
+  resources: ["rltrainingjobs"]
+  verbs: ["list", "watch", "patch", "delete"]
+- apiGroups: ["rljob.dev"]
+  resources: ["rltrainingjobs/status"]
+  verbs: ["patch"]
+# Owner references with blockOwnerDeletion on children.
+- apiGroups: ["rljob.dev"]
+  resources: ["rltrainingjobs/finalizers"]
+  verbs: ["update"]
+# Trainer and rollout pods: watched (index), created, deleted; read after a name conflict.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch", "create", "delete"]
+# ConfigMap and Services: server-side apply (create + patch).
+- apiGroups: [""]
+  resources: ["configmaps", "services"]
+  verbs: ["create", "patch"]
+# The generated Redis password Secret (create-only) and the Redis passwords (read for progress).
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create"]
+# Managed Redis: server-side apply, watched for readiness.
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["list", "watch", "create", "patch"]
+# Events on jobs (kopf posts core/v1 Events).
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end -}}

@@ -1,0 +1,201 @@
+"""The operator's only Kubernetes API calls (kubernetes.aio's ApiClient, plain dicts in and out).
+
+- :meth:`KubeApi.apply`: server-side apply with field manager ``rljob-operator`` (idempotent; unchanged
+  objects are not rewritten) for ConfigMaps, Services and Deployments;
+- :meth:`KubeApi.create`: create-only (pods, the generated Secret): an existing object is kept as it is;
+- :meth:`KubeApi.delete`: delete by name, optionally only the exact object (uid precondition);
+- :meth:`KubeApi.patch_status`: JSON merge patch of the job's status with a resourceVersion precondition, so a
+  decision taken on a stale view of the job is refused (409) instead of written;
+- :meth:`KubeApi.list`, :meth:`KubeApi.get`, :meth:`KubeApi.secret_value`.
+
+Errors come back as :class:`ApiError`; :func:`kopf_error` maps them to kopf's retry semantics: 409, 429 and
+5xx are temporary, 400 and 422 (the API server rejected what we rendered) permanent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional
+
+import aiohttp
+import kopf
+from kubernetes.aio import config as kube_config
+from kubernetes.aio.client import ApiClient, Configuration
+
+from rljob_api import constants as c
+
+#: plural of every kind the operator writes
+PLURALS = {
+    "ConfigMap": "configmaps",
+    "Secret": "secrets",
+    "Service": "services",
+    "Pod": "pods",
+    "Deployment": "deployments",
+    c.KIND: c.PLURAL,
+}
+_SERVICE_ACCOUNT_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+
+
+class ApiError(Exception):
+    """A non-2xx answer of the API server: ``status`` (HTTP code; 0 when it could not be reached), ``reason``
+    and the Status ``message``."""
+
+    def __init__(self, status: int, reason: str, message: str, what: str) -> None:
+        super().__init__(f"{what}: HTTP {status} {reason}: {message}")
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+
+def kopf_error(err: ApiError) -> Exception:
+    """409/429/5xx and transport errors (status 0) → kopf.TemporaryError (retried soon); 400/422 →
+    kopf.PermanentError; others (401/403/404...) → retried slowly."""
+    if err.status == 409:
+        return kopf.TemporaryError(str(err), delay=1)
+    if err.status in (0, 429) or err.status >= 500:
+        return kopf.TemporaryError(str(err), delay=5)
+    if err.status in (400, 422):
+        return kopf.PermanentError(str(err))
+    return kopf.TemporaryError(str(err), delay=30)
+
+
+def adopt(children: Iterable[dict[str, Any]], owner: Mapping[str, Any]) -> None:
+    """Give each child the owner's namespace and a controller owner reference to it (deletion cascades).
+
+    Unlike ``kopf.adopt`` the owner's labels are not copied: children carry exactly the labels
+    :mod:`rljob_operator.render` gives them (the Kueue queue-name label belongs on pods only).
+    """
+    children = list(children)
+    kopf.append_owner_reference(children, owner=owner)
+    kopf.adjust_namespace(children, namespace=owner["metadata"]["namespace"])
+
+
+def _path(api_version: str, plural: str, namespace: Optional[str], name: Optional[str] = None,
+          subresource: Optional[str] = None) -> str:
+    root = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    path = root + (f"/namespaces/{namespace}" if namespace else "") + f"/{plural}"
+    if name:
+        path += f"/{name}"
+    if subresource:
+        path += f"/{subresource}"
+    return path
+
+
+def _object_path(obj: Mapping[str, Any]) -> str:
+    meta = obj["metadata"]
+    return _path(obj["apiVersion"], PLURALS[obj["kind"]], meta["namespace"], meta["name"])
+
+
+class KubeApi:
+    """Async access to the API server for the operator (one per operator process)."""
+
+    def __init__(self, client: ApiClient) -> None:
+        self._client = client
+
+    @classmethod
+    async def connect(cls, kubeconfig: Optional[str] = None) -> "KubeApi":
+        """Credentials from ``kubeconfig``, $KUBECONFIG / ~/.kube/config, or the pod's service account."""
+        configuration = Configuration()
+        in_cluster = os.environ.get("KUBERNETES_SERVICE_HOST") and _SERVICE_ACCOUNT_TOKEN.exists()
+        if kubeconfig is None and in_cluster and not os.environ.get("KUBECONFIG"):
+            kube_config.load_incluster_config(client_configuration=configuration)
+        else:
+            await kube_config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+        return cls(ApiClient(configuration))
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    async def _request(self, method: str, path: str, what: str, *, body: Any = None,
+                       query: Optional[dict[str, Any]] = None, content_type: str = "application/json") -> Any:
+        headers = {"Content-Type": content_type, "Accept": "application/json"}
+        params = await self._client.param_serialize(
+            method, path, query_params=list((query or {}).items()) or None, header_params=headers, body=body,
+            auth_settings=["BearerToken"],
+        )
+        try:
+            response = await self._client.call_api(*params, _request_timeout=30)
+            data = await response.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+            raise ApiError(0, "Unreachable", f"{type(err).__name__}: {err}", what) from err
+        payload = json.loads(data) if data else None
+        if response.status >= 300:
+            message = payload.get("message", "") if isinstance(payload, dict) else (data or b"").decode(errors="replace")
+            raise ApiError(response.status, response.reason or "", message, what)
+        return payload
+
+    async def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """Server-side apply ``obj`` (field manager rljob-operator, conflicts forced)."""
+        what = f"apply {obj['kind']} {obj['metadata']['namespace']}/{obj['metadata']['name']}"
+        return await self._request(
+            "PATCH", _object_path(obj), what, body=dict(obj),
+            query={"fieldManager": c.FIELD_MANAGER, "force": "true"}, content_type="application/apply-patch+yaml",
+        )
+
+    async def create(self, obj: Mapping[str, Any]) -> Optional[dict[str, Any]]:
+        """Create ``obj``; None when an object of that name already exists (it is left untouched)."""
+        meta = obj["metadata"]
+        what = f"create {obj['kind']} {meta['namespace']}/{meta['name']}"
+        path = _path(obj["apiVersion"], PLURALS[obj["kind"]], meta["namespace"])
+        try:
+            return await self._request("POST", path, what, body=dict(obj), query={"fieldManager": c.FIELD_MANAGER})
+        except ApiError as err:
+            if err.status == 409 and err.reason == "Conflict" and "already exists" in err.message:
+                return None
+            raise
+
+    async def get(self, api_version: str, kind: str, namespace: str, name: str) -> Optional[dict[str, Any]]:
+        """The object, or None when it does not exist."""
+        try:
+            return await self._request("GET", _path(api_version, PLURALS[kind], namespace, name),
+                                       f"get {kind} {namespace}/{name}")
+        except ApiError as err:
+            if err.status == 404:
+                return None
+            raise
+
+    async def delete(self, api_version: str, kind: str, namespace: str, name: str, *,
+                     uid: Optional[str] = None) -> bool:
+        """Delete (background propagation); only the object with ``uid`` when given. False when already gone."""
+        options: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
+        if uid:
+            options["preconditions"] = {"uid": uid}
+        try:
+            await self._request("DELETE", _path(api_version, PLURALS[kind], namespace, name),
+                                f"delete {kind} {namespace}/{name}", body=options)
+        except ApiError as err:
+            if err.status == 404 or (uid and err.status == 409):
+                return False
+            raise
+        return True
+
+    async def list(self, api_version: str, kind: str, namespace: Optional[str] = None,
+                   label_selector: Optional[str] = None) -> list[dict[str, Any]]:
+        """Every object of a kind (in ``namespace``, or cluster-wide when None) matching ``label_selector``."""
+        query = {"labelSelector": label_selector} if label_selector else None
+        payload = await self._request("GET", _path(api_version, PLURALS[kind], namespace),
+                                      f"list {kind} in {namespace or 'all namespaces'}", query=query)
+        return list(payload.get("items") or [])
+
+    async def patch_status(self, namespace: str, name: str, patch: Mapping[str, Any],
+                           resource_version: Optional[str]) -> dict[str, Any]:
+        """Merge-patch the job's status subresource; refused with 409 when the job changed since
+        ``resource_version`` (the patch was computed from a stale view). Returns the updated job."""
+        body = dict(patch)
+        if resource_version:
+            body["metadata"] = {"resourceVersion": resource_version}
+        return await self._request(
+            "PATCH", _path(c.API_VERSION, c.PLURAL, namespace, name, "status"), f"patch status of {namespace}/{name}",
+            body=body, content_type="application/merge-patch+json",
+        )
+
+    async def secret_value(self, namespace: str, name: str, key: str) -> Optional[str]:
+        """The decoded value of one Secret key; None when the Secret or the key is missing."""
+        secret = await self.get("v1", "Secret", namespace, name)
+        if not secret or key not in (secret.get("data") or {}):
+            return None
+        return base64.b64decode(secret["data"][key]).decode()

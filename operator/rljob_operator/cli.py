@@ -1,0 +1,77 @@
+"""The ``rljob`` command line (typer): one subcommand per role.
+
+``rljob operator`` runs the kopf operator; ``rljob crd`` prints the CRD. Other roles add their own
+subcommands to :data:`app`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List, Optional
+
+import typer
+
+app = typer.Typer(help="rljob: streaming RL post-training of LLMs on Kubernetes.", no_args_is_help=True)
+
+
+@app.callback()
+def main() -> None:
+    """rljob: streaming RL post-training of LLMs on Kubernetes."""
+
+
+@app.command()
+def operator(
+    namespace: List[str] = typer.Option([], "--namespace", "-n", help="Namespace to watch (repeatable)."),
+    all_namespaces: bool = typer.Option(False, "--all-namespaces", "-A", help="Watch every namespace."),
+    peering: Optional[str] = typer.Option(
+        None, help="ClusterKopfPeering object shared by the replicas (one active); default: run standalone."
+    ),
+    priority: Optional[int] = typer.Option(
+        None, help="Peering priority: the highest live replica works, the others wait (default: random)."
+    ),
+    liveness_port: int = typer.Option(8080, help="Port of kopf's liveness endpoint /healthz (0 disables)."),
+    metrics_port: int = typer.Option(9090, help="Port of the Prometheus endpoint /metrics (0 disables)."),
+    active_interval: float = typer.Option(5.0, help="Seconds between passes of an active job."),
+    idle_interval: float = typer.Option(60.0, help="Seconds between passes of a suspended/finished/invalid job."),
+    kubeconfig: Optional[str] = typer.Option(None, envvar="KUBECONFIG", help="Kubeconfig (default: in-cluster)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Debug logging."),
+) -> None:
+    """Run the RLTrainingJob operator (kopf)."""
+    import kopf
+
+    from rljob_operator import handlers, settings  # noqa: F401  (registers the handlers)
+
+    if bool(namespace) == all_namespaces:
+        raise typer.BadParameter("give --namespace (one or more) or --all-namespaces, not both or neither")
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not verbose:  # kopf logs every handler success per object; the job's Events and status say more
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    options = settings.OperatorOptions(
+        namespaces=tuple(namespace),
+        metrics_port=metrics_port or None,
+        kubeconfig=kubeconfig,
+        active_interval_s=active_interval,
+        idle_interval_s=idle_interval,
+    )
+    kopf.run(
+        clusterwide=all_namespaces,
+        namespaces=list(namespace),
+        standalone=peering is None,
+        peering_name=peering,
+        priority=priority if priority is not None else settings.draw_priority(),
+        liveness_endpoint=f"http://0.0.0.0:{liveness_port}/healthz" if liveness_port else None,
+        memo=kopf.Memo(options=options),
+    )
+
+
+@app.command()
+def crd() -> None:
+    """Print the RLTrainingJob CRD (YAML)."""
+    from rljob_operator.crd import crd_yaml
+
+    typer.echo(crd_yaml(), nl=False)
+
+
+if __name__ == "__main__":
+    app()

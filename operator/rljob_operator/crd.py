@@ -1,0 +1,278 @@
+"""The RLTrainingJob CustomResourceDefinition, generated from the pydantic models of :mod:`rljob_api`.
+
+``python -m rljob_operator.crd > crds/rltrainingjobs.rljob.dev.yaml`` (or ``rljob crd``) writes the committed
+file; a test regenerates it and compares bytes, so the CRD never drifts from the models.
+
+The pydantic JSON schema is turned into a Kubernetes *structural* schema: ``$ref``s inlined, ``Optional``
+unwrapped, JSON-Schema-2020 exclusive bounds turned into OpenAPI v3 booleans, titles dropped, a description
+on every field (``kubectl explain``), ``default: {}`` on nested objects so their own defaults apply, and the
+rules only CEL can express (``x-kubernetes-validations``) placed next to the fields they guard.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+
+from rljob_api import constants as c
+from rljob_api.spec import RLTrainingJobSpec
+from rljob_api.status import RLTrainingJobStatus
+
+_QUANTITY = {
+    "anyOf": [{"type": "integer"}, {"type": "string"}],
+    "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",
+    "x-kubernetes-int-or-string": True,
+}
+
+#: Schemas of the fields the pydantic model keeps free-form (``dict[str, Any]``), by JSON property name: the
+#: same shapes as core/v1 ResourceRequirements and Toleration, so the API server checks them.
+FREE_FORM_SCHEMAS: dict[str, dict[str, Any]] = {
+    "resources": {
+        "type": "object",
+        "properties": {
+            "limits": {
+                "type": "object",
+                "description": "limits: maximum amount of each resource, e.g. {cpu: 2, memory: 8Gi, nvidia.com/gpu: 8}.",
+                "additionalProperties": dict(_QUANTITY),
+            },
+            "requests": {
+                "type": "object",
+                "description": "requests: amount of each resource the scheduler reserves.",
+                "additionalProperties": dict(_QUANTITY),
+            },
+        },
+    },
+    "tolerations": {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "description": "A core/v1 Toleration.",
+            "properties": {
+                "key": {"type": "string", "description": "key: taint key; empty with operator Exists matches all."},
+                "operator": {
+                    "type": "string",
+                    "enum": ["Exists", "Equal"],
+                    "description": "operator: Exists or Equal (default Equal).",
+                },
+                "value": {"type": "string", "description": "value: taint value matched with operator Equal."},
+                "effect": {
+                    "type": "string",
+                    "enum": ["NoSchedule", "PreferNoSchedule", "NoExecute"],
+                    "description": "effect: taint effect to match; empty matches all.",
+                },
+                "tolerationSeconds": {
+                    "type": "integer",
+                    "format": "int64",
+                    "description": "tolerationSeconds: how long a NoExecute taint is tolerated.",
+                },
+            },
+        },
+    },
+}
+
+# --- CEL rules (x-kubernetes-validations); their messages are asserted by tests against a real API server ----
+TOPOLOGY_FIELDS = ("nodes", "processesPerNode", "tensorParallel", "pipelineParallel")
+
+RULE_DIVISIBLE = {
+    "rule": "(self.nodes * self.processesPerNode) % (self.tensorParallel * self.pipelineParallel) == 0",
+    "message": "nodes*processesPerNode must be divisible by tensorParallel*pipelineParallel",
+    "fieldPath": ".nodes",
+    "reason": "FieldValueInvalid",
+}
+RULE_METRICS_PP = {
+    "rule": "!(self.algorithm.metrics in ['basic', 'full']) || self.trainer.pipelineParallel == 1",
+    "message": "metrics basic or full requires trainer.pipelineParallel == 1",
+    "fieldPath": ".algorithm.metrics",
+    "reason": "FieldValueInvalid",
+}
+RULE_TOPOLOGY_IMMUTABLE = {
+    "rule": "self.runPolicy.suspend || oldSelf.runPolicy.suspend || ("
+    + " && ".join(f"self.trainer.{f} == oldSelf.trainer.{f}" for f in TOPOLOGY_FIELDS)
+    + ")",
+    "message": "trainer topology (nodes, processesPerNode, tensorParallel, pipelineParallel) is immutable while "
+    "the job runs: set runPolicy.suspend to true first, then change it and resume",
+    "fieldPath": ".trainer",
+    "reason": "FieldValueForbidden",
+}
+PRINTER_COLUMNS = [
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "description": "Summary of the conditions."},
+    {"name": "DP", "type": "integer", "jsonPath": ".status.dataParallelSize", "description": "Data-parallel size."},
+    {"name": "Step", "type": "integer", "jsonPath": ".status.step", "description": "Optimizer steps done."},
+    {
+        "name": "ModelVersion",
+        "type": "integer",
+        "jsonPath": ".status.modelVersion",
+        "description": "Trainer weights version (documents).",
+    },
+    {
+        "name": "Reward",
+        "type": "number",
+        "jsonPath": ".status.rolloutReward",
+        "description": "Mean rollout reward of the newest weights version.",
+    },
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+_KEEP = ("description", "enum", "format", "minimum", "maximum", "minLength", "maxLength", "pattern", "minItems",
+         "maxItems")
+
+
+class SchemaError(ValueError):
+    """The pydantic schema has a shape this generator cannot express structurally (names the property)."""
+
+
+def _convert(node: dict[str, Any], defs: dict[str, Any], path: str, with_defaults: bool,
+             optional: bool = False) -> dict[str, Any]:
+    """One pydantic JSON-schema node → one structural OpenAPI v3 node (see module docstring).
+
+    A required-by-default nested object (not ``optional``) gets as default the object of its properties'
+    defaults, so the API server fills the whole tree and CEL rules always see every defaulted field.
+    """
+    own_description = node.get("description")
+    own_default = node.get("default")
+    if "$ref" in node:
+        target = defs[node["$ref"].rsplit("/", 1)[-1]]
+        out = _convert(target, defs, path, with_defaults)
+        if own_description:
+            out["description"] = own_description
+        if with_defaults and not optional and "default" not in node and "properties" in out:
+            out["default"] = object_default(out)
+    elif "anyOf" in node:
+        members = [m for m in node["anyOf"] if m.get("type") != "null"]
+        if len(members) != 1:
+            raise SchemaError(f"{path}: a union of {len(members)} non-null types has no structural schema")
+        out = _convert({**members[0], **({"description": own_description} if own_description else {})},
+                       defs, path, with_defaults, optional=True)
+    else:
+        out = _convert_plain(node, defs, path, with_defaults)
+    if with_defaults and own_default is not None:
+        out["default"] = own_default
+    return out
+
+
+def _convert_plain(node: dict[str, Any], defs: dict[str, Any], path: str, with_defaults: bool) -> dict[str, Any]:
+    kind = node.get("type")
+    out: dict[str, Any] = {"type": kind} if kind else {}
+    if "enum" in node and not kind:
+        out["type"] = "string"
+    for key in _KEEP:
+        if key in node:
+            out[key] = node[key]
+    for bound, flag in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if bound in node:
+            out[flag] = node[bound]
+            out[bound] = True
+    if kind == "object":
+        props = node.get("properties")
+        extra = node.get("additionalProperties")
+        if props:
+            out["properties"] = {
+                name: _convert(sub, defs, f"{path}.{name}", with_defaults) for name, sub in props.items()
+            }
+            if node.get("required"):
+                out["required"] = list(node["required"])
+        elif isinstance(extra, dict) and extra:
+            out["additionalProperties"] = _convert(extra, defs, f"{path}.*", with_defaults)
+        else:
+            out = _free_form(path, out)
+    elif kind == "array":
+        items = node.get("items") or {}
+        if items.get("type") == "object" and not items.get("properties") and not items.get("$ref"):
+            out = _free_form(path, out)
+        else:
+            out["items"] = _convert(items, defs, f"{path}[]", with_defaults)
+    return out
+
+
+def object_default(schema: dict[str, Any]) -> dict[str, Any]:
+    """The object made of the defaults of ``schema``'s properties (nested objects included)."""
+    return {name: sub["default"] for name, sub in schema.get("properties", {}).items() if "default" in sub}
+
+
+def _free_form(path: str, out: dict[str, Any]) -> dict[str, Any]:
+    name = path.rsplit(".", 1)[-1]
+    if name not in FREE_FORM_SCHEMAS:
+        raise SchemaError(f"{path}: free-form field without a schema; add it to FREE_FORM_SCHEMAS")
+    return {**FREE_FORM_SCHEMAS[name], **{k: v for k, v in out.items() if k == "description"}}
+
+
+def model_schema(model: type[BaseModel], path: str, *, with_defaults: bool) -> dict[str, Any]:
+    """Structural OpenAPI v3 schema of ``model`` (camelCase names).
+
+    Raises:
+        SchemaError: a field has no structural form (a multi-type union, an unknown free-form field).
+    """
+    schema = model.model_json_schema(by_alias=True, mode="validation")
+    return _convert(schema, schema.get("$defs", {}), path, with_defaults)
+
+
+def crd() -> dict[str, Any]:
+    """The CustomResourceDefinition as a dict (apiextensions.k8s.io/v1)."""
+    spec = model_schema(RLTrainingJobSpec, "spec", with_defaults=True)
+    spec["default"] = object_default(spec)
+    spec["x-kubernetes-validations"] = [RULE_METRICS_PP, RULE_TOPOLOGY_IMMUTABLE]
+    spec["properties"]["trainer"]["x-kubernetes-validations"] = [RULE_DIVISIBLE]
+    status = model_schema(RLTrainingJobStatus, "status", with_defaults=False)
+    status["properties"]["conditions"].update(
+        {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
+    )
+    root = {
+        "type": "object",
+        "description": "RLTrainingJob runs streaming RL post-training (GRPO/GSPO) of an LLM: a managed or external "
+        "Redis stream, a data-parallel trainer gang (torchrun) and rollout workers.",
+        "properties": {
+            "apiVersion": {
+                "type": "string",
+                "description": "apiVersion: versioned schema of this representation (rljob.dev/v1alpha1).",
+            },
+            "kind": {"type": "string", "description": "kind: RLTrainingJob."},
+            "metadata": {"type": "object"},  # the API server allows nothing else here
+            "spec": spec,
+            "status": status,
+        },
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": c.CRD_NAME},
+        "spec": {
+            "group": c.GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": c.KIND,
+                "listKind": f"{c.KIND}List",
+                "plural": c.PLURAL,
+                "singular": c.SINGULAR,
+                "shortNames": list(c.SHORT_NAMES),
+                "categories": ["all"],
+            },
+            "versions": [
+                {
+                    "name": c.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": PRINTER_COLUMNS,
+                    "schema": {"openAPIV3Schema": root},
+                }
+            ],
+        },
+    }
+
+
+def crd_yaml() -> str:
+    """The CRD as the YAML text committed in ``crds/`` (deterministic: key order kept, no wrapping)."""
+    header = "# Generated by `python -m rljob_operator.crd` from rljob_api's pydantic models. Do not edit.\n"
+    return header + yaml.safe_dump(crd(), sort_keys=False, width=1 << 16, allow_unicode=True)
+
+
+def main() -> None:
+    """Print the CRD YAML to stdout."""
+    sys.stdout.write(crd_yaml())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,331 @@
+"""The gang state machine of DESIGN §5, as a pure function: (spec, lifecycle, observed pods, now) → plan.
+
+Rules (JobSet's BlockingRecreate, Kubernetes Job's backoffLimit, suspend and deadline semantics):
+
+- The trainer gang of attempt k is created whole; every pod carries ``rljob.dev/attempt=k`` and the same
+  config hash. torchrun runs with a fixed node count, so no rank trains with a partial world.
+- Any trainer pod of attempt k that fails, is evicted or preempted, is lost with its node (phase Unknown),
+  is deleted, or runs an outdated config (the spec changed) ends attempt k: the lifecycle is saved first
+  (attempt k+1, restarts + 1), then every pod of attempt k is deleted, and attempt k+1 is created only once
+  no pod of an older attempt is left, so attempts never mix.
+- ``failedAttempts`` counts only failures and deletions; evictions, preemptions, node loss and spec changes
+  are not counted. A counted failure when ``failedAttempts == backoffLimit`` fails the job instead.
+- The job succeeds when trainer pod 0 (global rank 0, which exits 0 only after the final checkpoint and
+  export) has Succeeded.
+- ``runPolicy.suspend``: every trainer and rollout pod is deleted (Redis, the config and the stream stay);
+  ``startTime`` is cleared, so ``activeDeadlineSeconds`` counts again from the resume; the next gang is a
+  new attempt (not a restart).
+- ``activeDeadlineSeconds`` past ``startTime`` fails the job (DeadlineExceeded).
+- Finished jobs: pods are cleaned per ``cleanPodPolicy``; the job is deleted ``ttlSecondsAfterFinished``
+  after ``completionTime``.
+- Rollout pods are reconciled apart: a missing one is created, a failed or outdated one deleted (and
+  recreated on the next pass); nothing about them ever touches the gang.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
+from typing import Iterable, Optional, Sequence
+
+from rljob_api import names
+from rljob_api.constants import ConditionType, Phase, Reason
+from rljob_api.spec import RLTrainingJobSpec
+from rljob_api.status import RLTrainingJobStatus
+
+from rljob_operator.observe import PodView
+
+FINISHED = (Phase.SUCCEEDED, Phase.FAILED)
+
+#: The condition whose reason and message describe each phase (see :meth:`Lifecycle.from_status`).
+PHASE_CONDITION = {
+    Phase.RESTARTING: ConditionType.RESTARTING,
+    Phase.SUSPENDED: ConditionType.SUSPENDED,
+    Phase.SUCCEEDED: ConditionType.SUCCEEDED,
+    Phase.FAILED: ConditionType.FAILED,
+    Phase.INVALID: ConditionType.VALID,
+}
+
+
+@dataclass(frozen=True)
+class Lifecycle:
+    """The part of the status the gang logic owns; ``reason`` and ``message`` describe the phase."""
+
+    phase: Phase = Phase.PENDING
+    attempt: int = 0
+    restarts: int = 0
+    failed_attempts: int = 0
+    gang_created: bool = False
+    start_time: Optional[datetime] = None
+    completion_time: Optional[datetime] = None
+    reason: Reason = Reason.WAITING_FOR_GANG
+    message: str = "creating the trainer gang"
+
+    @classmethod
+    def from_status(cls, status: RLTrainingJobStatus) -> "Lifecycle":
+        """Read the lifecycle back from a saved status (a new job gives the defaults)."""
+        phase = status.phase or Phase.PENDING
+        cond = status.condition(PHASE_CONDITION.get(phase, ConditionType.RUNNING))
+        try:
+            reason = Reason(cond.reason) if cond else cls.reason
+        except ValueError:
+            reason = cls.reason
+        return cls(
+            phase=phase,
+            attempt=status.attempt,
+            restarts=status.restarts,
+            failed_attempts=status.failed_attempts,
+            gang_created=status.gang_created,
+            start_time=status.start_time,
+            completion_time=status.completion_time,
+            reason=reason,
+            message=cond.message if cond else cls.message,
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one reconcile pass does, in this order.
+
+    1. save ``lifecycle`` (when it differs from the saved one);
+    2. delete the pods in ``delete`` and, if ``delete_job``, the job itself;
+    3. create trainer pods ``create_trainers`` of ``lifecycle.attempt`` and rollout pods ``create_rollouts``;
+    4. save ``after_create`` when it is set (the gang is then marked created).
+
+    ``requeue_after``: seconds until a deadline or TTL fires (None: nothing timed is pending).
+    """
+
+    lifecycle: Lifecycle
+    delete: tuple[str, ...] = ()
+    create_trainers: tuple[int, ...] = ()
+    create_rollouts: tuple[int, ...] = ()
+    after_create: Optional[Lifecycle] = None
+    delete_job: bool = False
+    requeue_after: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class _Failure:
+    pod: str
+    reason: Reason
+    detail: str
+    counted: bool
+
+
+@dataclass(frozen=True)
+class _Observed:
+    trainers: Sequence[PodView]
+    rollouts: Sequence[PodView]
+    current: dict[int, PodView] = field(default_factory=dict)
+    old: Sequence[PodView] = ()
+
+
+def plan(
+    job: str, spec: RLTrainingJobSpec, previous: Lifecycle, pods: Iterable[PodView], config_hash: str,
+    now: datetime,
+) -> Plan:
+    """Decide one reconcile pass of a valid job (see the module docstring for the rules).
+
+    Args:
+        job: the job's name (names missing pods in messages).
+        spec: the validated spec.
+        previous: the saved lifecycle (:meth:`Lifecycle.from_status`).
+        pods: every trainer and rollout pod of the job (other roles are ignored).
+        config_hash: hash of the config the pods must run (:meth:`rljob_api.config.JobConfig.config_hash`).
+        now: the current time (timezone-aware).
+    """
+    pods = list(pods)
+    trainers = [p for p in pods if p.role == "trainer"]
+    obs = _Observed(
+        trainers=trainers,
+        rollouts=[p for p in pods if p.role == "rollout"],
+        current={p.index: p for p in trainers if p.attempt == previous.attempt},
+        old=[p for p in trainers if p.attempt != previous.attempt],
+    )
+    if previous.phase in FINISHED:
+        return _finished(spec, previous, obs, now)
+    if spec.run_policy.suspend:
+        return _suspend(previous, obs)
+    return _active(job, spec, previous, obs, config_hash, now)
+
+
+def _finished(spec: RLTrainingJobSpec, lc: Lifecycle, obs: _Observed, now: datetime) -> Plan:
+    delete = _cleanup(spec.run_policy.clean_pod_policy, [*obs.trainers, *obs.rollouts])
+    ttl = spec.run_policy.ttl_seconds_after_finished
+    if ttl is None or lc.completion_time is None:
+        return Plan(lc, delete=delete)
+    left = (lc.completion_time + timedelta(seconds=ttl) - now).total_seconds()
+    return Plan(lc, delete=delete, delete_job=left <= 0, requeue_after=max(left, 0.0))
+
+
+def _cleanup(policy: str, pods: Sequence[PodView]) -> tuple[str, ...]:
+    """Pods ``cleanPodPolicy`` deletes: All (every pod), Running (those not yet terminated) or None."""
+    if policy == "All":
+        return _names(p for p in pods if not p.deleting)
+    if policy == "Running":
+        return _names(p for p in pods if p.active)
+    return ()
+
+
+def _suspend(lc: Lifecycle, obs: _Observed) -> Plan:
+    left = [*obs.trainers, *obs.rollouts]
+    message = "job suspended: pods deleted, Redis and the stream kept; set runPolicy.suspend to false to resume"
+    if left:
+        message += f" ({len(left)} pods still terminating)"
+    suspended = replace(
+        lc,
+        phase=Phase.SUSPENDED,
+        attempt=lc.attempt + 1 if lc.gang_created else lc.attempt,
+        gang_created=False,
+        start_time=None,
+        reason=Reason.JOB_SUSPENDED,
+        message=message,
+    )
+    return Plan(suspended, delete=_names(p for p in left if not p.deleting))
+
+
+def _active(
+    job: str, spec: RLTrainingJobSpec, lc: Lifecycle, obs: _Observed, config_hash: str, now: datetime
+) -> Plan:
+    rp = spec.run_policy
+    if lc.start_time is None:
+        lc = replace(lc, start_time=now)
+    requeue = None
+    if rp.active_deadline_seconds is not None:
+        left = (lc.start_time + timedelta(seconds=rp.active_deadline_seconds) - now).total_seconds()
+        if left <= 0:
+            failed = replace(
+                lc,
+                phase=Phase.FAILED,
+                completion_time=now,
+                reason=Reason.DEADLINE_EXCEEDED,
+                message=f"the job was active for more than activeDeadlineSeconds = {rp.active_deadline_seconds} s",
+            )
+            return Plan(failed, delete=_cleanup(rp.clean_pod_policy, [*obs.trainers, *obs.rollouts]))
+        requeue = left
+
+    delete_rollouts, create_rollouts = _rollouts(spec, obs.rollouts, config_hash)
+    delete_old = _names(p for p in obs.old if not p.deleting)
+    pod0 = obs.current.get(0)
+    if pod0 is not None and pod0.phase == "Succeeded":
+        done = replace(
+            lc,
+            phase=Phase.SUCCEEDED,
+            completion_time=now,
+            reason=Reason.TRAINING_FINISHED,
+            message=f"trainer pod {pod0.name} (global rank 0) of attempt {lc.attempt} exited 0",
+        )
+        return Plan(done, delete=_cleanup(rp.clean_pod_policy, [*obs.trainers, *obs.rollouts]))
+
+    failures = _failures(job, spec, lc, obs.current, config_hash)
+    if failures:
+        return _restart_or_fail(spec, lc, obs, failures, delete_rollouts, create_rollouts, requeue, now)
+
+    common = dict(delete=delete_old + delete_rollouts, create_rollouts=create_rollouts, requeue_after=requeue)
+    if obs.old:
+        waiting = f"waiting for {len(obs.old)} trainer pods of earlier attempts to terminate"
+        if lc.phase == Phase.RESTARTING:
+            return Plan(lc, **common)
+        return Plan(replace(lc, phase=Phase.PENDING, reason=Reason.TEARING_DOWN, message=waiting), **common)
+    if not lc.gang_created:
+        missing = tuple(i for i in range(spec.trainer.nodes) if i not in obs.current)
+        before = lc if lc.phase == Phase.RESTARTING else replace(
+            lc, phase=Phase.PENDING, reason=Reason.WAITING_FOR_GANG, message="creating the trainer gang"
+        )
+        after = replace(
+            lc,
+            phase=Phase.STARTING,
+            gang_created=True,
+            reason=Reason.GANG_CREATED,
+            message=f"created attempt {lc.attempt}: {spec.trainer.nodes} trainer pods",
+        )
+        return Plan(before, create_trainers=missing, after_create=after, **common)
+    running = [p for p in obs.current.values() if p.phase == "Running"]
+    if len(running) == spec.trainer.nodes:
+        now_running = replace(
+            lc,
+            phase=Phase.RUNNING,
+            reason=Reason.TRAINING,
+            message=f"attempt {lc.attempt}: all {spec.trainer.nodes} trainer pods running",
+        )
+        return Plan(now_running, **common)
+    if lc.phase == Phase.STARTING:
+        return Plan(lc, **common)
+    starting = replace(
+        lc,
+        phase=Phase.STARTING,
+        reason=Reason.WAITING_FOR_GANG,
+        message=f"attempt {lc.attempt}: {len(running)}/{spec.trainer.nodes} trainer pods running",
+    )
+    return Plan(starting, **common)
+
+
+def _failures(
+    job: str, spec: RLTrainingJobSpec, lc: Lifecycle, current: dict[int, PodView], config_hash: str
+) -> list[_Failure]:
+    """Why attempt ``lc.attempt`` cannot go on (empty: it can)."""
+    failures = []
+    for index in sorted(current):
+        p = current[index]
+        if p.phase == "Failed":
+            reason = Reason.POD_EVICTED if p.disrupted else Reason.POD_FAILED
+            failures.append(_Failure(p.name, reason, p.failure or "failed", counted=not p.disrupted))
+        elif p.phase == "Unknown":
+            failures.append(_Failure(p.name, Reason.POD_LOST, "lost with its node (phase Unknown)", counted=False))
+        elif p.deleting and p.phase != "Succeeded":
+            reason = Reason.POD_EVICTED if p.disrupted else Reason.POD_DELETED
+            failures.append(_Failure(p.name, reason, "was deleted", counted=not p.disrupted))
+        elif p.config_hash != config_hash:
+            failures.append(_Failure(p.name, Reason.CONFIG_CHANGED, "runs an outdated config (the spec changed)",
+                                     counted=False))
+    if lc.gang_created:
+        for index in range(spec.trainer.nodes):
+            if index not in current:
+                failures.append(_Failure(names.trainer_pod(job, index), Reason.POD_DELETED, "is gone (deleted)",
+                                         counted=True))
+    return failures
+
+
+def _restart_or_fail(spec, lc, obs, failures, delete_rollouts, create_rollouts, requeue, now) -> Plan:
+    counted = [f for f in failures if f.counted]
+    cause = counted[0] if counted else failures[0]
+    what = f"trainer pod {cause.pod} of attempt {lc.attempt} {cause.detail}"
+    teardown = _names(p for p in [*obs.current.values(), *obs.old] if not p.deleting)
+    limit = spec.run_policy.backoff_limit
+    if counted and lc.failed_attempts >= limit:
+        failed = replace(
+            lc,
+            phase=Phase.FAILED,
+            completion_time=now,
+            reason=Reason.BACKOFF_LIMIT_EXCEEDED,
+            message=f"{what}; backoffLimit = {limit} reached ({lc.failed_attempts} counted restarts)",
+        )
+        return Plan(failed, delete=teardown if spec.run_policy.clean_pod_policy != "None" else ())
+    restarted = replace(
+        lc,
+        phase=Phase.RESTARTING,
+        attempt=lc.attempt + 1,
+        restarts=lc.restarts + 1,
+        failed_attempts=lc.failed_attempts + (1 if counted else 0),
+        gang_created=False,
+        reason=cause.reason,
+        message=f"{what}; tearing down the gang, attempt {lc.attempt + 1} resumes from the last checkpoint "
+        f"(restart {lc.restarts + 1}; counted {lc.failed_attempts + (1 if counted else 0)} of backoffLimit {limit})",
+    )
+    return Plan(restarted, delete=teardown + delete_rollouts, create_rollouts=create_rollouts, requeue_after=requeue)
+
+
+def _rollouts(spec: RLTrainingJobSpec, rollouts: Sequence[PodView], config_hash: str):
+    """(pods to delete, indices to create): replicas 0..R-1 exist, run the current config and have not failed."""
+    replicas = spec.rollout.replicas
+    by_index = {p.index: p for p in rollouts}
+    delete = _names(
+        p for p in rollouts
+        if not p.deleting and (p.index >= replicas or p.phase in ("Failed", "Unknown") or p.config_hash != config_hash)
+    )
+    create = tuple(i for i in range(replicas) if i not in by_index)
+    return delete, create
+
+
+def _names(pods: Iterable[PodView]) -> tuple[str, ...]:
+    return tuple(sorted(p.name for p in pods))

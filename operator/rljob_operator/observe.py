@@ -1,0 +1,123 @@
+"""Pure: raw Pod and Deployment objects → the small frozen views the gang logic and status read.
+
+These views are what the operator's kopf indices hold (one per child pod, keyed by job), so they carry only
+what decisions need: role, index, attempt, config hash, phase, why a pod failed, whether it was disrupted
+(eviction, preemption, node loss; not counted against backoffLimit) and why it cannot be scheduled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from rljob_api import constants as c
+
+DISRUPTION_REASONS = frozenset({"Evicted", "Preempting", "NodeLost", "NodeShutdown", "Terminated"})
+"""Pod ``status.reason`` values of a pod the platform (not the workload) ended."""
+
+
+@dataclass(frozen=True)
+class PodView:
+    """One child pod as the operator sees it.
+
+    ``phase``: Pending, Running, Succeeded, Failed or Unknown. ``deleting``: metadata.deletionTimestamp is set.
+    ``disrupted``: a DisruptionTarget condition or a platform reason (:data:`DISRUPTION_REASONS`) — the
+    platform, not the workload, ended it. ``failure``: what ended a Failed pod, for messages.
+    ``unschedulable``: the scheduler's message while PodScheduled is False with reason Unschedulable.
+    """
+
+    name: str
+    role: str
+    index: int
+    attempt: Optional[int]
+    config_hash: Optional[str]
+    phase: str
+    ready: bool = False
+    deleting: bool = False
+    disrupted: bool = False
+    failure: str = ""
+    unschedulable: str = ""
+    uid: str = ""
+
+    @property
+    def terminal(self) -> bool:
+        return self.phase in ("Succeeded", "Failed")
+
+    @property
+    def active(self) -> bool:
+        """Pending, Running or Unknown and not being deleted."""
+        return not self.terminal and not self.deleting
+
+
+def _int(value: Any) -> Optional[int]:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def pod_view(pod: Mapping[str, Any]) -> PodView:
+    """The :class:`PodView` of a raw Pod object (as the API server or a kopf body gives it)."""
+    meta = pod.get("metadata", {})
+    labels = meta.get("labels") or {}
+    status = pod.get("status") or {}
+    conditions = {cond.get("type"): cond for cond in status.get("conditions") or []}
+    disruption = conditions.get("DisruptionTarget", {})
+    scheduled = conditions.get("PodScheduled", {})
+    ready = conditions.get("Ready", {}).get("status") == "True"
+    unschedulable = ""
+    if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
+        unschedulable = scheduled.get("message") or "Unschedulable"
+    return PodView(
+        name=meta.get("name", ""),
+        uid=meta.get("uid", ""),
+        role=labels.get(c.LABEL_ROLE, ""),
+        index=_int(labels.get(c.LABEL_REPLICA_INDEX)) or 0,
+        attempt=_int(labels.get(c.LABEL_ATTEMPT)),
+        config_hash=labels.get(c.LABEL_CONFIG_HASH),
+        phase=status.get("phase") or "Pending",
+        ready=ready,
+        deleting=bool(meta.get("deletionTimestamp")),
+        disrupted=disruption.get("status") == "True" or status.get("reason") in DISRUPTION_REASONS,
+        failure=_failure(status),
+        unschedulable=unschedulable,
+    )
+
+
+def _failure(status: Mapping[str, Any]) -> str:
+    """'reason: message' of the pod, else the first container that terminated with a non-zero code."""
+    if status.get("phase") not in ("Failed", "Unknown"):
+        return ""
+    for container in status.get("containerStatuses") or []:
+        term = (container.get("state") or {}).get("terminated") or {}
+        if term.get("exitCode"):
+            reason = term.get("reason") or "Error"
+            return f"container {container.get('name')} exited with code {term['exitCode']} ({reason})"
+    if status.get("reason") or status.get("message"):
+        return ": ".join(x for x in (status.get("reason"), status.get("message")) if x)
+    return f"phase {status.get('phase')}"
+
+
+@dataclass(frozen=True)
+class DeploymentView:
+    """A child Deployment (the managed Redis): available = at least one ready replica of the current template."""
+
+    name: str
+    available: bool
+    message: str
+
+
+def deployment_view(deployment: Mapping[str, Any]) -> DeploymentView:
+    """The :class:`DeploymentView` of a raw Deployment object."""
+    meta = deployment.get("metadata", {})
+    status = deployment.get("status") or {}
+    wanted = (deployment.get("spec") or {}).get("replicas", 1)
+    ready = status.get("availableReplicas") or 0
+    available_cond = next(
+        (cond for cond in status.get("conditions") or [] if cond.get("type") == "Available"), {}
+    )
+    available = ready >= max(1, wanted) and available_cond.get("status", "True") == "True"
+    message = f"{ready}/{wanted} replicas available"
+    if not available and available_cond.get("message"):
+        message += f": {available_cond['message']}"
+    return DeploymentView(name=meta.get("name", ""), available=available, message=message)

@@ -1,0 +1,150 @@
+"""The job's progress as the roles report it in Redis (DESIGN §2 "Progress"): parse and fetch.
+
+Trainer global rank 0 writes the hash ``{prefix}progress`` after each step (``step``, ``documents_seen``,
+``model_version``, ``tokens_per_second``, ``metrics`` as a JSON object); rollout workers add to
+``{prefix}rollout`` (``reward_sum:{v}`` and ``reward_count:{v}`` per weights version v). The operator reports
+the newest version's mean as ``status.rolloutReward``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from rljob_api import constants as c
+from rljob_api.config import RedisConnection, RedisKeys
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Trainer and rollout progress; None where not reported yet.
+
+    ``documents_seen`` and ``model_version`` are in documents; ``rollout_reward`` is the mean raw reward of the
+    documents generated with weights version ``rollout_model_version``.
+    """
+
+    step: Optional[int] = None
+    documents_seen: Optional[int] = None
+    model_version: Optional[int] = None
+    tokens_per_second: Optional[float] = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    rollout_reward: Optional[float] = None
+    rollout_model_version: Optional[int] = None
+
+    def status_fields(self) -> dict[str, Any]:
+        """The status fields this progress sets (snake_case names of :class:`RLTrainingJobStatus`)."""
+        fields: dict[str, Any] = {
+            name: getattr(self, name)
+            for name in ("step", "documents_seen", "model_version", "tokens_per_second", "rollout_reward",
+                         "rollout_model_version")
+            if getattr(self, name) is not None
+        }
+        if self.metrics:
+            fields["last_metrics"] = dict(self.metrics)
+        return fields
+
+
+def _text(value: Any) -> Optional[str]:
+    if value is None:
+        return None
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _number(value: Any, kind):
+    """``value`` as an int (exactly, also from "12.0") or a finite float; None when it is neither."""
+    text = _text(value)
+    if text is None:
+        return None
+    try:
+        return int(text) if kind is int else _finite(float(text))
+    except ValueError:
+        pass
+    try:
+        number = _finite(float(text))
+    except ValueError:
+        return None
+    return int(number) if kind is int and number is not None and number.is_integer() else None
+
+
+def _finite(number: float) -> Optional[float]:
+    return number if math.isfinite(number) else None
+
+
+def parse(progress: Mapping[Any, Any], rollout: Mapping[Any, Any]) -> Progress:
+    """Parse the two hashes (as HGETALL returns them, bytes or str). Unparseable or non-finite values are
+    skipped (Kubernetes JSON cannot hold NaN), never raised: a bad field must not stop status updates."""
+    progress = {_text(k): v for k, v in progress.items()}
+    rollout = {_text(k): v for k, v in rollout.items()}
+    metrics: dict[str, float] = {}
+    raw_metrics = _text(progress.get(c.PROGRESS_METRICS))
+    if raw_metrics:
+        try:
+            decoded = json.loads(raw_metrics)
+        except json.JSONDecodeError:
+            decoded = {}
+        for name, value in (decoded.items() if isinstance(decoded, dict) else ()):
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                metrics[str(name)] = float(value)
+    reward, version = _newest_reward(rollout)
+    return Progress(
+        step=_number(progress.get(c.PROGRESS_STEP), int),
+        documents_seen=_number(progress.get(c.PROGRESS_DOCUMENTS_SEEN), int),
+        model_version=_number(progress.get(c.PROGRESS_MODEL_VERSION), int),
+        tokens_per_second=_number(progress.get(c.PROGRESS_TOKENS_PER_SECOND), float),
+        metrics=metrics,
+        rollout_reward=reward,
+        rollout_model_version=version,
+    )
+
+
+def _newest_reward(rollout: Mapping[str, Any]) -> tuple[Optional[float], Optional[int]]:
+    """(sum / count, version) for the newest version with a positive count."""
+    best: tuple[Optional[float], Optional[int]] = (None, None)
+    for key, raw_count in rollout.items():
+        if not key.startswith(c.ROLLOUT_REWARD_COUNT_PREFIX):
+            continue
+        version = _number(key[len(c.ROLLOUT_REWARD_COUNT_PREFIX):], int)
+        count = _number(raw_count, float)
+        total = _number(rollout.get(f"{c.ROLLOUT_REWARD_SUM_PREFIX}{key[len(c.ROLLOUT_REWARD_COUNT_PREFIX):]}"), float)
+        if version is None or not count or count <= 0 or total is None:
+            continue
+        if best[1] is None or version > best[1]:
+            best = (total / count, version)
+    return best
+
+
+async def fetch(client: aioredis.Redis, keys: RedisKeys) -> Progress:
+    """Read both hashes in one round trip and parse them.
+
+    Raises:
+        redis.RedisError: Redis unreachable or the password is wrong.
+    """
+    async with client.pipeline(transaction=False) as pipe:
+        pipe.hgetall(keys.progress)
+        pipe.hgetall(keys.rollout)
+        progress, rollout = await pipe.execute()
+    return parse(progress, rollout)
+
+
+def connect(connection: RedisConnection, password: Optional[str], *, timeout: float = 3.0) -> aioredis.Redis:
+    """An asyncio Redis client for ``connection`` (nothing is sent until the first command).
+
+    No retries (redis-py's default retries for seconds): a failed read is reported at once and the operator
+    simply reads again on its next pass, so one unreachable Redis never holds up a reconcile pass.
+    """
+    return aioredis.Redis(
+        host=connection.host,
+        port=connection.port,
+        db=connection.db,
+        password=password,
+        ssl=connection.tls,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        retry=Retry(NoBackoff(), 0),
+    )

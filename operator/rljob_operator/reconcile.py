@@ -1,0 +1,309 @@
+"""One reconcile pass of one RLTrainingJob: parse → render → apply → plan the gang → report.
+
+Everything decided here comes from the pure modules (:mod:`.render`, :mod:`.gang`, :mod:`.status`); this
+module only sequences their results with the API calls of :mod:`.apply`:
+
+1. parse and check the spec; a problem (or an earlier 422 from the API server for this generation) makes the
+   job Invalid: status says which field, no child is created, nothing retries until the spec changes;
+2. apply the Redis Secret (create-only), the ConfigMap, Services and the Redis Deployment — only when their
+   rendering changed since this process last applied them;
+3. plan the gang from the observed pods (the kopf index, plus pods this process created or deleted that the
+   watch has not reported yet) and read the progress hashes;
+4. save the status (merge patch with a resourceVersion precondition: a stale view is refused, not written)
+   and post Events for transitions; then delete and create pods, and save again if a gang was created.
+
+Per-job state that lives only in this process (locks, what was applied, Redis clients) is a
+:class:`JobRuntime` held in kopf's ``memo``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+import json
+import secrets
+import time
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+import redis.asyncio as aioredis
+from pydantic import ValidationError
+
+from rljob_api import constants as c
+from rljob_api.constants import Phase
+from rljob_api.spec import RLTrainingJobSpec
+from rljob_api.status import RLTrainingJobStatus
+from rljob_api.validation import SpecProblem, check_spec, data_parallel_size
+
+from rljob_operator import gang, progress, render, status
+from rljob_operator.apply import ApiError, KubeApi, adopt
+from rljob_operator.observe import DeploymentView, PodView, pod_view
+
+#: How long a pod this process created counts as present before the watch reports it (seconds).
+CREATED_GRACE_S = 30.0
+
+
+class StaleStatus(Exception):
+    """The job changed between reading it and writing its status (HTTP 409); retry with the fresh object."""
+
+
+@dataclass
+class JobRuntime:
+    """State of one job in this operator process (lost on restart, rebuilt from the cluster)."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    applied: Optional[str] = None
+    """Digest of the static children this process last applied (re-applied only when it changes)."""
+    rejected: Optional[tuple[int, str]] = None
+    """(generation, message) of a child the API server refused (422); cleared by a new generation."""
+    created: dict[str, tuple[float, PodView]] = field(default_factory=dict)
+    deleted: dict[str, str] = field(default_factory=dict)
+    redis: Optional[aioredis.Redis] = None
+    redis_identity: Optional[tuple] = None
+    redis_health: status.RedisHealth = status.RedisHealth(None, "not checked yet")
+    looping: bool = False
+    """True while the job's daemon loop runs (the operator's cleanup waits for it)."""
+
+    async def close(self) -> None:
+        if self.redis is not None:
+            await self.redis.aclose()
+            self.redis = None
+
+
+@dataclass
+class Context:
+    """What a pass needs from the operator: the API, intervals (seconds), and hooks for events and metrics."""
+
+    api: KubeApi
+    post_event: Callable[[Mapping[str, Any], status.Event], None]
+    on_restart: Callable[[int], None] = lambda n: None
+    active_interval_s: float = 5.0
+    idle_interval_s: float = 60.0
+    read_progress: bool = True
+    clock: Callable[[], datetime] = field(default=lambda: datetime.now(timezone.utc).replace(microsecond=0))
+
+
+NAME_PATTERN = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def parse_spec(name: str, raw: Mapping[str, Any]) -> tuple[Optional[RLTrainingJobSpec], list[SpecProblem]]:
+    """Validate the job's name and ``raw`` spec with the pydantic model, then :func:`check_spec`.
+
+    Returns (spec or None, problems); every problem names its field (``metadata.name``, ``spec.a.b``).
+    The name rule is checked here, not by CEL: the API server cannot bound the cost of a regex on
+    metadata.name.
+    """
+    problems = []
+    if not NAME_PATTERN.match(name):
+        problems.append(SpecProblem(
+            "metadata.name",
+            f"{name!r} must start with a lowercase letter and hold only lowercase letters, digits and '-' "
+            "(it names the job's Services and pod hostnames); recreate the job under another name",
+        ))
+    try:
+        spec = RLTrainingJobSpec.model_validate(raw)
+    except ValidationError as err:
+        return None, problems + [
+            SpecProblem("spec." + ".".join(str(part) for part in e["loc"]) if e["loc"] else "spec", e["msg"])
+            for e in err.errors()
+        ]
+    return spec, problems + check_spec(spec)
+
+
+def observed_pods(indexed: Iterable[PodView], runtime: JobRuntime, now: float) -> list[PodView]:
+    """The index's pods, plus pods this process created that the watch has not shown yet (as Pending, for
+    :data:`CREATED_GRACE_S`), with pods it deleted marked as deleting until the watch catches up."""
+    seen = {p.name: p for p in indexed}
+    for name, (created_at, view) in list(runtime.created.items()):
+        if (name in seen and seen[name].uid == view.uid) or now - created_at > CREATED_GRACE_S:
+            del runtime.created[name]
+        elif name not in seen:
+            seen[name] = view
+    for name, uid in list(runtime.deleted.items()):
+        pod = seen.get(name)
+        if pod is None or pod.uid != uid:
+            del runtime.deleted[name]
+        elif not pod.deleting:
+            seen[name] = replace(pod, deleting=True)
+    return sorted(seen.values(), key=lambda p: (p.role, p.index, p.name))
+
+
+def _digest(objs: Any) -> str:
+    return hashlib.sha256(json.dumps(objs, sort_keys=True).encode()).hexdigest()
+
+
+async def reconcile(
+    body: Mapping[str, Any],
+    indexed_pods: Iterable[PodView],
+    redis_deployment: Optional[DeploymentView],
+    runtime: JobRuntime,
+    ctx: Context,
+) -> float:
+    """Run one pass for the job ``body`` (see the module docstring). Returns seconds until the next pass.
+
+    Raises:
+        StaleStatus: the status write was refused because the job changed meanwhile.
+        ApiError: any other refused API call (mapped to kopf errors by the handlers).
+    """
+    meta = body["metadata"]
+    name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
+    previous = RLTrainingJobStatus.model_validate(body.get("status") or {})
+    before = gang.Lifecycle.from_status(previous)
+    now = ctx.clock()
+    pods = observed_pods(indexed_pods, runtime, time.monotonic())
+
+    spec, problems = parse_spec(name, body.get("spec") or {})
+    if runtime.rejected and runtime.rejected[0] != generation:
+        runtime.rejected = None
+    if spec is not None and not problems and runtime.rejected is None:
+        job = render.Job(name, namespace, spec, dict(meta.get("labels") or {}))
+        config = render.job_config(job)
+        try:
+            await _apply_static(job, config, body, runtime, ctx)
+        except ApiError as err:
+            if err.status not in (400, 422):
+                raise
+            runtime.rejected = (generation, err.message)
+    if runtime.rejected:
+        problems = [*problems, SpecProblem("spec", f"the API server refused a child object: {runtime.rejected[1]}")]
+    if spec is None or problems:
+        valid = status.valid_condition(problems)
+        # a finished job stays finished (its Valid condition still reports the problem)
+        invalid = before if before.phase in gang.FINISHED else replace(
+            before, phase=Phase.INVALID, reason=valid.reason, message=valid.message
+        )
+        new = status.build_status(
+            previous, generation=generation, lifecycle=invalid, problems=problems, data_parallel_size=None,
+            redis=runtime.redis_health, pods=pods, nodes=0, replicas=0, progress=None, now=now,
+        )
+        await _save(body, previous, new, ctx)
+        return ctx.idle_interval_s
+
+    plan = gang.plan(name, spec, before, pods, config.config_hash(), now)
+    redis_health = _redis_health(spec, redis_deployment, runtime)
+    fetched = None
+    if ctx.read_progress and (before.phase not in status.IDLE_PHASES or plan.lifecycle.phase != before.phase):
+        fetched = await _read_progress(job, config, runtime, ctx, redis_health)
+        redis_health = _redis_health(spec, redis_deployment, runtime)
+    common = dict(
+        generation=generation, problems=problems, data_parallel_size=data_parallel_size(spec), redis=redis_health,
+        nodes=spec.trainer.nodes, replicas=spec.rollout.replicas, progress=fetched, now=now,
+    )
+    new = status.build_status(previous, lifecycle=plan.lifecycle, pods=pods, **common)
+    resource_version = await _save(body, previous, new, ctx)
+    if plan.lifecycle.restarts > before.restarts:
+        ctx.on_restart(plan.lifecycle.restarts - before.restarts)
+
+    uids = {p.name: p.uid for p in pods}
+    for pod in plan.delete:
+        if await ctx.api.delete("v1", "Pod", namespace, pod, uid=uids.get(pod) or None):
+            runtime.deleted[pod] = uids.get(pod, "")
+    if plan.delete_job:
+        await ctx.api.delete(c.API_VERSION, c.KIND, namespace, name, uid=meta.get("uid"))
+        return ctx.idle_interval_s
+    created = [render.trainer_pod(job, config, i, plan.lifecycle.attempt) for i in plan.create_trainers]
+    created += [render.rollout_pod(job, config, i) for i in plan.create_rollouts]
+    try:
+        for manifest in created:
+            await _create_pod(manifest, body, runtime, ctx)
+    except ApiError as err:
+        if err.status not in (400, 422):
+            raise
+        runtime.rejected = (generation, err.message)
+        return 0.0  # the next pass reports it as Valid=False
+    if plan.after_create is not None:
+        pods = observed_pods(indexed_pods, runtime, time.monotonic())
+        after = status.build_status(new, lifecycle=plan.after_create, pods=pods, **{**common, "progress": None})
+        await _save(body, new, after, ctx, resource_version)
+    if plan.lifecycle.phase in status.IDLE_PHASES:
+        return min(ctx.idle_interval_s, plan.requeue_after if plan.requeue_after is not None else float("inf"))
+    return min(ctx.active_interval_s, plan.requeue_after if plan.requeue_after is not None else float("inf"))
+
+
+async def _apply_static(job: render.Job, config, body: Mapping[str, Any], runtime: JobRuntime, ctx: Context) -> None:
+    children = render.static_children(job, config)
+    adopt(children, body)
+    digest = _digest(children)
+    if runtime.applied == digest:
+        return
+    if job.spec.redis.mode == "managed":
+        secret = render.redis_secret(job, secrets.token_urlsafe(32))
+        adopt([secret], body)
+        await ctx.api.create(secret)
+    for child in children:
+        await ctx.api.apply(child)
+    runtime.applied = digest
+
+
+async def _create_pod(manifest: dict[str, Any], owner: Mapping[str, Any], runtime: JobRuntime, ctx: Context) -> None:
+    """Create one pod; an existing pod of the same name must belong to the same attempt (409 otherwise)."""
+    adopt([manifest], owner)
+    meta = manifest["metadata"]
+    created = await ctx.api.create(manifest)
+    if created is not None:
+        runtime.created[meta["name"]] = (time.monotonic(), pod_view(created))
+        return
+    existing = await ctx.api.get("v1", "Pod", meta["namespace"], meta["name"])
+    wanted = meta["labels"].get(c.LABEL_ATTEMPT)
+    if existing is not None and (existing["metadata"].get("labels") or {}).get(c.LABEL_ATTEMPT) != wanted:
+        raise ApiError(409, "Conflict", f"pod {meta['name']} of another attempt still exists", "create pod")
+
+
+async def _save(body: Mapping[str, Any], previous: RLTrainingJobStatus, new: RLTrainingJobStatus, ctx: Context,
+                resource_version: Optional[str] = None) -> Optional[str]:
+    """Write ``new`` if it differs from what is stored (the body's status, or ``previous`` once this pass
+    wrote it: ``resource_version`` given); post an Event per transition. Returns the resourceVersion."""
+    stored = status.to_json(previous) if resource_version else (body.get("status") or {})
+    resource_version = resource_version or body["metadata"].get("resourceVersion")
+    patch = status.status_patch(stored, new)
+    if patch is None:
+        return resource_version
+    meta = body["metadata"]
+    try:
+        updated = await ctx.api.patch_status(meta["namespace"], meta["name"], patch, resource_version)
+    except ApiError as err:
+        if err.status == 409:
+            raise StaleStatus(str(err)) from err
+        raise
+    for event in status.transition_events(previous, new):
+        ctx.post_event(body, event)
+    return updated["metadata"]["resourceVersion"]
+
+
+def _redis_health(spec: RLTrainingJobSpec, deployment: Optional[DeploymentView], runtime: JobRuntime) -> status.RedisHealth:
+    if spec.redis.mode == "external":
+        return runtime.redis_health
+    if deployment is None:
+        return status.RedisHealth(False, "the managed Redis Deployment does not exist yet")
+    return status.RedisHealth(deployment.available, f"managed Redis {deployment.name}: {deployment.message}")
+
+
+async def _read_progress(job: render.Job, config, runtime: JobRuntime, ctx: Context,
+                         health: status.RedisHealth) -> Optional[progress.Progress]:
+    """Best effort: the progress hashes, or None (and, for external Redis, RedisReady=False with the error)."""
+    if job.spec.redis.mode == "managed" and not health.ready:
+        return None
+    ref = render.redis_password_ref(job)
+    identity = (config.redis.host, config.redis.port, config.redis.db, config.redis.tls, ref)
+    if runtime.redis is None or runtime.redis_identity != identity:
+        try:  # the Secret is read when connecting, not on every pass
+            password = await ctx.api.secret_value(job.namespace, ref.name, ref.key) if ref else None
+        except ApiError as err:
+            runtime.redis_health = status.RedisHealth(False, f"cannot read the Redis password Secret: {err.message}")
+            return None
+        await runtime.close()
+        runtime.redis = progress.connect(config.redis, password)
+        runtime.redis_identity = identity
+    try:
+        result = await progress.fetch(runtime.redis, config.keys)
+    except (aioredis.RedisError, OSError) as err:
+        await runtime.close()  # reconnect (and re-read the password) on the next pass
+        runtime.redis_health = status.RedisHealth(
+            False, f"cannot reach Redis at {config.redis.host}:{config.redis.port}: {err}"
+        )
+        return None
+    runtime.redis_health = status.RedisHealth(True, f"reached Redis at {config.redis.host}:{config.redis.port}")
+    return result

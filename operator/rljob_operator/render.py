@@ -1,0 +1,357 @@
+"""Pure functions: an RLTrainingJob → the manifests of its children (plain dicts, DESIGN §1 and §2).
+
+Nothing here talks to the API server; :mod:`rljob_operator.apply` adds owner references and applies them.
+
+Children of a job ``J`` in namespace ``N`` (names from :mod:`rljob_api.names`, all within 63 characters):
+
+- ConfigMap ``J-config``: the resolved :class:`~rljob_api.config.JobConfig` as ``config.json``, mounted in
+  every pod at ``/etc/rljob`` (env ``RLJOB_CONFIG``); its hash labels every pod.
+- managed Redis: Secret ``J-redis-auth`` (a generated password), Deployment and headless Service ``J-redis``.
+- headless Service ``J-trainer`` (publishNotReadyAddresses, every port declared) so that
+  ``J-trainer-0.J-trainer.N.svc.cluster.local`` resolves before the gang is ready.
+- trainer pods ``J-trainer-<i>``: ``torchrun`` with a fixed node count and static rendezvous at pod 0.
+- rollout pods ``J-rollout-<i>``: ``python -m rljob_trainer.rollout``.
+
+``runPolicy`` is left out of the config (it is the operator's business, and changing it must not change the
+config hash, which would restart the gang).
+"""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+from urllib.parse import urlsplit
+
+from rljob_api import constants as c
+from rljob_api import names
+from rljob_api.config import JobConfig, RedisConnection, resolve
+from rljob_api.spec import RLTrainingJobSpec, RunPolicySpec, SecretKeyRef
+
+REDIS_PASSWORD_KEY = "password"
+"""Key of the generated password in the managed Redis Secret."""
+MANAGED_BY = {"app.kubernetes.io/managed-by": c.FIELD_MANAGER}
+GPU_RESOURCE = "nvidia.com/gpu"
+TRAINER_COMMAND = ("torchrun",)
+TRAINER_MODULE = "rljob_trainer.train"
+ROLLOUT_COMMAND = ("python", "-m", "rljob_trainer.rollout")
+
+TRAINER_PORTS = (
+    ("rendezvous", c.PORT_RENDEZVOUS),
+    ("master", c.PORT_MASTER),
+    ("weights", c.PORT_WEIGHTS),
+    ("metrics", c.PORT_METRICS),
+)
+
+_CONFIG_VOLUME = "config"
+_SHM_VOLUME = "dshm"
+_CHECKPOINT_VOLUME = "checkpoints"
+_MODEL_VOLUME = "model"
+_REDIS_DATA_VOLUME = "data"
+_REDIS_UID = 999  # the redis user of the official image
+
+
+@dataclass(frozen=True)
+class Job:
+    """What rendering needs of an RLTrainingJob: its name, namespace, validated spec and metadata labels."""
+
+    name: str
+    namespace: str
+    spec: RLTrainingJobSpec
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+def redis_connection(job: Job) -> RedisConnection:
+    """Where every role reaches Redis: the managed Service's DNS name, or host/port/TLS/db of ``spec.redis.url``.
+
+    Raises:
+        ValueError: an external URL without a host (check_spec rejects other malformed URLs first).
+    """
+    if job.spec.redis.mode == "managed":
+        return RedisConnection(host=names.service_dns(names.redis_name(job.name), job.namespace))
+    url = urlsplit(job.spec.redis.url or "")
+    if not url.hostname:
+        raise ValueError(f"spec.redis.url: no host in {job.spec.redis.url!r}")
+    db = url.path.strip("/")
+    return RedisConnection(
+        host=url.hostname, port=url.port or c.PORT_REDIS, tls=url.scheme == "rediss", db=int(db) if db else 0
+    )
+
+
+def job_config(job: Job) -> JobConfig:
+    """The resolved config every role reads (``runPolicy`` reset to its defaults, see the module docstring).
+
+    Raises:
+        ValueError: the trainer topology does not divide (see :func:`rljob_api.validation.data_parallel_size`).
+    """
+    spec = job.spec.model_copy(update={"run_policy": RunPolicySpec()})
+    return resolve(job.name, job.namespace, spec, redis_connection(job))
+
+
+def labels(job: Job, role: c.Role) -> dict[str, str]:
+    """Labels on every child: job name (label-safe, ≤ 63 characters), role, managed-by."""
+    return {c.LABEL_JOB_NAME: names.job_label(job.name), c.LABEL_ROLE: role.value, **MANAGED_BY}
+
+
+def selector(job: Job, role: c.Role) -> dict[str, str]:
+    """Label selector of one role's pods."""
+    return {c.LABEL_JOB_NAME: names.job_label(job.name), c.LABEL_ROLE: role.value}
+
+
+def _meta(name: str, job: Job, role: c.Role, extra: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
+    return {"name": name, "namespace": job.namespace, "labels": {**labels(job, role), **(extra or {})}}
+
+
+# --- config, Redis, Services ----------------------------------------------------------------------------------
+def config_map(job: Job, config: JobConfig) -> dict[str, Any]:
+    """ConfigMap holding ``config.json`` (the canonical JSON the hash covers)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(names.config_map(job.name), job, c.Role.CONFIG),
+        "data": {c.CONFIG_FILE_NAME: config.to_json()},
+    }
+
+
+def redis_secret(job: Job, password: str) -> dict[str, Any]:
+    """Secret with the managed Redis password (created once, never rewritten, so the password is stable)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": _meta(names.redis_secret(job.name), job, c.Role.REDIS),
+        "stringData": {REDIS_PASSWORD_KEY: password},
+    }
+
+
+def redis_password_ref(job: Job) -> Optional[SecretKeyRef]:
+    """Where REDIS_PASSWORD comes from: the generated Secret, the user's Secret, or None (no password)."""
+    if job.spec.redis.mode == "managed":
+        return SecretKeyRef(name=names.redis_secret(job.name), key=REDIS_PASSWORD_KEY)
+    return job.spec.redis.password_secret_ref
+
+
+def redis_deployment(job: Job) -> dict[str, Any]:
+    """One-replica Redis (append-only file on an emptyDir at /data; explicit ``redis-server`` command)."""
+    meta = _meta(names.redis_name(job.name), job, c.Role.REDIS)
+    ref = redis_password_ref(job)
+    container = {
+        "name": "redis",
+        "image": job.spec.redis.image,
+        "command": [
+            "redis-server",
+            "--port", str(c.PORT_REDIS),
+            "--requirepass", f"$({c.ENV_REDIS_PASSWORD})",
+            "--appendonly", "yes",
+            "--dir", "/data",
+        ],
+        "env": [_secret_env(c.ENV_REDIS_PASSWORD, ref)],
+        "ports": [{"name": "redis", "containerPort": c.PORT_REDIS, "protocol": "TCP"}],
+        "readinessProbe": {"tcpSocket": {"port": c.PORT_REDIS}, "periodSeconds": 5},
+        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}},
+        "volumeMounts": [{"name": _REDIS_DATA_VOLUME, "mountPath": "/data"}],
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": meta,
+        "spec": {
+            "replicas": 1,
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": selector(job, c.Role.REDIS)},
+            "template": {
+                "metadata": {"labels": labels(job, c.Role.REDIS)},
+                "spec": {
+                    "enableServiceLinks": False,
+                    "automountServiceAccountToken": False,
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": _REDIS_UID,
+                        "runAsGroup": _REDIS_UID,
+                        "fsGroup": _REDIS_UID,
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
+                    "containers": [container],
+                    "volumes": [{"name": _REDIS_DATA_VOLUME, "emptyDir": {}}],
+                },
+            },
+        },
+    }
+
+
+def redis_service(job: Job) -> dict[str, Any]:
+    """Headless Service of the managed Redis: its DNS name resolves straight to the Redis pod."""
+    return _service(names.redis_name(job.name), job, c.Role.REDIS, [("redis", c.PORT_REDIS)], publish_not_ready=False)
+
+
+def trainer_service(job: Job) -> dict[str, Any]:
+    """Headless Service of the gang: gives every trainer pod a DNS name, ready or not, on every port."""
+    return _service(names.trainer_service(job.name), job, c.Role.TRAINER, TRAINER_PORTS, publish_not_ready=True)
+
+
+def _service(name: str, job: Job, role: c.Role, ports, *, publish_not_ready: bool) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(name, job, role),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": publish_not_ready,
+            "selector": selector(job, role),
+            "ports": [{"name": n, "port": p, "targetPort": p, "protocol": "TCP"} for n, p in ports],
+        },
+    }
+
+
+def static_children(job: Job, config: JobConfig) -> list[dict[str, Any]]:
+    """Every child but the pods and the Redis Secret, in apply order."""
+    children = [config_map(job, config), trainer_service(job)]
+    if job.spec.redis.mode == "managed":
+        children += [redis_service(job), redis_deployment(job)]
+    return children
+
+
+# --- pods ------------------------------------------------------------------------------------------------------
+def torchrun_args(job: Job, config: JobConfig, node_rank: int) -> list[str]:
+    """``torchrun`` arguments of trainer pod ``node_rank``: fixed node count, static rendezvous at pod 0.
+
+    The static rendezvous gives pod i node rank i, so global rank 0 always runs on pod 0, whose DNS name
+    (``config.trainer_master_host``) the rollout workers dial for weights. Ranks wait up to
+    ``rendezvousTimeoutSeconds`` for the whole gang; torchrun never restarts workers itself
+    (``--max-restarts=0``): gang restarts are the operator's.
+    """
+    t = job.spec.trainer
+    return [
+        f"--nnodes={t.nodes}",
+        f"--nproc-per-node={t.processes_per_node}",
+        f"--node-rank={node_rank}",
+        "--rdzv-backend=static",
+        f"--master-addr={config.trainer_master_host}",
+        f"--master-port={c.PORT_MASTER}",
+        f"--rdzv-conf=timeout={t.rendezvous_timeout_seconds}",
+        "--max-restarts=0",
+        "-m",
+        TRAINER_MODULE,
+    ]
+
+
+def trainer_pod(job: Job, config: JobConfig, index: int, attempt: int) -> dict[str, Any]:
+    """Trainer pod ``index`` (node rank) of gang ``attempt``; restartPolicy Never (a failure restarts the gang)."""
+    t = job.spec.trainer
+    name = names.trainer_pod(job.name, index)
+    container = {
+        "name": "trainer",
+        "image": t.image,
+        "command": [*TRAINER_COMMAND, *torchrun_args(job, config, index)],
+        "env": _env(job, index, attempt=attempt),
+        "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in TRAINER_PORTS],
+        "resources": dict(t.resources),
+        "volumeMounts": _mounts(job, checkpoints=True),
+    }
+    pod = _pod(job, config, name, c.Role.TRAINER, index, container, t.node_selector, t.tolerations, "Never",
+               {c.LABEL_ATTEMPT: str(attempt)}, checkpoints=True)
+    pod["spec"]["hostname"] = name
+    pod["spec"]["subdomain"] = names.trainer_service(job.name)
+    return pod
+
+
+def rollout_pod(job: Job, config: JobConfig, index: int) -> dict[str, Any]:
+    """Rollout pod ``index``; restartPolicy OnFailure (a crash restarts the container, never the gang)."""
+    r = job.spec.rollout
+    resources = {key: dict(value) for key, value in r.resources.items()}
+    if r.gpus_per_replica:
+        resources.setdefault("limits", {})[GPU_RESOURCE] = r.gpus_per_replica
+    container = {
+        "name": "rollout",
+        "image": r.image,
+        "command": list(ROLLOUT_COMMAND),
+        "env": _env(job, index, attempt=None),
+        "ports": [{"name": "metrics", "containerPort": c.PORT_METRICS, "protocol": "TCP"}],
+        "resources": resources,
+        "volumeMounts": _mounts(job, checkpoints=False),
+    }
+    return _pod(job, config, names.rollout_pod(job.name, index), c.Role.ROLLOUT, index, container, r.node_selector,
+                r.tolerations, "OnFailure", {}, checkpoints=False)
+
+
+def _pod(job, config, name, role, index, container, node_selector, tolerations, restart_policy, extra_labels,
+         *, checkpoints: bool) -> dict[str, Any]:
+    pod_labels = {
+        c.LABEL_CONFIG_HASH: config.config_hash(),
+        c.LABEL_REPLICA_INDEX: str(index),
+        **extra_labels,
+    }
+    if c.LABEL_KUEUE_QUEUE_NAME in job.labels:
+        pod_labels[c.LABEL_KUEUE_QUEUE_NAME] = job.labels[c.LABEL_KUEUE_QUEUE_NAME]
+    spec: dict[str, Any] = {
+        "restartPolicy": restart_policy,
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "containers": [container],
+        "volumes": _volumes(job, checkpoints=checkpoints),
+    }
+    if node_selector:
+        spec["nodeSelector"] = dict(node_selector)
+    if tolerations:
+        spec["tolerations"] = [dict(t) for t in tolerations]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": _meta(name, job, role, pod_labels), "spec": spec}
+
+
+def _env(job: Job, index: int, *, attempt: Optional[int]) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": c.ENV_CONFIG, "value": c.CONFIG_PATH},
+        {"name": c.ENV_REPLICA_INDEX, "value": str(index)},
+    ]
+    if attempt is not None:
+        env.append({"name": c.ENV_ATTEMPT, "value": str(attempt)})
+    for name, path in ((c.ENV_POD_IP, "status.podIP"), (c.ENV_POD_NAME, "metadata.name"),
+                       (c.ENV_POD_NAMESPACE, "metadata.namespace")):
+        env.append({"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}})
+    ref = redis_password_ref(job)
+    if ref is not None:
+        env.append(_secret_env(c.ENV_REDIS_PASSWORD, ref))
+    if job.spec.hf_token_secret_ref is not None:
+        env.append(_secret_env(c.ENV_HF_TOKEN, job.spec.hf_token_secret_ref))
+    env.append({"name": "PYTHONUNBUFFERED", "value": "1"})
+    return env
+
+
+def _secret_env(name: str, ref: SecretKeyRef) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+
+
+def _mounts(job: Job, *, checkpoints: bool) -> list[dict[str, Any]]:
+    mounts = [
+        {"name": _CONFIG_VOLUME, "mountPath": c.CONFIG_MOUNT_DIR, "readOnly": True},
+        {"name": _SHM_VOLUME, "mountPath": c.SHM_MOUNT_DIR},
+    ]
+    if checkpoints:
+        mounts.append({"name": _CHECKPOINT_VOLUME, "mountPath": c.CHECKPOINT_MOUNT_DIR})
+    if job.spec.model.volume and job.spec.model.path:
+        mounts.append({"name": _MODEL_VOLUME, "mountPath": posixpath.dirname(job.spec.model.path.rstrip("/")),
+                       "readOnly": True})
+    return mounts
+
+
+def _volumes(job: Job, *, checkpoints: bool) -> list[dict[str, Any]]:
+    volumes: list[dict[str, Any]] = [
+        {"name": _CONFIG_VOLUME, "configMap": {"name": names.config_map(job.name)}},
+        {"name": _SHM_VOLUME, "emptyDir": {"medium": "Memory"}},
+    ]
+    if checkpoints:
+        claim = job.spec.trainer.checkpoint.volume
+        volumes.append(
+            {"name": _CHECKPOINT_VOLUME, "persistentVolumeClaim": {"claimName": claim}}
+            if claim
+            else {"name": _CHECKPOINT_VOLUME, "emptyDir": {}}
+        )
+    if job.spec.model.volume and job.spec.model.path:
+        volumes.append(
+            {"name": _MODEL_VOLUME, "persistentVolumeClaim": {"claimName": job.spec.model.volume, "readOnly": True}}
+        )
+    return volumes

@@ -1,0 +1,387 @@
+"""Against the real API server of the local control plane (no node agent: pods stay Pending).
+
+The chart's CRDs, ServiceAccount, RBAC and peering object are installed with the objects ``helm template``
+renders; the operator runs as a process with a token of that ServiceAccount, so a missing RBAC rule fails
+these tests. Pod failures and evictions are written into pod status the way a kubelet would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import yaml
+
+from helm_tools import CHART, helm_binary, render
+
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.skipif(helm_binary() is None, reason="helm is not built: run localcluster/build-go-tools.sh"),
+]
+
+RELEASE, SYSTEM_NS, SERVICE_ACCOUNT = "rel", "rljob-system", "rel-rljob-operator"
+PEERING = "rljob-operator"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(check: Callable[[], object], what: str, timeout: float = 40.0, every: float = 0.3):
+    """Poll ``check`` until it returns something truthy; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(every)
+    pytest.fail(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
+
+
+class Kube:
+    def __init__(self, control_plane):
+        self.cp = control_plane
+
+    def run(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+        return self.cp.kubectl(*args, input=input, check=check)
+
+    def json(self, *args: str):
+        result = self.run(*args, "-o", "json", check=False)
+        return json.loads(result.stdout) if result.returncode == 0 else None
+
+    def apply(self, obj: dict, namespace: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+        args = ["apply", "-f", "-"] + (["-n", namespace] if namespace else [])
+        return self.run(*args, input=yaml.safe_dump(obj), check=check)
+
+    def job(self, namespace: str, name: str):
+        return self.json("get", "rljob", name, "-n", namespace)
+
+    def pods(self, namespace: str, role: str) -> list[dict]:
+        found = self.json("get", "pods", "-n", namespace, "-l", f"rljob.dev/role={role}") or {"items": []}
+        return found["items"]
+
+    def condition(self, namespace: str, name: str, ctype: str) -> dict:
+        status = (self.job(namespace, name) or {}).get("status") or {}
+        return next((c for c in status.get("conditions", []) if c["type"] == ctype), {})
+
+    def fail_pod(self, namespace: str, name: str, *, evicted: bool = False) -> None:
+        status = {"phase": "Failed", "containerStatuses": [{
+            "name": "trainer", "image": "x", "imageID": "", "ready": False, "restartCount": 0,
+            "state": {"terminated": {"exitCode": 137 if evicted else 3, "reason": "Error"}},
+        }]}
+        if evicted:
+            status["conditions"] = [{"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}]
+        self.run("patch", "pod", name, "-n", namespace, "--subresource=status", "--type=merge",
+                 "-p", json.dumps({"status": status}))
+
+
+def job_manifest(name: str, **spec_overrides) -> dict:
+    spec = {"trainer": {"nodes": 2, "batch": {"documentsPerStep": 64}}, "rollout": {"replicas": 1}}
+    for key, value in spec_overrides.items():
+        spec[key] = {**spec.get(key, {}), **value}
+    return {"apiVersion": "rljob.dev/v1alpha1", "kind": "RLTrainingJob", "metadata": {"name": name}, "spec": spec}
+
+
+@pytest.fixture(scope="module")
+def kube(control_plane) -> Kube:
+    return Kube(control_plane)
+
+
+@pytest.fixture(scope="module")
+def installed(kube, tmp_path_factory) -> Path:
+    """Chart CRDs + ServiceAccount + RBAC + peering object applied; returns a kubeconfig of the ServiceAccount."""
+    kube.run("apply", "--server-side", "-f", str(CHART / "crds"))
+    kube.run("wait", "--for=condition=Established", "--timeout=60s", "crd/rltrainingjobs.rljob.dev",
+             "crd/clusterkopfpeerings.kopf.dev")
+    kube.run("create", "namespace", SYSTEM_NS, check=False)
+    for obj in render(release=RELEASE, namespace=SYSTEM_NS):
+        if obj["kind"] not in ("Deployment", "Service"):  # no node agent here: the operator runs as a process
+            kube.apply(obj)
+    token = kube.run("create", "token", SERVICE_ACCOUNT, "-n", SYSTEM_NS, "--duration=2h").stdout.strip()
+    config = yaml.safe_load(Path(kube.cp.kubeconfig).read_text())
+    config["users"] = [{"name": "operator", "user": {"token": token}}]
+    config["contexts"][0]["context"]["user"] = "operator"
+    path = tmp_path_factory.mktemp("operator") / "kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+class OperatorProcess:
+    """``rljob operator`` as its own process (stopped with SIGTERM, then SIGKILL, also on failure)."""
+
+    def __init__(self, kubeconfig: Path, log: Path, priority: int):
+        self.liveness, self.metrics, self.log = _free_port(), _free_port(), log
+        env = {**os.environ, "KUBECONFIG": str(kubeconfig), "POD_ID": f"test-{uuid.uuid4().hex[:6]}"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rljob_operator.cli", "operator", "--all-namespaces", f"--peering={PEERING}",
+             f"--priority={priority}", f"--liveness-port={self.liveness}", f"--metrics-port={self.metrics}",
+             "--active-interval=1",
+             "--idle-interval=5"],
+            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+        )
+        wait_for(self.alive, "the operator's liveness endpoint", timeout=60)
+
+    def get(self, port: int, path: str) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+            return response.read().decode()
+
+    def alive(self) -> bool:
+        if self.proc.poll() is not None:
+            pytest.fail(f"the operator exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+        try:
+            return bool(self.get(self.liveness, "/healthz") is not None)
+        except OSError:
+            return False
+
+    def logs(self) -> str:
+        return self.log.read_text()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def operator(installed, tmp_path_factory):
+    proc = OperatorProcess(installed, tmp_path_factory.mktemp("logs") / "operator.log", priority=100)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+    assert "Traceback" not in proc.logs(), proc.logs()[-5000:]
+
+
+@pytest.fixture()
+def namespace(kube) -> str:
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    kube.run("create", "namespace", name)
+    return name
+
+
+# --- the API server enforces the CRD (schema + CEL) -----------------------------------------------------------
+def test_schema_and_cel_rules_are_enforced_with_messages_that_name_the_field(kube, installed, namespace):
+    def refused(manifest: dict) -> str:
+        result = kube.apply(manifest, namespace, check=False)
+        assert result.returncode != 0, f"accepted: {manifest}"
+        return result.stderr
+
+    assert ('spec.trainer.nodes: Invalid value: "object": nodes*processesPerNode must be divisible by '
+            'tensorParallel*pipelineParallel') in refused(job_manifest("div", trainer={"nodes": 3, "tensorParallel": 2}))
+    assert ('spec.algorithm.metrics: Invalid value: "object": metrics basic or full requires '
+            'trainer.pipelineParallel == 1') in refused(
+        job_manifest("pp", algorithm={"metrics": "basic"}, trainer={"pipelineParallel": 2}))
+    assert 'unknown field "spec.trainer.nodez"' in refused(job_manifest("unknown", trainer={"nodez": 1}))
+    assert "spec.trainer.nodes: Invalid value: 0: spec.trainer.nodes in body should be greater than or equal to 1" \
+        in refused(job_manifest("bound", trainer={"nodes": 0}))
+    assert 'spec.algorithm.loss: Unsupported value: "ppo"' in refused(job_manifest("enum", algorithm={"loss": "ppo"}))
+
+    kube.apply(job_manifest("topo"), namespace)
+    stored = kube.job(namespace, "topo")
+    assert stored["spec"]["trainer"]["processesPerNode"] == 1  # defaults applied by the API server
+    assert stored["spec"]["runPolicy"] == {"backoffLimit": 3, "cleanPodPolicy": "All", "suspend": False}
+    patch = ["patch", "rljob", "topo", "-n", namespace, "--type=merge", "-p"]
+    result = kube.run(*patch, json.dumps({"spec": {"trainer": {"nodes": 4}}}), check=False)
+    assert result.returncode != 0 and (
+        "spec.trainer: Forbidden: trainer topology (nodes, processesPerNode, tensorParallel, pipelineParallel) "
+        "is immutable while the job runs: set runPolicy.suspend to true first, then change it and resume"
+    ) in result.stderr
+    kube.run(*patch, json.dumps({"spec": {"runPolicy": {"suspend": True}, "trainer": {"nodes": 4}}}))
+    kube.run(*patch, json.dumps({"spec": {"runPolicy": {"suspend": False}, "trainer": {"processesPerNode": 2}}}))
+    assert kube.job(namespace, "topo")["spec"]["trainer"]["processesPerNode"] == 2
+    explained = kube.run("explain", "rljob.spec.trainer.nodes").stdout
+    assert "nodes: trainer pods in the gang (torchrun nnodes)." in explained
+
+
+# --- the operator under its own ServiceAccount ------------------------------------------------------------
+def test_children_owner_references_and_gpu_pending_status(kube, operator, namespace):
+    kube.apply(job_manifest("demo"), namespace)
+    job = kube.job(namespace, "demo")
+    pods = wait_for(lambda: len(kube.pods(namespace, "trainer")) == 2 and len(kube.pods(namespace, "rollout")) == 1
+                    and kube.pods(namespace, "trainer") + kube.pods(namespace, "rollout"), "3 pods")
+    config = wait_for(lambda: kube.json("get", "configmap", "demo-config", "-n", namespace), "the ConfigMap")
+    digest = hashlib.sha256(config["data"]["config.json"].encode()).hexdigest()[:16]
+    for obj in pods + [config, kube.json("get", "service", "demo-trainer", "-n", namespace),
+                       kube.json("get", "service", "demo-redis", "-n", namespace),
+                       kube.json("get", "secret", "demo-redis-auth", "-n", namespace),
+                       kube.json("get", "deployment", "demo-redis", "-n", namespace)]:
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("RLTrainingJob", "demo",
+                                                                              job["metadata"]["uid"], True)
+    assert {p["metadata"]["labels"]["rljob.dev/config-hash"] for p in pods} == {digest}
+    assert {p["metadata"]["labels"].get("rljob.dev/attempt") for p in kube.pods(namespace, "trainer")} == {"0"}
+
+    ready = wait_for(lambda: kube.condition(namespace, "demo", "TrainerReady").get("reason") == "Unschedulable"
+                     and kube.condition(namespace, "demo", "TrainerReady"), "TrainerReady=Unschedulable")
+    assert ready["status"] == "False"
+    assert "demo-trainer-0: no nodes available to schedule pods" in ready["message"]
+    assert "not counted as a failure" in ready["message"]
+    status = kube.job(namespace, "demo")["status"]
+    assert (status["phase"], status["dataParallelSize"], status["restarts"], status["attempt"]) == ("Starting", 2, 0, 0)
+    table = kube.run("get", "rljob", "demo", "-n", namespace).stdout.split("\n")
+    assert table[0].split() == ["NAME", "PHASE", "DP", "STEP", "MODELVERSION", "REWARD", "AGE"]
+    assert table[1].split()[:3] == ["demo", "Starting", "2"]
+    events = wait_for(lambda: [e for e in kube.json("get", "events", "-n", namespace)["items"]
+                               if e["involvedObject"]["kind"] == "RLTrainingJob" and e["reason"] == "Unschedulable"],
+                      "an Unschedulable Event")
+    assert events[0]["type"] == "Warning"
+
+
+def test_gang_restarts_counted_evictions_not_counted_suspend_resume_and_cascade(kube, operator, namespace):
+    kube.apply(job_manifest("gang"), namespace)
+
+    def trainer_attempts():
+        return sorted({p["metadata"]["labels"]["rljob.dev/attempt"] for p in kube.pods(namespace, "trainer")
+                       if not p["metadata"].get("deletionTimestamp")})
+
+    wait_for(lambda: trainer_attempts() == ["0"] and len(kube.pods(namespace, "trainer")) == 2, "attempt 0")
+    wait_for(lambda: (kube.job(namespace, "gang").get("status") or {}).get("gangCreated"), "gangCreated")
+    kube.fail_pod(namespace, "gang-trainer-1")
+    wait_for(lambda: trainer_attempts() == ["1"] and len(kube.pods(namespace, "trainer")) == 2, "attempt 1")
+    status = wait_for(lambda: (s := kube.job(namespace, "gang")["status"])["gangCreated"] and s, "gang 1 created")
+    assert (status["restarts"], status["failedAttempts"], status["attempt"]) == (1, 1, 1)
+    restarting = kube.condition(namespace, "gang", "Restarting")
+    assert (restarting["status"], restarting["reason"]) == ("False", "GangCreated")
+    warnings = [e for e in kube.json("get", "events", "-n", namespace)["items"] if e["reason"] == "PodFailed"]
+    assert warnings and "gang-trainer-1 of attempt 0 container trainer exited with code 3 (Error)" in warnings[0]["message"]
+    assert len(kube.pods(namespace, "rollout")) == 1  # the rollout pod was not restarted with the gang
+
+    kube.fail_pod(namespace, "gang-trainer-0", evicted=True)
+    wait_for(lambda: trainer_attempts() == ["2"], "attempt 2")
+    status = wait_for(lambda: (s := kube.job(namespace, "gang")["status"])["attempt"] == 2 and s, "status attempt 2")
+    assert (status["restarts"], status["failedAttempts"]) == (2, 1)
+
+    patch = ["patch", "rljob", "gang", "-n", namespace, "--type=merge", "-p"]
+    kube.run(*patch, json.dumps({"spec": {"runPolicy": {"suspend": True}}}))
+    wait_for(lambda: not kube.pods(namespace, "trainer") and not kube.pods(namespace, "rollout"), "pods deleted")
+    suspended = wait_for(lambda: kube.condition(namespace, "gang", "Suspended").get("status") == "True"
+                         and kube.job(namespace, "gang")["status"], "Suspended=True")
+    assert suspended["phase"] == "Suspended" and "startTime" not in suspended
+    assert kube.json("get", "deployment", "gang-redis", "-n", namespace) is not None  # Redis and data kept
+    kube.run(*patch, json.dumps({"spec": {"runPolicy": {"suspend": False}}}))
+    wait_for(lambda: trainer_attempts() == ["3"] and len(kube.pods(namespace, "trainer")) == 2, "attempt 3")
+    resumed = wait_for(lambda: kube.condition(namespace, "gang", "Suspended").get("reason") == "JobResumed"
+                       and kube.job(namespace, "gang")["status"], "JobResumed")
+    assert resumed["restarts"] == 2 and resumed["startTime"]
+
+    kube.run("delete", "rljob", "gang", "-n", namespace, "--timeout=60s")
+
+    def leftovers():
+        found = kube.json("get", "pods,services,configmaps,secrets,deployments", "-n", namespace,
+                          "-l", "rljob.dev/job-name=gang")
+        return [f"{o['kind']}/{o['metadata']['name']}" for o in found["items"]]
+
+    wait_for(lambda: leftovers() == [], "garbage collection of every child", timeout=60)
+
+
+def test_invalid_spec_creates_nothing_does_not_hot_loop_and_recovers(kube, operator, namespace):
+    kube.apply(job_manifest("bad", model={"tiny": {"heads": 3}}), namespace)
+    valid = wait_for(lambda: kube.condition(namespace, "bad", "Valid").get("status") == "False"
+                     and kube.condition(namespace, "bad", "Valid"), "Valid=False")
+    assert valid["reason"] == "InvalidSpec"
+    assert valid["message"] == "spec.model.tiny.heads: heads = 3 does not divide hiddenSize = 64; " \
+                               "fix the spec (kubectl edit rljob)"
+    version = kube.job(namespace, "bad")["metadata"]["resourceVersion"]
+    time.sleep(4)  # four active intervals: an idle invalid job is not rewritten
+    assert kube.job(namespace, "bad")["metadata"]["resourceVersion"] == version
+    assert kube.job(namespace, "bad")["status"]["phase"] == "Invalid"
+    found = kube.json("get", "pods,services,configmaps,secrets,deployments", "-n", namespace,
+                      "-l", "rljob.dev/job-name=bad")
+    assert found["items"] == []
+    kube.run("patch", "rljob", "bad", "-n", namespace, "--type=merge", "-p",
+             json.dumps({"spec": {"model": {"tiny": {"heads": 4}}}}))
+    wait_for(lambda: len(kube.pods(namespace, "trainer")) == 2, "children after the fix")
+    assert wait_for(lambda: kube.condition(namespace, "bad", "Valid").get("status") == "True", "Valid=True")
+
+
+def test_progress_hashes_reach_status_and_printer_columns(kube, operator, namespace, redis_server):
+    kube.run("create", "secret", "generic", "shared-redis", "-n", namespace,
+             f"--from-literal=password={redis_server.password}")
+    kube.apply(job_manifest("prog", redis={"mode": "external", "url": redis_server.url,
+                                           "passwordSecretRef": {"name": "shared-redis", "key": "password"}}),
+               namespace)
+    prefix = f"rljob:{namespace}:prog:"
+    client = redis_server.client()
+    client.hset(prefix + "progress", mapping={"step": 5, "documents_seen": 320, "model_version": 320,
+                                               "tokens_per_second": "950.0",
+                                               "metrics": json.dumps({"train_samples_reward": 0.5})})
+    client.hincrbyfloat(prefix + "rollout", "reward_sum:256", 6.0)
+    client.hincrby(prefix + "rollout", "reward_count:256", 8)
+    status = wait_for(lambda: (s := kube.job(namespace, "prog").get("status") or {}).get("step") == 5 and s,
+                      "progress in status")
+    assert (status["documentsSeen"], status["modelVersion"], status["rolloutReward"]) == (320, 320, 0.75)
+    assert status["lastMetrics"] == {"train_samples_reward": 0.5}
+    redis_ready = kube.condition(namespace, "prog", "RedisReady")
+    assert (redis_ready["status"], redis_ready["reason"]) == ("True", "RedisAvailable")
+    row = kube.run("get", "rljob", "prog", "-n", namespace).stdout.split("\n")[1].split()
+    assert row[:6] == ["prog", "Starting", "2", "5", "320", "0.75"]
+    client.hset(prefix + "progress", mapping={"step": 6})
+    wait_for(lambda: kube.job(namespace, "prog")["status"].get("step") == 6, "the next step")
+
+
+def test_metrics_and_liveness_endpoints(kube, operator, namespace):
+    kube.apply(job_manifest("seen", runPolicy={"suspend": True}), namespace)
+    wait_for(lambda: (kube.job(namespace, "seen").get("status") or {}).get("phase") == "Suspended", "Suspended")
+    text = operator.get(operator.metrics, "/metrics")
+    suspended = next(line for line in text.splitlines() if line.startswith('rljob_operator_jobs{phase="Suspended"}'))
+    assert float(suspended.split()[-1]) >= 1
+    assert "rljob_operator_reconcile_duration_seconds_count" in text
+    assert operator.get(operator.liveness, "/healthz") is not None
+
+
+def reconcile_count(proc: OperatorProcess) -> float:
+    line = next(line for line in proc.get(proc.metrics, "/metrics").splitlines()
+                if line.startswith("rljob_operator_reconcile_duration_seconds_count"))
+    return float(line.split()[-1])
+
+
+def settled_reconcile_count(proc: OperatorProcess) -> float:
+    """The pass count once it has not moved for 4 s."""
+    counts = [reconcile_count(proc)]
+    while len(counts) < 5 or counts[-1] != counts[-5]:
+        time.sleep(1)
+        counts.append(reconcile_count(proc))
+        assert len(counts) < 30, f"the paused replica keeps reconciling: {counts}"
+    return counts[-1]
+
+
+def test_two_replicas_one_active_and_failover(kube, operator, installed, namespace, tmp_path):
+    """Runs last: it stops the module's operator. The replica with the higher peering priority works."""
+    paused_before = operator.logs().count("Pausing operations in favour of")
+    second = OperatorProcess(installed, tmp_path / "second.log", priority=200)
+    try:
+        wait_for(lambda: operator.logs().count("Pausing operations in favour of") > paused_before,
+                 "the lower-priority replica to pause")
+        passes_while_paused = settled_reconcile_count(operator)  # passes in flight at the pause have ended
+        kube.apply(job_manifest("peer"), namespace)
+        wait_for(lambda: len(kube.pods(namespace, "trainer")) == 2, "pods from the active replica")
+        time.sleep(2)
+        assert reconcile_count(operator) == passes_while_paused  # the paused replica did nothing
+        assert reconcile_count(second) > 0
+        resumed_before = operator.logs().count("Resuming operations")
+        second.stop()
+        wait_for(lambda: operator.logs().count("Resuming operations") > resumed_before,
+                 "the waiting replica to resume", timeout=90)
+        kube.apply(job_manifest("after"), namespace)
+        wait_for(lambda: any(p["metadata"]["name"] == "after-trainer-0" for p in kube.pods(namespace, "trainer")),
+                 "pods from the replica that took over", timeout=60)
+    finally:
+        second.stop()

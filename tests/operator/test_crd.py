@@ -1,0 +1,112 @@
+"""The generated CRD: committed bytes, descriptions, defaults, enums, bounds, CEL rules, columns."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from rljob_operator import crd
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMITTED = ROOT / "crds" / "rltrainingjobs.rljob.dev.yaml"
+CHART_COPY = ROOT / "helm" / "rljob-operator" / "crds" / "rltrainingjobs.rljob.dev.yaml"
+
+
+def _schema() -> dict:
+    return crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def _walk(node: dict, path: str):
+    yield path, node
+    for name, sub in (node.get("properties") or {}).items():
+        yield from _walk(sub, f"{path}.{name}")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from _walk(node["additionalProperties"], f"{path}.*")
+    if isinstance(node.get("items"), dict):
+        yield from _walk(node["items"], f"{path}[]")
+
+
+def test_committed_crd_matches_the_models_byte_for_byte():
+    assert COMMITTED.read_text() == crd.crd_yaml(), "run: python -m rljob_operator.crd > crds/rltrainingjobs.rljob.dev.yaml"
+
+
+def test_chart_carries_the_same_crd():
+    assert CHART_COPY.read_bytes() == COMMITTED.read_bytes(), "copy crds/ into helm/rljob-operator/crds/"
+
+
+def test_every_field_has_a_description_and_a_type():
+    missing = []
+    for path, node in _walk(_schema(), "root"):
+        if path in ("root.metadata",) or path.endswith(".*"):
+            continue  # the API server forbids anything but a type on metadata; map values describe nothing
+        if not node.get("description"):
+            missing.append(path)
+        assert node.get("type") or node.get("x-kubernetes-int-or-string"), path
+    assert missing == []
+
+
+def test_schema_is_structural_no_refs_unions_or_unknown_field_passthrough():
+    text = yaml.safe_dump(_schema())
+    for forbidden in ("$ref", "anyOf: [{type: null", "title:", "x-kubernetes-preserve-unknown-fields"):
+        assert forbidden not in text
+    for _, node in _walk(_schema(), "root"):
+        assert not ("properties" in node and "additionalProperties" in node)
+
+
+def test_defaults_enums_and_bounds_come_from_the_models():
+    spec = _schema()["properties"]["spec"]
+    trainer = spec["properties"]["trainer"]
+    assert trainer["properties"]["nodes"] == {
+        "type": "integer", "description": trainer["properties"]["nodes"]["description"],
+        "minimum": 1, "maximum": 4096, "default": 1,
+    }
+    assert spec["properties"]["algorithm"]["properties"]["loss"]["enum"] == ["grpo", "gspo"]
+    assert spec["properties"]["runPolicy"]["properties"]["cleanPodPolicy"]["enum"] == ["All", "Running", "None"]
+    eps = spec["properties"]["algorithm"]["properties"]["epsilonLow"]
+    assert (eps["minimum"], eps["exclusiveMinimum"], eps["maximum"], eps["exclusiveMaximum"]) == (0, True, 1, True)
+    assert "default" not in eps  # Optional: resolved by the loss
+    # nested objects default to the tree of their defaults, so CEL always sees every field
+    assert trainer["default"]["nodes"] == 1 and trainer["default"]["batch"]["documentsPerStep"] == 128
+    assert spec["default"]["runPolicy"]["suspend"] is False
+    assert "default" not in spec["properties"]["hfTokenSecretRef"]  # optional objects stay absent
+    assert spec["properties"]["hfTokenSecretRef"]["required"] == ["name", "key"]
+
+
+def test_free_form_fields_get_kubernetes_schemas():
+    trainer = _schema()["properties"]["spec"]["properties"]["trainer"]["properties"]
+    limits = trainer["resources"]["properties"]["limits"]["additionalProperties"]
+    assert limits["x-kubernetes-int-or-string"] is True
+    toleration = trainer["tolerations"]["items"]["properties"]
+    assert toleration["operator"]["enum"] == ["Exists", "Equal"]
+    assert toleration["effect"]["enum"] == ["NoSchedule", "PreferNoSchedule", "NoExecute"]
+
+
+def test_cel_rules_sit_next_to_their_fields():
+    spec = _schema()["properties"]["spec"]
+    assert spec["properties"]["trainer"]["x-kubernetes-validations"] == [crd.RULE_DIVISIBLE]
+    assert spec["x-kubernetes-validations"] == [crd.RULE_METRICS_PP, crd.RULE_TOPOLOGY_IMMUTABLE]
+    assert crd.RULE_DIVISIBLE["rule"] == (
+        "(self.nodes * self.processesPerNode) % (self.tensorParallel * self.pipelineParallel) == 0"
+    )
+    assert "oldSelf.runPolicy.suspend" in crd.RULE_TOPOLOGY_IMMUTABLE["rule"]
+    for field in crd.TOPOLOGY_FIELDS:
+        assert f"self.trainer.{field} == oldSelf.trainer.{field}" in crd.RULE_TOPOLOGY_IMMUTABLE["rule"]
+
+
+def test_status_subresource_columns_and_names():
+    version = crd.crd()["spec"]["versions"][0]
+    assert version["subresources"] == {"status": {}}
+    assert [(col["name"], col["jsonPath"]) for col in version["additionalPrinterColumns"]] == [
+        ("Phase", ".status.phase"),
+        ("DP", ".status.dataParallelSize"),
+        ("Step", ".status.step"),
+        ("ModelVersion", ".status.modelVersion"),
+        ("Reward", ".status.rolloutReward"),
+        ("Age", ".metadata.creationTimestamp"),
+    ]
+    names = crd.crd()["spec"]["names"]
+    assert names["shortNames"] == ["rljob"] and names["kind"] == "RLTrainingJob"
+    conditions = _schema()["properties"]["status"]["properties"]["conditions"]
+    assert conditions["x-kubernetes-list-type"] == "map" and conditions["x-kubernetes-list-map-keys"] == ["type"]
+    assert _schema()["properties"]["status"]["properties"]["lastMetrics"]["additionalProperties"] == {"type": "number"}

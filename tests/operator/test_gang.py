@@ -1,0 +1,261 @@
+"""The gang state machine of DESIGN §5, driven like the operator drives it, over simulated pod state."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import timedelta
+
+import pytest
+
+from rljob_api.constants import Phase, Reason
+
+from rljob_operator import gang
+from rljob_operator.observe import PodView
+
+from operator_helpers import T0, make_spec, rollout, trainer
+
+
+class Sim:
+    """Pods as the API server would hold them after the operator's actions (kubelet steps are explicit)."""
+
+    def __init__(self, spec, config_hash="h1"):
+        self.spec, self.config_hash, self.now = spec, config_hash, T0
+        self.pods: dict[str, PodView] = {}
+        self.lc = gang.Lifecycle()
+        self.plans: list[gang.Plan] = []
+
+    def step(self) -> gang.Plan:
+        plan = gang.plan("demo", self.spec, self.lc, list(self.pods.values()), self.config_hash, self.now)
+        self.plans.append(plan)
+        for name in plan.delete:
+            self.pods[name] = replace(self.pods[name], deleting=True)
+        for i in plan.create_trainers:
+            self.pods[f"demo-trainer-{i}"] = trainer(i, plan.lifecycle.attempt, "Pending", self.config_hash)
+        for i in plan.create_rollouts:
+            self.pods[f"demo-rollout-{i}"] = rollout(i, "Pending", self.config_hash)
+        self.lc = plan.after_create or plan.lifecycle
+        return plan
+
+    def kubelet_runs_everything(self):
+        for name, pod in self.pods.items():
+            if pod.phase == "Pending" and not pod.deleting:
+                self.pods[name] = replace(pod, phase="Running", ready=True)
+
+    def kubelet_removes_deleted(self):
+        self.pods = {n: p for n, p in self.pods.items() if not p.deleting}
+
+    def set(self, name, **changes):
+        self.pods[name] = replace(self.pods[name], **changes)
+
+    def attempts(self):
+        return sorted({p.attempt for p in self.pods.values() if p.role == "trainer"})
+
+
+def running_sim(**spec) -> Sim:
+    sim = Sim(make_spec(trainer={"nodes": 2}, **spec))
+    sim.step()
+    sim.kubelet_runs_everything()
+    sim.step()
+    assert sim.lc.phase == Phase.RUNNING
+    return sim
+
+
+def test_a_new_job_creates_the_whole_gang_and_its_rollouts_then_runs():
+    sim = Sim(make_spec(trainer={"nodes": 2}, rollout={"replicas": 1}))
+    plan = sim.step()
+    assert plan.create_trainers == (0, 1) and plan.create_rollouts == (0,)
+    assert plan.lifecycle.phase == Phase.PENDING and plan.lifecycle.start_time == T0
+    assert plan.after_create.gang_created and plan.after_create.phase == Phase.STARTING
+    assert plan.after_create.reason == Reason.GANG_CREATED
+    assert sim.step().create_trainers == ()  # created once, never twice
+    sim.kubelet_runs_everything()
+    plan = sim.step()
+    assert plan.lifecycle.phase == Phase.RUNNING and plan.lifecycle.message == "attempt 0: all 2 trainer pods running"
+    assert (plan.delete, plan.create_trainers, plan.create_rollouts) == ((), (), ())
+
+
+def test_pod_failure_tears_down_waits_and_only_then_starts_attempt_plus_one():
+    sim = running_sim()
+    sim.set("demo-trainer-1", phase="Failed", failure="container trainer exited with code 1 (Error)")
+    plan = sim.step()
+    assert plan.lifecycle.phase == Phase.RESTARTING and plan.lifecycle.reason == Reason.POD_FAILED
+    assert (plan.lifecycle.attempt, plan.lifecycle.restarts, plan.lifecycle.failed_attempts) == (1, 1, 1)
+    assert plan.delete == ("demo-trainer-0", "demo-trainer-1") and plan.create_trainers == ()
+    assert plan.lifecycle.message.startswith(
+        "trainer pod demo-trainer-1 of attempt 0 container trainer exited with code 1 (Error); tearing down the gang"
+    )
+    # old pods still terminating: wait, create nothing, count nothing twice
+    plan = sim.step()
+    assert plan.create_trainers == () and plan.delete == ()
+    assert (plan.lifecycle.phase, plan.lifecycle.restarts) == (Phase.RESTARTING, 1)
+    assert sim.attempts() == [0]
+    sim.kubelet_removes_deleted()
+    plan = sim.step()
+    assert plan.create_trainers == (0, 1) and plan.lifecycle.attempt == 1
+    assert sim.attempts() == [1]  # attempts never mix
+    sim.kubelet_runs_everything()
+    assert sim.step().lifecycle.phase == Phase.RUNNING
+    assert (sim.lc.restarts, sim.lc.failed_attempts) == (1, 1)
+
+
+@pytest.mark.parametrize("how", ["evicted-failed", "disruption-deleting", "node-lost"])
+def test_evictions_preemptions_and_node_loss_restart_without_counting(how):
+    sim = running_sim()
+    change = {
+        "evicted-failed": dict(phase="Failed", disrupted=True, failure="Evicted: node pressure"),
+        "disruption-deleting": dict(deleting=True, disrupted=True),
+        "node-lost": dict(phase="Unknown"),
+    }[how]
+    sim.set("demo-trainer-0", **change)
+    plan = sim.step()
+    assert plan.lifecycle.phase == Phase.RESTARTING
+    assert (plan.lifecycle.restarts, plan.lifecycle.failed_attempts) == (1, 0)
+    assert plan.lifecycle.reason == (Reason.POD_LOST if how == "node-lost" else Reason.POD_EVICTED)
+
+
+def test_a_deleted_or_missing_pod_counts_as_a_failure_and_is_named():
+    sim = running_sim()
+    del sim.pods["demo-trainer-1"]
+    plan = sim.step()
+    assert plan.lifecycle.reason == Reason.POD_DELETED and plan.lifecycle.failed_attempts == 1
+    assert "trainer pod demo-trainer-1 of attempt 0 is gone (deleted)" in plan.lifecycle.message
+
+
+def test_backoff_limit_exhausted_fails_the_job():
+    sim = running_sim(runPolicy={"backoffLimit": 1})
+    sim.set("demo-trainer-0", phase="Failed", failure="container trainer exited with code 2 (Error)")
+    sim.step()
+    sim.kubelet_removes_deleted()
+    sim.step()
+    sim.kubelet_runs_everything()
+    sim.step()
+    sim.set("demo-trainer-1", phase="Failed", failure="container trainer exited with code 2 (Error)")
+    plan = sim.step()
+    assert plan.lifecycle.phase == Phase.FAILED and plan.lifecycle.reason == Reason.BACKOFF_LIMIT_EXCEEDED
+    assert plan.lifecycle.message == (
+        "trainer pod demo-trainer-1 of attempt 1 container trainer exited with code 2 (Error); "
+        "backoffLimit = 1 reached (1 counted restarts)"
+    )
+    assert plan.lifecycle.completion_time == T0 and plan.lifecycle.restarts == 1
+    assert set(plan.delete) == {"demo-trainer-0", "demo-trainer-1"}  # cleanPodPolicy All
+    # finished: nothing is ever created again
+    sim.kubelet_removes_deleted()
+    plan = sim.step()
+    assert plan.lifecycle.phase == Phase.FAILED and plan.create_trainers == () and plan.create_rollouts == ()
+
+
+def test_backoff_limit_zero_fails_on_the_first_failure_but_not_on_an_eviction():
+    sim = running_sim(runPolicy={"backoffLimit": 0})
+    sim.set("demo-trainer-0", phase="Failed", disrupted=True)
+    assert sim.step().lifecycle.phase == Phase.RESTARTING
+    sim.kubelet_removes_deleted()
+    sim.step()
+    sim.kubelet_runs_everything()
+    sim.step()
+    sim.set("demo-trainer-0", phase="Failed")
+    assert sim.step().lifecycle.phase == Phase.FAILED
+
+
+def test_spec_change_restarts_the_gang_without_counting_and_recreates_rollouts():
+    sim = running_sim()
+    sim.config_hash = "h2"
+    plan = sim.step()
+    assert plan.lifecycle.reason == Reason.CONFIG_CHANGED
+    assert (plan.lifecycle.restarts, plan.lifecycle.failed_attempts) == (1, 0)
+    assert "demo-rollout-0" in plan.delete
+
+
+def test_rollout_pod_loss_recreates_it_and_never_touches_the_gang():
+    sim = running_sim(rollout={"replicas": 2})
+    sim.set("demo-rollout-1", phase="Failed", disrupted=True)
+    plan = sim.step()
+    assert plan.delete == ("demo-rollout-1",) and plan.lifecycle.phase == Phase.RUNNING
+    assert plan.lifecycle.restarts == 0 and plan.create_trainers == ()
+    sim.kubelet_removes_deleted()
+    plan = sim.step()
+    assert plan.create_rollouts == (1,) and plan.lifecycle == sim.plans[-2].lifecycle
+    # scaling rollouts down deletes the surplus pod, again without touching the gang
+    sim.spec = make_spec(trainer={"nodes": 2}, rollout={"replicas": 1})
+    plan = sim.step()
+    assert plan.delete == ("demo-rollout-1",) and plan.lifecycle.restarts == 0
+
+
+def test_suspend_deletes_every_pod_and_resume_starts_a_new_attempt_with_a_fresh_clock():
+    sim = running_sim(runPolicy={"suspend": False, "activeDeadlineSeconds": 600})
+    sim.now = T0 + timedelta(seconds=300)
+    sim.spec = make_spec(trainer={"nodes": 2}, runPolicy={"suspend": True, "activeDeadlineSeconds": 600})
+    plan = sim.step()
+    assert plan.lifecycle.phase == Phase.SUSPENDED and plan.lifecycle.reason == Reason.JOB_SUSPENDED
+    assert set(plan.delete) == {"demo-trainer-0", "demo-trainer-1", "demo-rollout-0"}
+    assert plan.lifecycle.start_time is None and plan.lifecycle.attempt == 1 and plan.lifecycle.restarts == 0
+    sim.kubelet_removes_deleted()
+    assert sim.step().delete == () and sim.lc.phase == Phase.SUSPENDED
+    # resume 1000 s later: the deadline counts from the resume, not from the first start
+    sim.now = T0 + timedelta(seconds=1300)
+    sim.spec = make_spec(trainer={"nodes": 2}, runPolicy={"suspend": False, "activeDeadlineSeconds": 600})
+    plan = sim.step()
+    assert plan.create_trainers == (0, 1) and plan.lifecycle.attempt == 1
+    assert plan.lifecycle.start_time == sim.now and plan.requeue_after == 600
+    assert (plan.lifecycle.restarts, plan.lifecycle.failed_attempts) == (0, 0)
+
+
+def test_active_deadline_fails_the_job():
+    sim = running_sim(runPolicy={"activeDeadlineSeconds": 60})
+    sim.now = T0 + timedelta(seconds=59)
+    assert sim.step().requeue_after == pytest.approx(1.0)
+    sim.now = T0 + timedelta(seconds=60)
+    plan = sim.step()
+    assert plan.lifecycle.phase == Phase.FAILED and plan.lifecycle.reason == Reason.DEADLINE_EXCEEDED
+    assert plan.lifecycle.message == "the job was active for more than activeDeadlineSeconds = 60 s"
+    assert set(plan.delete) == {"demo-trainer-0", "demo-trainer-1", "demo-rollout-0"}
+
+
+@pytest.mark.parametrize(("policy", "deleted"), [
+    ("All", {"demo-trainer-0", "demo-trainer-1", "demo-rollout-0"}),
+    ("Running", {"demo-trainer-1", "demo-rollout-0"}),
+    ("None", set()),
+])
+def test_success_when_pod_0_succeeds_then_clean_pod_policy(policy, deleted):
+    sim = running_sim(runPolicy={"cleanPodPolicy": policy})
+    sim.set("demo-trainer-0", phase="Succeeded")
+    plan = sim.step()
+    assert plan.lifecycle.phase == Phase.SUCCEEDED and plan.lifecycle.reason == Reason.TRAINING_FINISHED
+    assert plan.lifecycle.completion_time == T0
+    assert set(plan.delete) == deleted
+
+
+def test_ttl_after_finished_deletes_the_job():
+    sim = running_sim(runPolicy={"ttlSecondsAfterFinished": 30})
+    sim.set("demo-trainer-0", phase="Succeeded")
+    sim.step()
+    sim.now = T0 + timedelta(seconds=10)
+    plan = sim.step()
+    assert not plan.delete_job and plan.requeue_after == pytest.approx(20)
+    sim.now = T0 + timedelta(seconds=30)
+    assert sim.step().delete_job
+
+
+def test_pods_of_an_older_attempt_found_at_start_are_removed_before_anything_is_created():
+    sim = Sim(make_spec(trainer={"nodes": 2}))
+    sim.lc = gang.Lifecycle(attempt=2)
+    sim.pods["demo-trainer-0"] = trainer(0, 1)
+    plan = sim.step()
+    assert plan.delete == ("demo-trainer-0",) and plan.create_trainers == ()
+    assert plan.lifecycle.reason == Reason.TEARING_DOWN
+    sim.kubelet_removes_deleted()
+    assert sim.step().create_trainers == (0, 1)
+
+
+def test_lifecycle_round_trips_through_the_saved_status():
+    from rljob_operator import status as st
+    from rljob_api.status import RLTrainingJobStatus
+
+    sim = running_sim()
+    sim.set("demo-trainer-1", phase="Failed", failure="boom")
+    plan = sim.step()
+    saved = st.build_status(
+        RLTrainingJobStatus(), generation=1, lifecycle=plan.lifecycle, problems=[], data_parallel_size=2,
+        redis=st.RedisHealth(True, "ok"), pods=sim.pods.values(), nodes=2, replicas=1, progress=None, now=T0,
+    )
+    again = RLTrainingJobStatus.model_validate(st.to_json(saved))
+    assert gang.Lifecycle.from_status(again) == plan.lifecycle

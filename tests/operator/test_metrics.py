@@ -1,0 +1,46 @@
+"""Operator metrics: phases counted at scrape time, served over HTTP by prometheus-client."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import urllib.request
+
+from rljob_operator.metrics import OperatorMetrics, count_phases
+
+
+def test_count_phases_lists_every_phase():
+    counts = count_phases([{"status": {"phase": "Running"}}, {"status": {"phase": "Running"}}, {}])
+    assert counts["Running"] == 2 and counts["Unknown"] == 1 and counts["Failed"] == 0
+    assert set(counts) >= {"Pending", "Starting", "Restarting", "Suspended", "Succeeded", "Invalid"}
+
+
+def test_metrics_endpoint_lists_jobs_at_scrape_time():
+    jobs = [{"status": {"phase": "Succeeded"}}]
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def list_jobs():
+        return list(jobs)
+
+    metrics = OperatorMetrics()
+    port = metrics.serve(0, list_jobs, loop, addr="127.0.0.1")
+    try:
+        metrics.gang_restarts.inc(2)
+        metrics.reconcile_errors.labels(kind="http409").inc()
+        with metrics.reconcile_duration.time():
+            pass
+        first = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        jobs.append({"status": {"phase": "Succeeded"}})
+        second = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        metrics.stop()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+    assert 'rljob_operator_jobs{phase="Succeeded"} 1.0' in first
+    assert 'rljob_operator_jobs{phase="Succeeded"} 2.0' in second
+    assert "rljob_operator_gang_restarts_total 2.0" in first
+    assert 'rljob_operator_reconcile_errors_total{kind="http409"} 1.0' in first
+    assert "rljob_operator_reconcile_duration_seconds_count 1.0" in first

@@ -1,0 +1,206 @@
+"""Rendering: names, labels, env, ports, volumes, owner references, config hash and torchrun args."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rljob_api import constants as c
+from rljob_api import names
+from rljob_api.config import JobConfig
+
+from rljob_operator import render
+from rljob_operator.apply import adopt
+
+from operator_helpers import make_job
+
+
+def _env(container: dict) -> dict:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def _all_pods(job: render.Job, attempt: int = 0) -> list[dict]:
+    config = render.job_config(job)
+    return [render.trainer_pod(job, config, i, attempt) for i in range(job.spec.trainer.nodes)] + [
+        render.rollout_pod(job, config, i) for i in range(job.spec.rollout.replicas)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("nodes", "ppn"), [(2, 1), (1, 2)], ids=["2 pods x 1 process", "1 pod x 2 processes"]
+)
+def test_torchrun_args_fix_the_node_count_and_rendezvous_at_pod_0(nodes, ppn):
+    job = make_job(trainer={"nodes": nodes, "processesPerNode": ppn, "rendezvousTimeoutSeconds": 120})
+    config = render.job_config(job)
+    assert config.data_parallel_size == 2
+    for index in range(nodes):
+        command = render.trainer_pod(job, config, index, attempt=0)["spec"]["containers"][0]["command"]
+        assert command == [
+            "torchrun",
+            f"--nnodes={nodes}",
+            f"--nproc-per-node={ppn}",
+            f"--node-rank={index}",
+            "--rdzv-backend=static",
+            "--master-addr=demo-trainer-0.demo-trainer.ns.svc.cluster.local",
+            "--master-port=29500",
+            "--rdzv-conf=timeout=120",
+            "--max-restarts=0",
+            "-m",
+            "rljob_trainer.train",
+        ]
+
+
+def test_trainer_pod_labels_env_ports_and_volumes():
+    job = make_job(labels={c.LABEL_KUEUE_QUEUE_NAME: "team-a", "unrelated": "x"},
+                   trainer={"nodes": 2, "resources": {"limits": {"cpu": "2"}}, "nodeSelector": {"pool": "gpu"},
+                            "tolerations": [{"key": "k", "operator": "Exists"}]},
+                   hfTokenSecretRef={"name": "hf", "key": "token"})
+    config = render.job_config(job)
+    pod = render.trainer_pod(job, config, 1, attempt=3)
+    meta, spec = pod["metadata"], pod["spec"]
+    assert meta["name"] == "demo-trainer-1"
+    assert meta["labels"] == {
+        c.LABEL_JOB_NAME: "demo", c.LABEL_ROLE: "trainer", "app.kubernetes.io/managed-by": "rljob-operator",
+        c.LABEL_CONFIG_HASH: config.config_hash(), c.LABEL_REPLICA_INDEX: "1", c.LABEL_ATTEMPT: "3",
+        c.LABEL_KUEUE_QUEUE_NAME: "team-a",
+    }
+    assert (spec["hostname"], spec["subdomain"], spec["restartPolicy"]) == ("demo-trainer-1", "demo-trainer", "Never")
+    container = spec["containers"][0]
+    env = _env(container)
+    assert env[c.ENV_CONFIG] == "/etc/rljob/config.json"
+    assert env[c.ENV_REPLICA_INDEX] == "1" and env[c.ENV_ATTEMPT] == "3"
+    assert env[c.ENV_POD_IP] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env[c.ENV_POD_NAME] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env[c.ENV_POD_NAMESPACE] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert env[c.ENV_REDIS_PASSWORD] == {"secretKeyRef": {"name": "demo-redis-auth", "key": "password"}}
+    assert env[c.ENV_HF_TOKEN] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+    assert {(p["name"], p["containerPort"]) for p in container["ports"]} == {
+        ("rendezvous", 29400), ("master", 29500), ("weights", 29600), ("metrics", 9400)
+    }
+    assert container["resources"] == {"limits": {"cpu": "2"}}
+    assert spec["nodeSelector"] == {"pool": "gpu"} and spec["tolerations"] == [{"key": "k", "operator": "Exists"}]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes[next(n for n, p in mounts.items() if p == "/dev/shm")]["emptyDir"] == {"medium": "Memory"}
+    assert volumes[next(n for n, p in mounts.items() if p == "/etc/rljob")]["configMap"] == {"name": "demo-config"}
+    assert volumes[next(n for n, p in mounts.items() if p == c.CHECKPOINT_MOUNT_DIR)]["emptyDir"] == {}
+
+
+def test_checkpoint_pvc_and_model_volume():
+    job = make_job(trainer={"checkpoint": {"volume": "ckpt"}}, model={"source": "path", "path": "/models/m1",
+                                                                     "volume": "models"})
+    pod = render.trainer_pod(job, render.job_config(job), 0, attempt=0)
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["checkpoints"]["persistentVolumeClaim"] == {"claimName": "ckpt"}
+    assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+    mount = next(m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == "model")
+    assert mount == {"name": "model", "mountPath": "/models", "readOnly": True}
+
+
+def test_rollout_pod_command_env_gpus_and_restart_policy():
+    job = make_job(rollout={"backend": "vllm", "gpusPerReplica": 2, "replicas": 3,
+                            "resources": {"requests": {"cpu": "4"}}})
+    pod = render.rollout_pod(job, render.job_config(job), 2)
+    container = pod["spec"]["containers"][0]
+    assert pod["metadata"]["name"] == "demo-rollout-2"
+    assert container["command"] == ["python", "-m", "rljob_trainer.rollout"]
+    assert _env(container)[c.ENV_REPLICA_INDEX] == "2"
+    assert c.ENV_ATTEMPT not in _env(container)
+    assert container["resources"] == {"requests": {"cpu": "4"}, "limits": {"nvidia.com/gpu": 2}}
+    assert pod["spec"]["restartPolicy"] == "OnFailure"
+    assert c.LABEL_ATTEMPT not in pod["metadata"]["labels"]
+    assert job.spec.rollout.resources == {"requests": {"cpu": "4"}}  # rendering did not mutate the spec
+
+
+def test_config_hash_is_identical_on_every_pod_and_matches_the_configmap():
+    job = make_job(trainer={"nodes": 3, "batch": {"documentsPerStep": 96}}, rollout={"replicas": 2})
+    config = render.job_config(job)
+    cm = render.config_map(job, config)
+    text = cm["data"]["config.json"]
+    assert JobConfig.from_json(text).config_hash() == config.config_hash()
+    hashes = {p["metadata"]["labels"][c.LABEL_CONFIG_HASH] for p in _all_pods(job)}
+    assert hashes == {config.config_hash()}
+    assert json.loads(text)["dataParallelSize"] == 3
+
+
+def test_run_policy_does_not_change_the_config_hash():
+    a = render.job_config(make_job())
+    b = render.job_config(make_job(runPolicy={"backoffLimit": 9, "suspend": True, "ttlSecondsAfterFinished": 5}))
+    assert a.config_hash() == b.config_hash()
+    assert render.job_config(make_job(trainer={"maxSteps": 7})).config_hash() != a.config_hash()
+
+
+def test_services_declare_every_port_and_are_headless():
+    job = make_job()
+    svc = render.trainer_service(job)
+    assert svc["metadata"]["name"] == "demo-trainer"
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    assert svc["spec"]["selector"] == {c.LABEL_JOB_NAME: "demo", c.LABEL_ROLE: "trainer"}
+    assert [(p["name"], p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [
+        ("rendezvous", 29400, 29400), ("master", 29500, 29500), ("weights", 29600, 29600), ("metrics", 9400, 9400)
+    ]
+    redis = render.redis_service(job)
+    assert redis["spec"]["clusterIP"] == "None" and redis["spec"]["ports"][0]["port"] == 6379
+
+
+def test_managed_redis_deployment_secret_and_connection():
+    job = make_job()
+    deployment = render.redis_deployment(job)
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["redis-server", "--port", "6379", "--requirepass", "$(REDIS_PASSWORD)",
+                                    "--appendonly", "yes", "--dir", "/data"]
+    assert _env(container)["REDIS_PASSWORD"] == {"secretKeyRef": {"name": "demo-redis-auth", "key": "password"}}
+    template_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= template_labels.items()
+    assert template_labels[c.LABEL_ROLE] == "redis"
+    assert render.redis_secret(job, "s3cret")["stringData"] == {"password": "s3cret"}
+    config = render.job_config(job)
+    assert (config.redis.host, config.redis.port) == ("demo-redis.ns.svc.cluster.local", 6379)
+    kinds = [child["kind"] for child in render.static_children(job, config)]
+    assert kinds == ["ConfigMap", "Service", "Service", "Deployment"]
+
+
+def test_external_redis_has_no_managed_children_and_prefixed_keys():
+    job = make_job(redis={"mode": "external", "url": "rediss://cache.example:6380/2",
+                          "passwordSecretRef": {"name": "shared-redis", "key": "pw"}})
+    config = render.job_config(job)
+    assert (config.redis.host, config.redis.port, config.redis.tls, config.redis.db) == ("cache.example", 6380, True, 2)
+    assert config.keys.stream == "rljob:ns:demo:fast_llm_streaming"
+    assert [child["kind"] for child in render.static_children(job, config)] == ["ConfigMap", "Service"]
+    env = _env(render.rollout_pod(job, config, 0)["spec"]["containers"][0])
+    assert env["REDIS_PASSWORD"] == {"secretKeyRef": {"name": "shared-redis", "key": "pw"}}
+    no_password = make_job(redis={"mode": "external", "url": "redis://cache:6379"})
+    assert "REDIS_PASSWORD" not in _env(render.rollout_pod(no_password, render.job_config(no_password), 0)
+                                        ["spec"]["containers"][0])
+
+
+def test_long_job_names_are_hashed_within_63_characters():
+    long_name = "a-very-long-reinforcement-learning-job-name-for-the-qwen-math-experiment-v2"
+    job = make_job(name=long_name, trainer={"nodes": 2}, rollout={"replicas": 2})
+    config = render.job_config(job)
+    objs = render.static_children(job, config) + _all_pods(job) + [render.redis_secret(job, "x")]
+    for obj in objs:
+        assert len(obj["metadata"]["name"]) <= 63, obj["metadata"]["name"]
+        for value in obj["metadata"]["labels"].values():
+            assert len(value) <= 63
+    label = names.job_label(long_name)
+    assert len(label) == 63 and label != long_name[:63]
+    assert {o["metadata"]["labels"][c.LABEL_JOB_NAME] for o in objs} == {label}
+    pod0 = render.trainer_pod(job, config, 0, 0)
+    assert pod0["spec"]["hostname"] == names.trainer_pod(long_name, 0)
+    assert config.trainer_master_host.startswith(pod0["spec"]["hostname"] + "." + pod0["spec"]["subdomain"] + ".ns.")
+
+
+def test_adopt_sets_owner_reference_and_namespace_but_copies_no_labels(owner):
+    owner["metadata"]["labels"] = {"team": "x"}
+    job = make_job()
+    children = render.static_children(job, render.job_config(job)) + _all_pods(job)
+    adopt(children, owner)
+    for child in children:
+        assert child["metadata"]["ownerReferences"] == [{
+            "apiVersion": "rljob.dev/v1alpha1", "kind": "RLTrainingJob", "name": "demo", "uid": "0f7a-uid",
+            "controller": True, "blockOwnerDeletion": True,
+        }]
+        assert child["metadata"]["namespace"] == "ns"
+        assert "team" not in child["metadata"]["labels"]

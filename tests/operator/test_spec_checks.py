@@ -1,0 +1,81 @@
+"""Every check only code can make, with the exact message the Valid condition shows (field named first).
+
+Each case: (spec overrides, every message it must produce, in order).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from rljob_operator.reconcile import parse_spec
+from rljob_operator.status import valid_condition
+
+CASES = {
+    "topology": (
+        {"trainer": {"nodes": 3, "tensorParallel": 2}},
+        "spec.trainer.nodes: nodes*processesPerNode = 3*1 = 3 is not divisible by "
+        "tensorParallel*pipelineParallel = 2*1 = 2",
+        "spec.trainer.tensorParallel: tensor parallelism > 1 is not supported yet",
+    ),
+    "metrics-pp": (
+        {"algorithm": {"metrics": "full"}, "trainer": {"nodes": 2, "pipelineParallel": 2}},
+        "spec.algorithm.metrics: metrics=full requires pipelineParallel == 1",
+        "spec.trainer.pipelineParallel: pipeline parallelism > 1 is not supported yet",
+    ),
+    "tensor-parallel": (
+        {"trainer": {"nodes": 2, "tensorParallel": 2}},
+        "spec.trainer.tensorParallel: tensor parallelism > 1 is not supported yet",
+    ),
+    "pipeline-parallel": (
+        {"trainer": {"nodes": 2, "pipelineParallel": 2}},
+        "spec.trainer.pipelineParallel: pipeline parallelism > 1 is not supported yet",
+    ),
+    "fast-llm": ({"trainer": {"backend": "fast-llm"}}, "spec.trainer.backend: backend 'fast-llm' is not supported yet"),
+    "documents-per-step": (
+        {"trainer": {"nodes": 2, "batch": {"documentsPerStep": 3}}},
+        "spec.trainer.batch.documentsPerStep: documentsPerStep = 3 is not divisible by the data-parallel size 2",
+    ),
+    "heads": ({"model": {"tiny": {"heads": 3}}}, "spec.model.tiny.heads: heads = 3 does not divide hiddenSize = 64"),
+    "model-path": ({"model": {"source": "path"}}, "spec.model.path: required when source is 'path'"),
+    "redis-url": ({"redis": {"mode": "external"}}, "spec.redis.url: required when mode is 'external'"),
+    "redis-scheme": (
+        {"redis": {"mode": "external", "url": "http://cache:6379"}},
+        "spec.redis.url: must start with redis:// or rediss://, got 'http://cache:6379'",
+    ),
+    "dataset": ({"rollout": {"task": {"name": "math"}}}, "spec.rollout.task.datasetPath: required for task 'math'"),
+    "reward-function": (
+        {"rollout": {"task": {"name": "custom", "datasetPath": "/d.jsonl"}}},
+        "spec.rollout.task.rewardFunction: required for task 'custom'",
+    ),
+    "reward-function-form": (
+        {"rollout": {"task": {"name": "custom", "datasetPath": "/d.jsonl", "rewardFunction": "score"}}},
+        "spec.rollout.task.rewardFunction: must be 'module:function', got 'score'",
+    ),
+    "vllm-gpus": ({"rollout": {"backend": "vllm"}}, "spec.rollout.gpusPerReplica: must be >= 1 with backend 'vllm'"),
+    # what the CRD schema would have refused, if the CRD was bypassed or is older than the operator
+    "schema-bound": ({"trainer": {"nodes": 0}}, "spec.trainer.nodes: Input should be greater than or equal to 1"),
+    "schema-unknown": ({"trainer": {"nodez": 2}}, "spec.trainer.nodez: Extra inputs are not permitted"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_code_check_names_its_field(case):
+    raw, *messages = CASES[case]
+    _, problems = parse_spec("demo", raw)
+    assert [str(p) for p in problems] == messages
+    cond = valid_condition(problems)
+    assert cond.status == "False" and cond.message == "; ".join(messages) + "; fix the spec (kubectl edit rljob)"
+
+
+@pytest.mark.parametrize("name", ["9lives", "my.job", "Upper"])
+def test_job_names_that_cannot_name_services_are_refused(name):
+    _, problems = parse_spec(name, {})
+    assert [str(p) for p in problems] == [
+        f"metadata.name: {name!r} must start with a lowercase letter and hold only lowercase letters, digits and "
+        "'-' (it names the job's Services and pod hostnames); recreate the job under another name"
+    ]
+
+
+def test_a_valid_spec_has_no_problems():
+    spec, problems = parse_spec("grpo-demo", {"trainer": {"nodes": 2, "batch": {"documentsPerStep": 64}}})
+    assert problems == [] and spec.trainer.nodes == 2
