@@ -1,6 +1,7 @@
 """The ``rljob`` command line (typer): one subcommand per role.
 
-``rljob operator`` runs the kopf operator; ``rljob crd`` prints the CRD. Other roles add their own
+``rljob operator`` runs the kopf operator; ``rljob crd`` prints the CRD; ``rljob watch JOB`` shows a
+job's progress live. Other roles add their own
 subcommands to :data:`app`.
 """
 
@@ -71,6 +72,30 @@ def crd() -> None:
     from rljob_operator.crd import crd_yaml
 
     typer.echo(crd_yaml(), nl=False)
+
+
+@app.command()
+def watch(
+    name: str = typer.Argument(..., help="RLTrainingJob name."),
+    namespace: str = typer.Option("default", "--namespace", "-n", help="Its namespace."),
+    timeout: float = typer.Option(3600.0, help="Seconds to wait for Succeeded or Failed."),
+    kubeconfig: Optional[str] = typer.Option(None, envvar="KUBECONFIG", help="Kubeconfig (default: ~/.kube/config)."),
+) -> None:
+    """Show a job's progress live (step, rewards, staleness, conditions) until it finishes.
+
+    Exits 0 on Succeeded, 1 on Failed, 2 on timeout.
+    """
+    from kubernetes import config as kube_config
+
+    from rljob_operator.watch import watch as watch_job
+
+    kube_config.load_kube_config(config_file=kubeconfig)
+    try:
+        final = watch_job(name, namespace, timeout_seconds=timeout)
+    except TimeoutError as err:
+        typer.echo(str(err), err=True)
+        raise typer.Exit(2)
+    raise typer.Exit(0 if final["status"]["phase"] == "Succeeded" else 1)
 
 
 if __name__ == "__main__":
