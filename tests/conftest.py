@@ -13,15 +13,9 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+from portutil import free_port
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -67,6 +67,17 @@ def check_spec(spec: RLTrainingJobSpec) -> list[SpecProblem]:
                 f"documentsPerStep = {t.batch.documents_per_step} is not divisible by the data-parallel size {dp}",
             )
         )
+    unacked = t.batch.documents_per_step * t.checkpoint.every_steps
+    if unacked > spec.redis.max_pending:
+        problems.append(
+            SpecProblem(
+                "spec.trainer.checkpoint.everySteps",
+                f"documentsPerStep × everySteps = {t.batch.documents_per_step} × {t.checkpoint.every_steps} = "
+                f"{unacked} must not exceed spec.redis.maxPending = {spec.redis.max_pending}: stream entries are "
+                "acknowledged only by a checkpoint and rollout workers stop at maxPending unacknowledged entries, "
+                "so training would stall before its first checkpoint",
+            )
+        )
     m = spec.model
     if m.source == "tiny" and m.tiny.hidden_size % m.tiny.heads:
         problems.append(

@@ -1,10 +1,12 @@
 """CLI for the local control plane.
 
     python -m rljob_localcluster up       # build tools if missing, start in the background
+    python -m rljob_localcluster up --agent   # ... plus the node agent, so that pods run
     eval "$(python -m rljob_localcluster env)"
     kubectl get ns
     python -m rljob_localcluster status
-    python -m rljob_localcluster down     # stop it and remove its data
+    python -m rljob_localcluster down     # stop it (and the demo's node agent) and remove its data
+    python -m rljob_localcluster demo     # the README's main job: cluster + agent, helm install, CPU example
 
 State lives in ``--dir`` (default ``${RLJOB_CLUSTER_DIR:-$HOME/.cache/rljob/cluster}``):
 ``kubeconfig``, ``state.json``, ``daemon.pid``, ``daemon.log`` and ``data/`` (certs, etcd, logs).
@@ -24,6 +26,7 @@ import threading
 import time
 from pathlib import Path
 
+from . import agent_daemon, demo
 from .controlplane import ControlPlane
 from .tools import tools_bin_dir
 
@@ -80,6 +83,20 @@ def _read_state(d: Path) -> dict | None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    rc = _up(args)
+    if rc == 0 and args.agent and not args.foreground:
+        d = args.dir.resolve()
+        try:
+            pid = agent_daemon.start_agent(d, str(d / "kubeconfig"))
+        except RuntimeError as err:
+            print(f"node agent failed to start: {err}", file=sys.stderr)
+            return 1
+        print(f"# node agent up (pid {pid}; 2 nodes, 4 fake nvidia.com/gpu each; log {d / 'agent.log'})",
+              file=sys.stderr)
+    return rc
+
+
+def _up(args: argparse.Namespace) -> int:
     d: Path = args.dir.resolve()
     if _daemon_pid(d) and _read_state(d):
         st = _read_state(d)
@@ -166,6 +183,8 @@ def _serve(d: Path, bin_dir: str, bind_address: str, timeout: float) -> int:
 
 
 def _down(d: Path, quiet: bool = False) -> int:
+    if agent_daemon.stop_agent(d) and not quiet:  # its pods first, while the API server still answers
+        print("node agent stopped", file=sys.stderr)
     pid = _daemon_pid(d)
     st = _read_state(d) or {}
     if pid:
@@ -239,10 +258,13 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--bind-address", default="127.0.0.1", help="API server bind address")
     up.add_argument("--bin-dir", default=None, help="tools dir (default: build-go-tools.sh)")
     up.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for readiness")
+    up.add_argument("--agent", action="store_true",
+                    help="also start the test node agent (pods run; needs root), as the demo does")
     add("down", cmd_down, "stop the control plane and remove its data")
     add("status", cmd_status, "print the state JSON; exit 1 when not running")
     add("env", cmd_env, "print export lines for KUBECONFIG and PATH")
     add("tools", cmd_tools, "build the Go tools if missing and print their bin dir")
+    demo.add_parser(sub, default_dir())
     serve = add("_serve", None, "internal: run the control plane in this process (used by up)")
     serve.add_argument("--bin-dir", required=True)
     serve.add_argument("--bind-address", default="127.0.0.1")

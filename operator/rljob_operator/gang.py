@@ -240,7 +240,8 @@ def _active(
             message=f"created attempt {lc.attempt}: {spec.trainer.nodes} trainer pods",
         )
         return Plan(before, create_trainers=missing, after_create=after, **common)
-    running = [p for p in obs.current.values() if p.phase == "Running"]
+    # A rank that exited 0 finished its share (at maxSteps): the gang is not "starting" again while pod 0 exits.
+    running = [p for p in obs.current.values() if p.phase in ("Running", "Succeeded")]
     if len(running) == spec.trainer.nodes:
         now_running = replace(
             lc,

@@ -38,6 +38,8 @@ class PodView:
     failure: str = ""
     unschedulable: str = ""
     uid: str = ""
+    owner_uid: str = ""
+    """uid of the controller owner (the RLTrainingJob); another uid means a deleted job of the same name."""
 
     @property
     def terminal(self) -> bool:
@@ -54,6 +56,13 @@ def _int(value: Any) -> Optional[int]:
         return int(value)
     except (TypeError, ValueError):
         return None
+
+
+def controller_uid(obj: Mapping[str, Any]) -> str:
+    """uid of the object's controller owner reference when that is an RLTrainingJob ("" otherwise: none, or
+    e.g. the ReplicaSet of a Redis pod)."""
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return next((ref.get("uid", "") for ref in refs if ref.get("controller") and ref.get("kind") == c.KIND), "")
 
 
 def pod_view(pod: Mapping[str, Any]) -> PodView:
@@ -81,6 +90,7 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         disrupted=disruption.get("status") == "True" or status.get("reason") in DISRUPTION_REASONS,
         failure=_failure(status),
         unschedulable=unschedulable,
+        owner_uid=controller_uid(pod),
     )
 
 
@@ -105,6 +115,7 @@ class DeploymentView:
     name: str
     available: bool
     message: str
+    owner_uid: str = ""
 
 
 def deployment_view(deployment: Mapping[str, Any]) -> DeploymentView:
@@ -120,4 +131,5 @@ def deployment_view(deployment: Mapping[str, Any]) -> DeploymentView:
     message = f"{ready}/{wanted} replicas available"
     if not available and available_cond.get("message"):
         message += f": {available_cond['message']}"
-    return DeploymentView(name=meta.get("name", ""), available=available, message=message)
+    return DeploymentView(name=meta.get("name", ""), available=available, message=message,
+                          owner_uid=controller_uid(deployment))

@@ -39,7 +39,7 @@ from rljob_api.validation import SpecProblem, check_spec, data_parallel_size
 
 from rljob_operator import gang, progress, render, status
 from rljob_operator.apply import ApiError, KubeApi, adopt
-from rljob_operator.observe import DeploymentView, PodView, pod_view
+from rljob_operator.observe import DeploymentView, PodView, controller_uid, pod_view
 
 #: How long a pod this process created counts as present before the watch reports it (seconds).
 CREATED_GRACE_S = 30.0
@@ -131,6 +131,15 @@ def observed_pods(indexed: Iterable[PodView], runtime: JobRuntime, now: float) -
     return sorted(seen.values(), key=lambda p: (p.role, p.index, p.name))
 
 
+def foreign_children(uid: Optional[str], pods: Iterable[PodView], redis: Optional[DeploymentView]) -> list[str]:
+    """Names of pods and of the Redis Deployment that carry the job's labels but belong to another owner: a
+    deleted job of the same name whose children the garbage collector has not removed yet."""
+    found = [p.name for p in pods if p.owner_uid and p.owner_uid != uid]
+    if redis is not None and redis.owner_uid and redis.owner_uid != uid:
+        found.append(redis.name)
+    return found
+
+
 def _digest(objs: Any) -> str:
     return hashlib.sha256(json.dumps(objs, sort_keys=True).encode()).hexdigest()
 
@@ -148,6 +157,9 @@ async def reconcile(
         StaleStatus: the status write was refused because the job changed meanwhile.
         ApiError: any other refused API call (mapped to kopf errors by the handlers).
     """
+    # A snapshot: a kopf daemon's body is a live view that follows the watch during the pass, and a status computed
+    # from the old object must be written with the old resourceVersion (refused as stale), never with a newer one.
+    body = dict(body)
     meta = body["metadata"]
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
     previous = RLTrainingJobStatus.model_validate(body.get("status") or {})
@@ -161,6 +173,18 @@ async def reconcile(
     if spec is not None and not problems and runtime.rejected is None:
         job = render.Job(name, namespace, spec, dict(meta.get("labels") or {}))
         config = render.job_config(job)
+        leftovers = foreign_children(meta.get("uid"), pods, redis_deployment)
+        if leftovers:  # a deleted job of the same name: its children go first (the garbage collector removes them)
+            waiting = replace(before, phase=Phase.PENDING, reason=c.Reason.TEARING_DOWN, message=(
+                f"waiting for {len(leftovers)} children of an earlier RLTrainingJob named {name} to be deleted: "
+                + ", ".join(leftovers)))
+            new = status.build_status(
+                previous, generation=generation, lifecycle=waiting, problems=[],
+                data_parallel_size=data_parallel_size(spec), redis=runtime.redis_health, pods=[],
+                nodes=spec.trainer.nodes, replicas=spec.rollout.replicas, progress=None, now=now,
+            )
+            await _save(body, previous, new, ctx)
+            return min(ctx.active_interval_s, 1.0)
         try:
             await _apply_static(job, config, body, runtime, ctx)
         except ApiError as err:
@@ -232,7 +256,11 @@ async def _apply_static(job: render.Job, config, body: Mapping[str, Any], runtim
     if job.spec.redis.mode == "managed":
         secret = render.redis_secret(job, secrets.token_urlsafe(32))
         adopt([secret], body)
-        await ctx.api.create(secret)
+        if await ctx.api.create(secret) is None:
+            existing = await ctx.api.get("v1", "Secret", job.namespace, secret["metadata"]["name"])
+            if existing is not None and controller_uid(existing) != body["metadata"].get("uid"):
+                raise ApiError(409, "Conflict", f"Secret {secret['metadata']['name']} of an earlier job of the same "
+                               "name still exists", "create Secret")
     for child in children:
         await ctx.api.apply(child)
     runtime.applied = digest
@@ -250,6 +278,8 @@ async def _create_pod(manifest: dict[str, Any], owner: Mapping[str, Any], runtim
     wanted = meta["labels"].get(c.LABEL_ATTEMPT)
     if existing is not None and (existing["metadata"].get("labels") or {}).get(c.LABEL_ATTEMPT) != wanted:
         raise ApiError(409, "Conflict", f"pod {meta['name']} of another attempt still exists", "create pod")
+    if existing is not None and controller_uid(existing) != owner["metadata"].get("uid"):
+        raise ApiError(409, "Conflict", f"pod {meta['name']} of another job of the same name still exists", "create pod")
 
 
 async def _save(body: Mapping[str, Any], previous: RLTrainingJobStatus, new: RLTrainingJobStatus, ctx: Context,

@@ -114,3 +114,25 @@ def test_long_job_names_stay_within_63_characters_and_stay_distinct():
             assert len(name) <= 63, name
     assert names.trainer_pod(a, 0) != names.trainer_pod(b, 0)
     assert names.trainer_pod("short", 1) == "short-trainer-1"
+
+
+def test_unacknowledged_documents_between_checkpoints_must_fit_under_max_pending():
+    ok = RLTrainingJobSpec.model_validate({"trainer": {"batch": {"documentsPerStep": 512}, "checkpoint": {"everySteps": 8}},
+                                           "redis": {"maxPending": 4096}})
+    assert check_spec(ok) == []  # 512 × 8 = 4096: the rollout can still fill the step that checkpoints
+    stall = ok.model_copy(update={"trainer": ok.trainer.model_copy(update={
+        "checkpoint": ok.trainer.checkpoint.model_copy(update={"every_steps": 9})})})
+    (problem,) = check_spec(stall)
+    assert problem.field == "spec.trainer.checkpoint.everySteps"
+    assert "512 × 9 = 4608 must not exceed spec.redis.maxPending = 4096" in problem.message
+
+
+@pytest.mark.parametrize("example", ["rljob-cpu.yaml", "rljob.yaml"])
+def test_examples_pass_the_code_checks(example):
+    from pathlib import Path
+
+    import yaml
+
+    manifest = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / example).read_text())
+    assert check_spec(RLTrainingJobSpec.model_validate(manifest["spec"])) == []
+

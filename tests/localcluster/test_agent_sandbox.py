@@ -157,3 +157,75 @@ def test_kill_ends_a_process_that_ignores_sigterm(tmp_path):
     assert proc.poll() is None
     proc.kill()
     assert proc.poll() == 137  # 128 + SIGKILL
+
+
+def test_volume_over_a_parent_of_the_state_dir_hides_no_later_source(tmp_path):
+    """An emptyDir mounted at /tmp (the operator chart does this) while the agent's files live under /tmp:
+    the later mounts' sources and the shim's own files (pid1, start errors) are still reached."""
+    assert str(tmp_path).startswith("/tmp/")
+    empty, vol = tmp_path / "empty", tmp_path / "vol"
+    empty.mkdir()
+    vol.mkdir()
+    (vol / "config.json").write_text("cfg")
+    target = f"/var/tmp/rljob-agent-test-{uuid.uuid4().hex[:8]}"
+    os.mkdir(target)
+    try:
+        code = "import os; print(sorted(os.listdir('/tmp')), open(os.environ['TARGET'] + '/config.json').read())"
+        proc, log = launch(tmp_path, code, env={"TARGET": target},
+                           mounts=[Mount(str(empty), "/tmp"), Mount(str(vol), target, read_only=True)])
+        wait_for(lambda: proc.poll() is not None, 15, "exit")
+        assert proc.poll() == 0, log.read_text()
+        assert log.read_text() == "[] cfg\n"
+        assert proc.start_error() is None
+
+        spec = LaunchSpec(argv=["no-such-binary-rljob"], env=IMAGE_ENV, mounts=[Mount(str(empty), "/tmp")])
+        failing = ContainerProcess(spec, tmp_path / "b" / "run", tmp_path / "b.log")
+        wait_for(lambda: failing.poll() is not None, 10, "exit")
+        assert failing.poll() == 128
+        assert failing.start_error() == 'exec: "no-such-binary-rljob": executable file not found in $PATH'
+    finally:
+        os.rmdir(target)
+
+
+def test_host_hosts_file_rewrite_keeps_the_containers_hosts_mount(tmp_path):
+    """The agent's managed block in the host's hosts file is rewritten in place: replacing that file by
+    rename would detach every container's bind mount of its own hosts file at the same path."""
+    from rljob_localcluster.agent.dns import DnsRecord
+    from rljob_localcluster.agent.hosts import HostsManager
+
+    host_hosts, pod_hosts = tmp_path / "host-hosts", tmp_path / "pod-hosts"
+    host_hosts.write_text("127.0.0.1 localhost\n")
+    pod_hosts.write_text("10.251.1.9 pod-a\n")
+    code = (
+        "import os, time\n"
+        "path = os.environ['TARGET']\n"
+        "print('ready', flush=True)\n"
+        "while not os.path.exists(os.environ['GO']): time.sleep(0.05)\n"
+        "print(open(path).read(), end='', flush=True)\n"
+    )
+    go = tmp_path / "go"
+    proc, log = launch(tmp_path, code, env={"TARGET": str(host_hosts), "GO": str(go)},
+                       mounts=[Mount(str(pod_hosts), str(host_hosts))])
+    wait_for(lambda: "ready" in log.read_text(), 15, "the container to start")
+    HostsManager("cluster.local", host_hosts, "test").set_records([DnsRecord("ns", "svc", "10.251.1.7")])
+    assert "10.251.1.7" in host_hosts.read_text()
+    go.touch()
+    wait_for(lambda: proc.poll() is not None, 10, "exit")
+    assert log.read_text() == "ready\n10.251.1.9 pod-a\n"  # still the pod's own file
+
+
+def test_bridge_keeps_its_mac_when_pod_veths_come_and_go(bridge):
+    """Pods cache the gateway's MAC: a bridge that took the lowest port MAC (Linux's default) would change it
+    whenever a pod with a lower veth MAC starts or stops, leaving running pods sending into a black hole."""
+    def mac() -> str:
+        return Path(f"/sys/class/net/{bridge.name}/address").read_text().strip()
+
+    assert mac() == bridge.mac
+    net = PodSandboxNet.for_pod(f"test-{uuid.uuid4()}", "10.251.1.3")
+    try:
+        net.create(bridge)
+        subprocess.run(["ip", "link", "set", "dev", net.veth, "address", "00:00:5e:00:00:01"], check=True)
+        assert mac() == bridge.mac
+    finally:
+        net.delete()
+    assert mac() == bridge.mac

@@ -224,6 +224,16 @@ def test_success_when_pod_0_succeeds_then_clean_pod_policy(policy, deleted):
     assert set(plan.delete) == deleted
 
 
+def test_a_rank_that_finished_first_keeps_the_job_running_until_pod_0_exits():
+    sim = running_sim()
+    sim.set("demo-trainer-1", phase="Succeeded")
+    plan = sim.step()
+    assert plan.lifecycle.phase == Phase.RUNNING and plan.lifecycle.reason == Reason.TRAINING
+    assert not plan.delete and not plan.create_trainers
+    sim.set("demo-trainer-0", phase="Succeeded")
+    assert sim.step().lifecycle.phase == Phase.SUCCEEDED
+
+
 def test_ttl_after_finished_deletes_the_job():
     sim = running_sim(runPolicy={"ttlSecondsAfterFinished": 30})
     sim.set("demo-trainer-0", phase="Succeeded")

@@ -61,3 +61,21 @@ def test_observed_pods_bridge_the_watch_lag_of_this_process_own_actions():
     # a created pod the watch never reports stops counting after the grace period
     runtime.created["demo-trainer-1"] = (100.0, created)
     assert observed_pods([], runtime, now=100.0 + CREATED_GRACE_S + 1) == []
+
+
+def test_children_of_a_deleted_job_of_the_same_name_are_foreign():
+    from rljob_operator.reconcile import foreign_children
+
+    owned = _pod()
+    owned["metadata"]["ownerReferences"] = [{"uid": "old-job", "controller": True, "kind": "RLTrainingJob"}]
+    view = pod_view(owned)
+    assert view.owner_uid == "old-job"
+    redis = deployment_view({"metadata": {"name": "j-redis", "ownerReferences": [
+        {"uid": "old-job", "controller": True, "kind": "RLTrainingJob"}]},
+                             "spec": {"replicas": 1}, "status": {}})
+    assert foreign_children("new-job", [view], redis) == ["j-trainer-1", "j-redis"]
+    assert foreign_children("old-job", [view], redis) == []
+    assert foreign_children("new-job", [pod_view(_pod())], None) == []  # no owner reference: not foreign
+    redis_pod = _pod()
+    redis_pod["metadata"]["ownerReferences"] = [{"uid": "rs", "controller": True, "kind": "ReplicaSet"}]
+    assert foreign_children("new-job", [pod_view(redis_pod)], None) == []  # owned by its ReplicaSet

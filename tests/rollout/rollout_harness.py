@@ -9,10 +9,10 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from conftest import free_port
+from portutil import free_port
 from rljob_api.config import JobConfig, RedisConnection, resolve
 from rljob_api.spec import RLTrainingJobSpec
-from rljob_trainer.model import DigitTokenizer, build_model
+from rljob_trainer.model import build_model, build_tokenizer
 from rljob_trainer.rollout.backends.cpu import CpuBackend
 from rljob_trainer.rollout.tasks import build_task
 from rljob_trainer.rollout.worker import RolloutWorker
@@ -49,13 +49,13 @@ def make_config(
 
 def tiny_model(config: JobConfig, seed: int) -> torch.nn.Module:
     """The job's tiny model with seed ``seed`` (different seeds give different weights)."""
-    return build_model(config.spec.model, DigitTokenizer().vocab_size, seed=seed)
+    return build_model(config.spec.model, build_tokenizer(config.spec.model, config.spec.rollout.task).vocab_size, seed=seed)
 
 
 def make_worker(config: JobConfig, password: str, *, replica_index: int = 0, seed: int = 0) -> RolloutWorker:
     """A CPU rollout worker of ``config`` with its own Redis client (the real worker's ``connect``)."""
     torch.manual_seed(seed)
-    tokenizer = DigitTokenizer()
+    tokenizer = build_tokenizer(config.spec.model, config.spec.rollout.task)
     backend = CpuBackend(tiny_model(config, seed=1000 + seed), pad_token_id=0, eos_token_id=tokenizer.eos_token_id)
     task = build_task(config.spec.rollout.task, tokenizer, seed)
     return RolloutWorker(config, replica_index, client=connect(config, password=password), backend=backend, task=task, tokenizer=tokenizer)

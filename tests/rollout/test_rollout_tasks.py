@@ -7,11 +7,12 @@ import sys
 
 import pytest
 
-from rljob_api.spec import TaskSpec
-from rljob_trainer.model import DigitTokenizer
+from rljob_api.spec import ModelSpec, TaskSpec
+from rljob_trainer.model import TEXT_ALPHABET, DigitTokenizer, build_tokenizer
 from rljob_trainer.rollout.tasks import InvalidReward, Prompt, build_task, extract_number, load_reward_function
 
 TOK = DigitTokenizer()
+TEXT = DigitTokenizer(alphabet=TEXT_ALPHABET)
 
 
 def _ids(text: str) -> list[int]:
@@ -39,6 +40,19 @@ def test_digits_reverse_rewards_the_reversed_prompt():
     assert fresh.reference == tuple(_ids(fresh.text[::-1]))
     assert task.reward(prompt, _ids("321"), "321") == 1.0
     assert task.reward(prompt, _ids("123"), "123") == pytest.approx(1 / 3)
+
+
+def test_tiny_tokenizer_alphabet_follows_the_task():
+    tiny = ModelSpec(source="tiny")
+    digits = build_tokenizer(tiny, TaskSpec(name="digits-reverse"))
+    assert build_tokenizer(tiny) == digits == TOK and digits.vocab_size == 14  # 4 specials + 10 digits
+    assert digits.encode("90|") == [1, 13, 4, 3] and digits.decode([1, 13, 4, 3, 2]) == "90|"
+    with pytest.raises(ValueError, match="'a' is not in its alphabet '0123456789'"):
+        digits.encode("a1")
+    for name in ("math", "custom"):
+        text = build_tokenizer(tiny, TaskSpec(name=name, dataset_path="d.jsonl"))
+        assert text == TEXT and text.vocab_size == 45
+        assert text.decode(text.encode("what is 2+3?")) == "what is 2+3?"
 
 
 def test_digit_prompts_are_seeded():
@@ -74,12 +88,12 @@ def test_math_task_scores_the_final_number(tmp_path):
         {"prompt": "what is 2+3?", "answer": "2+3 = 5\n#### 5"},
         {"prompt": "what is 10-4?", "answer": 6},
     ])
-    task = build_task(TaskSpec(name="math", dataset_path=path), TOK, seed=0)
+    task = build_task(TaskSpec(name="math", dataset_path=path), TEXT, seed=0)
     prompts = task.next_prompts(4)  # one epoch of 2, then a reshuffled second epoch
     assert sorted(p.text for p in prompts[:2]) == sorted(p.text for p in prompts[2:]) == ["what is 10-4?", "what is 2+3?"]
     by_text = {p.text: p for p in prompts}
     five = by_text["what is 2+3?"]
-    assert list(five.token_ids) == TOK.encode("what is 2+3?")
+    assert list(five.token_ids) == TEXT.encode("what is 2+3?")
     assert task.reward(five, [], "2 + 3 = 5 #### 5") == 1.0
     assert task.reward(five, [], "#### 6") == 0.0
     assert task.reward(five, [], "i do not know") == 0.0
@@ -117,13 +131,13 @@ def test_bad_math_datasets_name_the_field_and_line(tmp_path, lines, message):
     path = tmp_path / "bad.jsonl"
     path.write_text("\n".join(lines))
     with pytest.raises(ValueError, match=message) as error:
-        build_task(TaskSpec(name="math", dataset_path=str(path)), TOK, seed=0)
+        build_task(TaskSpec(name="math", dataset_path=str(path)), TEXT, seed=0)
     assert "spec.rollout.task.datasetPath" in str(error.value)
 
 
 def test_missing_dataset_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="spec.rollout.task.datasetPath"):
-        build_task(TaskSpec(name="math", dataset_path=str(tmp_path / "nope.jsonl")), TOK, seed=0)
+        build_task(TaskSpec(name="math", dataset_path=str(tmp_path / "nope.jsonl")), TEXT, seed=0)
 
 
 REWARDS_MODULE = '''
@@ -148,7 +162,7 @@ def reward_module(tmp_path, monkeypatch):
 
 def test_custom_task_calls_the_user_function(tmp_path, reward_module):
     path = _jsonl(tmp_path / "p.jsonl", [{"prompt": "abc", "scale": 4}])
-    task = build_task(TaskSpec(name="custom", dataset_path=path, reward_function=f"{reward_module}:length_reward"), TOK, 0)
+    task = build_task(TaskSpec(name="custom", dataset_path=path, reward_function=f"{reward_module}:length_reward"), TEXT, 0)
     prompt = task.next_prompts(1)[0]
     assert prompt.record == {"prompt": "abc", "scale": 4}
     assert task.reward(prompt, [], "xy") == 0.5
@@ -157,7 +171,7 @@ def test_custom_task_calls_the_user_function(tmp_path, reward_module):
 @pytest.mark.parametrize("function", ["returns_text", "returns_nan"])
 def test_custom_rewards_that_are_not_finite_numbers_raise_invalid_reward(tmp_path, reward_module, function):
     path = _jsonl(tmp_path / "p.jsonl", [{"prompt": "abc"}])
-    task = build_task(TaskSpec(name="custom", dataset_path=path, reward_function=f"{reward_module}:{function}"), TOK, 0)
+    task = build_task(TaskSpec(name="custom", dataset_path=path, reward_function=f"{reward_module}:{function}"), TEXT, 0)
     with pytest.raises(InvalidReward):
         task.reward(task.next_prompts(1)[0], [], "x")
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from conftest import free_port
+from portutil import free_port
 from rljob_trainer.checkpoint import COMMIT_FILE, committed_checkpoints
 from rljob_trainer.model import DigitTokenizer, build_model
 from rljob_trainer.stream.reader import DataTimeout

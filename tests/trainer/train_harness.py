@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from conftest import free_port
+from portutil import free_port
 from rljob_api.config import JobConfig, RedisConnection, resolve
 from rljob_api.spec import RLTrainingJobSpec
 from rljob_trainer.model import DigitTokenizer

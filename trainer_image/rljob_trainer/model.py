@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from rljob_api import constants as c
-from rljob_api.spec import ModelSpec
+from rljob_api.spec import ModelSpec, TaskSpec
 
 
 class Tokenizer(Protocol):
@@ -28,15 +28,27 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+DIGITS_ALPHABET = "0123456789"
+"""The toy task's alphabet: with the 4 special ids a vocabulary of 14, so a random policy scores ~1/14 per digit."""
+TEXT_ALPHABET = "0123456789 +-=?abcdefghijklmnopqrstuvwxyz"
+"""The alphabet of a ``tiny`` model running a text task (``math``, ``custom``): a vocabulary of 45."""
+
+
 @dataclass(frozen=True)
 class DigitTokenizer:
-    """A fixed character-level tokenizer for the toy digit task (no downloads).
+    """A fixed character-level tokenizer for ``tiny`` models (no downloads).
 
     Ids: 0 ``<pad>``, 1 ``<bos>``, 2 ``<eos>``, 3 ``|`` (prompt/completion separator), then one id per
     character of :attr:`alphabet`. Characters outside the alphabet raise ``ValueError``.
+
+    The default alphabet is the ten digits (vocabulary 14): the toy task's random policy starts near 1/14
+    per digit and learns faster than with :data:`TEXT_ALPHABET` (vocabulary 45). Measured on 4-digit copy,
+    32 prompts x 16 samples, lr 2e-3, synchronous: mean reward 0.8 reached at steps 53-89 over 5 seeds with
+    vocabulary 14, at 80, 91 and never (0.79 at step 100) over 3 seeds with vocabulary 45. Pass
+    ``alphabet=TEXT_ALPHABET`` for text prompts (:func:`build_tokenizer` does so for ``math`` and ``custom``).
     """
 
-    alphabet: str = "0123456789 +-=?abcdefghijklmnopqrstuvwxyz"
+    alphabet: str = DIGITS_ALPHABET
     pad_token_id: int = 0
     bos_token_id: int = 1
     eos_token_id: int = 2
@@ -75,14 +87,19 @@ class DigitTokenizer:
         return "".join(out)
 
 
-def build_tokenizer(spec: ModelSpec) -> Any:
+def build_tokenizer(spec: ModelSpec, task: Optional[TaskSpec] = None) -> Any:
     """The tokenizer of a model spec: :class:`DigitTokenizer` for ``tiny``, else ``AutoTokenizer``.
+
+    For ``tiny`` the alphabet follows the task (the trainer and every rollout worker pass the same
+    ``spec.rollout.task``, so they agree on the vocabulary size): :data:`DIGITS_ALPHABET` for the digit
+    tasks (and when ``task`` is None), :data:`TEXT_ALPHABET` for ``math`` and ``custom``.
 
     Raises:
         OSError: the Hugging Face model id or path cannot be loaded.
     """
     if spec.source == "tiny":
-        return DigitTokenizer()
+        text = task is not None and task.name not in ("digits-copy", "digits-reverse")
+        return DigitTokenizer(alphabet=TEXT_ALPHABET if text else DIGITS_ALPHABET)
     from transformers import AutoTokenizer
 
     where = spec.path if spec.source == "path" else spec.name

@@ -42,7 +42,7 @@ from rljob_trainer.model import build_model, build_tokenizer, sequence_logprobs
 from rljob_trainer.parallel import Distributed, init_distributed, shutdown_distributed, wrap_model
 from rljob_trainer.progress import Progress, StepRecord, build_progress
 from rljob_trainer.stream.batch import MicroBatch, flat_from_padded, pack_documents
-from rljob_trainer.stream.connection import connect
+from rljob_trainer.stream.connection import connect, retry_with_backoff
 from rljob_trainer.stream.reader import StreamReader
 from rljob_trainer.weights import WeightPublisher
 
@@ -105,7 +105,7 @@ class Trainer:
                 f"by the data-parallel size {config.data_parallel_size}"
             )
         torch.manual_seed(spec.trainer.seed + where.rank)
-        self.tokenizer = build_tokenizer(spec.model)
+        self.tokenizer = build_tokenizer(spec.model, spec.rollout.task)
         vocab_size = len(self.tokenizer) if hasattr(self.tokenizer, "__len__") else self.tokenizer.vocab_size
         # float32 master weights (a Hub model loads in bf16); bf16 only inside autocast on GPU.
         self.model = build_model(spec.model, vocab_size, spec.trainer.seed).to(where.device, torch.float32)
@@ -302,13 +302,18 @@ def run(config: JobConfig, *, client: Optional[redis.Redis] = None, stdout: Text
 
     Raises:
         rljob_trainer.parallel.WorldSizeMismatch: WORLD_SIZE / (TP × PP) ≠ the config's DP size.
+        rljob_trainer.stream.connection.RedisUnavailable: Redis unreachable for ``rendezvousTimeoutSeconds`` at start.
         rljob_trainer.stream.reader.DataTimeout: no document arrived for ``dataTimeoutSeconds``.
         FileNotFoundError: ``initFrom`` names no committed checkpoint.
     """
     where = init_distributed(config)
     trainer = None
     try:
-        trainer = Trainer(config, where, client or connect(config), stdout)
+        client = client or connect(config)
+        # Redis may still be starting (managed Redis comes up with the gang): wait for it as for the gang,
+        # rather than exiting and costing a gang restart.
+        retry_with_backoff(client.ping, "connect to Redis", config.spec.trainer.rendezvous_timeout_seconds)
+        trainer = Trainer(config, where, client, stdout)
         trainer.resume()
         return trainer.fit()
     finally:

@@ -90,14 +90,10 @@ class HostsManager:
         new = replace_managed_block(old, lines, self.tag)
         if new == old:
             return
-        tmp = self.etc_hosts.with_name(f".{self.etc_hosts.name}.rljob-tmp")
-        try:
-            tmp.write_text(new)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, self.etc_hosts)
-        except OSError:  # e.g. /etc/hosts is itself a bind mount (EBUSY): write it in place
-            tmp.unlink(missing_ok=True)
-            _write_in_place(self.etc_hosts, new)
+        # In place, never by rename: every container bind-mounts its pod's hosts file over /etc/hosts, and
+        # renaming over a mount point on the host detaches those mounts in every container's mount namespace
+        # (Linux >= 3.18), after which the containers would read the host's file instead.
+        _write_in_place(self.etc_hosts, new)
 
     def restore(self) -> None:
         """Remove the managed block from the host's hosts file (agent shutdown)."""

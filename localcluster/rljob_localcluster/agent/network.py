@@ -104,11 +104,21 @@ class Bridge:
     def exists(self) -> bool:
         return _ip("link", "show", "dev", self.name, check=False).returncode == 0
 
+    @property
+    def mac(self) -> str:
+        """A fixed, locally administered MAC derived from the name. Without one, Linux gives a bridge the lowest
+        MAC of its ports, so it changes as pod veths come and go, and pods keep sending to the old gateway MAC
+        (a black hole for the ~30 s until their ARP entry is re-validated)."""
+        digest = hashlib.sha1(self.name.encode()).hexdigest()[:10]
+        return "02:" + ":".join(digest[i:i + 2] for i in range(0, 10, 2))
+
     def ensure(self) -> None:
-        """Create the bridge (unless it exists) with its address, and bring it up."""
+        """Create the bridge (unless it exists) with its fixed MAC and its address, and bring it up."""
         if not self.exists():
-            _ip("link", "add", self.name, "type", "bridge")
+            _ip("link", "add", self.name, "address", self.mac, "type", "bridge")
             self.created = True
+        else:
+            _ip("link", "set", "dev", self.name, "address", self.mac)
         self.add_address(str(self.address))
         _ip("link", "set", self.name, "up")
 

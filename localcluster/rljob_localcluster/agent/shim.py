@@ -55,7 +55,7 @@ def _check(rc, what):
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def _mount(source, target, fstype, flags):
+def _mount(source, target, fstype, flags, shown=None):
     _check(
         _libc.mount(
             None if source is None else source.encode(),
@@ -64,7 +64,7 @@ def _mount(source, target, fstype, flags):
             ctypes.c_ulong(flags),
             None,
         ),
-        f"mount {source} on {target}",
+        f"mount {shown or source} on {target}",
     )
 
 
@@ -72,11 +72,25 @@ def _set_pdeathsig(sig):
     _check(_libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
 
 
+_dir_fds = {}
+
+
+def _hold_dir(path):
+    """Keep an O_PATH handle on ``path``'s directory, so :func:`_write` still reaches it after a volume
+    is mounted over one of its parents (an emptyDir at /tmp while the agent's state dir is under /tmp)."""
+    parent = os.path.dirname(path)
+    if parent not in _dir_fds:
+        _dir_fds[parent] = os.open(parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
 def _write(path, text):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    parent, name = os.path.split(path)
+    dir_fd = _dir_fds.get(parent)
+    tmp = name + ".tmp" if dir_fd is not None else path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644, dir_fd=dir_fd)
+    with open(fd, "w") as f:
         f.write(text)
-    os.replace(tmp, path)
+    os.replace(tmp, name if dir_fd is not None else path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
 
 def _status_code(wait_status):
@@ -120,10 +134,18 @@ def setup_sandbox(spec):
         flags |= CLONE_NEWUTS
     _check(_libc.unshare(flags), "unshare")
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
-    for m in spec.get("mounts") or []:
-        _mount(m["source"], m["target"], None, MS_BIND | MS_REC)
-        if m.get("read_only"):
-            _mount(None, m["target"], None, MS_BIND | MS_REMOUNT | MS_RDONLY)
+    mounts = spec.get("mounts") or []
+    # Every source is opened before the first mount and bound through /proc/self/fd: a volume mounted over
+    # a parent of the agent's state dir (e.g. an emptyDir at /tmp) would otherwise hide the later sources.
+    sources = [os.open(m["source"], os.O_PATH | os.O_CLOEXEC) for m in mounts]
+    try:
+        for m, fd in zip(mounts, sources, strict=True):
+            _mount(f"/proc/self/fd/{fd}", m["target"], None, MS_BIND | MS_REC, shown=m["source"])
+            if m.get("read_only"):
+                _mount(None, m["target"], None, MS_BIND | MS_REMOUNT | MS_RDONLY)
+    finally:
+        for fd in sources:
+            os.close(fd)
     for point in _mount_points_under(spec.get("detach") or []):
         _libc.umount2(point.encode(), MNT_DETACH)  # best effort: a failure only keeps a reference
     if spec.get("hostname"):
@@ -150,10 +172,19 @@ def _exec_container(spec):
     os._exit(START_ERROR_EXIT)
 
 
-def _init(spec):
-    """PID 1 of the container's PID namespace."""
+def _init(spec, parent_alive):
+    """PID 1 of the container's PID namespace. ``parent_alive``: read end of a pipe the outer shim holds open."""
     try:
         _set_pdeathsig(signal.SIGKILL)
+        # The outer shim may have been killed between fork and prctl (no death signal would come then): its
+        # end of the pipe is closed in that case. getppid() cannot tell, it is 0 in a new PID namespace.
+        os.set_blocking(parent_alive, False)
+        try:
+            if os.read(parent_alive, 1) == b"":
+                os._exit(START_ERROR_EXIT)
+        except BlockingIOError:
+            pass
+        os.close(parent_alive)
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
         main_pid = os.fork()
         if main_pid == 0:
@@ -174,6 +205,8 @@ def main(spec_path):
     _set_pdeathsig(signal.SIGKILL)
     if os.getppid() != spec.get("parent_pid", os.getppid()):
         return START_ERROR_EXIT  # the agent died before the death signal was armed
+    _hold_dir(spec["start_error_file"])
+    _hold_dir(spec["pid1_file"])
     try:
         setup_sandbox(spec)
     except OSError as e:
@@ -181,9 +214,12 @@ def main(spec_path):
         sys.stderr.write(f"rljob-shim: {msg}\n")
         _write(spec["start_error_file"], msg)
         return START_ERROR_EXIT
+    parent_alive, keep_open = os.pipe()
     pid1 = os.fork()
     if pid1 == 0:
-        _init(spec)
+        os.close(keep_open)
+        _init(spec, parent_alive)
+    os.close(parent_alive)
     _forward_to(pid1)
     _write(spec["pid1_file"], str(pid1))
     _, wait_status = os.waitpid(pid1, 0)

@@ -109,7 +109,7 @@ class RolloutWorker:
         from rljob_trainer.stream.connection import connect
 
         seed = config.spec.rollout.seed + replica_index
-        tokenizer = build_tokenizer(config.spec.model)
+        tokenizer = build_tokenizer(config.spec.model, config.spec.rollout.task)
         task = build_task(config.spec.rollout.task, tokenizer, seed)
         backend = build_backend(config, tokenizer, seed)
         return cls(config, replica_index, client=connect(config), backend=backend, task=task, tokenizer=tokenizer)

@@ -1,0 +1,218 @@
+"""The README's main job: ``python -m rljob_localcluster demo`` (``scripts/demo.sh`` after ``scripts/setup.sh``).
+
+1. starts the local cluster, or reuses the one that runs: the control plane (``up``) and the node agent (two
+   nodes with four fake GPUs each, :mod:`.agent_daemon`);
+2. ``helm upgrade --install rljob-operator helm/rljob-operator -n rljob-system --create-namespace --wait``
+   (the operator runs as a pod under its own ServiceAccount);
+3. ``kubectl apply -f examples/rljob-cpu.yaml`` (a finished job of the same name is deleted first);
+4. shows live progress (:func:`rljob_operator.watch.watch`: step bar, reward, staleness, phase, conditions)
+   until the job is Succeeded or Failed;
+5. prints the final status (``kubectl get rljob -o wide``, the conditions) and where the metrics are;
+6. leaves the cluster running (``--down`` stops it; ``python -m rljob_localcluster down`` later).
+
+Exit status: 0 when the job Succeeded, 1 otherwise. Needs root (network namespaces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from . import agent_daemon
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "helm" / "rljob-operator"
+EXAMPLE = REPO / "examples" / "rljob-cpu.yaml"
+RELEASE, OPERATOR_NAMESPACE = "rljob-operator", "rljob-system"
+
+
+class DemoError(RuntimeError):
+    """A step of the demo failed; the message says which and what to look at."""
+
+
+def _say(text: str) -> None:
+    print(f"==> {text}", flush=True)
+
+
+def _run(cmd: list[str], env: dict[str, str], what: str, *, timeout: float = 600,
+         input: str | None = None) -> str:
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, input=input, check=False)
+    if proc.returncode != 0:
+        raise DemoError(f"{what} failed ({' '.join(cmd)}):\n{proc.stderr}{proc.stdout}")
+    return proc.stdout
+
+
+def ensure_cluster(d: Path) -> tuple[str, Path]:
+    """Start (or reuse) the control plane and the node agent of cluster dir ``d``; (kubeconfig, bin dir)."""
+    from . import __main__ as cli
+
+    state = cli._read_state(d) if cli._daemon_pid(d) else None
+    if state is None:
+        _say("starting the local control plane (kube-apiserver, etcd, controller-manager, scheduler)")
+        proc = subprocess.run([sys.executable, "-m", "rljob_localcluster", "up", "--dir", str(d)],
+                              stdout=subprocess.PIPE, text=True, check=False)
+        state = cli._read_state(d)
+        if proc.returncode != 0 or state is None:
+            raise DemoError(f"the control plane did not start; see {d / 'daemon.log'}")
+    else:
+        _say(f"reusing the local control plane at {state['server']}")
+    kubeconfig = str(d / "kubeconfig")
+    if agent_daemon.agent_pid(d) is None:
+        _say("starting the node agent (2 nodes, 4 fake nvidia.com/gpu each)")
+    agent_daemon.start_agent(d, kubeconfig)
+    return kubeconfig, Path(state["bin_dir"])
+
+
+def install_operator(env: dict[str, str], bin_dir: Path) -> None:
+    _say(f"helm upgrade --install {RELEASE} {CHART.relative_to(REPO)} -n {OPERATOR_NAMESPACE}")
+    _run([str(bin_dir / "helm"), "upgrade", "--install", RELEASE, str(CHART), "-n", OPERATOR_NAMESPACE,
+          "--create-namespace", "--wait", "--timeout", "5m"], env, "installing the operator chart")
+
+
+def apply_example(env: dict[str, str], bin_dir: Path, namespace: str) -> str:
+    """Apply the CPU example in ``namespace`` (deleting a finished job of the same name first); its name."""
+    kubectl = [str(bin_dir / "kubectl"), "-n", namespace]
+    name = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
+    existing = subprocess.run([*kubectl, "get", "rljob", name, "-o", "json"], env=env, capture_output=True,
+                              text=True, check=False)
+    if existing.returncode == 0:
+        phase = (json.loads(existing.stdout).get("status") or {}).get("phase")
+        _say(f"deleting the earlier {name} ({phase}) to start afresh")
+        _run([*kubectl, "delete", "rljob", name, "--wait=true", "--timeout=120s"], env, "deleting the earlier job")
+    _say(f"kubectl apply -f {EXAMPLE.relative_to(REPO)}")
+    _run([*kubectl, "apply", "-f", str(EXAMPLE)], env, "applying the example")
+    return name
+
+
+def _progress_hash(job: dict[str, Any], pod_ip: str | None, password: str | None) -> dict[str, str]:
+    """The trainer's progress hash, read from the host (pod addresses are routable on the local cluster)."""
+    if not pod_ip:
+        return {}
+    import redis
+    from rljob_api.config import RedisKeys
+    from rljob_api.spec import RLTrainingJobSpec
+
+    meta = job["metadata"]
+    keys = RedisKeys.build(meta["namespace"], meta["name"], RLTrainingJobSpec.model_validate(job["spec"]))
+    try:
+        client = redis.Redis(host=pod_ip, password=password, decode_responses=True, socket_timeout=5)
+        return {"key": keys.progress, **client.hgetall(keys.progress)}
+    except redis.RedisError:
+        return {}
+
+
+def report(job: dict[str, Any], env: dict[str, str], bin_dir: Path, d: Path, *, kept: bool = True) -> None:
+    """Print the final status and where the metrics, the progress hash and the logs are (``kept``: the cluster
+    stays up afterwards, so its endpoints can be visited)."""
+    meta, status = job["metadata"], job.get("status") or {}
+    name, namespace = meta["name"], meta["namespace"]
+    kubectl = [str(bin_dir / "kubectl"), "-n", namespace]
+    print()
+    _say(f"kubectl get rljob {name} -o wide")
+    print(_run([*kubectl, "get", "rljob", name, "-o", "wide"], env, "kubectl get rljob"), end="")
+    print()
+    _say("conditions")
+    for cond in status.get("conditions") or []:
+        print(f"  {cond['type']:<13} {cond['status']:<6} {cond['reason']:<18} {cond.get('message', '')}")
+    print()
+    _say(f"status.lastMetrics (step {status.get('step')}, documentsSeen {status.get('documentsSeen')}, "
+         f"modelVersion {status.get('modelVersion')}, rolloutReward {status.get('rolloutReward')})")
+    for key, value in sorted((status.get("lastMetrics") or {}).items()):
+        print(f"  {key:<26} {value:.6g}")
+    redis_pods = json.loads(_run([*kubectl, "get", "pods", "-l", f"rljob.dev/job-name={name},rljob.dev/role=redis",
+                                  "-o", "json"], env, "listing the Redis pod"))["items"]
+    pod_ip = (redis_pods[0].get("status") or {}).get("podIP") if redis_pods else None
+    secret = subprocess.run([*kubectl, "get", "secret", f"{name}-redis-auth", "-o", "jsonpath={.data.password}"],
+                            env=env, capture_output=True, text=True, check=False).stdout
+    import base64
+
+    password = base64.b64decode(secret).decode() if secret else None
+    progress = _progress_hash(job, pod_ip, password)
+    print()
+    if progress:
+        _say(f"progress hash in the job's Redis ({pod_ip}:6379): HGETALL {progress.pop('key')}")
+        for key in ("step", "documents_seen", "model_version", "tokens_per_second", "stream", "updated_at"):
+            if key in progress:
+                print(f"  {key:<18} {progress[key]}")
+    print()
+    _say("where to look next")
+    agent_logs = agent_daemon.state_dir(d) / "logs"
+    operator_metrics = f"http://{RELEASE}-metrics.{OPERATOR_NAMESPACE}.svc.cluster.local:9090/metrics"
+    lines = [
+        f"kubectl get rljob {name} -n {namespace} -o yaml      # status: conditions, lastMetrics, rolloutReward",
+        f"kubectl get events -n {namespace} --field-selector involvedObject.name={name}",
+        f"trainer Prometheus endpoint while it runs: http://{name}-trainer-0.{name}-trainer.{namespace}"
+        f".svc.cluster.local:9400/metrics (rljob_trainer_*; also the rollout pods on :9400)",
+        f"operator metrics: {operator_metrics}",
+        f"container logs (kept after the pods are gone): {agent_logs}/{namespace}_{name}-*.log",
+        f"control-plane logs: {d / 'data' / 'logs'}; agent log: {d / 'agent.log'}",
+    ]
+    if kept:
+        lines.append('use this cluster: eval "$(python -m rljob_localcluster env)"; '
+                     'stop it: python -m rljob_localcluster down')
+    for line in lines:
+        print(f"  {line}")
+    try:
+        with urllib.request.urlopen(operator_metrics, timeout=5) as response:
+            samples = [ln for ln in response.read().decode().splitlines()
+                       if ln.startswith("rljob_operator_gang_restarts_total")
+                       or (ln.startswith("rljob_operator_jobs{") and not ln.endswith(" 0.0"))]
+        if samples:
+            print("  operator metrics now: " + "; ".join(samples[:4]))
+    except OSError:
+        pass
+
+
+def run(args: argparse.Namespace) -> int:
+    """The demo (see the module docstring); returns the exit status."""
+    if os.geteuid() != 0:
+        print("the local cluster needs root (network namespaces, bind mounts)", file=sys.stderr)
+        return 2
+    d: Path = args.dir.resolve()
+    d.mkdir(parents=True, exist_ok=True)
+    succeeded = False
+    try:
+        kubeconfig, bin_dir = ensure_cluster(d)
+        env = {**os.environ, "KUBECONFIG": kubeconfig}
+        install_operator(env, bin_dir)
+        name = apply_example(env, bin_dir, args.namespace)
+        _say(f"watching {args.namespace}/{name} (Ctrl-C stops watching; the job goes on)")
+        from kubernetes import config
+        from rljob_operator.watch import watch
+
+        config.load_kube_config(config_file=kubeconfig)
+        job = watch(name, args.namespace, timeout_seconds=args.timeout)
+        succeeded = (job.get("status") or {}).get("phase") == "Succeeded"
+        report(job, env, bin_dir, d, kept=not args.down)
+    except (DemoError, TimeoutError) as err:
+        print(f"demo failed: {err}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("\nstopped watching", file=sys.stderr)
+    finally:
+        if args.down:
+            _say("stopping the local cluster (--down)")
+            from . import __main__ as cli
+
+            cli._down(d)
+    print()
+    _say("the job Succeeded" if succeeded else "the job did not succeed")
+    return 0 if succeeded else 1
+
+
+def add_parser(sub, default_dir: Path) -> None:
+    """The ``demo`` subcommand of ``python -m rljob_localcluster``."""
+    p = sub.add_parser("demo", help="start the local cluster, install the operator, train the CPU example",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", type=Path, default=default_dir, help="cluster state dir (RLJOB_CLUSTER_DIR)")
+    p.add_argument("--namespace", default="default", help="namespace of the job (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for the job to finish")
+    p.add_argument("--down", action="store_true", help="stop the local cluster at the end (default: keep it)")
+    p.set_defaults(fn=run)
