@@ -72,9 +72,18 @@ def ensure_cluster(d: Path) -> tuple[str, Path]:
 
 
 def install_operator(env: dict[str, str], bin_dir: Path) -> None:
+    """Install or upgrade the chart and wait for the operator pod; on failure the message carries its pod and logs."""
     _say(f"helm upgrade --install {RELEASE} {CHART.relative_to(REPO)} -n {OPERATOR_NAMESPACE}")
-    _run([str(bin_dir / "helm"), "upgrade", "--install", RELEASE, str(CHART), "-n", OPERATOR_NAMESPACE,
-          "--create-namespace", "--wait", "--timeout", "5m"], env, "installing the operator chart")
+    try:
+        _run([str(bin_dir / "helm"), "upgrade", "--install", RELEASE, str(CHART), "-n", OPERATOR_NAMESPACE,
+              "--create-namespace", "--wait", "--timeout", "5m"], env, "installing the operator chart")
+    except DemoError as err:
+        kubectl = [str(bin_dir / "kubectl"), "-n", OPERATOR_NAMESPACE]
+        pods = subprocess.run([*kubectl, "get", "pods", "-o", "wide"], env=env, capture_output=True, text=True,
+                              check=False).stdout
+        logs = subprocess.run([*kubectl, "logs", f"deploy/{RELEASE}", "--tail=40"], env=env, capture_output=True,
+                              text=True, check=False)
+        raise DemoError(f"{err}\noperator pods:\n{pods}\noperator logs:\n{logs.stdout}{logs.stderr}") from err
 
 
 def apply_example(env: dict[str, str], bin_dir: Path, namespace: str) -> str:

@@ -1,0 +1,549 @@
+"""Fixtures of the end-to-end suite: a cluster, the operator installed with helm, and helpers to drive it.
+
+``--cluster=local`` (default): the project's real control plane (``rljob_localcluster.ControlPlane``:
+kube-apiserver, etcd, kube-controller-manager, kube-scheduler built from source) plus the test node agent
+(two nodes with four fake ``nvidia.com/gpu`` each; pods run as process trees, images map to this Python
+environment). Both are stopped when the suite ends, also on failure. Needs root and the cached Go tools
+(``localcluster/build-go-tools.sh``, first build tens of minutes).
+
+``--cluster=existing``: whatever cluster ``KUBECONFIG`` points at (kind: ``tests/e2e/kind/run.sh``), with the
+operator image given by ``--operator-image``.
+
+The operator always runs as a pod under its own ServiceAccount (``helm install`` of ``helm/rljob-operator``),
+so a missing RBAC rule fails the suite. Every test gets its own namespace; on a failure the assertion message
+carries the job's status, the namespace's pods and Events, and the operator's and pods' logs.
+
+Run: ``python -m pytest -q tests/e2e`` (``-m e2e`` selects the suite from the whole tree).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import urllib3
+import yaml
+from kubernetes import client as kube_client
+from kubernetes import config as kube_config
+from kubernetes import watch as kube_watch
+from rljob_api import constants as c
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "rljob-operator"
+EXAMPLES = ROOT / "examples"
+RELEASE = "rljob-operator"
+OPERATOR_NAMESPACE = "rljob-system"
+AGENT_BRIDGE = "rljobe2e"
+AGENT_CLUSTER_CIDR = "10.244.192.0/18"
+"""The e2e agent's pod network: its own bridge, and a /18 that neither the demo cluster's nodes (10.244.1-2.0/24)
+nor the agent's own tests use."""
+SERVICE_IP = "10.96.0.1"
+"""The ``kubernetes`` Service address every local node agent relays to its API server (one agent per host)."""
+GPUS_PER_NODE = 4
+LOG_TAIL = 60
+"""Lines of each log a failure message carries."""
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("rljob e2e")
+    group.addoption("--cluster", choices=("local", "existing"), default="local",
+                    help="e2e cluster: 'local' starts the local control plane + node agent (default); "
+                    "'existing' uses KUBECONFIG (e.g. kind)")
+    group.addoption("--operator-image", default=None,
+                    help="operator image REPOSITORY:TAG for --cluster=existing (the local agent ignores images)")
+
+
+# --- the cluster ------------------------------------------------------------------------------------------------
+@dataclass
+class Cluster:
+    """One cluster the suite drives with the pinned kubectl and helm.
+
+    ``agent_state_dir`` is set on the local cluster (container logs of deleted pods live there).
+    """
+
+    kubeconfig: str
+    bin_dir: Path | None
+    mode: str
+    agent_state_dir: Path | None = None
+    helm_home: Path = field(default_factory=lambda: Path("/tmp/rljob-e2e-helm"))
+
+    def _tool(self, name: str) -> str:
+        if self.bin_dir is not None and (self.bin_dir / name).exists():
+            return str(self.bin_dir / name)
+        found = shutil.which(name)
+        if found is None:  # the pinned build, when this machine has it
+            from rljob_localcluster.tools import tools_bin_dir
+
+            found = str(tools_bin_dir() / name)
+        return found
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
+                timeout: float = 120) -> subprocess.CompletedProcess:
+        """Run kubectl; with ``check`` a non-zero exit fails the test with kubectl's stderr."""
+        cmd = [self._tool("kubectl"), f"--kubeconfig={self.kubeconfig}", *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, input=input, timeout=timeout, check=False)
+        if check and proc.returncode != 0:
+            pytest.fail(f"kubectl {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}{proc.stdout}")
+        return proc
+
+    def helm(self, *args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+        env = {**os.environ, "KUBECONFIG": self.kubeconfig, **{
+            f"HELM_{kind}_HOME": str(self.helm_home / kind.lower()) for kind in ("CACHE", "CONFIG", "DATA")}}
+        cmd = [self._tool("helm"), *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
+        if check and proc.returncode != 0:
+            raise RuntimeError(f"helm {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}{proc.stdout}")
+        return proc
+
+    def get(self, *args: str) -> dict[str, Any] | None:
+        """``kubectl get ARGS -o json``, or None when the object does not exist."""
+        proc = self.kubectl("get", *args, "-o", "json", check=False)
+        if proc.returncode != 0:
+            if "NotFound" in proc.stderr or "not found" in proc.stderr:
+                return None
+            pytest.fail(f"kubectl get {' '.join(args)}: {proc.stderr}")
+        return json.loads(proc.stdout)
+
+    def items(self, kind: str, namespace: str, selector: str | None = None) -> list[dict[str, Any]]:
+        args = [kind, "-n", namespace] + (["-l", selector] if selector else [])
+        return (self.get(*args) or {}).get("items", [])
+
+    def apply(self, manifest: dict[str, Any] | str, namespace: str, check: bool = True) -> subprocess.CompletedProcess:
+        text = manifest if isinstance(manifest, str) else yaml.safe_dump(manifest)
+        return self.kubectl("apply", "-n", namespace, "-f", "-", input=text, check=check)
+
+    def api_client(self) -> kube_client.ApiClient:
+        """A kubernetes.client.ApiClient for this cluster (watches)."""
+        return kube_config.new_client_from_config(config_file=self.kubeconfig)
+
+    def pod_log(self, namespace: str, pod: str, tail: int = LOG_TAIL) -> str:
+        """The last ``tail`` lines of every container of a pod: the agent's files on the local cluster
+        (they outlive deleted pods), ``kubectl logs`` elsewhere."""
+        if self.agent_state_dir is not None:
+            text = ""
+            for path in sorted((self.agent_state_dir / "logs").glob(f"{namespace}_{pod}_*.log")):
+                lines = path.read_text(errors="replace").splitlines()[-tail:]
+                text += f"--- {path.name}\n" + "\n".join(lines) + "\n"
+            return text or f"(no log files for {namespace}/{pod})\n"
+        proc = self.kubectl("logs", "-n", namespace, pod, "--all-containers", f"--tail={tail}", check=False)
+        return proc.stdout + proc.stderr
+
+    def logged_pods(self, namespace: str, prefix: str = "") -> list[str]:
+        """Pods of ``namespace`` with logs: the agent's files (deleted pods too) or the live pods."""
+        if self.agent_state_dir is not None:
+            names = {p.name[len(namespace) + 1:].rsplit("_", 1)[0]
+                     for p in (self.agent_state_dir / "logs").glob(f"{namespace}_{prefix}*.log")}
+            return sorted(names)
+        return sorted(p["metadata"]["name"] for p in self.items("pods", namespace)
+                      if p["metadata"]["name"].startswith(prefix))
+
+
+def _start_local(request: pytest.FixtureRequest, stack) -> Cluster:
+    if os.geteuid() != 0:
+        pytest.skip("the local node agent needs root (network namespaces, bind mounts)")
+    if os.environ.get("RLJOB_SKIP_CLUSTER") == "1":
+        pytest.skip("RLJOB_SKIP_CLUSTER=1")
+    from conftest_cluster import acquire_control_plane, release_control_plane
+    from rljob_localcluster.agent import Agent, AgentConfig
+    from rljob_localcluster.agent.agent import default_image_env
+
+    def other_agent() -> str:
+        return subprocess.run(["ip", "-o", "addr", "show", "to", f"{SERVICE_IP}/32"], capture_output=True,
+                              text=True, check=False).stdout.strip()
+
+    if other_agent():
+        time.sleep(5)  # an agent that is stopping removes its bridge within seconds
+        if other_agent():
+            pytest.fail(f"another local node agent serves {SERVICE_IP} on this host ({other_agent()}); pods would reach "
+                        "its API server. Stop it first (the demo cluster: python -m rljob_localcluster down)")
+    cp = acquire_control_plane()
+    stack.append(release_control_plane)
+    state_dir = Path(os.environ.get("RLJOB_E2E_AGENT_DIR", "/tmp/rljob-e2e-agent"))
+    agent = Agent(AgentConfig(
+        kubeconfig=cp.kubeconfig, state_dir=state_dir, nodes=2, gpus_per_node=GPUS_PER_NODE,
+        bridge=AGENT_BRIDGE, cluster_cidr=AGENT_CLUSTER_CIDR,
+        # The CPU trainer image sets OMP_NUM_THREADS=1 (trainer_image/Dockerfile.cpu); so does this "image".
+        image_env={**default_image_env(), "OMP_NUM_THREADS": "1"},
+    ))
+    agent.start()
+    stack.append(agent.stop)
+    return Cluster(kubeconfig=cp.kubeconfig, bin_dir=Path(cp.bin_dir), mode="local", agent_state_dir=agent.state_dir)
+
+
+@pytest.fixture(scope="package")
+def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """The e2e cluster (see the module docstring); everything it started is stopped at the end."""
+    mode = request.config.getoption("--cluster", default="local")
+    stack: list[Callable[[], None]] = []
+    try:
+        if mode == "local":
+            yield _start_local(request, stack)
+        else:
+            kubeconfig = os.environ.get("KUBECONFIG")
+            if not kubeconfig:
+                pytest.fail("--cluster=existing needs KUBECONFIG")
+            yield Cluster(kubeconfig=kubeconfig, bin_dir=None, mode="existing")
+    finally:
+        for stop in reversed(stack):
+            stop()
+
+
+# --- the operator -----------------------------------------------------------------------------------------------
+@dataclass
+class Operator:
+    """The helm release of the operator."""
+
+    cluster: Cluster
+    namespace: str = OPERATOR_NAMESPACE
+    release: str = RELEASE
+
+    @property
+    def service_account(self) -> str:
+        return self.release  # the chart's fullname when the release is named like the chart
+
+    def pods(self) -> list[dict[str, Any]]:
+        return self.cluster.items("pods", self.namespace, f"app.kubernetes.io/instance={self.release}")
+
+    def logs(self, tail: int = LOG_TAIL) -> str:
+        text = ""
+        for name in self.cluster.logged_pods(self.namespace, self.release):
+            text += self.cluster.pod_log(self.namespace, name, tail)
+        return text
+
+    def restart(self) -> str:
+        """Delete the running operator pod; returns the new pod's name once it is ready."""
+        old = {p["metadata"]["name"] for p in self.pods()}
+        self.cluster.kubectl("delete", "pod", "-n", self.namespace, *old, "--wait=false")
+        return wait_for(lambda: next((p["metadata"]["name"] for p in self.pods()
+                                      if p["metadata"]["name"] not in old and _ready(p)), None),
+                        120, "a new ready operator pod", self.logs)
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    return any(cond["type"] == "Ready" and cond["status"] == "True"
+               for cond in (pod.get("status") or {}).get("conditions") or [])
+
+
+@pytest.fixture(scope="package")
+def operator(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[Operator]:
+    """``helm install rljob-operator helm/rljob-operator -n rljob-system --create-namespace --wait``; the
+    release is uninstalled at the end (after every test namespace, whose jobs need the running operator to
+    drop their finalizers)."""
+    op = Operator(cluster)
+    values = []
+    image = request.config.getoption("--operator-image", default=None)
+    if image:
+        repository, _, tag = image.rpartition(":")
+        values += ["--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
+                   "--set", "image.pullPolicy=IfNotPresent"]
+    cluster.helm("uninstall", op.release, "-n", op.namespace, "--wait", check=False)  # a leftover of a killed run
+    try:
+        cluster.helm("install", op.release, str(CHART), "-n", op.namespace, "--create-namespace", "--wait",
+                     "--timeout", "5m", *values)
+    except RuntimeError as err:
+        pods = cluster.kubectl("get", "pods", "-n", op.namespace, "-o", "wide", check=False).stdout
+        cluster.helm("uninstall", op.release, "-n", op.namespace, "--wait", check=False)
+        pytest.fail(f"{err}\npods:\n{pods}\noperator logs:\n{op.logs()}")
+    try:
+        yield op
+    finally:
+        cluster.helm("uninstall", op.release, "-n", op.namespace, "--wait", "--timeout", "2m", check=False)
+
+
+# --- per test ---------------------------------------------------------------------------------------------------
+@pytest.fixture()
+def namespace(cluster: Cluster, operator: Operator, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace; deleted at the end with its jobs (while the operator runs) and pods."""
+    name = f"e2e-{request.node.name.removeprefix('test_').replace('_', '-')[:40].rstrip('-')}-{uuid.uuid4().hex[:5]}"
+    cluster.kubectl("create", "namespace", name)
+    wait_for(lambda: cluster.get("serviceaccount", "default", "-n", name), 60, "the default ServiceAccount")
+    try:
+        yield name
+    finally:
+        cluster.kubectl("delete", "rljob", "--all", "-n", name, "--wait=true", "--timeout=120s", check=False)
+        cluster.kubectl("delete", "namespace", name, "--wait=true", "--timeout=180s", check=False)
+
+
+@dataclass
+class Diagnostics:
+    """What a failure message shows about one job: status, children, Events, operator and pod logs."""
+
+    cluster: Cluster
+    operator: Operator
+    namespace: str
+    job: str | None = None
+
+    def __call__(self) -> str:
+        ns, out = self.namespace, []
+        if self.job:
+            job = self.cluster.get("rljob", self.job, "-n", ns)
+            out.append("job status:\n" + yaml.safe_dump((job or {}).get("status"), sort_keys=False))
+        out.append("pods:\n" + self.cluster.kubectl("get", "pods", "-n", ns, "-o", "wide", "-L",
+                                                     f"{c.LABEL_ATTEMPT},{c.LABEL_ROLE}", check=False).stdout)
+        out.append("events:\n" + self.cluster.kubectl("get", "events", "-n", ns, "--sort-by=.lastTimestamp",
+                                                       check=False).stdout[-6000:])
+        out.append("operator logs:\n" + self.operator.logs())
+        for pod in self.cluster.logged_pods(ns):
+            out.append(self.cluster.pod_log(ns, pod, 40))
+        return "\n".join(out)
+
+
+@pytest.fixture()
+def diagnostics(cluster: Cluster, operator: Operator, namespace: str) -> Diagnostics:
+    return Diagnostics(cluster, operator, namespace)
+
+
+# --- helpers ----------------------------------------------------------------------------------------------------
+def wait_for(check: Callable[[], Any], timeout: float, what: str, diagnose: Callable[[], str] | None = None,
+             every: float = 1.0) -> Any:
+    """Poll ``check`` until it returns something truthy (and return that); after ``timeout`` seconds fail
+    the test naming ``what``, with ``diagnose()`` in the message."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(every)
+    detail = diagnose() if diagnose else ""
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})\n{detail}", pytrace=False)
+
+
+def condition(job: dict[str, Any] | None, ctype: c.ConditionType) -> dict[str, Any]:
+    """The condition of ``ctype`` in a job object ({} when absent)."""
+    for cond in ((job or {}).get("status") or {}).get("conditions") or []:
+        if cond["type"] == ctype.value:
+            return cond
+    return {}
+
+
+def load_example(name: str) -> dict[str, Any]:
+    return yaml.safe_load((EXAMPLES / name).read_text())
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """One watch event: ``seq`` orders the events as the API server sent them (one stream)."""
+
+    seq: int
+    type: str
+    object: dict[str, Any]
+    time: float
+
+    @property
+    def name(self) -> str:
+        return self.object["metadata"]["name"]
+
+    @property
+    def uid(self) -> str:
+        return self.object["metadata"].get("uid", "")
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return self.object["metadata"].get("labels") or {}
+
+    @property
+    def role(self) -> str:
+        return self.labels.get(c.LABEL_ROLE, "")
+
+    @property
+    def attempt(self) -> int | None:
+        attempt = self.labels.get(c.LABEL_ATTEMPT)
+        return int(attempt) if attempt is not None else None
+
+    @property
+    def status(self) -> dict[str, Any]:
+        return self.object.get("status") or {}
+
+
+class Recorder:
+    """Records every watch event of ``resource`` ("pods" or "rljobs") in one namespace (a kubernetes watch in a
+    thread), starting with the objects that exist (type EXISTING).
+
+    One watch stream, resumed at its last resourceVersion when the server closes it, keeps the API server's
+    order, so "every pod of attempt k was DELETED before any pod of attempt k+1 was ADDED" and the sequence of
+    a job's status changes can be read off :attr:`events`.
+    """
+
+    def __init__(self, cluster: Cluster, namespace: str, resource: str = "pods", selector: str = "") -> None:
+        self.cluster, self.namespace, self.resource, self.selector = cluster, namespace, resource, selector
+        self.events: list[WatchEvent] = []
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._watch = None
+        self._thread = threading.Thread(target=self._run, name=f"watch-{resource}-{namespace}", daemon=True)
+
+    def __enter__(self) -> Recorder:
+        self._thread.start()
+        if not self._ready.wait(30) or self.error is not None:
+            raise RuntimeError(f"the {self.resource} watch of {self.namespace} did not start: {self.error!r}")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._watch is not None:
+            self._watch.stop()
+        self._thread.join(timeout=30)
+
+    def _list(self, api_client):
+        if self.resource == "pods":
+            api = kube_client.CoreV1Api(api_client)
+            return lambda **kw: api.list_namespaced_pod(self.namespace, label_selector=self.selector, **kw)
+        api = kube_client.CustomObjectsApi(api_client)
+        return lambda **kw: api.list_namespaced_custom_object(c.GROUP, c.VERSION, self.namespace, c.PLURAL,
+                                                              label_selector=self.selector, **kw)
+
+    def _run(self) -> None:
+        api_client = self.cluster.api_client()
+        list_fn = self._list(api_client)
+        try:
+            listed = api_client.sanitize_for_serialization(list_fn())
+            version = listed["metadata"]["resourceVersion"]
+            for obj in listed.get("items", []):
+                self._record("EXISTING", obj)
+            self._ready.set()
+            while not self._stop.is_set():
+                self._watch = kube_watch.Watch()
+                try:
+                    # Short server-side timeouts: the thread notices stop() within seconds and is gone before the
+                    # session ends (CPython 3.11.7 can fail compiling in one thread while another compiles too).
+                    for event in self._watch.stream(list_fn, resource_version=version, timeout_seconds=5,
+                                                    allow_watch_bookmarks=True):
+                        obj = api_client.sanitize_for_serialization(event["object"])
+                        version = obj["metadata"]["resourceVersion"]
+                        if event["type"] != "BOOKMARK":
+                            self._record(event["type"], obj)
+                        if self._stop.is_set():
+                            break
+                except urllib3.exceptions.ProtocolError:  # the server ended the stream: resume where it was
+                    continue
+        except BaseException as err:  # noqa: BLE001 - the tests read it from .error
+            self.error = err
+            self._ready.set()
+
+    def _record(self, kind: str, obj: dict[str, Any]) -> None:
+        self.events.append(WatchEvent(len(self.events), kind, obj, time.monotonic()))
+
+    def check(self) -> None:
+        """Fail the test if the watch broke (its record would be incomplete)."""
+        if self.error is not None:
+            pytest.fail(f"the {self.resource} watch of {self.namespace} failed: {self.error!r}")
+
+    def lifetimes(self, role: str) -> dict[str, tuple[int | None, int, int | None]]:
+        """Per pod uid of ``role``: (attempt label, seq of its first event, seq of its DELETED event or None)."""
+        out: dict[str, tuple[int | None, int, int | None]] = {}
+        for event in self.events:
+            if event.role != role:
+                continue
+            attempt, first, _ = out.get(event.uid, (event.attempt, event.seq, None))
+            out[event.uid] = (attempt, first, event.seq if event.type == "DELETED" else None)
+        return out
+
+
+_REDIS_SNAPSHOT = """
+import json, os, redis
+r = redis.Redis(host=os.environ["HOST"], port=int(os.environ["PORT"]), password=os.environ.get("REDIS_PASSWORD"),
+                decode_responses=True, socket_timeout=10)
+k = json.loads(os.environ["KEYS"])
+stream = r.exists(k["stream"])
+print(json.dumps({
+    "progress": r.hgetall(k["progress"]), "rollout": r.hgetall(k["rollout"]), "checkpoint": r.hgetall(k["checkpoint"]),
+    "xlen": r.xlen(k["stream"]) if stream else None,
+    "groups": r.xinfo_groups(k["stream"]) if stream else [],
+    "dead_letter": r.xlen(k["dead_letter"]) if r.exists(k["dead_letter"]) else 0,
+}, default=str))
+"""
+
+
+def redis_snapshot(cluster: Cluster, namespace: str, job: dict[str, Any], diagnose: Callable[[], str]) -> dict[str, Any]:
+    """Read a job's Redis (progress and rollout hashes, stream length, consumer groups, checkpoint hash) from
+    inside the cluster: a one-off pod of the job's trainer image with the job's Redis password, whose output is
+    read with ``kubectl logs`` (works on any cluster; the pod is deleted afterwards)."""
+    from rljob_api.config import RedisKeys
+    from rljob_api.spec import RLTrainingJobSpec
+    from rljob_operator import render
+
+    name = job["metadata"]["name"]
+    spec = RLTrainingJobSpec.model_validate(job["spec"])
+    rendered = render.Job(name, namespace, spec)
+    connection = render.redis_connection(rendered)
+    keys = RedisKeys.build(namespace, name, spec)
+    password = render.redis_password_ref(rendered)
+    pod = f"{name[:40]}-redis-read-{uuid.uuid4().hex[:5]}"
+    env = [{"name": "HOST", "value": connection.host}, {"name": "PORT", "value": str(connection.port)},
+           {"name": "KEYS", "value": keys.model_dump_json()}]
+    if password is not None:
+        env.append({"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": password.name, "key": password.key}}})
+    cluster.apply({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod},
+        "spec": {"restartPolicy": "Never", "automountServiceAccountToken": False, "containers": [{
+            "name": "read", "image": spec.trainer.image, "command": ["python", "-c", _REDIS_SNAPSHOT], "env": env}]},
+    }, namespace)
+    try:
+        phase = wait_for(lambda: (cluster.get("pod", pod, "-n", namespace) or {}).get("status", {}).get("phase")
+                         in ("Succeeded", "Failed") and cluster.get("pod", pod, "-n", namespace)["status"]["phase"],
+                         90, f"the Redis reader pod {pod}", diagnose)
+        out = cluster.kubectl("logs", "-n", namespace, pod).stdout
+        assert phase == "Succeeded", f"the Redis reader pod failed:\n{out}"
+        return json.loads(out.strip().splitlines()[-1])
+    finally:
+        cluster.kubectl("delete", "pod", pod, "-n", namespace, "--wait=true", check=False)
+
+
+def rollout_rewards(rollout_hash: dict[str, str]) -> dict[int, tuple[float, int]]:
+    """Per weights version: (mean raw reward, documents) from the rollout hash's reward_sum/reward_count fields."""
+    out = {}
+    for key, count in rollout_hash.items():
+        if key.startswith(c.ROLLOUT_REWARD_COUNT_PREFIX) and float(count) > 0:
+            version = key[len(c.ROLLOUT_REWARD_COUNT_PREFIX):]
+            out[int(version)] = (float(rollout_hash[c.ROLLOUT_REWARD_SUM_PREFIX + version]) / float(count), int(float(count)))
+    return dict(sorted(out.items()))
+
+
+def children(cluster: Cluster, namespace: str, job: str) -> dict[str, list[tuple[str, str]]]:
+    """(name, uid) of the job's children by kind, selected by the job-name label."""
+    from rljob_api import names
+
+    selector = f"{c.LABEL_JOB_NAME}={names.job_label(job)}"
+    return {kind: sorted((o["metadata"]["name"], o["metadata"]["uid"]) for o in cluster.items(kind, namespace, selector))
+            for kind in ("pods", "services", "secrets", "configmaps", "deployments")}
+
+
+def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``overrides`` merged in recursively (dicts merge, everything else replaces)."""
+    out = dict(base)
+    for key, value in overrides.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def job_manifest(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """An RLTrainingJob named ``name``: the CPU example's spec with ``spec`` merged in."""
+    example = load_example("rljob-cpu.yaml")
+    return {"apiVersion": c.API_VERSION, "kind": c.KIND, "metadata": {"name": name},
+            "spec": merge(example["spec"], spec)}
+
+
+def get_job(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
+    return cluster.get("rljob", name, "-n", namespace) or {}
+
+
+def phase(job: dict[str, Any]) -> str | None:
+    return (job.get("status") or {}).get("phase")
+
+
+def pvc(name: str, size: str = "1Gi") -> dict[str, Any]:
+    """A ReadWriteOnce claim of the cluster's default StorageClass (the local agent's ``rljob-local``)."""
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
+            "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": size}}}}

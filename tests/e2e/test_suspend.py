@@ -1,0 +1,73 @@
+"""Suspend and resume (Kueue-compatible ``runPolicy.suspend``): every trainer and rollout pod is deleted while
+Redis, its stream and the checkpoints stay; resuming starts a new attempt (not a restart) from the checkpoint,
+and training goes on past where it was suspended. The job never trains to the end: it is deleted once that
+is shown."""
+
+from __future__ import annotations
+
+import pytest
+from rljob_api import constants as c
+
+from .conftest import (
+    condition,
+    get_job,
+    job_manifest,
+    phase,
+    pvc,
+    redis_snapshot,
+    wait_for,
+)
+
+pytestmark = pytest.mark.e2e
+
+
+def _status(cluster, namespace, name) -> dict:
+    return get_job(cluster, namespace, name).get("status") or {}
+
+
+def _patch_suspend(cluster, namespace: str, name: str, suspend: bool) -> None:
+    cluster.kubectl("patch", "rljob", name, "-n", namespace, "--type=merge", "-p",
+                    f'{{"spec": {{"runPolicy": {{"suspend": {"true" if suspend else "false"}}}}}}}')
+
+
+def test_suspend_keeps_redis_and_resume_continues(cluster, operator, namespace, diagnostics):
+    name = "pausable"
+    diagnostics.job = name
+    cluster.apply(pvc("pausable-checkpoints"), namespace)
+    # 1 pod × 2 processes: one pod mounts the ReadWriteOnce checkpoint claim (any cluster's default class).
+    cluster.apply(job_manifest(name, {"trainer": {"nodes": 1, "processesPerNode": 2, "maxSteps": 100_000,
+                                                  "checkpoint": {"everySteps": 5, "volume": "pausable-checkpoints"}}}),
+                  namespace)
+    wait_for(lambda: (_status(cluster, namespace, name).get("step") or 0) >= 6, 300,
+             "a checkpoint's worth of steps in status", diagnostics)
+    (redis_before,) = cluster.items("pods", namespace, f"{c.LABEL_ROLE}=redis")
+
+    _patch_suspend(cluster, namespace, name, True)
+    job = wait_for(lambda: phase(j := get_job(cluster, namespace, name)) == "Suspended"
+                   and not cluster.items("pods", namespace, f"{c.LABEL_ROLE} in (trainer,rollout)") and j,
+                   120, "the job to be suspended with its pods gone", diagnostics)
+    suspended = condition(job, c.ConditionType.SUSPENDED)
+    assert (suspended["status"], suspended["reason"]) == ("True", c.Reason.JOB_SUSPENDED.value), suspended
+    assert job["status"]["restarts"] == 0 and job["status"].get("startTime") is None
+    attempt_suspended = job["status"]["attempt"]
+    step_suspended = job["status"]["step"]
+    (redis_after,) = cluster.items("pods", namespace, f"{c.LABEL_ROLE}=redis")
+    assert redis_after["metadata"]["uid"] == redis_before["metadata"]["uid"]  # Redis kept, not restarted
+    snapshot = redis_snapshot(cluster, namespace, job, diagnostics)
+    assert snapshot["xlen"] is not None and snapshot["groups"], snapshot  # the stream and its group are kept
+    assert int(snapshot["progress"]["step"]) >= step_suspended
+    checkpoint_step = int(snapshot["checkpoint"]["step"])
+    assert checkpoint_step >= 5
+
+    _patch_suspend(cluster, namespace, name, False)
+    wait_for(lambda: phase(get_job(cluster, namespace, name)) == "Running", 180, "the job to run again", diagnostics)
+    trainers = cluster.items("pods", namespace, f"{c.LABEL_ROLE}=trainer")
+    assert {p["metadata"]["labels"][c.LABEL_ATTEMPT] for p in trainers} == {str(attempt_suspended)}, trainers
+    wait_for(lambda: (_status(cluster, namespace, name).get("step") or 0) > step_suspended, 300,
+             f"training to go past step {step_suspended} after the resume", diagnostics)
+    job = get_job(cluster, namespace, name)
+    assert condition(job, c.ConditionType.SUSPENDED).get("status") == "False"
+    assert job["status"]["restarts"] == 0 and job["status"]["failedAttempts"] == 0
+    assert job["status"]["startTime"]
+    resumed = cluster.kubectl("logs", "-n", namespace, f"{name}-trainer-0").stdout
+    assert f"checkpoint: loaded /var/lib/rljob/checkpoints/step-{checkpoint_step:08d}" in resumed, resumed[-3000:]
