@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from procutil import pids_with_env_marker
 from conftest_cluster import control_plane  # noqa: F401 - the session's control plane fixture
 from rljob_localcluster.agent.network import PodSandboxNet
 
@@ -66,16 +67,6 @@ class AgentProcess:
             self.log_file.close()
 
 
-def _pids_with(marker: str) -> list[int]:
-    found = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if marker.encode() in (d / "environ").read_bytes():
-                    found.append(int(d.name))
-            except OSError:
-                pass
-    return found
 
 
 def _pod(name: str, tag: str, marker: str) -> str:
@@ -114,7 +105,7 @@ def test_sigterm_cleans_up_everything(control_plane, ns, tmp_path):  # noqa: F81
     agent = AgentProcess(control_plane, state, tag)
     try:
         control_plane.kubectl("apply", "-n", ns, "-f", "-", input=_pod("p", tag, marker))
-        wait_for(lambda: len(_pids_with(marker)) == 2, 60, "sh and sleep running")  # sh + sleep
+        wait_for(lambda: len(pids_with_env_marker(marker)) == 2, 60, "sh and sleep running")  # sh + sleep
         uid = _pod_json(control_plane, ns, "p")["metadata"]["uid"]
         netns = PodSandboxNet.for_pod(uid, "").netns
         during = _host_state(agent.bridge)
@@ -127,7 +118,7 @@ def test_sigterm_cleans_up_everything(control_plane, ns, tmp_path):  # noqa: F81
     finally:
         rc = agent.stop(signal.SIGTERM)
     assert rc == 0, agent.log.read_text()
-    assert not _pids_with(marker)
+    assert not pids_with_env_marker(marker)
     after = _host_state(agent.bridge)
     assert not after["bridge"] and netns not in after["netns"] and after["tmpfs"] == []
     assert f"rljob-local-node-agent {state.resolve()}" not in Path("/etc/hosts").read_text()
@@ -141,11 +132,11 @@ def test_after_sigkill_containers_die_and_the_next_agent_cleans_up(control_plane
     first = AgentProcess(control_plane, state, tag)
     try:
         control_plane.kubectl("apply", "-n", ns, "-f", "-", input=_pod("p", tag, marker))
-        wait_for(lambda: len(_pids_with(marker)) == 2, 60, "sh and sleep running")
+        wait_for(lambda: len(pids_with_env_marker(marker)) == 2, 60, "sh and sleep running")
         uid = _pod_json(control_plane, ns, "p")["metadata"]["uid"]
     finally:
         first.stop(signal.SIGKILL)
-    wait_for(lambda: not _pids_with(marker), 10, "the containers to die with the agent")  # parent-death signals
+    wait_for(lambda: not pids_with_env_marker(marker), 10, "the containers to die with the agent")  # parent-death signals
     netns = PodSandboxNet.for_pod(uid, "").netns
     stale = _host_state(first.bridge)
     assert stale["bridge"] and netns in stale["netns"]  # a hard kill leaves the host state behind...
@@ -158,11 +149,11 @@ def test_after_sigkill_containers_die_and_the_next_agent_cleans_up(control_plane
 
         st = wait_for(restarted, 60, "the pod to run again")
         assert st["lastState"]["terminated"]["reason"] == "ContainerStatusUnknown"
-        wait_for(lambda: len(_pids_with(marker)) == 2, 30, "sh and sleep running again")
+        wait_for(lambda: len(pids_with_env_marker(marker)) == 2, 30, "sh and sleep running again")
         assert len(_host_state(second.bridge)["tmpfs"]) == 1  # the old tmpfs was unmounted, one new
     finally:
         rc = second.stop(signal.SIGTERM)
     assert rc == 0, second.log.read_text()
     after = _host_state(second.bridge)
     assert not after["bridge"] and netns not in after["netns"] and after["tmpfs"] == []
-    assert not _pids_with(marker)
+    assert not pids_with_env_marker(marker)

@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from procutil import pids_with_env_marker
 from conftest_cluster import control_plane  # noqa: F401 - the session's control plane fixture
 from rljob_localcluster.agent import Agent, AgentConfig, logs
 from rljob_localcluster.agent.network import PodSandboxNet
@@ -248,16 +249,6 @@ def test_failures_report_exit_codes_and_reasons(k):
     assert t["message"] == 'exec: "no-such-binary-rljob": executable file not found in $PATH'
 
 
-def _pids_with(marker: str) -> list[int]:
-    found = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if marker.encode() in (d / "environ").read_bytes():
-                    found.append(int(d.name))
-            except OSError:
-                pass
-    return found
 
 
 def test_deletion_kills_the_process_tree(k, control_plane):  # noqa: F811
@@ -273,12 +264,12 @@ def test_deletion_kills_the_process_tree(k, control_plane):  # noqa: F811
     for name in ("polite", "stubborn"):
         uids[name] = k.wait_phase(name, ("Running",))["metadata"]["uid"]
         wait_for(lambda name=name: "ready" in k.logs(name), 30, f"{name} to start")
-    assert len(_pids_with(marker)) == 6  # 2 × (main + 2 children)
+    assert len(pids_with_env_marker(marker)) == 6  # 2 × (main + 2 children)
     started = time.monotonic()
     control_plane.kubectl("delete", "pod", "polite", "stubborn", "-n", k.ns, "--wait=false")
     wait_for(lambda: k.get("pod", "polite") is None and k.get("pod", "stubborn") is None, 30, "both pods gone")
     took = time.monotonic() - started
-    assert not _pids_with(marker)
+    assert not pids_with_env_marker(marker)
     assert "got SIGTERM" in k.logs("polite")
     assert 2.0 <= took < 15, took  # the stubborn one was SIGKILLed after its 2 s grace period
     netns = {PodSandboxNet.for_pod(uid, "").netns for uid in uids.values()}
@@ -410,14 +401,14 @@ def test_node_loss_and_return(k, control_plane):  # noqa: F811
                   container={"env": [{"name": "TEST_MARKER", "value": marker}]},
                   nodeSelector={NODE_LABEL: k.agent.tag, "kubernetes.io/hostname": node}))
     old_ip = k.wait_phase("survivor", ("Running",))["status"]["podIP"]
-    wait_for(lambda: _pids_with(marker), 30, "the container process")
+    wait_for(lambda: pids_with_env_marker(marker), 30, "the container process")
     lease = lambda: json.loads(control_plane.kubectl(
         "get", "lease", node, "-n", "kube-node-lease", "-o", "json").stdout)["spec"]["renewTime"]
 
     control = Path(k.agent.state_dir) / "control" / f"lose-{node}"
     control.touch()  # what `python -m rljob_localcluster.agent lose-node` does
     wait_for(lambda: k.agent.nodes[node].lost, 10, "the agent to lose the node")
-    wait_for(lambda: not _pids_with(marker), 10, "the node's processes to die")
+    wait_for(lambda: not pids_with_env_marker(marker), 10, "the node's processes to die")
     frozen = lease()
     time.sleep(2.5)  # 2.5 heartbeat periods
     assert lease() == frozen
@@ -436,7 +427,7 @@ def test_node_loss_and_return(k, control_plane):  # noqa: F811
     st = wait_for(restarted, 30, "the container to restart after the node returned")
     assert st["lastState"]["terminated"]["reason"] == "ContainerStatusUnknown"
     assert st["lastState"]["terminated"]["exitCode"] == 137
-    wait_for(lambda: _pids_with(marker), 30, "the restarted process")
+    wait_for(lambda: pids_with_env_marker(marker), 30, "the restarted process")
     status = k.get("pod", "survivor")["status"]
     assert status["podIP"] != old_ip and status["podIPs"] == [{"ip": status["podIP"]}]
     allocator.release("another-pod")

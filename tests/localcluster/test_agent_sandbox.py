@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from procutil import pids_with_env_marker
 from rljob_localcluster.agent.network import Bridge, PodSandboxNet
 from rljob_localcluster.agent.process import ContainerProcess, LaunchSpec
 from rljob_localcluster.agent.volumes import Mount
@@ -116,16 +117,6 @@ def test_exit_codes_and_start_errors(tmp_path):
     assert proc.start_error() == 'chdir to working dir "/no/such/dir": no such file or directory'
 
 
-def _pids_with_marker(marker: str) -> list[int]:
-    found = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if marker.encode() in (d / "environ").read_bytes():
-                    found.append(int(d.name))
-            except OSError:
-                pass
-    return found
 
 
 def test_sigterm_reaches_main_process_and_the_tree_dies_with_it(tmp_path):
@@ -140,12 +131,12 @@ def test_sigterm_reaches_main_process_and_the_tree_dies_with_it(tmp_path):
     )
     proc, log = launch(tmp_path, code, env={key: value})
     wait_for(lambda: "ready" in log.read_text(), 15, "the container to start")
-    assert len(_pids_with_marker(marker)) == 3  # main + 2 children (the shim's env has no marker)
+    assert len(pids_with_env_marker(marker)) == 3  # main + 2 children (the shim's env has no marker)
     proc.signal(signal.SIGTERM)
     wait_for(lambda: proc.poll() is not None, 10, "exit")
     assert proc.poll() == 7
     assert "got SIGTERM" in log.read_text()
-    wait_for(lambda: not _pids_with_marker(marker), 5, "the orphaned children to be killed")
+    wait_for(lambda: not pids_with_env_marker(marker), 5, "the orphaned children to be killed")
 
 
 def test_kill_ends_a_process_that_ignores_sigterm(tmp_path):
