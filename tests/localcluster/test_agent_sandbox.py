@@ -23,7 +23,7 @@ import pytest
 from procutil import pids_with_env_marker
 from rljob_localcluster.agent.network import Bridge, PodSandboxNet
 from rljob_localcluster.agent.process import ContainerProcess, LaunchSpec
-from rljob_localcluster.agent.volumes import Mount
+from rljob_localcluster.agent.volumes import Mount, image_mounts
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 (namespaces, bridges)"
@@ -176,6 +176,26 @@ def test_volume_over_a_parent_of_the_state_dir_hides_no_later_source(tmp_path):
         assert failing.start_error() == 'exec: "no-such-binary-rljob": executable file not found in $PATH'
     finally:
         os.rmdir(target)
+
+
+def test_image_under_a_volume_mount_point_stays_visible(tmp_path):
+    """A checkout under /tmp and an emptyDir at /tmp (the operator chart): the agent binds the image's
+    paths back, read-only, so the container still imports the project's code from the checkout."""
+    assert str(tmp_path).startswith("/tmp/")
+    empty, image = tmp_path / "empty", tmp_path / "image"
+    empty.mkdir()
+    (image / "pkg").mkdir(parents=True)
+    (image / "pkg" / "rljob_image_probe.py").write_text("VALUE = 42\n")
+    mounts = [Mount(str(empty), "/tmp")]
+    mounts += image_mounts([str(image)], mounts)
+    code = ("import os, sys; sys.path.insert(0, os.environ['IMAGE'] + '/pkg'); import rljob_image_probe as m; "
+            "print(m.VALUE, os.access(os.environ['IMAGE'], os.W_OK), sorted(os.listdir('/tmp')))")
+    proc, log = launch(tmp_path, code, env={"IMAGE": str(image)}, mounts=mounts)
+    wait_for(lambda: proc.poll() is not None, 15, "exit")
+    assert proc.poll() == 0, log.read_text()
+    top = str(tmp_path).split("/")[2]
+    assert log.read_text() == f"42 False ['{top}']\n"
+    assert sorted(os.listdir(empty)) == [top]  # the bind target was made inside the emptyDir, not on the host
 
 
 def test_host_hosts_file_rewrite_keeps_the_containers_hosts_mount(tmp_path):

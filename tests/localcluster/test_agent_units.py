@@ -46,11 +46,13 @@ from rljob_localcluster.agent.podstatus import (
 )
 from rljob_localcluster.agent.probes import ProbeTracker, resolve_port, run_probe
 from rljob_localcluster.agent.volumes import (
+    Mount,
     VolumeError,
     VolumeFile,
     container_mounts,
     downward_files,
     host_path_dir,
+    image_mounts,
     key_files,
     projected_files,
     write_files,
@@ -256,6 +258,15 @@ def test_container_mounts(tmp_path):
     assert os.path.isdir(os.path.join(vols["data"], "p0"))  # subPath dir created, as kubelet does
     with pytest.raises(VolumeError, match="names no volume"):
         container_mounts({"name": "c", "volumeMounts": [{"name": "ghost", "mountPath": "/x"}]}, vols, set(), {})
+
+
+def test_image_mounts_rebind_only_the_outermost_hidden_image_paths():
+    mounts = [Mount("/vol/empty", "/tmp"), Mount("/vol/cfg", "/etc/rljob", True)]
+    image = ["/tmp/ci/checkout", "/tmp/ci/checkout/api", "/tmp/ci/venv", "/usr/lib/python3.11", "/tmp"]
+    assert image_mounts(image, mounts) == [Mount("/tmp/ci/checkout", "/tmp/ci/checkout", True),
+                                           Mount("/tmp/ci/venv", "/tmp/ci/venv", True)]
+    # A volume exactly at an image path replaces it (as in a real container); nothing hidden, nothing bound.
+    assert image_mounts(["/usr/lib/python3.11", "/tmpx/a"], mounts) == []
 
 
 def test_host_path_type_checks(tmp_path):

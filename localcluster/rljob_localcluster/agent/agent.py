@@ -27,7 +27,7 @@ from .podstatus import rfc3339
 from .podworker import NodeRuntime, PodWorker, RuntimeContext
 from .storage import Provisioner, ensure_storage_class
 
-__all__ = ["Agent", "AgentConfig", "AgentError", "default_image_env"]
+__all__ = ["Agent", "AgentConfig", "AgentError", "default_image_env", "default_image_paths"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,17 @@ def default_image_env() -> dict[str, str]:
         if key in os.environ:
             env[key] = os.environ[key]
     return env
+
+
+def default_image_paths() -> tuple[str, ...]:
+    """The host directories that make up every "image": the Python installation (``sys.prefix``,
+    ``sys.base_prefix``), every directory on ``sys.path`` and the project checkout the agent runs from
+    (where editable installs point). A volume mounted over a parent of one of them (an emptyDir at /tmp
+    while the checkout is under /tmp) must not hide them, as a real image keeps its files elsewhere."""
+    checkout = Path(__file__).resolve().parents[3]
+    paths = {sys.prefix, sys.base_prefix, str(checkout)}
+    paths.update(p for p in sys.path if p and os.path.isdir(p))
+    return tuple(sorted(os.path.realpath(p) for p in paths))
 
 
 @dataclass
@@ -89,6 +100,8 @@ class AgentConfig:
     storage: bool = True
     """Make StorageClass ``rljob-local`` and provision hostPath PVs for its claims."""
     image_env: dict[str, str] = field(default_factory=default_image_env)
+    image_paths: tuple[str, ...] = field(default_factory=default_image_paths)
+    """Host directories every container sees even under a volume mounted over a parent of them."""
 
 
 class Agent:
@@ -170,6 +183,7 @@ class Agent:
         hosts.set_records([])
         self.ctx = RuntimeContext(
             kube=kube, state_dir=self.state_dir, cluster_domain=cfg.cluster_domain, image_env=dict(cfg.image_env),
+            image_paths=cfg.image_paths,
             cluster_env=self._cluster_env(), bridge=bridge, mountpoints=MountPoints(self.state_dir / "mountpoints.json"),
             hosts=hosts, backoff_base=cfg.backoff_base, backoff_max=cfg.backoff_max,
             detach=["/run/netns", str(self.state_dir / "pods")],

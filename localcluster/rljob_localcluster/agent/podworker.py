@@ -32,6 +32,7 @@ from .volumes import (
     Mount,
     VolumeError,
     container_mounts,
+    image_mounts,
 )
 
 __all__ = ["ApiSource", "NodeRuntime", "PodWorker", "RuntimeContext"]
@@ -69,6 +70,7 @@ class RuntimeContext:
     state_dir: Path
     cluster_domain: str
     image_env: dict[str, str]
+    image_paths: tuple[str, ...]
     cluster_env: dict[str, str]
     bridge: Bridge
     mountpoints: MountPoints
@@ -491,6 +493,7 @@ class PodWorker:
             mounts += [Mount(str(self.pod_dir / "hosts"), "/etc/hosts"),
                        Mount(str(self.pod_dir / "resolv.conf"), "/etc/resolv.conf")]
         mounts += container_mounts(cdef, self.volumes.dirs or {}, self.volumes.read_only, env)
+        mounts += image_mounts(self.ctx.image_paths, mounts)
         return sorted(mounts, key=lambda m: len(Path(m.target).parts))
 
     # ------------------------------------------------------------------ probes

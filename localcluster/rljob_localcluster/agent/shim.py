@@ -27,6 +27,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import sys
 
 CLONE_NEWNS = 0x00020000
@@ -110,6 +111,18 @@ def _forward_to(pid):
         signal.signal(sig, handler)
 
 
+def _ensure_target(target, source_fd):
+    """Create a missing bind target of the source's type: the host made every target up front, but a
+    volume mounted earlier over a parent (an emptyDir at /tmp) hides it inside the container."""
+    if os.path.lexists(target):
+        return
+    if stat.S_ISDIR(os.fstat(source_fd).st_mode):
+        os.makedirs(target, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
+
+
 def _mount_points_under(prefixes):
     """Mount points (deepest first) at or below any of ``prefixes``, from /proc/self/mountinfo."""
     found = []
@@ -140,6 +153,7 @@ def setup_sandbox(spec):
     sources = [os.open(m["source"], os.O_PATH | os.O_CLOEXEC) for m in mounts]
     try:
         for m, fd in zip(mounts, sources, strict=True):
+            _ensure_target(m["target"], fd)
             _mount(f"/proc/self/fd/{fd}", m["target"], None, MS_BIND | MS_REC, shown=m["source"])
             if m.get("read_only"):
                 _mount(None, m["target"], None, MS_BIND | MS_REMOUNT | MS_RDONLY)

@@ -16,7 +16,7 @@ import base64
 import os
 import posixpath
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +35,7 @@ __all__ = [
     "VolumeError",
     "VolumeFile",
     "container_mounts",
+    "image_mounts",
     "downward_files",
     "host_path_dir",
     "key_files",
@@ -275,3 +276,19 @@ def container_mounts(container: dict, volume_dirs: Mapping[str, str], read_only_
                 os.makedirs(source, exist_ok=True)
         mounts.append(Mount(source, vm["mountPath"], bool(vm.get("readOnly")) or name in read_only_volumes))
     return sorted(mounts, key=lambda m: len(Path(m.target).parts))
+
+
+def image_mounts(image_paths: Sequence[str], mounts: Sequence[Mount]) -> list[Mount]:
+    """Read-only self-binds that keep the "image" visible: each of ``image_paths`` (host directories the
+    project's Python environment lives in) that lies strictly below the target of one of ``mounts`` is
+    bound back over itself, so a volume at a parent (an emptyDir at /tmp while the checkout is under
+    /tmp) does not hide the code the container runs. Only the outermost such path is bound."""
+    def below(path: str, parent: str) -> bool:
+        return path.startswith(parent.rstrip("/") + "/")
+
+    hidden = sorted({p for p in image_paths if any(below(p, m.target) for m in mounts)}, key=lambda p: (p.count("/"), p))
+    outermost: list[str] = []
+    for path in hidden:
+        if not any(path == kept or below(path, kept) for kept in outermost):
+            outermost.append(path)
+    return [Mount(path, path, read_only=True) for path in outermost]
