@@ -28,6 +28,10 @@ LABEL_ATTEMPT = f"{GROUP}/attempt"
 """Gang attempt number (0-based) on trainer pods; pods of different attempts never coexist."""
 LABEL_CONFIG_HASH = f"{GROUP}/config-hash"
 """Short sha256 of the resolved config JSON, on every pod that mounts it."""
+LABEL_ROLE_CONFIG_HASH = f"{GROUP}/role-config-hash"
+"""Short sha256 of the part of the resolved config that the pod's role reads (trainer pods: the config without the
+rollout-only fields; rollout pods: without spec.rollout.replicas), on trainer and rollout pods. Written and read by
+the operator: a pod is outdated only when this changes, so a rollout-only change never restarts the trainer gang."""
 LABEL_REPLICA_INDEX = f"{GROUP}/replica-index"
 """Trainer node rank or rollout replica index, on pods."""
 LABEL_KUEUE_QUEUE_NAME = "kueue.x-k8s.io/queue-name"
@@ -50,6 +54,9 @@ class Role(str, Enum):
 ENV_CONFIG = "RLJOB_CONFIG"
 """Path of the resolved config JSON inside every pod."""
 ENV_REDIS_PASSWORD = "REDIS_PASSWORD"
+ENV_REDIS_TLS_CA_FILE = "REDIS_TLS_CA_FILE"
+"""Path of a PEM bundle of the CAs that sign the Redis server's TLS certificate (used when ``redis.tls`` is on);
+unset: the system CA bundle. Read by trainer and rollout (rljob_trainer.stream.connection)."""
 ENV_HF_TOKEN = "HF_TOKEN"
 ENV_POD_IP = "POD_IP"
 ENV_POD_NAME = "POD_NAME"
@@ -107,6 +114,10 @@ ROLLOUT_REWARD_SUM_PREFIX = "reward_sum:"
 """``reward_sum:{model_version}``: sum of raw rewards of every document generated with that weights version."""
 ROLLOUT_REWARD_COUNT_PREFIX = "reward_count:"
 """``reward_count:{model_version}``: number of documents generated with that weights version."""
+ROLLOUT_REWARD_VERSIONS_KEPT = 128
+"""The rollout hash keeps ``reward_sum:{v}`` / ``reward_count:{v}`` of the newest this many weights versions (by v);
+rollout workers delete older pairs in the transaction that adds a batch, so the hash stays bounded over a long run.
+128 versions = 128 optimizer steps of reward history, enough for a learning curve; the operator reads only the newest."""
 ROLLOUT_REWARD = "reward"
 """Mean reward of ``reward_version`` (sum / count over every worker), set by the worker that wrote last."""
 ROLLOUT_REWARD_VERSION = "reward_version"

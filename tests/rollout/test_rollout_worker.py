@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+import redis
 import torch
 
 from rollout_harness import make_config, make_worker, running, tiny_model, wait_until
@@ -202,6 +203,14 @@ def test_the_worker_rides_out_a_redis_restart(redis_server, publisher_for):
         wait_until(lambda: client.xlen(config.keys.stream) >= before + 32, 60, "documents after the restart")
         assert worker.version == 0
     assert result.get("rc") == 0 and "error" not in result
+
+
+def test_a_wrong_password_ends_the_worker_instead_of_retrying(redis_server):
+    config = make_config(redis_server)
+    worker = make_worker(config, "not-the-password")
+    with running(worker) as result:
+        wait_until(lambda: not result["thread"].is_alive(), 20, "the worker to give up")
+    assert isinstance(result.get("error"), redis.AuthenticationError), result
 
 
 def test_replica_index_comes_from_the_environment(redis_server):

@@ -44,6 +44,7 @@ from rljob_trainer.rollout.backends.base import Completion, GenerationBackend, U
 from rljob_trainer.rollout.metrics import RolloutMetrics
 from rljob_trainer.rollout.tasks import InvalidReward, Prompt, Task
 from rljob_trainer.rollout.writer import BatchReport, DocumentWriter, make_document
+from rljob_trainer.stream.connection import RedisTLSError
 from rljob_trainer.weights import Event, WeightSubscriber
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,12 @@ class RolloutWorker:
         self._stop.set()
 
     def run(self) -> int:
-        """Loop until ``training_finished`` (returns 0) or :meth:`stop` (returns 0). Redis outages are waited out."""
+        """Loop until ``training_finished`` (returns 0) or :meth:`stop` (returns 0). Redis outages are waited out.
+
+        Raises:
+            redis.AuthenticationError: the Redis password is wrong (never retried).
+            RedisTLSError: the server's certificate does not verify against the CA bundle (never retried).
+        """
         delay = BACKOFF_INITIAL_S
         try:
             while not self._stop.is_set():
@@ -140,6 +146,8 @@ class RolloutWorker:
                         log.info("rollout: training_finished received after %d batches; exiting", self.batches)
                         return 0
                     delay = BACKOFF_INITIAL_S
+                except (redis.AuthenticationError, RedisTLSError):
+                    raise  # a wrong password or CA bundle: waiting cannot fix it, the pod's restarts say so
                 except redis.RedisError as error:
                     wait = random.uniform(0.5, 1.0) * delay
                     log.warning("rollout: Redis unavailable (%s); retrying in %.1f s", error, wait)

@@ -14,7 +14,9 @@ the floor of one step's worth keeps the trainer able to fill a step when maxLag 
 
 Rollout hash (``keys.rollout``; every worker adds to the same fields, see :mod:`rljob_api.constants`):
 ``reward_sum:{v}`` / ``reward_count:{v}`` over every scored sample generated with weights version v, before
-filtering; ``reward`` / ``reward_version`` = that mean for the writer's newest version; ``samples_generated``,
+filtering, for the newest ``ROLLOUT_REWARD_VERSIONS_KEPT`` versions present (each report deletes older pairs in its
+own WATCH/MULTI/EXEC transaction, so the hash stays bounded); ``reward`` / ``reward_version`` = that mean for the
+version of the writer's last batch, unless that version was pruned; ``samples_generated``,
 ``documents_written``, ``reward_errors`` and ``reward_errors:{kind}``, ``groups_filtered`` and
 ``samples_filtered`` (zero-variance filter), ``all_rewards_failed`` (see the constant), ``worker:{replica}`` =
 JSON {version, samples_per_second, updated_at}, ``updated_at``.
@@ -27,7 +29,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 import redis
@@ -93,9 +95,17 @@ class DocumentWriter:
         client: a Redis client (bytes responses).
         config: the resolved job config (keys, maxPending, maxLag, documentsPerStep).
         replica_index: this worker's replica index (names its ``worker:{i}`` field).
+        reward_versions_kept: per-version reward pairs kept in the rollout hash (the newest versions by number).
+
+    Raises:
+        ValueError: ``reward_versions_kept`` < 1.
     """
 
-    def __init__(self, client: redis.Redis, config: JobConfig, replica_index: int) -> None:
+    def __init__(self, client: redis.Redis, config: JobConfig, replica_index: int,
+                 reward_versions_kept: int = c.ROLLOUT_REWARD_VERSIONS_KEPT) -> None:
+        if reward_versions_kept < 1:
+            raise ValueError(f"reward_versions_kept={reward_versions_kept}: keep at least the newest version")
+        self.reward_versions_kept = reward_versions_kept
         self._client = client
         self._keys = config.keys
         self.max_pending = config.spec.redis.max_pending
@@ -144,20 +154,30 @@ class DocumentWriter:
         pipe.execute()
 
     def report(self, batch: BatchReport) -> None:
-        """Add one batch to the rollout hash (module docstring). Raises RedisError."""
+        """Add one batch to the rollout hash and prune per-version reward pairs beyond the newest
+        ``reward_versions_kept`` (module docstring). Raises RedisError."""
         key, version = self._keys.rollout, batch.version
-        pipe = self._client.pipeline(transaction=True)
-        pipe.hincrbyfloat(key, f"{c.ROLLOUT_REWARD_SUM_PREFIX}{version}", float(sum(batch.rewards)))
-        pipe.hincrby(key, f"{c.ROLLOUT_REWARD_COUNT_PREFIX}{version}", len(batch.rewards))
-        pipe.hincrby(key, SAMPLES_GENERATED, batch.samples_generated)
-        for kind, count in batch.reward_errors.items():
-            pipe.hincrby(key, f"{c.ROLLOUT_REWARD_ERRORS_PREFIX}{kind}", count)
-        if batch.reward_errors:
-            pipe.hincrby(key, REWARD_ERRORS, sum(batch.reward_errors.values()))
-        if batch.groups_filtered:
-            pipe.hincrby(key, GROUPS_FILTERED, batch.groups_filtered)
-            pipe.hincrby(key, SAMPLES_FILTERED, batch.samples_filtered)
-        total, count = pipe.execute()[:2]
+        stale: list[str] = []
+
+        def add(pipe: redis.client.Pipeline) -> None:
+            # WATCH (by client.transaction) makes the pruning see the fields it deletes: a concurrent write to the
+            # hash aborts the EXEC, and redis-py reruns this function.
+            stale[:] = stale_reward_fields(pipe.hkeys(key), version, self.reward_versions_kept)
+            pipe.multi()
+            pipe.hincrbyfloat(key, f"{c.ROLLOUT_REWARD_SUM_PREFIX}{version}", float(sum(batch.rewards)))
+            pipe.hincrby(key, f"{c.ROLLOUT_REWARD_COUNT_PREFIX}{version}", len(batch.rewards))
+            pipe.hincrby(key, SAMPLES_GENERATED, batch.samples_generated)
+            for kind, count in batch.reward_errors.items():
+                pipe.hincrby(key, f"{c.ROLLOUT_REWARD_ERRORS_PREFIX}{kind}", count)
+            if batch.reward_errors:
+                pipe.hincrby(key, REWARD_ERRORS, sum(batch.reward_errors.values()))
+            if batch.groups_filtered:
+                pipe.hincrby(key, GROUPS_FILTERED, batch.groups_filtered)
+                pipe.hincrby(key, SAMPLES_FILTERED, batch.samples_filtered)
+            if stale:
+                pipe.hdel(key, *stale)
+
+        total, count = self._client.transaction(add, key)[:2]
         now = time.time()
         mapping = {
             self._worker_field: json.dumps(
@@ -165,7 +185,7 @@ class DocumentWriter:
             ),
             UPDATED_AT: repr(now),
         }
-        if count:
+        if count and f"{c.ROLLOUT_REWARD_COUNT_PREFIX}{version}" not in stale:
             mapping[c.ROLLOUT_REWARD] = repr(float(total) / int(count))
             mapping[c.ROLLOUT_REWARD_VERSION] = str(version)
         if batch.rewards:
@@ -184,8 +204,32 @@ class DocumentWriter:
         self._client.hset(key, mapping=mapping)
 
 
+def stale_reward_fields(fields: Iterable[bytes | str], adding: int, keep: int) -> list[str]:
+    """The ``reward_sum:{v}`` / ``reward_count:{v}`` fields to delete once version ``adding`` is written to a hash
+    holding ``fields``: those whose v is not one of the ``keep`` largest versions present (``adding`` included),
+    and ``adding``'s own pair when it is not one of them.
+
+    Fields whose suffix is not an integer are never returned (rljob writes none).
+    """
+    versions: dict[str, int] = {
+        f"{c.ROLLOUT_REWARD_SUM_PREFIX}{adding}": adding,
+        f"{c.ROLLOUT_REWARD_COUNT_PREFIX}{adding}": adding,
+    }
+    for raw in fields:
+        name = raw.decode() if isinstance(raw, bytes) else raw
+        for prefix in (c.ROLLOUT_REWARD_SUM_PREFIX, c.ROLLOUT_REWARD_COUNT_PREFIX):
+            if name.startswith(prefix):
+                try:
+                    versions[name] = int(name[len(prefix):])
+                except ValueError:
+                    pass
+    kept = set(sorted(set(versions.values()), reverse=True)[:keep])
+    return sorted(name for name, version in versions.items() if version not in kept)
+
+
 def rollout_rewards(client: redis.Redis, key: str) -> dict[int, tuple[float, int]]:
-    """Per weights version: (mean reward, number of scored samples), from the rollout hash ``key``."""
+    """Per weights version: (mean reward, number of scored samples), from the rollout hash ``key`` (which holds
+    the newest ``ROLLOUT_REWARD_VERSIONS_KEPT`` versions only)."""
     raw = {(k.decode() if isinstance(k, bytes) else k): v for k, v in client.hgetall(key).items()}
     out = {}
     for name, value in raw.items():
