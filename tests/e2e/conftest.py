@@ -169,6 +169,7 @@ def _start_local(request: pytest.FixtureRequest, stack) -> Cluster:
     cp = acquire_control_plane()
     stack.append(release_control_plane)
     state_dir = Path(os.environ.get("RLJOB_E2E_AGENT_DIR", "/tmp/rljob-e2e-agent"))
+    shutil.rmtree(state_dir / "logs", ignore_errors=True)  # this run's container logs only (kept after it ends)
     agent = Agent(AgentConfig(
         kubeconfig=cp.kubeconfig, state_dir=state_dir, nodes=2, gpus_per_node=GPUS_PER_NODE,
         bridge=AGENT_BRIDGE, cluster_cidr=AGENT_CLUSTER_CIDR,

@@ -37,11 +37,13 @@ class AgentError(RuntimeError):
 
 
 def default_image_env() -> dict[str, str]:
-    """The environment every "image" provides: the project's Python environment first on PATH,
+    """The environment every "image" provides: the project's Python environment first on PATH (then
+    the base installation's scripts, for a virtual environment made with --system-site-packages),
     HOME=/root, PYTHONUNBUFFERED=1 (as most Python images set it, so logs are live), and
     PYTHONPATH/VIRTUAL_ENV/LANG/LC_ALL/TZ passed through from the agent when set."""
+    bins = dict.fromkeys([os.path.dirname(sys.executable), os.path.join(sys.base_prefix, "bin")])
     env = {
-        "PATH": f"{os.path.dirname(sys.executable)}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "PATH": ":".join([*bins, "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]),
         "HOME": "/root",
         "PYTHONUNBUFFERED": "1",
     }
