@@ -28,6 +28,7 @@ from pathlib import Path
 
 from . import agent_daemon, demo
 from .controlplane import ControlPlane
+from .pids import pid_running, terminate
 from .tools import tools_bin_dir
 
 
@@ -36,25 +37,9 @@ def default_dir() -> Path:
     return Path(d) if d else Path.home() / ".cache" / "rljob" / "cluster"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is not alive
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
+def _daemon_marks(d: Path) -> tuple[str, str]:
+    """What the command line of this dir's daemon contains (so a recycled pid is not taken for it)."""
+    return "rljob_localcluster", str(d)
 
 
 def _daemon_pid(d: Path) -> int | None:
@@ -63,9 +48,7 @@ def _daemon_pid(d: Path) -> int | None:
         pid = int((d / "daemon.pid").read_text().strip())
     except (OSError, ValueError):
         return None
-    if _pid_alive(pid) and "rljob_localcluster" in _cmdline(pid) and str(d) in _cmdline(pid):
-        return pid
-    return None
+    return pid if pid_running(pid, *_daemon_marks(d)) else None
 
 
 def _exports(d: Path, bin_dir: str | None) -> str:
@@ -188,23 +171,11 @@ def _down(d: Path, quiet: bool = False) -> int:
     pid = _daemon_pid(d)
     st = _read_state(d) or {}
     if pid:
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 60
-        while _pid_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if _pid_alive(pid):
-            os.kill(pid, signal.SIGKILL)
+        terminate(pid, 60, *_daemon_marks(d))
     # Components of a daemon that died hard: end exactly those recorded pids whose command line
     # still names this cluster's data dir (so a recycled pid is never touched).
-    for name, cpid in (st.get("pids") or {}).items():
-        if _pid_alive(cpid) and str(d / "data") in _cmdline(cpid):
-            os.kill(cpid, signal.SIGTERM)
-            for _ in range(50):
-                if not _pid_alive(cpid):
-                    break
-                time.sleep(0.2)
-            else:
-                os.kill(cpid, signal.SIGKILL)
+    for cpid in (st.get("pids") or {}).values():
+        terminate(cpid, 10, str(d / "data"))
     for name in ("state.json", "state.json.tmp", "kubeconfig", "daemon.pid"):
         (d / name).unlink(missing_ok=True)
     shutil.rmtree(d / "data", ignore_errors=True)

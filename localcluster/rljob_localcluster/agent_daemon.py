@@ -9,11 +9,12 @@ everything it made on the host is removed) before the control plane.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from .pids import pid_running, terminate
 
 AGENT_MODULE = "rljob_localcluster.agent"
 
@@ -23,21 +24,13 @@ def state_dir(d: Path) -> Path:
     return d / "agent"
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def agent_pid(d: Path) -> int | None:
     """The pid of the agent started for cluster dir ``d``, or None (the pid is checked to be that agent)."""
     try:
         pid = int((d / "agent.pid").read_text().strip())
     except (OSError, ValueError):
         return None
-    cmdline = _cmdline(pid)
-    return pid if AGENT_MODULE in cmdline and str(state_dir(d)) in cmdline else None
+    return pid if pid_running(pid, AGENT_MODULE, str(state_dir(d))) else None
 
 
 def start_agent(d: Path, kubeconfig: str, *, nodes: int = 2, gpus_per_node: int = 4, timeout: float = 90.0) -> int:
@@ -81,11 +74,6 @@ def stop_agent(d: Path, timeout: float = 60.0) -> bool:
     if pid is None:
         (d / "agent.pid").unlink(missing_ok=True)
         return False
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while agent_pid(d) == pid and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if agent_pid(d) == pid:
-        os.kill(pid, signal.SIGKILL)
+    terminate(pid, timeout, AGENT_MODULE, str(state_dir(d)))
     (d / "agent.pid").unlink(missing_ok=True)
     return True

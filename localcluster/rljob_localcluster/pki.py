@@ -37,6 +37,38 @@ def _pem_cert(cert: x509.Certificate) -> bytes:
     return cert.public_bytes(serialization.Encoding.PEM)
 
 
+def _builder(
+    subject: x509.Name, issuer: x509.Name, public_key, validity: _dt.timedelta, *, ca: bool
+) -> x509.CertificateBuilder:
+    """Subject, issuer, key, a random serial, ``validity`` from now, and the basic constraints and
+    key usages of a CA (``ca``: may sign certificates and CRLs) or of a leaf (digital signature only)."""
+    now = _now()
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + validity)
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=ca,
+                crl_sign=ca,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+    )
+
+
 @dataclass
 class KeyPair:
     cert_pem: bytes
@@ -54,30 +86,8 @@ class CertificateAuthority:
     def __init__(self, common_name: str = "rljob-localcluster-ca") -> None:
         self._key = ec.generate_private_key(ec.SECP256R1())
         name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-        now = _now()
         self._cert = (
-            x509.CertificateBuilder()
-            .subject_name(name)
-            .issuer_name(name)
-            .public_key(self._key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now)
-            .not_valid_after(now + _VALIDITY * 10)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .add_extension(
-                x509.KeyUsage(
-                    digital_signature=True,
-                    content_commitment=False,
-                    key_encipherment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=True,
-                    crl_sign=True,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
-                critical=True,
-            )
+            _builder(name, name, self._key.public_key(), _VALIDITY * 10, ca=True)
             .add_extension(
                 x509.SubjectKeyIdentifier.from_public_key(self._key.public_key()), critical=False
             )
@@ -103,30 +113,8 @@ class CertificateAuthority:
         key = ec.generate_private_key(ec.SECP256R1())
         attrs = [x509.NameAttribute(NameOID.ORGANIZATION_NAME, o) for o in organizations]
         attrs.append(x509.NameAttribute(NameOID.COMMON_NAME, common_name))
-        now = _now()
         builder = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name(attrs))
-            .issuer_name(self._cert.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now)
-            .not_valid_after(now + _VALIDITY)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(
-                x509.KeyUsage(
-                    digital_signature=True,
-                    content_commitment=False,
-                    key_encipherment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=False,
-                    crl_sign=False,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
-                critical=True,
-            )
+            _builder(x509.Name(attrs), self._cert.subject, key.public_key(), _VALIDITY, ca=False)
             .add_extension(x509.ExtendedKeyUsage(list(usages)), critical=False)
             .add_extension(
                 x509.AuthorityKeyIdentifier.from_issuer_public_key(self._key.public_key()),

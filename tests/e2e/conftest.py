@@ -18,6 +18,7 @@ Run: ``python -m pytest -q tests/e2e`` (``-m e2e`` selects the suite from the wh
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -37,6 +38,7 @@ from kubernetes import client as kube_client
 from kubernetes import config as kube_config
 from kubernetes import watch as kube_watch
 from rljob_api import constants as c
+from waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "rljob-operator"
@@ -305,19 +307,8 @@ def diagnostics(cluster: Cluster, operator: Operator, namespace: str) -> Diagnos
 
 
 # --- helpers ----------------------------------------------------------------------------------------------------
-def wait_for(check: Callable[[], Any], timeout: float, what: str, diagnose: Callable[[], str] | None = None,
-             every: float = 1.0) -> Any:
-    """Poll ``check`` until it returns something truthy (and return that); after ``timeout`` seconds fail
-    the test naming ``what``, with ``diagnose()`` in the message."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(every)
-    detail = diagnose() if diagnose else ""
-    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})\n{detail}", pytrace=False)
+wait_for = functools.partial(wait_until, interval=1.0)
+"""``wait_until(check, timeout, what, diagnose)`` polling once a second (each check runs kubectl)."""
 
 
 def condition(job: dict[str, Any] | None, ctype: c.ConditionType) -> dict[str, Any]:
@@ -548,3 +539,14 @@ def pvc(name: str, size: str = "1Gi") -> dict[str, Any]:
     """A ReadWriteOnce claim of the cluster's default StorageClass (the local agent's ``rljob-local``)."""
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
             "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": size}}}}
+
+
+def checkpointed_job(cluster: Cluster, namespace: str, name: str, every_steps: int,
+                     spec: dict[str, Any]) -> dict[str, Any]:
+    """An RLTrainingJob (:func:`job_manifest` with ``spec`` merged in) whose trainer is 1 pod × 2 processes
+    checkpointing every ``every_steps`` steps to the claim ``<name>-checkpoints``, which is created here. One pod,
+    because the claim is ReadWriteOnce (any cluster's default class): it mounts on one node."""
+    claim = f"{name}-checkpoints"
+    cluster.apply(pvc(claim), namespace)
+    trainer = {"nodes": 1, "processesPerNode": 2, "checkpoint": {"everySteps": every_steps, "volume": claim}}
+    return job_manifest(name, merge({"trainer": trainer}, spec))

@@ -14,16 +14,7 @@ import re
 import pytest
 from rljob_api import constants as c
 
-from .conftest import (
-    Recorder,
-    condition,
-    get_job,
-    job_manifest,
-    phase,
-    pvc,
-    redis_snapshot,
-    wait_for,
-)
+from .conftest import Recorder, checkpointed_job, condition, get_job, phase, redis_snapshot, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -39,11 +30,8 @@ def _step_lines(log: str) -> list[dict]:
 def test_deleted_trainer_pod_restarts_the_whole_gang_from_the_checkpoint(cluster, operator, namespace, diagnostics):
     name = "gang"
     diagnostics.job = name
-    cluster.apply(pvc("gang-checkpoints"), namespace)
-    manifest = job_manifest(name, {
-        "trainer": {"nodes": 1, "processesPerNode": 2, "maxSteps": MAX_STEPS,
-                    "batch": {"documentsPerStep": PER_STEP},
-                    "checkpoint": {"everySteps": EVERY_STEPS, "volume": "gang-checkpoints"}},
+    manifest = checkpointed_job(cluster, namespace, name, EVERY_STEPS, {
+        "trainer": {"maxSteps": MAX_STEPS, "batch": {"documentsPerStep": PER_STEP}},
         "runPolicy": {"cleanPodPolicy": "None"},  # keep the finished pods for their logs
     })
     pod0 = f"{name}-trainer-0"
@@ -51,7 +39,7 @@ def test_deleted_trainer_pod_restarts_the_whole_gang_from_the_checkpoint(cluster
         cluster.apply(manifest, namespace)
         log = wait_for(lambda: "checkpoint: committed" in (text := cluster.kubectl(
             "logs", "-n", namespace, pod0, check=False).stdout) and text, 300,
-            "the first checkpoint of attempt 0", diagnostics, every=0.5)
+            "the first checkpoint of attempt 0", diagnostics, interval=0.5)
         assert phase(get_job(cluster, namespace, name)) in ("Starting", "Running"), diagnostics()
         command = cluster.get("pod", pod0, "-n", namespace)["spec"]["containers"][0]["command"]
         assert "--nnodes=1" in command and "--nproc-per-node=2" in command, command

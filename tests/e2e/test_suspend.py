@@ -8,15 +8,7 @@ from __future__ import annotations
 import pytest
 from rljob_api import constants as c
 
-from .conftest import (
-    condition,
-    get_job,
-    job_manifest,
-    phase,
-    pvc,
-    redis_snapshot,
-    wait_for,
-)
+from .conftest import checkpointed_job, condition, get_job, phase, redis_snapshot, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -33,11 +25,7 @@ def _patch_suspend(cluster, namespace: str, name: str, suspend: bool) -> None:
 def test_suspend_keeps_redis_and_resume_continues(cluster, operator, namespace, diagnostics):
     name = "pausable"
     diagnostics.job = name
-    cluster.apply(pvc("pausable-checkpoints"), namespace)
-    # 1 pod × 2 processes: one pod mounts the ReadWriteOnce checkpoint claim (any cluster's default class).
-    cluster.apply(job_manifest(name, {"trainer": {"nodes": 1, "processesPerNode": 2, "maxSteps": 100_000,
-                                                  "checkpoint": {"everySteps": 5, "volume": "pausable-checkpoints"}}}),
-                  namespace)
+    cluster.apply(checkpointed_job(cluster, namespace, name, 5, {"trainer": {"maxSteps": 100_000}}), namespace)
     wait_for(lambda: (_status(cluster, namespace, name).get("step") or 0) >= 6, 300,
              "a checkpoint's worth of steps in status", diagnostics)
     (redis_before,) = cluster.items("pods", namespace, f"{c.LABEL_ROLE}=redis")

@@ -12,14 +12,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 from procutil import pids_with_env_marker
-from conftest_cluster import control_plane  # noqa: F401 - the session's control plane fixture
 from rljob_localcluster.agent.network import PodSandboxNet
+from waiting import wait_until
 
 pytestmark = [
     pytest.mark.cluster,
@@ -29,16 +28,6 @@ pytestmark = [
 
 REPO = Path(__file__).resolve().parents[2]
 LABEL = "rljob.dev/agent-cli-test"
-
-
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 class AgentProcess:
@@ -55,7 +44,7 @@ class AgentProcess:
         self.log = state_dir.parent / f"agent-{uuid.uuid4().hex[:6]}.log"
         self.log_file = open(self.log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env=env)
-        wait_for(lambda: "agent ready" in self.log.read_text() or self.proc.poll() is not None, 60, "the agent")
+        wait_until(lambda: "agent ready" in self.log.read_text() or self.proc.poll() is not None, 60, "the agent")
         assert self.proc.poll() is None, self.log.read_text()
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
@@ -65,8 +54,6 @@ class AgentProcess:
             return self.proc.wait(timeout)
         finally:
             self.log_file.close()
-
-
 
 
 def _pod(name: str, tag: str, marker: str) -> str:
@@ -85,34 +72,35 @@ def _host_state(bridge: str) -> dict:
             "tmpfs": [line for line in Path("/proc/mounts").read_text().splitlines() if "agent-state" in line]}
 
 
-@pytest.fixture
-def ns(control_plane):  # noqa: F811
-    name = f"cli-{uuid.uuid4().hex[:8]}"
-    control_plane.kubectl("create", "namespace", name)
-    wait_for(lambda: control_plane.kubectl("get", "sa", "default", "-n", name, check=False).returncode == 0, 30,
-             "the default ServiceAccount")
-    yield name
-    control_plane.kubectl("delete", "namespace", name, "--wait=false", check=False)
-
-
 def _pod_json(cp, ns: str, name: str) -> dict:
     return json.loads(cp.kubectl("get", "pod", name, "-n", ns, "-o", "json").stdout)
 
 
-def test_sigterm_cleans_up_everything(control_plane, ns, tmp_path):  # noqa: F811
+def _agent_with_pod(cp, ns: str, state: Path, tag: str, marker: str) -> tuple[AgentProcess, str]:
+    """Start an agent on ``state`` and run pod ``p`` on its node until both its processes (sh + sleep, with
+    ``marker`` in their environment) run; returns the agent and the pod's uid. On a failure the agent is stopped
+    (SIGTERM: it removes what it made on the host)."""
+    agent = AgentProcess(cp, state, tag)
+    try:
+        cp.kubectl("apply", "-n", ns, "-f", "-", input=_pod("p", tag, marker))
+        wait_until(lambda: len(pids_with_env_marker(marker)) == 2, 60, "sh and sleep running")
+        return agent, _pod_json(cp, ns, "p")["metadata"]["uid"]
+    except BaseException:
+        agent.stop()
+        raise
+
+
+def test_sigterm_cleans_up_everything(control_plane, pod_namespace, tmp_path):
     tag, marker = uuid.uuid4().hex[:8], uuid.uuid4().hex
     state = tmp_path / "agent-state"
-    agent = AgentProcess(control_plane, state, tag)
+    agent, uid = _agent_with_pod(control_plane, pod_namespace, state, tag, marker)
     try:
-        control_plane.kubectl("apply", "-n", ns, "-f", "-", input=_pod("p", tag, marker))
-        wait_for(lambda: len(pids_with_env_marker(marker)) == 2, 60, "sh and sleep running")  # sh + sleep
-        uid = _pod_json(control_plane, ns, "p")["metadata"]["uid"]
         netns = PodSandboxNet.for_pod(uid, "").netns
         during = _host_state(agent.bridge)
         assert during["bridge"] and netns in during["netns"] and len(during["tmpfs"]) == 1
         assert f"rljob-local-node-agent {state.resolve()}" in Path("/etc/hosts").read_text()
-        out = subprocess.run([sys.executable, "-m", "rljob_localcluster.agent", "logs", "--state-dir", str(state), ns, "p"],
-                             capture_output=True, text=True, check=False,
+        out = subprocess.run([sys.executable, "-m", "rljob_localcluster.agent", "logs", "--state-dir", str(state),
+                              pod_namespace, "p"], capture_output=True, text=True, check=False,
                              env=dict(os.environ, PYTHONPATH=str(REPO / "localcluster")))
         assert out.stdout == "started\n", out.stderr
     finally:
@@ -126,17 +114,13 @@ def test_sigterm_cleans_up_everything(control_plane, ns, tmp_path):  # noqa: F81
     assert control_plane.kubectl("get", "node", agent.node, check=False).returncode != 0  # deregistered
 
 
-def test_after_sigkill_containers_die_and_the_next_agent_cleans_up(control_plane, ns, tmp_path):  # noqa: F811
+def test_after_sigkill_containers_die_and_the_next_agent_cleans_up(control_plane, pod_namespace, tmp_path):
     tag, marker = uuid.uuid4().hex[:8], uuid.uuid4().hex
     state = tmp_path / "agent-state"
-    first = AgentProcess(control_plane, state, tag)
-    try:
-        control_plane.kubectl("apply", "-n", ns, "-f", "-", input=_pod("p", tag, marker))
-        wait_for(lambda: len(pids_with_env_marker(marker)) == 2, 60, "sh and sleep running")
-        uid = _pod_json(control_plane, ns, "p")["metadata"]["uid"]
-    finally:
-        first.stop(signal.SIGKILL)
-    wait_for(lambda: not pids_with_env_marker(marker), 10, "the containers to die with the agent")  # parent-death signals
+    first, uid = _agent_with_pod(control_plane, pod_namespace, state, tag, marker)
+    first.stop(signal.SIGKILL)
+    # parent-death signals
+    wait_until(lambda: not pids_with_env_marker(marker), 10, "the containers to die with the agent")
     netns = PodSandboxNet.for_pod(uid, "").netns
     stale = _host_state(first.bridge)
     assert stale["bridge"] and netns in stale["netns"]  # a hard kill leaves the host state behind...
@@ -144,12 +128,12 @@ def test_after_sigkill_containers_die_and_the_next_agent_cleans_up(control_plane
     second = AgentProcess(control_plane, state, tag)  # ...which the next agent removes, then runs the pod again
     try:
         def restarted():
-            st = (_pod_json(control_plane, ns, "p")["status"].get("containerStatuses") or [{}])[0]
+            st = (_pod_json(control_plane, pod_namespace, "p")["status"].get("containerStatuses") or [{}])[0]
             return st.get("restartCount") == 1 and "running" in st.get("state", {}) and st
 
-        st = wait_for(restarted, 60, "the pod to run again")
+        st = wait_until(restarted, 60, "the pod to run again")
         assert st["lastState"]["terminated"]["reason"] == "ContainerStatusUnknown"
-        wait_for(lambda: len(pids_with_env_marker(marker)) == 2, 30, "sh and sleep running again")
+        wait_until(lambda: len(pids_with_env_marker(marker)) == 2, 30, "sh and sleep running again")
         assert len(_host_state(second.bridge)["tmpfs"]) == 1  # the old tmpfs was unmounted, one new
     finally:
         rc = second.stop(signal.SIGTERM)

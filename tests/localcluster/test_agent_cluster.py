@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 from procutil import pids_with_env_marker
-from conftest_cluster import control_plane  # noqa: F401 - the session's control plane fixture
 from rljob_localcluster.agent import Agent, AgentConfig, logs
 from rljob_localcluster.agent.network import PodSandboxNet
+from waiting import wait_until
 
 pytestmark = [
     pytest.mark.cluster,
@@ -35,19 +35,8 @@ NODE_LABEL = "rljob.dev/agent-test"
 GPUS_PER_NODE = 4
 
 
-def wait_for(pred, timeout: float, what: str, interval: float = 0.25):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = pred()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
-
-
 @pytest.fixture(scope="module")
-def agent(control_plane, tmp_path_factory):  # noqa: F811 - pytest fixture injection
+def agent(control_plane, tmp_path_factory):
     tag = uuid.uuid4().hex[:8]
     cfg = AgentConfig(
         kubeconfig=control_plane.kubeconfig, state_dir=tmp_path_factory.mktemp("agent-state"), nodes=2,
@@ -60,17 +49,6 @@ def agent(control_plane, tmp_path_factory):  # noqa: F811 - pytest fixture injec
         yield a
     assert subprocess.run(["ip", "link", "show", cfg.bridge], capture_output=True, check=False).returncode != 0  # bridge removed
     assert f"rljob-local-node-agent {Path(cfg.state_dir).resolve()}" not in Path("/etc/hosts").read_text()
-
-
-@pytest.fixture
-def ns(control_plane):  # noqa: F811
-    name = f"agent-{uuid.uuid4().hex[:8]}"
-    control_plane.kubectl("create", "namespace", name)
-    # pods need the namespace's "default" ServiceAccount (made by the controller manager)
-    wait_for(lambda: control_plane.kubectl("get", "sa", "default", "-n", name, check=False).returncode == 0, 30,
-             "the default ServiceAccount")
-    yield name
-    control_plane.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
 class Cluster:
@@ -100,16 +78,16 @@ class Cluster:
                          "terminationGracePeriodSeconds": 5, "containers": [container], **spec}}
 
     def wait_phase(self, name: str, phases: tuple[str, ...], timeout: float = 60) -> dict:
-        return wait_for(lambda: (p := self.get("pod", name)) and p.get("status", {}).get("phase") in phases and p,
-                        timeout, f"pod {name} in {phases}")
+        return wait_until(lambda: (p := self.get("pod", name)) and p.get("status", {}).get("phase") in phases and p,
+                          timeout, f"pod {name} in {phases}")
 
     def logs(self, pod: str) -> str:
         return logs(self.ns, pod, "main", state_dir=self.agent.state_dir)
 
 
 @pytest.fixture
-def k(control_plane, agent, ns):  # noqa: F811
-    return Cluster(control_plane, agent, ns)
+def k(control_plane, agent, pod_namespace):
+    return Cluster(control_plane, agent, pod_namespace)
 
 
 def py(code: str) -> list[str]:
@@ -216,7 +194,7 @@ def test_pods_of_a_headless_service_talk_tcp_by_dns_name(k):
         except OSError:
             return False
 
-    wait_for(host_resolves, 30, f"{fqdn} in the host's /etc/hosts")
+    wait_until(host_resolves, 30, f"{fqdn} in the host's /etc/hosts")
     client = k.pod("b", py(
         "import socket, time\n"
         f"print('peers ->', socket.gethostbyname('peers'), 'a.peers ->', socket.gethostbyname('a.peers'))\n"
@@ -251,7 +229,7 @@ def test_failures_report_exit_codes_and_reasons(k):
 
 
 
-def test_deletion_kills_the_process_tree(k, control_plane):  # noqa: F811
+def test_deletion_kills_the_process_tree(k, control_plane):
     marker = uuid.uuid4().hex
     tree = ("import signal, subprocess, sys, time\n"
             "kids = [subprocess.Popen(['sleep', '1000']) for _ in range(2)]\n"
@@ -263,11 +241,11 @@ def test_deletion_kills_the_process_tree(k, control_plane):  # noqa: F811
     uids = {}
     for name in ("polite", "stubborn"):
         uids[name] = k.wait_phase(name, ("Running",))["metadata"]["uid"]
-        wait_for(lambda name=name: "ready" in k.logs(name), 30, f"{name} to start")
+        wait_until(lambda name=name: "ready" in k.logs(name), 30, f"{name} to start")
     assert len(pids_with_env_marker(marker)) == 6  # 2 × (main + 2 children)
     started = time.monotonic()
     control_plane.kubectl("delete", "pod", "polite", "stubborn", "-n", k.ns, "--wait=false")
-    wait_for(lambda: k.get("pod", "polite") is None and k.get("pod", "stubborn") is None, 30, "both pods gone")
+    wait_until(lambda: k.get("pod", "polite") is None and k.get("pod", "stubborn") is None, 30, "both pods gone")
     took = time.monotonic() - started
     assert not pids_with_env_marker(marker)
     assert "got SIGTERM" in k.logs("polite")
@@ -287,7 +265,7 @@ def test_gpu_capacity_is_scheduled_by_the_real_scheduler(k):
         cond = {c["type"]: c for c in p["status"].get("conditions") or []}.get("PodScheduled")
         return cond and cond["status"] == "False" and cond.get("reason") == "Unschedulable" and cond
 
-    cond = wait_for(unschedulable, 30, "PodScheduled=False/Unschedulable")
+    cond = wait_until(unschedulable, 30, "PodScheduled=False/Unschedulable")
     assert "Insufficient nvidia.com/gpu" in cond["message"]
     pending = k.get("pod", "too-many")
     assert pending["status"]["phase"] == "Pending" and "nodeName" not in pending["spec"]
@@ -315,7 +293,7 @@ def test_restart_policies(k):
         waiting = st.get("state", {}).get("waiting", {})
         return st.get("restartCount", 0) >= 2 and waiting.get("reason") == "CrashLoopBackOff" and p
 
-    looping = wait_for(backing_off, 30, "restarts with CrashLoopBackOff")
+    looping = wait_until(backing_off, 30, "restarts with CrashLoopBackOff")
     assert looping["status"]["phase"] == "Running"  # restartPolicy Always never completes
     assert k.logs("looping").count("tick\n") >= 2
 
@@ -332,7 +310,7 @@ def test_readiness_probe_gates_ready(k):
     running = k.wait_phase("probed", ("Running",))
     assert ready(running) == "False"
     assert running["status"]["containerStatuses"][0]["ready"] is False
-    became = wait_for(lambda: (p := k.get("pod", "probed")) and ready(p) == "True" and p, 30, "Ready=True")
+    became = wait_until(lambda: (p := k.get("pod", "probed")) and ready(p) == "True" and p, 30, "Ready=True")
     assert "ready now" in k.logs("probed")
     assert became["status"]["containerStatuses"][0]["ready"] is True
 
@@ -346,7 +324,7 @@ def test_liveness_probe_restarts_the_container(k):
         st = (k.get("pod", "unhealthy")["status"].get("containerStatuses") or [{}])[0]
         return st.get("restartCount", 0) >= 1 and st.get("lastState", {}).get("terminated") and st
 
-    st = wait_for(restarted, 30, "a restart after failed liveness probes")
+    st = wait_until(restarted, 30, "a restart after failed liveness probes")
     assert st["lastState"]["terminated"]["exitCode"] == 128 + 15  # SIGTERM ended it (Python's default action)
     events = json.loads(k.cp.kubectl("get", "events", "-n", k.ns, "-o", "json").stdout)["items"]
     assert any(e["reason"] == "Killing" and "failed liveness probe" in e["message"] for e in events)
@@ -373,7 +351,7 @@ def test_init_containers_and_host_network(k):
     assert k.logs("host-net") == socket.gethostname() + "\n"  # the host's network and UTS namespaces
 
 
-def test_persistent_volume_claim_survives_pods(k, control_plane):  # noqa: F811
+def test_persistent_volume_claim_survives_pods(k, control_plane):
     claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "ckpt"},
              "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}}
     vol = {"container": {"volumeMounts": [{"name": "ckpt", "mountPath": "/var/lib/rljob/checkpoints"}]},
@@ -390,25 +368,26 @@ def test_persistent_volume_claim_survives_pods(k, control_plane):  # noqa: F811
     assert (pv_dir / "step").read_text() == "42"
     control_plane.kubectl("delete", "pod", "writer", "reader", "-n", k.ns)
     control_plane.kubectl("delete", "pvc", "ckpt", "-n", k.ns)
-    wait_for(lambda: control_plane.kubectl("get", "pv", pv_name, check=False).returncode != 0, 60, "the PV to be deleted")
+    wait_until(lambda: control_plane.kubectl("get", "pv", pv_name, check=False).returncode != 0, 60,
+               "the PV to be deleted")
     assert not pv_dir.exists()
 
 
-def test_node_loss_and_return(k, control_plane):  # noqa: F811
+def test_node_loss_and_return(k, control_plane):
     node = sorted(k.agent.nodes)[1]
     marker = uuid.uuid4().hex
     k.apply(k.pod("survivor", py("import time\nprint('up', flush=True)\ntime.sleep(1000)"), policy="Always",
                   container={"env": [{"name": "TEST_MARKER", "value": marker}]},
                   nodeSelector={NODE_LABEL: k.agent.tag, "kubernetes.io/hostname": node}))
     old_ip = k.wait_phase("survivor", ("Running",))["status"]["podIP"]
-    wait_for(lambda: pids_with_env_marker(marker), 30, "the container process")
+    wait_until(lambda: pids_with_env_marker(marker), 30, "the container process")
     lease = lambda: json.loads(control_plane.kubectl(
         "get", "lease", node, "-n", "kube-node-lease", "-o", "json").stdout)["spec"]["renewTime"]
 
     control = Path(k.agent.state_dir) / "control" / f"lose-{node}"
     control.touch()  # what `python -m rljob_localcluster.agent lose-node` does
-    wait_for(lambda: k.agent.nodes[node].lost, 10, "the agent to lose the node")
-    wait_for(lambda: not pids_with_env_marker(marker), 10, "the node's processes to die")
+    wait_until(lambda: k.agent.nodes[node].lost, 10, "the agent to lose the node")
+    wait_until(lambda: not pids_with_env_marker(marker), 10, "the node's processes to die")
     frozen = lease()
     time.sleep(2.5)  # 2.5 heartbeat periods
     assert lease() == frozen
@@ -417,17 +396,17 @@ def test_node_loss_and_return(k, control_plane):  # noqa: F811
     allocator = k.agent.nodes[node].allocator
     assert allocator.allocate("another-pod", prefer=old_ip) == old_ip  # its address is taken meanwhile
     control.unlink()
-    wait_for(lambda: not k.agent.nodes[node].lost, 10, "the node to come back")
-    wait_for(lambda: lease() != frozen, 10, "lease renewals to resume")
+    wait_until(lambda: not k.agent.nodes[node].lost, 10, "the node to come back")
+    wait_until(lambda: lease() != frozen, 10, "lease renewals to resume")
 
     def restarted():
         st = (k.get("pod", "survivor")["status"].get("containerStatuses") or [{}])[0]
         return st.get("restartCount") == 1 and "running" in st.get("state", {}) and st
 
-    st = wait_for(restarted, 30, "the container to restart after the node returned")
+    st = wait_until(restarted, 30, "the container to restart after the node returned")
     assert st["lastState"]["terminated"]["reason"] == "ContainerStatusUnknown"
     assert st["lastState"]["terminated"]["exitCode"] == 137
-    wait_for(lambda: pids_with_env_marker(marker), 30, "the restarted process")
+    wait_until(lambda: pids_with_env_marker(marker), 30, "the restarted process")
     status = k.get("pod", "survivor")["status"]
     assert status["podIP"] != old_ip and status["podIPs"] == [{"ip": status["podIP"]}]
     allocator.release("another-pod")

@@ -24,22 +24,13 @@ from procutil import pids_with_env_marker
 from rljob_localcluster.agent.network import Bridge, PodSandboxNet
 from rljob_localcluster.agent.process import ContainerProcess, LaunchSpec
 from rljob_localcluster.agent.volumes import Mount, image_mounts
+from waiting import wait_until
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2 (namespaces, bridges)"
 )
 
 IMAGE_ENV = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin", "PYTHONUNBUFFERED": "1"}
-
-
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.fixture
@@ -87,9 +78,9 @@ def test_pod_network_namespace_with_real_mount_path(tmp_path, bridge):
             except OSError:
                 return None
 
-        reply = wait_for(connect, 15, "the pod's server")
+        reply = wait_until(connect, 15, "the pod's server")
         assert reply == '{"k": 1}|pod-a|2'  # PID 2: the shim's init is PID 1
-        assert wait_for(lambda: proc.poll() is not None, 10, "exit") and proc.poll() == 0
+        assert wait_until(lambda: proc.poll() is not None, 10, "exit") and proc.poll() == 0
         assert log.read_text() == "served 10.251.0.1\n"  # the host came in through the bridge
         assert os.listdir(target) == []  # the bind mount never reached the host
         assert socket.gethostname() != "pod-a"
@@ -101,18 +92,18 @@ def test_pod_network_namespace_with_real_mount_path(tmp_path, bridge):
 
 def test_exit_codes_and_start_errors(tmp_path):
     proc, _ = launch(tmp_path / "a", "import sys; sys.exit(3)")
-    wait_for(lambda: proc.poll() is not None, 10, "exit")
+    wait_until(lambda: proc.poll() is not None, 10, "exit")
     assert proc.poll() == 3 and proc.start_error() is None
 
     spec = LaunchSpec(argv=["no-such-binary-rljob"], env=IMAGE_ENV)
     proc = ContainerProcess(spec, tmp_path / "b" / "run", tmp_path / "b.log")
-    wait_for(lambda: proc.poll() is not None, 10, "exit")
+    wait_until(lambda: proc.poll() is not None, 10, "exit")
     assert proc.poll() == 128
     assert proc.start_error() == 'exec: "no-such-binary-rljob": executable file not found in $PATH'
 
     spec = LaunchSpec(argv=["true"], env=IMAGE_ENV, cwd="/no/such/dir")
     proc = ContainerProcess(spec, tmp_path / "c" / "run", tmp_path / "c.log")
-    wait_for(lambda: proc.poll() is not None, 10, "exit")
+    wait_until(lambda: proc.poll() is not None, 10, "exit")
     assert proc.poll() == 128
     assert proc.start_error() == 'chdir to working dir "/no/such/dir": no such file or directory'
 
@@ -130,19 +121,19 @@ def test_sigterm_reaches_main_process_and_the_tree_dies_with_it(tmp_path):
         "time.sleep(1000)\n"
     )
     proc, log = launch(tmp_path, code, env={key: value})
-    wait_for(lambda: "ready" in log.read_text(), 15, "the container to start")
+    wait_until(lambda: "ready" in log.read_text(), 15, "the container to start")
     assert len(pids_with_env_marker(marker)) == 3  # main + 2 children (the shim's env has no marker)
     proc.signal(signal.SIGTERM)
-    wait_for(lambda: proc.poll() is not None, 10, "exit")
+    wait_until(lambda: proc.poll() is not None, 10, "exit")
     assert proc.poll() == 7
     assert "got SIGTERM" in log.read_text()
-    wait_for(lambda: not pids_with_env_marker(marker), 5, "the orphaned children to be killed")
+    wait_until(lambda: not pids_with_env_marker(marker), 5, "the orphaned children to be killed")
 
 
 def test_kill_ends_a_process_that_ignores_sigterm(tmp_path):
     code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(1000)\n"
     proc, log = launch(tmp_path, code)
-    wait_for(lambda: "ready" in log.read_text(), 15, "the container to start")
+    wait_until(lambda: "ready" in log.read_text(), 15, "the container to start")
     proc.signal(signal.SIGTERM)
     time.sleep(0.5)
     assert proc.poll() is None
@@ -164,14 +155,14 @@ def test_volume_over_a_parent_of_the_state_dir_hides_no_later_source(tmp_path):
         code = "import os; print(sorted(os.listdir('/tmp')), open(os.environ['TARGET'] + '/config.json').read())"
         proc, log = launch(tmp_path, code, env={"TARGET": target},
                            mounts=[Mount(str(empty), "/tmp"), Mount(str(vol), target, read_only=True)])
-        wait_for(lambda: proc.poll() is not None, 15, "exit")
+        wait_until(lambda: proc.poll() is not None, 15, "exit")
         assert proc.poll() == 0, log.read_text()
         assert log.read_text() == "[] cfg\n"
         assert proc.start_error() is None
 
         spec = LaunchSpec(argv=["no-such-binary-rljob"], env=IMAGE_ENV, mounts=[Mount(str(empty), "/tmp")])
         failing = ContainerProcess(spec, tmp_path / "b" / "run", tmp_path / "b.log")
-        wait_for(lambda: failing.poll() is not None, 10, "exit")
+        wait_until(lambda: failing.poll() is not None, 10, "exit")
         assert failing.poll() == 128
         assert failing.start_error() == 'exec: "no-such-binary-rljob": executable file not found in $PATH'
     finally:
@@ -191,7 +182,7 @@ def test_image_under_a_volume_mount_point_stays_visible(tmp_path):
     code = ("import os, sys; sys.path.insert(0, os.environ['IMAGE'] + '/pkg'); import rljob_image_probe as m; "
             "print(m.VALUE, os.access(os.environ['IMAGE'], os.W_OK), sorted(os.listdir('/tmp')))")
     proc, log = launch(tmp_path, code, env={"IMAGE": str(image)}, mounts=mounts)
-    wait_for(lambda: proc.poll() is not None, 15, "exit")
+    wait_until(lambda: proc.poll() is not None, 15, "exit")
     assert proc.poll() == 0, log.read_text()
     top = str(tmp_path).split("/")[2]
     assert log.read_text() == f"42 False ['{top}']\n"
@@ -217,11 +208,11 @@ def test_host_hosts_file_rewrite_keeps_the_containers_hosts_mount(tmp_path):
     go = tmp_path / "go"
     proc, log = launch(tmp_path, code, env={"TARGET": str(host_hosts), "GO": str(go)},
                        mounts=[Mount(str(pod_hosts), str(host_hosts))])
-    wait_for(lambda: "ready" in log.read_text(), 15, "the container to start")
+    wait_until(lambda: "ready" in log.read_text(), 15, "the container to start")
     HostsManager("cluster.local", host_hosts, "test").set_records([DnsRecord("ns", "svc", "10.251.1.7")])
     assert "10.251.1.7" in host_hosts.read_text()
     go.touch()
-    wait_for(lambda: proc.poll() is not None, 10, "exit")
+    wait_until(lambda: proc.poll() is not None, 10, "exit")
     assert log.read_text() == "ready\n10.251.1.9 pod-a\n"  # still the pod's own file
 
 

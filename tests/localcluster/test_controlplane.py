@@ -16,51 +16,24 @@ import sys
 import time
 import urllib.error
 import urllib.request
-import uuid
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-try:
-    from rljob_localcluster import ControlPlane
-except ImportError:  # not installed (or installed before the package existed): use the checkout
-    sys.path.insert(0, str(REPO / "localcluster"))
-    for name in [m for m in sys.modules if m.startswith("rljob_localcluster")]:
-        del sys.modules[name]
-
 from rljob_localcluster import (
     ControlPlane,
     ControlPlaneError,
     pinned_versions,
     tools_bin_dir,
 )
+from rljob_localcluster.pids import pid_running
+from waiting import wait_until
 
-pytest_plugins = ["rljob_localcluster.pytest_plugin"]  # the session-scoped control_plane fixture
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.cluster,
     pytest.mark.skipif(os.environ.get("RLJOB_SKIP_CLUSTER") == "1", reason="RLJOB_SKIP_CLUSTER=1"),
 ]
-
-
-def wait_for(pred, timeout: float, interval: float = 0.5, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = pred()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
-
-
-@pytest.fixture
-def namespace(control_plane):
-    ns = f"t-{uuid.uuid4().hex[:8]}"
-    control_plane.kubectl("create", "namespace", ns)
-    yield ns
-    control_plane.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
 def kget(cp, *args) -> dict | None:
@@ -124,8 +97,8 @@ def test_garbage_collector_deletes_dependents(control_plane, namespace):
     assert dep["metadata"]["ownerReferences"][0]["uid"] == owner["metadata"]["uid"]
 
     cp.kubectl("delete", "configmap", "owner", "-n", namespace)  # background propagation
-    wait_for(lambda: kget(cp, "configmap", "dependent", "-n", namespace) is None, 60,
-             what="garbage collector to delete the dependent ConfigMap")
+    wait_until(lambda: kget(cp, "configmap", "dependent", "-n", namespace) is None, 60,
+               "garbage collector to delete the dependent ConfigMap")
 
 
 def test_foreground_deletion_waits_for_dependents(control_plane, namespace):
@@ -135,9 +108,9 @@ def test_foreground_deletion_waits_for_dependents(control_plane, namespace):
     cp.kubectl("apply", "-f", "-", input=_configmap("fg-dep", namespace, owner, block=True))
     cp.kubectl("delete", "configmap", "fg-owner", "-n", namespace, "--cascade=foreground",
                "--wait=false")
-    wait_for(lambda: kget(cp, "configmap", "fg-owner", "-n", namespace) is None
-             and kget(cp, "configmap", "fg-dep", "-n", namespace) is None, 60,
-             what="foreground deletion of owner and dependent")
+    wait_until(lambda: kget(cp, "configmap", "fg-owner", "-n", namespace) is None
+               and kget(cp, "configmap", "fg-dep", "-n", namespace) is None, 60,
+               "foreground deletion of owner and dependent")
 
 
 def _api(cp, method: str, path: str, token: str, body: dict | None = None) -> tuple[int, dict]:
@@ -182,8 +155,8 @@ def test_rbac_is_enforced_for_service_account_tokens(control_plane, namespace):
     cp.kubectl("create", "role", "cm-reader", "-n", namespace, "--verb=get,list", "--resource=configmaps")
     cp.kubectl("create", "rolebinding", "nobody-reads", "-n", namespace, "--role=cm-reader",
                f"--serviceaccount={namespace}:nobody")
-    wait_for(lambda: _api(cp, "GET", f"/api/v1/namespaces/{namespace}/configmaps", token)[0] == 200,
-             30, what="RoleBinding to take effect")
+    wait_until(lambda: _api(cp, "GET", f"/api/v1/namespaces/{namespace}/configmaps", token)[0] == 200,
+               30, "RoleBinding to take effect")
     code, _ = _api(cp, "GET", "/api/v1/namespaces/default/configmaps", token)
     assert code == 403, "a namespaced RoleBinding must not grant access to other namespaces"
     code, _ = _api(cp, "GET", "/api/v1/namespaces", "not-a-token")
@@ -193,10 +166,10 @@ def test_rbac_is_enforced_for_service_account_tokens(control_plane, namespace):
 def test_namespace_controllers_run(control_plane, namespace):
     cp = control_plane
     # service-account controller and root-CA publisher (kube-controller-manager)
-    wait_for(lambda: kget(cp, "serviceaccount", "default", "-n", namespace), 30,
-             what="default ServiceAccount")
-    ca = wait_for(lambda: kget(cp, "configmap", "kube-root-ca.crt", "-n", namespace), 30,
-                  what="kube-root-ca.crt ConfigMap")
+    wait_until(lambda: kget(cp, "serviceaccount", "default", "-n", namespace), 30,
+               "default ServiceAccount")
+    ca = wait_until(lambda: kget(cp, "configmap", "kube-root-ca.crt", "-n", namespace), 30,
+                    "kube-root-ca.crt ConfigMap")
     assert ca["data"]["ca.crt"] == Path(cp.ca_cert_path).read_text()
 
 
@@ -215,8 +188,8 @@ def _node(name: str, ready: str) -> str:
     })
 
 
-def test_node_controllers_and_scheduler(control_plane, namespace):
-    cp = control_plane
+def test_node_controllers_and_scheduler(control_plane, pod_namespace):
+    cp, namespace = control_plane, pod_namespace
     good, bad = f"node-{namespace}-a", f"node-{namespace}-b"
     try:
         for name, ready in ((good, "True"), (bad, "False")):
@@ -226,13 +199,13 @@ def test_node_controllers_and_scheduler(control_plane, namespace):
                        json.dumps({"status": json.loads(_node(name, ready))["status"]}))
 
         # node-ipam controller gives each node a pod CIDR
-        wait_for(lambda: (kget(cp, "node", good) or {}).get("spec", {}).get("podCIDR"), 30,
-                 what="podCIDR on the node")
+        wait_until(lambda: (kget(cp, "node", good) or {}).get("spec", {}).get("podCIDR"), 30,
+                   "podCIDR on the node")
         # node-lifecycle controller taints the NotReady node
         def tainted():
             taints = (kget(cp, "node", bad) or {}).get("spec", {}).get("taints") or []
             return any(t["key"] == "node.kubernetes.io/not-ready" for t in taints)
-        wait_for(tainted, 60, what="node-lifecycle controller's not-ready taint")
+        wait_until(tainted, 60, "node-lifecycle controller's not-ready taint")
 
         # the scheduler binds a GPU pod to the only Ready node with a GPU
         pod = {
@@ -241,11 +214,9 @@ def test_node_controllers_and_scheduler(control_plane, namespace):
             "spec": {"containers": [{"name": "c", "image": "none", "command": ["true"],
                                      "resources": {"limits": {"nvidia.com/gpu": "1"}}}]},
         }
-        wait_for(lambda: kget(cp, "serviceaccount", "default", "-n", namespace), 30,
-                 what="default ServiceAccount")
         cp.kubectl("create", "-f", "-", input=json.dumps(pod))
-        bound = wait_for(lambda: (kget(cp, "pod", "gpu-pod", "-n", namespace) or {})
-                         .get("spec", {}).get("nodeName"), 60, what="scheduler to bind the pod")
+        bound = wait_until(lambda: (kget(cp, "pod", "gpu-pod", "-n", namespace) or {})
+                           .get("spec", {}).get("nodeName"), 60, "scheduler to bind the pod")
         assert bound == good
     finally:
         cp.kubectl("delete", "pod", "gpu-pod", "-n", namespace, "--force", "--grace-period=0",
@@ -253,23 +224,14 @@ def test_node_controllers_and_scheduler(control_plane, namespace):
         cp.kubectl("delete", "node", good, bad, "--ignore-not-found", check=False)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def test_stop_terminates_its_processes_and_removes_data(tmp_path):
     cp = ControlPlane(tmp_path / "cp")
     with cp:
         pids = cp.pids
         assert set(pids) == {"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler"}
-        assert all(_alive(p) for p in pids.values())
+        assert all(pid_running(p) for p in pids.values())
         assert cp.kubectl("get", "ns", "default").returncode == 0
-    assert not any(_alive(p) for p in pids.values())
+    assert not any(pid_running(p) for p in pids.values())
     assert not (tmp_path / "cp").exists()
 
 
@@ -304,7 +266,7 @@ def test_cli_up_status_down(tmp_path):
         assert f"export KUBECONFIG={shlex.quote(str(d / 'kubeconfig'))}" in up.stdout
         st = json.loads(subprocess.run([*cli, "status", "--dir", str(d)], capture_output=True,
                                        text=True, env=env, check=True).stdout)
-        assert all(_alive(p) for p in st["pids"].values())
+        assert all(pid_running(p) for p in st["pids"].values())
         # the exported environment works for a plain shell
         out = subprocess.run(["bash", "-c", up.stdout + "\nkubectl get ns default -o name"],
                              capture_output=True, text=True, check=True)
@@ -317,8 +279,8 @@ def test_cli_up_status_down(tmp_path):
         down = subprocess.run([*cli, "down", "--dir", str(d)], capture_output=True, text=True,
                               env=env, timeout=120, check=False)
     assert down.returncode == 0, down.stderr
-    assert not any(_alive(p) for p in st["pids"].values())
-    assert not _alive(st["daemon_pid"])
+    assert not any(pid_running(p) for p in st["pids"].values())
+    assert not pid_running(st["daemon_pid"])
     assert not (d / "data").exists() and not (d / "kubeconfig").exists()
     assert subprocess.run([*cli, "status", "--dir", str(d)], env=env, capture_output=True,
                           check=False).returncode == 1

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -17,6 +16,7 @@ from rljob_trainer.rollout.backends.cpu import CpuBackend
 from rljob_trainer.rollout.tasks import build_task
 from rljob_trainer.rollout.worker import RolloutWorker
 from rljob_trainer.stream.connection import connect
+from waiting import wait_until  # noqa: F401 - re-exported for the rollout tests
 
 SMALL = {"layers": 1, "hiddenSize": 16, "heads": 2, "intermediateSize": 32, "maxPositionEmbeddings": 32}
 """A model small enough for tests that only need some weights."""
@@ -81,14 +81,3 @@ def running(worker: RolloutWorker) -> Iterator[dict]:
         worker.stop()
         thread.join(timeout=60)
         assert not thread.is_alive(), "the rollout worker did not stop within 60 s"
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail the test with ``what`` after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")

@@ -9,9 +9,8 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -20,6 +19,7 @@ from rljob_api.config import JobConfig, RedisConnection, resolve
 from rljob_api.spec import RLTrainingJobSpec
 from rljob_trainer.model import DigitTokenizer
 from rljob_trainer.stream.codec import Document, encode_document
+from waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = {"layers": 1, "hiddenSize": 16, "heads": 2, "intermediateSize": 32, "maxPositionEmbeddings": 32}
@@ -179,17 +179,6 @@ def _descendants(pid: int) -> list[int]:
             found += children
             todo += children
     return found
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str, on_fail: Callable[[], str] = lambda: "") -> Any:
-    """Poll ``predicate`` every 0.2 s until truthy; fail after ``timeout`` seconds naming ``what``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{on_fail()}")
 
 
 class WeightReceiver:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+from ..pids import pid_running
 from .apiproxy import TcpRelay
 from .dns import DnsRecord, records_from_endpoint_slices
 from .hosts import HostsManager
@@ -399,7 +400,7 @@ class Agent:
             previous = json.loads(self.record_path.read_text())
         except (OSError, ValueError):
             previous = None
-        if previous and previous.get("pid") != os.getpid() and _pid_alive(previous["pid"]):
+        if previous and previous.get("pid") != os.getpid() and pid_running(previous["pid"]):
             raise AgentError(f"another agent (pid {previous['pid']}) uses state dir {self.state_dir}")
         for record_file in (self.state_dir / "pods").glob("*/sandbox.json"):
             try:
@@ -420,13 +421,3 @@ class Agent:
                 HostsManager(self.config.cluster_domain, self.config.etc_hosts,
                              f"rljob-local-node-agent {self.state_dir}").restore()
         self.record_path.unlink(missing_ok=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
