@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rljob_trainer.stream import codec
 from rljob_trainer.stream.codec import (
     Document,
     DocumentTooLong,
@@ -268,3 +269,77 @@ def test_batch_decode_isolates_bad_values_to_their_entries():
 def test_encode_rejects_length_mismatch():
     with pytest.raises(ValueError, match=r"old_log_probabilities: expected shape \[3\]"):
         encode_document(Document(np.arange(3), np.zeros(2, np.float32)))
+
+
+def slow_path_variants() -> list[dict]:
+    """Entries outside the writer's layout, valid or not: the fast path must leave each to the full parser."""
+    return [
+        good(data=b'{"advantage": 1, "reward": 2, "loss_masking_spans": [[0, 2]]}'),  # JSON integers
+        {**good(), "chosen_span": b"[0, 1]"},  # unknown field (Fast-LLM's DPO fields)
+        {**good(data=b'{"reward": 1.0}'), "advantage": b"0.25"},  # a data key sent as a top-level field
+        good(tokens=b"[0, 1, 2, 3]"),  # PipelineRL's JSON-list tokens
+        good(data=b'{"advantage": 0.5, "reward": 1.0, "loss_masking_spans": [[true, 2]]}'),  # bool: bad span
+        good(data=b'{"advantage": true, "reward": 1.0}'),  # bool: bad advantage
+    ]
+
+
+def test_batch_decode_equals_decoding_each_entry_alone():
+    """The fast path for the writer's layout and the chunked value checks change no outcome: every entry of a
+    mixed batch (valid, valid in other layouts, every malformed kind) decodes as it does alone."""
+    spaced = good(data=b' {"advantage": 0.5, "reward": 1.0} \n')
+    entries = [wire(m) for m in [good(), spaced, *slow_path_variants(), *(m[1] for m in MALFORMED), good()]]
+    results = decode_entries(entries, require_metrics_fields=True, max_tokens=None)
+    assert len(results) == len(entries)
+    for fields, result in zip(entries, results, strict=True):
+        try:
+            alone = decode_entry(fields, require_metrics_fields=True, max_tokens=None)
+        except MalformedEntry as error:
+            assert isinstance(result, MalformedEntry), fields
+            assert (result.kind, result.reason) == (error.kind, error.reason)
+        else:
+            assert isinstance(result, Document), (fields, result)
+            assert_same(alone, result)
+    assert sum(isinstance(r, Document) for r in results) == 3 + 4
+
+
+def test_writer_layout_takes_the_fast_path_and_other_layouts_the_parser():
+    """Guards the hot path: what encode_document writes (including raw tokens whose first byte is ``[``) never
+    falls back to the full parser; every other layout does."""
+    bracket = good(tokens=np.array([91, 1, 2, 3]).tobytes())
+    entries = [wire(m) for m in [good(), bracket, good(model_version=None, data=b'{"advantage": 0.5}')]]
+    entries += [wire(m) for m in slow_path_variants()]
+    results: list = [None] * len(entries)
+    codec._decode_common_layout(entries, results, False, None, True, None)
+    assert [isinstance(r, Document) for r in results] == [True] * 3 + [False] * len(slow_path_variants())
+    assert results[1].tokens.tolist() == [91, 1, 2, 3] and results[2].model_version is None
+
+
+def test_raw_bytes_that_start_and_end_like_a_json_list_are_still_binary():
+    tokens = np.array([91, 0x5D << 56], dtype=np.int64)  # first byte '[', last byte ']'
+    message = good(tokens=tokens.tobytes(), old_log_probabilities=np.zeros(2, np.float32).tobytes(), model_version=None)
+    message["data"] = b'{"advantage": 1.0}'
+    assert decode(message).tokens.tolist() == [91, 0x5D << 56]
+
+
+def test_value_checks_run_per_chunk_and_flag_only_the_bad_entries():
+    """More tokens than one vectorised check covers: bad values in the first and in a later chunk are found,
+    and only those entries are rejected."""
+    length = 512
+    count = 2 * codec._CHECK_CHUNK_TOKENS // length + 3
+    docs = [Document(np.arange(length), np.full(length, -0.5, np.float32), advantage=0.5) for _ in range(count)]
+    messages = [encode_document(doc) for doc in docs]
+    messages[3]["old_log_probabilities"] = np.where(np.arange(length) == 7, np.nan, -0.5).astype("<f4").tobytes()
+    messages[count - 2]["tokens"] = np.where(np.arange(length) == 9, -4, np.arange(length)).tobytes()
+    results = decode_entries([wire(m) for m in messages], require_metrics_fields=False, max_tokens=None)
+    bad = {i: r for i, r in enumerate(results) if not isinstance(r, Document)}
+    assert sorted(bad) == [3, count - 2]
+    assert bad[3].kind == "non_finite" and "old_log_probabilities[7]" in bad[3].reason
+    assert bad[count - 2].kind == "bad_value" and "negative id (-4)" in bad[count - 2].reason
+    assert results[count - 1].tokens.tolist() == list(range(length))
+
+
+def test_json_nested_too_deeply_is_bad_json_not_a_crash():
+    deep = b'{"advantage": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(MalformedEntry) as caught:
+        decode(good(data=deep))
+    assert caught.value.kind == MalformedKind.BAD_JSON and "nested too deeply" in caught.value.reason

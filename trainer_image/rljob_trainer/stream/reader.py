@@ -235,7 +235,7 @@ class StreamReader:
         response = self.client.xreadgroup(
             self.keys.group, self.consumer, {self.keys.stream: ">"}, count=count, block=block_ms
         )
-        return [(_str(entry_id), fields) for entry_id, fields in response[0][1]] if response else []
+        return [(entry_id.decode(), fields) for entry_id, fields in response[0][1]] if response else []  # bytes client
 
     def _accept(self, entries: list[Entry]) -> list[tuple[str, Document]]:
         """Decode a batch of entries: return the valid ones, dead-letter or drop (and ack) the rest.
