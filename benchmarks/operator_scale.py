@@ -12,6 +12,8 @@ Phases and figures:
    Pods carrying the ``rljob.dev/job-name`` label timestamps each child; the latency of a job is from just
    before its create request to the moment its last expected child is seen (seconds; the expected children
    come from :func:`rljob_operator.render.static_children`, so the benchmark follows the renderer). p50/p95.
+   Also the operator's writes the API server refused (409 Conflict: a status written from a stale view) per new
+   job, from the audit log; target zero (phase 4 counts them for running jobs too).
 2. Once every job is Suspended and the operator has been quiet for a few seconds: ``--idle-minutes`` of
    idleness. Every write (POST/PUT/PATCH/DELETE) the operator's identity makes in the jobs' namespace is
    counted from the audit log (kopf's finalizer and annotation patches and Events included), divided by jobs
@@ -24,7 +26,8 @@ Phases and figures:
 
 Operator memory: VmRSS of its process from /proc (MB = 10^6 bytes), with no jobs, the highest during the
 idle window, and the kernel's peak (VmHWM) of each operator process. Operator CPU while idle: utime + stime
-over the window (% of one core). Targets: p50 < 1 s, p95 < 3 s, zero writes per idle job, RSS < 250 MB.
+over the window (% of one core). Targets: p50 < 1 s, p95 < 3 s, zero writes per idle job, zero refused writes
+per new job, RSS < 250 MB.
 
     python benchmarks/operator_scale.py --quick        # 20 jobs, 30 s idle, operator idle interval 10 s
     python benchmarks/operator_scale.py                # 200 jobs, 2 idle minutes
@@ -492,6 +495,13 @@ def table(figures: list[Figure]) -> str:
     return "\n".join(lines + [f.row() for f in figures])
 
 
+def refused_figure(kind: str, writes: list[Write], jobs: int) -> Figure:
+    """Writes the API server refused (409 Conflict and other non-2xx answers) per new job of ``kind``; target 0."""
+    refused = [w for w in writes if w.code >= 300]
+    return Figure(f"refused operator writes per new {kind} job", len(refused) / jobs, "", TARGET_IDLE_WRITES,
+                  f"{len(refused)} of {len(writes)} writes ({breakdown(refused)})")
+
+
 def percentiles(name: str, values: list[float], what: str) -> list[Figure]:
     p50, p95 = np.percentile(values, [50, 95])
     return [Figure(f"{name} p50", float(p50), "s", TARGET_P50_S, what),
@@ -575,6 +585,7 @@ def run(opts: Options, workdir: Path, figures: list[Figure]) -> None:
         figures += [
             Figure("operator writes per suspended job while creating", len(creation_writes) / opts.jobs, "",
                    note=breakdown(creation_writes)),
+            refused_figure("suspended", creation_writes, opts.jobs),
             Figure("operator writes per idle job per minute", len(idle_writes) / opts.jobs / minutes, "",
                    TARGET_IDLE_WRITES,
                    f"{len(idle_writes)} writes in {minutes:.1f} min ({breakdown(idle_writes)}); "
@@ -595,7 +606,7 @@ def run(opts: Options, workdir: Path, figures: list[Figure]) -> None:
             peak_first = first.peak_mb
             restart_at = time.time()
             operator = OperatorProcess(operator_kubeconfig, workdir / "operator.log", opts.idle_interval_s)
-            # kopf's resume handler runs one pass per job at start; then the writes it caused trail off
+            # each job's daemon runs one pass at start; then the writes it caused trail off
             wait_for(lambda: operator.passes() >= opts.jobs, f"{opts.jobs} passes after the restart", 60 + opts.jobs)
             quiet = wait_quiet(audit, IDLE_NS, 120 + opts.jobs, since=time.time())
             restart_writes = window(audit.writes(), restart_at, quiet + 1, IDLE_NS)
@@ -609,12 +620,15 @@ def run(opts: Options, workdir: Path, figures: list[Figure]) -> None:
         if opts.active_jobs:
             log(f"creating {opts.active_jobs} running tiny jobs")
             active = [tiny_job(f"tiny-{i}") for i in range(opts.active_jobs)]
+            t_active = time.time()
             started = create_jobs(custom, ACTIVE_NS, active)
             lat = latencies(watch, ACTIVE_NS, active, started, {"Pod"}, timeout_s=180)
             roles = expected_children(ACTIVE_NS, active[0])
             pods = ", ".join(f"{n} {role}" for (kind, role), n in sorted(roles.items()) if kind == "Pod")
             figures += percentiles("running tiny job: create → every pod", lat, f"pods per job: {pods}")
             time.sleep(5)
+            figures.append(refused_figure("running", window(audit.writes(), t_active - 1, time.time(), ACTIVE_NS),
+                                          opts.active_jobs))
 
         operator.rss_mb()
         figures += [

@@ -5,7 +5,8 @@ Rules (JobSet's BlockingRecreate, Kubernetes Job's backoffLimit, suspend and dea
 - The trainer gang of attempt k is created whole; every pod carries ``rljob.dev/attempt=k`` and the same
   config hash. torchrun runs with a fixed node count, so no rank trains with a partial world.
 - Any trainer pod of attempt k that fails, is evicted or preempted, is lost with its node (phase Unknown),
-  is deleted, or runs an outdated config (the spec changed) ends attempt k: the lifecycle is saved first
+  is deleted, or runs an outdated config (a spec field the trainer reads changed, see :class:`ConfigHashes`) ends
+  attempt k: the lifecycle is saved first
   (attempt k+1, restarts + 1), then every pod of attempt k is deleted, and attempt k+1 is created only once
   no pod of an older attempt is left, so attempts never mix.
 - ``failedAttempts`` counts only failures and deletions; evictions, preemptions, node loss and spec changes
@@ -19,7 +20,8 @@ Rules (JobSet's BlockingRecreate, Kubernetes Job's backoffLimit, suspend and dea
 - Finished jobs: pods are cleaned per ``cleanPodPolicy``; the job is deleted ``ttlSecondsAfterFinished``
   after ``completionTime``.
 - Rollout pods are reconciled apart: a missing one is created, a failed or outdated one deleted (and
-  recreated on the next pass); nothing about them ever touches the gang.
+  recreated on the next pass), one above ``spec.rollout.replicas`` deleted; nothing about them ever touches the
+  gang, and a change of rollout-only fields (replicas, image, resources, sampling ...) leaves the attempt running.
 """
 
 from __future__ import annotations
@@ -84,6 +86,26 @@ class Lifecycle:
 
 
 @dataclass(frozen=True)
+class ConfigHashes:
+    """The config hashes current pods carry (from :mod:`rljob_operator.render`).
+
+    ``config``: of the whole resolved config (label ``rljob.dev/config-hash``); ``trainer`` and ``rollout``: of the
+    part each role reads (label ``rljob.dev/role-config-hash``, :func:`rljob_operator.render.role_config_hash`).
+    """
+
+    config: str
+    trainer: str
+    rollout: str
+
+    def outdated(self, pod: PodView) -> bool:
+        """Whether ``pod`` runs a config its role would now read differently. Pods without the role label (made
+        by an operator before it existed) are compared by the whole config's hash."""
+        if pod.role_config_hash is None:
+            return pod.config_hash != self.config
+        return pod.role_config_hash != (self.trainer if pod.role == "trainer" else self.rollout)
+
+
+@dataclass(frozen=True)
 class Plan:
     """What one reconcile pass does, in this order.
 
@@ -121,7 +143,7 @@ class _Observed:
 
 
 def plan(
-    job: str, spec: RLTrainingJobSpec, previous: Lifecycle, pods: Iterable[PodView], config_hash: str,
+    job: str, spec: RLTrainingJobSpec, previous: Lifecycle, pods: Iterable[PodView], hashes: ConfigHashes,
     now: datetime,
 ) -> Plan:
     """Decide one reconcile pass of a valid job (see the module docstring for the rules).
@@ -131,7 +153,7 @@ def plan(
         spec: the validated spec.
         previous: the saved lifecycle (:meth:`Lifecycle.from_status`).
         pods: every trainer and rollout pod of the job (other roles are ignored).
-        config_hash: hash of the config the pods must run (:meth:`rljob_api.config.JobConfig.config_hash`).
+        hashes: the config hashes of pods made now; a pod that differs in its role's hash is outdated.
         now: the current time (timezone-aware).
     """
     pods = list(pods)
@@ -146,7 +168,7 @@ def plan(
         return _finished(spec, previous, obs, now)
     if spec.run_policy.suspend:
         return _suspend(previous, obs)
-    return _active(job, spec, previous, obs, config_hash, now)
+    return _active(job, spec, previous, obs, hashes, now)
 
 
 def _finished(spec: RLTrainingJobSpec, lc: Lifecycle, obs: _Observed, now: datetime) -> Plan:
@@ -185,7 +207,7 @@ def _suspend(lc: Lifecycle, obs: _Observed) -> Plan:
 
 
 def _active(
-    job: str, spec: RLTrainingJobSpec, lc: Lifecycle, obs: _Observed, config_hash: str, now: datetime
+    job: str, spec: RLTrainingJobSpec, lc: Lifecycle, obs: _Observed, hashes: ConfigHashes, now: datetime
 ) -> Plan:
     rp = spec.run_policy
     if lc.start_time is None:
@@ -204,7 +226,7 @@ def _active(
             return Plan(failed, delete=_cleanup(rp.clean_pod_policy, [*obs.trainers, *obs.rollouts]))
         requeue = left
 
-    delete_rollouts, create_rollouts = _rollouts(spec, obs.rollouts, config_hash)
+    delete_rollouts, create_rollouts = _rollouts(spec, obs.rollouts, hashes)
     delete_old = _names(p for p in obs.old if not p.deleting)
     pod0 = obs.current.get(0)
     if pod0 is not None and pod0.phase == "Succeeded":
@@ -217,7 +239,7 @@ def _active(
         )
         return Plan(done, delete=_cleanup(rp.clean_pod_policy, [*obs.trainers, *obs.rollouts]))
 
-    failures = _failures(job, spec, lc, obs.current, config_hash)
+    failures = _failures(job, spec, lc, obs.current, hashes)
     if failures:
         return _restart_or_fail(spec, lc, obs, failures, delete_rollouts, create_rollouts, requeue, now)
 
@@ -262,7 +284,7 @@ def _active(
 
 
 def _failures(
-    job: str, spec: RLTrainingJobSpec, lc: Lifecycle, current: dict[int, PodView], config_hash: str
+    job: str, spec: RLTrainingJobSpec, lc: Lifecycle, current: dict[int, PodView], hashes: ConfigHashes
 ) -> list[_Failure]:
     """Why attempt ``lc.attempt`` cannot go on (empty: it can)."""
     failures = []
@@ -276,8 +298,9 @@ def _failures(
         elif p.deleting and p.phase != "Succeeded":
             reason = Reason.POD_EVICTED if p.disrupted else Reason.POD_DELETED
             failures.append(_Failure(p.name, reason, "was deleted", counted=not p.disrupted))
-        elif p.config_hash != config_hash:
-            failures.append(_Failure(p.name, Reason.CONFIG_CHANGED, "runs an outdated config (the spec changed)",
+        elif hashes.outdated(p):
+            failures.append(_Failure(p.name, Reason.CONFIG_CHANGED,
+                                     "runs an outdated config (a spec field the trainer reads changed)",
                                      counted=False))
     if lc.gang_created:
         for index in range(spec.trainer.nodes):
@@ -316,13 +339,13 @@ def _restart_or_fail(spec, lc, obs, failures, delete_rollouts, create_rollouts, 
     return Plan(restarted, delete=teardown + delete_rollouts, create_rollouts=create_rollouts, requeue_after=requeue)
 
 
-def _rollouts(spec: RLTrainingJobSpec, rollouts: Sequence[PodView], config_hash: str):
+def _rollouts(spec: RLTrainingJobSpec, rollouts: Sequence[PodView], hashes: ConfigHashes):
     """(pods to delete, indices to create): replicas 0..R-1 exist, run the current config and have not failed."""
     replicas = spec.rollout.replicas
     by_index = {p.index: p for p in rollouts}
     delete = _names(
         p for p in rollouts
-        if not p.deleting and (p.index >= replicas or p.phase in ("Failed", "Unknown") or p.config_hash != config_hash)
+        if not p.deleting and (p.index >= replicas or p.phase in ("Failed", "Unknown") or hashes.outdated(p))
     )
     create = tuple(i for i in range(replicas) if i not in by_index)
     return delete, create

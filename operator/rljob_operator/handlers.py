@@ -2,10 +2,15 @@
 
 - indices ``pods_by_job`` and ``redis_by_job``: child pods and the managed Redis Deployment, keyed by
   (namespace, job-name label), kept current by kopf's watch streams (no API calls per pass);
-- ``on.create`` / ``on.update`` / ``on.resume`` of a job: one pass at once;
-- a daemon per job: a pass every few seconds (``--active-interval``; ``--idle-interval`` for suspended,
-  finished or invalid jobs, or sooner when a deadline or TTL fires), or at once when one of its child pods
-  or its Redis Deployment changes (``on.event`` of the children wakes it);
+- a daemon per job, the only place passes run (so one writer per job): a pass every few seconds
+  (``--active-interval``; ``--idle-interval`` for suspended, finished or invalid jobs, or sooner when a deadline
+  or TTL fires), or at once when woken. On a new job it applies the static children (ConfigMap, Services, Redis)
+  at once but writes nothing to the job until kopf has put its finalizer on it, so kopf's finalizer patch and the
+  first status write never race (the loser would be refused with a 409);
+- ``on.event`` of a job wakes its daemon when the spec (generation), the labels or kopf's finalizer changed — not
+  on the daemon's own status writes. No ``on.create``/``on.update`` handler: kopf would patch its own
+  bookkeeping annotations after each, racing the daemon's status write;
+- ``on.event`` of a child pod or of the Redis Deployment wakes the job's daemon;
 - deletion needs no handler: every child has an owner reference, so the garbage collector removes them.
 """
 
@@ -20,13 +25,16 @@ from rljob_api import constants as c
 from rljob_api import names
 
 from rljob_operator import observe
-from rljob_operator.apply import ApiError, kopf_error
-from rljob_operator.reconcile import JobRuntime, StaleStatus, reconcile
+from rljob_operator.apply import ApiError
+from rljob_operator.reconcile import JobRuntime, StaleStatus, reconcile, release_redis
+from rljob_operator.settings import FINALIZER
 
 JOBS = (c.GROUP, c.VERSION, c.PLURAL)
 CHILDREN = {c.LABEL_JOB_NAME: kopf.PRESENT}
 REDIS = {c.LABEL_JOB_NAME: kopf.PRESENT, c.LABEL_ROLE: c.Role.REDIS.value}
 ERROR_BACKOFF_S = (1, 2, 5, 10, 30, 60)
+FINALIZER_WAIT_S = 10.0
+"""How long a new job's first pass waits for kopf's finalizer before it runs anyway (seconds)."""
 
 
 def _key(namespace: str, job: str) -> tuple[str, str]:
@@ -67,31 +75,32 @@ async def _sleep(runtime: JobRuntime, stopped: kopf.DaemonStopped, closing: asyn
     runtime.wake.clear()
 
 
-async def _pass(body: kopf.Body, memo: kopf.Memo, pods_by_job: kopf.Index, redis_by_job: kopf.Index) -> float:
+async def _pass(body: kopf.Body, memo: kopf.Memo, pods_by_job: kopf.Index, redis_by_job: kopf.Index,
+                children_only: bool = False) -> float:
     key = _key(body["metadata"]["namespace"], body["metadata"]["name"])
     runtime: JobRuntime = memo["jobs"].setdefault(key, JobRuntime())
     redis: Optional[observe.DeploymentView] = next(iter(redis_by_job.get(key, [])), None)
     async with runtime.lock:
         with memo["metrics"].reconcile_duration.time():
-            return await reconcile(body, list(pods_by_job.get(key, [])), redis, runtime, memo["context"])
+            return await reconcile(body, list(pods_by_job.get(key, [])), redis, runtime, memo["context"],
+                                   children_only=children_only)
 
 
-@kopf.on.create(*JOBS)
-@kopf.on.update(*JOBS)
-@kopf.on.resume(*JOBS)
-async def job_changed(body: kopf.Body, memo: kopf.Memo, pods_by_job: kopf.Index, redis_by_job: kopf.Index,
-                      **_: Any) -> None:
-    """The spec or labels changed (or the operator started): one pass now. An invalid spec is reported in
-    the Valid condition by the pass itself and is not retried until the spec changes again."""
-    try:
-        await _pass(body, memo, pods_by_job, redis_by_job)
-    except StaleStatus:  # the daemon already moved the job on: let it take the next pass on the fresh object
-        runtime = memo["jobs"].get(_key(body["metadata"]["namespace"], body["metadata"]["name"]))
-        if runtime is not None:
-            runtime.wake.set()
-    except ApiError as err:
-        memo["metrics"].reconcile_errors.labels(kind=f"http{err.status}").inc()
-        raise kopf_error(err) from err
+def pass_inputs(body: kopf.Body) -> tuple:
+    """What of the job's metadata a pass depends on: generation (the spec), labels (copied to pods) and whether
+    kopf's finalizer is on it (a new job's first pass waits for it). Its status is the operator's own."""
+    meta = body.get("metadata") or {}
+    labels = tuple(sorted((meta.get("labels") or {}).items()))
+    return meta.get("generation"), labels, FINALIZER in (meta.get("finalizers") or ())
+
+
+@kopf.on.event(*JOBS)
+def job_changed(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """The job changed: wake its daemon when the change is one a pass depends on (:func:`pass_inputs`). An
+    invalid spec is reported in the Valid condition by the pass and is not retried until the spec changes."""
+    runtime = memo["jobs"].get(_key(namespace, name))
+    if runtime is not None and runtime.seen != pass_inputs(body):
+        runtime.wake.set()
 
 
 @kopf.daemon(*JOBS, cancellation_backoff=10.0, cancellation_timeout=5.0)
@@ -102,12 +111,26 @@ async def gang_loop(body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Mem
     runtime: JobRuntime = memo["jobs"].setdefault(key, JobRuntime())
     failures = 0
     runtime.looping = True
+    waiting_since, prepared = asyncio.get_running_loop().time(), False
     try:
         while not stopped and not memo["closing"].is_set():
+            runtime.seen = pass_inputs(body)
+            waited = asyncio.get_running_loop().time() - waiting_since
+            if not runtime.seen[2] and waited < FINALIZER_WAIT_S:  # a new job: kopf is adding its finalizer
+                if not prepared:
+                    prepared = True
+                    try:
+                        await _pass(body, memo, pods_by_job, redis_by_job, children_only=True)
+                    except Exception as err:  # the full pass applies them again and reports the error
+                        logger.debug("applying the children early failed: %s", err)
+                await _sleep(runtime, stopped, memo["closing"], FINALIZER_WAIT_S - waited)
+                continue
+            runtime.wake.clear()  # what woke it so far is seen by this pass
             try:
                 delay = await _pass(body, memo, pods_by_job, redis_by_job)
                 failures = 0
-            except StaleStatus:
+            except StaleStatus:  # refused with 409: the job changed meanwhile; the next pass reads it fresh
+                memo["metrics"].reconcile_errors.labels(kind="StaleStatus").inc()
                 delay = 0.5
             except Exception as err:  # keep the loop alive; the error is counted and logged
                 if stopped or memo["closing"].is_set():
@@ -124,4 +147,5 @@ async def gang_loop(body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Mem
         # The runtime (its lock above all) outlives a pause or a restart of this loop; not the job's deletion.
         if stopped.reason is not None and kopf.DaemonStoppingReason.RESOURCE_DELETED in stopped.reason:
             memo["jobs"].pop(key, None)
-        await asyncio.shield(runtime.close())
+        meta = body["metadata"]
+        await asyncio.shield(release_redis(runtime, memo["context"], meta["namespace"], meta["name"]))

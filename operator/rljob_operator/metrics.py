@@ -4,7 +4,9 @@
   (a custom collector, so the number is never stale; ``phase="Unknown"`` for jobs without a status yet);
 - ``rljob_operator_gang_restarts_total``: trainer gang restarts decided by this process;
 - ``rljob_operator_reconcile_duration_seconds``: wall time of one reconcile pass (seconds);
-- ``rljob_operator_reconcile_errors_total{kind}``: passes that ended in an error, by exception class.
+- ``rljob_operator_reconcile_errors_total{kind}``: passes that ended in an error, by exception class
+  (``httpNNN`` for a refused API call; ``StaleStatus`` for a status write refused with 409 because the job changed
+  since the pass read it).
 """
 
 from __future__ import annotations

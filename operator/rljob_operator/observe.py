@@ -1,7 +1,7 @@
 """Pure: raw Pod and Deployment objects → the small frozen views the gang logic and status read.
 
 These views are what the operator's kopf indices hold (one per child pod, keyed by job), so they carry only
-what decisions need: role, index, attempt, config hash, phase, why a pod failed, whether it was disrupted
+what decisions need: role, index, attempt, config hashes, phase, why a pod failed, whether it was disrupted
 (eviction, preemption, node loss; not counted against backoffLimit) and why it cannot be scheduled.
 """
 
@@ -24,6 +24,8 @@ class PodView:
     ``disrupted``: a DisruptionTarget condition or a platform reason (:data:`DISRUPTION_REASONS`) — the
     platform, not the workload, ended it. ``failure``: what ended a Failed pod, for messages.
     ``unschedulable``: the scheduler's message while PodScheduled is False with reason Unschedulable.
+    ``config_hash`` / ``role_config_hash``: the pod's ``rljob.dev/config-hash`` and ``rljob.dev/role-config-hash``
+    labels (None when absent; pods made by operators before the role label have only the first).
     """
 
     name: str
@@ -40,6 +42,7 @@ class PodView:
     uid: str = ""
     owner_uid: str = ""
     """uid of the controller owner (the RLTrainingJob); another uid means a deleted job of the same name."""
+    role_config_hash: Optional[str] = None
 
     @property
     def terminal(self) -> bool:
@@ -84,6 +87,7 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         index=_int(labels.get(c.LABEL_REPLICA_INDEX)) or 0,
         attempt=_int(labels.get(c.LABEL_ATTEMPT)),
         config_hash=labels.get(c.LABEL_CONFIG_HASH),
+        role_config_hash=labels.get(c.LABEL_ROLE_CONFIG_HASH),
         phase=status.get("phase") or "Pending",
         ready=ready,
         deleting=bool(meta.get("deletionTimestamp")),

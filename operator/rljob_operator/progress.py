@@ -3,7 +3,8 @@
 Trainer global rank 0 writes the hash ``{prefix}progress`` after each step (``step``, ``documents_seen``,
 ``model_version``, ``tokens_per_second``, ``metrics`` as a JSON object); rollout workers add to
 ``{prefix}rollout`` (``reward_sum:{v}`` and ``reward_count:{v}`` per weights version v). The operator reports
-the newest version's mean as ``status.rolloutReward``.
+the newest version's mean as ``status.rolloutReward``, and the ``all_rewards_failed`` field (present while a
+worker's last batch had no sample whose reward function returned) as RolloutReady=False/AllRewardsFailed.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ class Progress:
     """Trainer and rollout progress; None where not reported yet.
 
     ``documents_seen`` and ``model_version`` are in documents; ``rollout_reward`` is the mean raw reward of the
-    documents generated with weights version ``rollout_model_version``.
+    documents generated with weights version ``rollout_model_version``. ``rewards_failure``: what to tell the user
+    while the rollout hash holds ``all_rewards_failed`` (None when it does not).
     """
 
     step: Optional[int] = None
@@ -36,6 +38,7 @@ class Progress:
     metrics: dict[str, float] = field(default_factory=dict)
     rollout_reward: Optional[float] = None
     rollout_model_version: Optional[int] = None
+    rewards_failure: Optional[str] = None
 
     def status_fields(self) -> dict[str, Any]:
         """The status fields this progress sets (snake_case names of :class:`RLTrainingJobStatus`)."""
@@ -100,6 +103,31 @@ def parse(progress: Mapping[Any, Any], rollout: Mapping[Any, Any]) -> Progress:
         metrics=metrics,
         rollout_reward=reward,
         rollout_model_version=version,
+        rewards_failure=rewards_failure(rollout.get(c.ROLLOUT_ALL_REWARDS_FAILED)),
+    )
+
+
+def rewards_failure(raw: Any) -> Optional[str]:
+    """The message of RolloutReady=False/AllRewardsFailed from the rollout hash's ``all_rewards_failed`` field
+    (JSON {version, samples, errors: {exception class: count}, message}, written by the rollout worker), or None
+    when the field is absent. Unreadable details still give a message, never an error."""
+    text = _text(raw)
+    if text is None:
+        return None
+    try:
+        info = json.loads(text)
+    except json.JSONDecodeError:
+        info = None
+    info = info if isinstance(info, dict) else {}
+    samples, version, errors = info.get("samples"), info.get("version"), info.get("errors")
+    counted = {str(kind): n for kind, n in errors.items() if isinstance(n, int)} if isinstance(errors, dict) else {}
+    kinds = ", ".join(f"{kind} ×{n}" for kind, n in sorted(counted.items(), key=lambda kv: (-kv[1], kv[0])))
+    which = f"every one of the {samples} samples" if isinstance(samples, int) and samples > 0 else "every sample"
+    batch = f" (weights version {version})" if isinstance(version, int) else ""
+    return (
+        f"{which} of a rollout worker's last batch{batch} failed its reward function: {kinds or 'error kind unknown'}; "
+        "no document reaches the trainer until rewards succeed again: fix spec.rollout.task (rewardFunction, "
+        "datasetPath) or the reward code; the rollout pods' logs hold the tracebacks"
     )
 
 
@@ -132,19 +160,25 @@ async def fetch(client: aioredis.Redis, keys: RedisKeys) -> Progress:
     return parse(progress, rollout)
 
 
-def connect(connection: RedisConnection, password: Optional[str], *, timeout: float = 3.0) -> aioredis.Redis:
-    """An asyncio Redis client for ``connection`` (nothing is sent until the first command).
+def connect(connection: RedisConnection, password: Optional[str], *, timeout: float = 3.0,
+            max_connections: int = 4) -> aioredis.Redis:
+    """An asyncio Redis client for ``connection`` (nothing is sent until the first command), safe to share
+    between jobs: at most ``max_connections`` connections, a read waits up to ``timeout`` seconds for a free one
+    (redis.ConnectionError after that), so the connections to one Redis do not grow with the number of jobs.
 
     No retries (redis-py's default retries for seconds): a failed read is reported at once and the operator
     simply reads again on its next pass, so one unreachable Redis never holds up a reconcile pass.
     """
-    return aioredis.Redis(
+    pool = aioredis.BlockingConnectionPool(
+        max_connections=max_connections,
+        timeout=timeout,
+        connection_class=aioredis.SSLConnection if connection.tls else aioredis.Connection,
         host=connection.host,
         port=connection.port,
         db=connection.db,
         password=password,
-        ssl=connection.tls,
         socket_timeout=timeout,
         socket_connect_timeout=timeout,
         retry=Retry(NoBackoff(), 0),
     )
+    return aioredis.Redis.from_pool(pool)

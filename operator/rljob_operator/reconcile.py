@@ -12,8 +12,11 @@ module only sequences their results with the API calls of :mod:`.apply`:
 4. save the status (merge patch with a resourceVersion precondition: a stale view is refused, not written)
    and post Events for transitions; then delete and create pods, and save again if a gang was created.
 
-Per-job state that lives only in this process (locks, what was applied, Redis clients) is a
-:class:`JobRuntime` held in kopf's ``memo``.
+Per-job state that lives only in this process (locks, what was applied and written, the Redis client held) is a
+:class:`JobRuntime` held in kopf's ``memo``. A pass that starts before the watch has delivered this process's
+own last status write reads the job as written (:meth:`JobRuntime.catch_up`), so it is not refused as stale.
+Redis clients are shared by the jobs that use the same Redis (:mod:`.redis_clients`); a job holds one only while
+it is active.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from rljob_api.validation import SpecProblem, check_spec, data_parallel_size
 from rljob_operator import gang, progress, render, status
 from rljob_operator.apply import ApiError, KubeApi, adopt
 from rljob_operator.observe import DeploymentView, PodView, controller_uid, pod_view
+from rljob_operator.redis_clients import RedisClients
 
 #: How long a pod this process created counts as present before the watch reports it (seconds).
 CREATED_GRACE_S = 30.0
@@ -62,15 +66,35 @@ class JobRuntime:
     created: dict[str, tuple[float, PodView]] = field(default_factory=dict)
     deleted: dict[str, str] = field(default_factory=dict)
     redis: Optional[aioredis.Redis] = None
+    """The shared client this job holds (:class:`~rljob_operator.redis_clients.RedisClients`), while active."""
     redis_identity: Optional[tuple] = None
     redis_health: status.RedisHealth = status.RedisHealth(None, "not checked yet")
     looping: bool = False
     """True while the job's daemon loop runs (the operator's cleanup waits for it)."""
+    seen: Optional[tuple] = None
+    """What the job's metadata said at the last pass (see ``handlers``): a watch event that changes it wakes the
+    daemon, this process's own status writes do not."""
+    written: Optional[tuple[frozenset[str], str, dict[str, Any]]] = None
+    """(resourceVersions this process's status writes replaced, the resourceVersion and status they left), until
+    the watch shows the job at or past that write."""
 
-    async def close(self) -> None:
-        if self.redis is not None:
-            await self.redis.aclose()
-            self.redis = None
+    def catch_up(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``body``, or — when it predates this process's last status write — ``body`` with that write's status
+        and resourceVersion. A status write carries a resourceVersion precondition, so nothing else changed the
+        job between the replaced version and the written one: the result is the job as the API server holds it."""
+        if self.written is None:
+            return body
+        replaced, version, stored = self.written
+        meta = body.get("metadata") or {}
+        if meta.get("resourceVersion") not in replaced:
+            self.written = None  # the watch caught up, or the job moved on since
+            return body
+        return {**body, "metadata": {**meta, "resourceVersion": version}, "status": stored}
+
+    def remember_write(self, before: Optional[str], updated: Mapping[str, Any]) -> None:
+        """Record a status write that moved the job from resourceVersion ``before`` to ``updated``."""
+        replaced = self.written[0] if self.written is not None else frozenset()
+        self.written = (replaced | {before}, updated["metadata"]["resourceVersion"], dict(updated.get("status") or {}))
 
 
 @dataclass
@@ -79,6 +103,7 @@ class Context:
 
     api: KubeApi
     post_event: Callable[[Mapping[str, Any], status.Event], None]
+    redis_clients: RedisClients = field(default_factory=RedisClients)
     on_restart: Callable[[int], None] = lambda n: None
     active_interval_s: float = 5.0
     idle_interval_s: float = 60.0
@@ -150,8 +175,13 @@ async def reconcile(
     redis_deployment: Optional[DeploymentView],
     runtime: JobRuntime,
     ctx: Context,
+    *,
+    children_only: bool = False,
 ) -> float:
     """Run one pass for the job ``body`` (see the module docstring). Returns seconds until the next pass.
+
+    ``children_only``: stop once the static children are applied, before any write to the job itself (a new job's
+    first pass while kopf is still adding its finalizer: a status write now would race kopf's patch).
 
     Raises:
         StaleStatus: the status write was refused because the job changed meanwhile.
@@ -159,7 +189,7 @@ async def reconcile(
     """
     # A snapshot: a kopf daemon's body is a live view that follows the watch during the pass, and a status computed
     # from the old object must be written with the old resourceVersion (refused as stale), never with a newer one.
-    body = dict(body)
+    body = runtime.catch_up(dict(body))
     meta = body["metadata"]
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
     previous = RLTrainingJobStatus.model_validate(body.get("status") or {})
@@ -174,6 +204,8 @@ async def reconcile(
         job = render.Job(name, namespace, spec, dict(meta.get("labels") or {}))
         config = render.job_config(job)
         leftovers = foreign_children(meta.get("uid"), pods, redis_deployment)
+        if leftovers and children_only:
+            return 0.0
         if leftovers:  # a deleted job of the same name: its children go first (the garbage collector removes them)
             waiting = replace(before, phase=Phase.PENDING, reason=c.Reason.TEARING_DOWN, message=(
                 f"waiting for {len(leftovers)} children of an earlier RLTrainingJob named {name} to be deleted: "
@@ -183,7 +215,7 @@ async def reconcile(
                 data_parallel_size=data_parallel_size(spec), redis=runtime.redis_health, pods=[],
                 nodes=spec.trainer.nodes, replicas=spec.rollout.replicas, progress=None, now=now,
             )
-            await _save(body, previous, new, ctx)
+            await _save(body, previous, new, runtime, ctx)
             return min(ctx.active_interval_s, 1.0)
         try:
             await _apply_static(job, config, body, runtime, ctx)
@@ -191,6 +223,8 @@ async def reconcile(
             if err.status not in (400, 422):
                 raise
             runtime.rejected = (generation, err.message)
+    if children_only:
+        return 0.0
     if runtime.rejected:
         problems = [*problems, SpecProblem("spec", f"the API server refused a child object: {runtime.rejected[1]}")]
     if spec is None or problems:
@@ -203,10 +237,11 @@ async def reconcile(
             previous, generation=generation, lifecycle=invalid, problems=problems, data_parallel_size=None,
             redis=runtime.redis_health, pods=pods, nodes=0, replicas=0, progress=None, now=now,
         )
-        await _save(body, previous, new, ctx)
+        await _save(body, previous, new, runtime, ctx)
+        await release_redis(runtime, ctx, namespace, name)
         return ctx.idle_interval_s
 
-    plan = gang.plan(name, spec, before, pods, config.config_hash(), now)
+    plan = gang.plan(name, spec, before, pods, render.config_hashes(config), now)
     redis_health = _redis_health(spec, redis_deployment, runtime)
     fetched = None
     if ctx.read_progress and (before.phase not in status.IDLE_PHASES or plan.lifecycle.phase != before.phase):
@@ -217,7 +252,7 @@ async def reconcile(
         nodes=spec.trainer.nodes, replicas=spec.rollout.replicas, progress=fetched, now=now,
     )
     new = status.build_status(previous, lifecycle=plan.lifecycle, pods=pods, **common)
-    resource_version = await _save(body, previous, new, ctx)
+    resource_version = await _save(body, previous, new, runtime, ctx)
     if plan.lifecycle.restarts > before.restarts:
         ctx.on_restart(plan.lifecycle.restarts - before.restarts)
 
@@ -225,6 +260,8 @@ async def reconcile(
     for pod in plan.delete:
         if await ctx.api.delete("v1", "Pod", namespace, pod, uid=uids.get(pod) or None):
             runtime.deleted[pod] = uids.get(pod, "")
+    if plan.lifecycle.phase in status.IDLE_PHASES:
+        await release_redis(runtime, ctx, namespace, name)
     if plan.delete_job:
         await ctx.api.delete(c.API_VERSION, c.KIND, namespace, name, uid=meta.get("uid"))
         return ctx.idle_interval_s
@@ -241,7 +278,7 @@ async def reconcile(
     if plan.after_create is not None:
         pods = observed_pods(indexed_pods, runtime, time.monotonic())
         after = status.build_status(new, lifecycle=plan.after_create, pods=pods, **{**common, "progress": None})
-        await _save(body, new, after, ctx, resource_version)
+        await _save(body, new, after, runtime, ctx, resource_version)
     if plan.lifecycle.phase in status.IDLE_PHASES:
         return min(ctx.idle_interval_s, plan.requeue_after if plan.requeue_after is not None else float("inf"))
     return min(ctx.active_interval_s, plan.requeue_after if plan.requeue_after is not None else float("inf"))
@@ -282,8 +319,8 @@ async def _create_pod(manifest: dict[str, Any], owner: Mapping[str, Any], runtim
         raise ApiError(409, "Conflict", f"pod {meta['name']} of another job of the same name still exists", "create pod")
 
 
-async def _save(body: Mapping[str, Any], previous: RLTrainingJobStatus, new: RLTrainingJobStatus, ctx: Context,
-                resource_version: Optional[str] = None) -> Optional[str]:
+async def _save(body: Mapping[str, Any], previous: RLTrainingJobStatus, new: RLTrainingJobStatus,
+                runtime: JobRuntime, ctx: Context, resource_version: Optional[str] = None) -> Optional[str]:
     """Write ``new`` if it differs from what is stored (the body's status, or ``previous`` once this pass
     wrote it: ``resource_version`` given); post an Event per transition. Returns the resourceVersion."""
     stored = status.to_json(previous) if resource_version else (body.get("status") or {})
@@ -298,6 +335,7 @@ async def _save(body: Mapping[str, Any], previous: RLTrainingJobStatus, new: RLT
         if err.status == 409:
             raise StaleStatus(str(err)) from err
         raise
+    runtime.remember_write(resource_version, updated)
     for event in status.transition_events(previous, new):
         ctx.post_event(body, event)
     return updated["metadata"]["resourceVersion"]
@@ -318,22 +356,28 @@ async def _read_progress(job: render.Job, config, runtime: JobRuntime, ctx: Cont
         return None
     ref = render.redis_password_ref(job)
     identity = (config.redis.host, config.redis.port, config.redis.db, config.redis.tls, ref)
+    holder = (job.namespace, job.name)
     if runtime.redis is None or runtime.redis_identity != identity:
         try:  # the Secret is read when connecting, not on every pass
             password = await ctx.api.secret_value(job.namespace, ref.name, ref.key) if ref else None
         except ApiError as err:
             runtime.redis_health = status.RedisHealth(False, f"cannot read the Redis password Secret: {err.message}")
             return None
-        await runtime.close()
-        runtime.redis = progress.connect(config.redis, password)
+        runtime.redis = await ctx.redis_clients.acquire(holder, config.redis, password)
         runtime.redis_identity = identity
     try:
         result = await progress.fetch(runtime.redis, config.keys)
     except (aioredis.RedisError, OSError) as err:
-        await runtime.close()  # reconnect (and re-read the password) on the next pass
+        await release_redis(runtime, ctx, *holder)  # reconnect (and re-read the password) on the next pass
         runtime.redis_health = status.RedisHealth(
             False, f"cannot reach Redis at {config.redis.host}:{config.redis.port}: {err}"
         )
         return None
     runtime.redis_health = status.RedisHealth(True, f"reached Redis at {config.redis.host}:{config.redis.port}")
     return result
+
+
+async def release_redis(runtime: JobRuntime, ctx: Context, namespace: str, name: str) -> None:
+    """The job stops holding its shared Redis client (closed when no other job holds it)."""
+    runtime.redis, runtime.redis_identity = None, None
+    await ctx.redis_clients.release((namespace, name))

@@ -13,11 +13,15 @@ Children of a job ``J`` in namespace ``N`` (names from :mod:`rljob_api.names`, a
 - rollout pods ``J-rollout-<i>``: ``python -m rljob_trainer.rollout``.
 
 ``runPolicy`` is left out of the config (it is the operator's business, and changing it must not change the
-config hash, which would restart the gang).
+config hash). Pods are replaced only when the part of the config their role reads changes
+(:func:`role_config_hash`): a change of rollout-only fields (``spec.rollout.replicas``, image, resources, ...)
+scales or replaces rollout pods and never restarts the trainer gang.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import posixpath
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
@@ -26,7 +30,9 @@ from urllib.parse import urlsplit
 from rljob_api import constants as c
 from rljob_api import names
 from rljob_api.config import JobConfig, RedisConnection, resolve
-from rljob_api.spec import RLTrainingJobSpec, RunPolicySpec, SecretKeyRef
+from rljob_api.spec import RLTrainingJobSpec, RolloutSpec, RunPolicySpec, SecretKeyRef
+
+from rljob_operator.gang import ConfigHashes
 
 REDIS_PASSWORD_KEY = "password"
 """Key of the generated password in the managed Redis Secret."""
@@ -42,6 +48,22 @@ TRAINER_PORTS = (
     ("weights", c.PORT_WEIGHTS),
     ("metrics", c.PORT_METRICS),
 )
+
+TRAINER_READS_FROM_ROLLOUT = ("sampling.temperature", "task.name")
+"""Fields of ``spec.rollout`` (snake_case paths) that trainer processes read: they score tokens at the sampling
+temperature (DESIGN §2 "Token alignment"), and the tiny model's alphabet follows the task name
+(``rljob_trainer.model.build_tokenizer``). A change of either restarts the gang."""
+ROLLOUT_ONLY_FIELDS = (
+    "image", "backend", "replicas", "gpus_per_replica", "resources", "node_selector", "tolerations",
+    "prompts_per_batch", "samples_per_prompt", "max_lag", "sampling.top_p", "sampling.max_new_tokens",
+    "task.dataset_path", "task.reward_function", "task.digits", "advantage", "filter_zero_variance", "seed",
+)
+"""Fields (or whole sections) of ``spec.rollout`` that no trainer process reads: left out of the trainer pods'
+:func:`role_config_hash`. Every rollout field is in exactly one of the two lists (tests check it), so a new field
+restarts the gang until someone classifies it."""
+ROLLOUT_POD_IGNORES = ("replicas",)
+"""Fields of ``spec.rollout`` left out of the rollout pods' :func:`role_config_hash`: a kept replica runs the same
+whatever the replica count (a worker checks only that its index is below it, and pods above it are deleted)."""
 
 _CONFIG_VOLUME = "config"
 _SHM_VOLUME = "dshm"
@@ -86,6 +108,35 @@ def job_config(job: Job) -> JobConfig:
     """
     spec = job.spec.model_copy(update={"run_policy": RunPolicySpec()})
     return resolve(job.name, job.namespace, spec, redis_connection(job))
+
+
+def role_config_hash(config: JobConfig, role: c.Role) -> str:
+    """Short sha256 (16 hex digits) of the part of ``config`` that pods of ``role`` read: the config with the
+    ``spec.rollout`` fields of :data:`ROLLOUT_ONLY_FIELDS` (trainer) or :data:`ROLLOUT_POD_IGNORES` (rollout) reset
+    to their defaults. The value of the :data:`~rljob_api.constants.LABEL_ROLE_CONFIG_HASH` label.
+
+    Raises:
+        ValueError: ``role`` has no pods (Redis, config).
+    """
+    ignored = {c.Role.TRAINER: ROLLOUT_ONLY_FIELDS, c.Role.ROLLOUT: ROLLOUT_POD_IGNORES}.get(role)
+    if ignored is None:
+        raise ValueError(f"role {role.value!r} has no pods that read the config")
+    view = config.model_dump(mode="json")
+    defaults = RolloutSpec().model_dump(mode="json")
+    for path in ignored:
+        *parents, leaf = path.split(".")
+        section, default = view["spec"]["rollout"], defaults
+        for part in parents:
+            section, default = section[part], default[part]
+        section[leaf] = default[leaf]
+    text = json.dumps(view, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def config_hashes(config: JobConfig) -> ConfigHashes:
+    """The hashes pods rendered from ``config`` carry: the whole config's and each role's (:func:`role_config_hash`)."""
+    return ConfigHashes(config.config_hash(), role_config_hash(config, c.Role.TRAINER),
+                        role_config_hash(config, c.Role.ROLLOUT))
 
 
 def labels(job: Job, role: c.Role) -> dict[str, str]:
@@ -283,6 +334,7 @@ def _pod(job, config, name, role, index, container, node_selector, tolerations, 
          *, checkpoints: bool) -> dict[str, Any]:
     pod_labels = {
         c.LABEL_CONFIG_HASH: config.config_hash(),
+        c.LABEL_ROLE_CONFIG_HASH: role_config_hash(config, role),
         c.LABEL_REPLICA_INDEX: str(index),
         **extra_labels,
     }

@@ -116,7 +116,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
 @kopf.on.cleanup()
 async def close(memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     """Let the per-job loops finish their pass and exit (kopf runs cleanup before it stops daemons), then
-    stop the metrics endpoint and close the API client."""
+    close the shared Redis clients, stop the metrics endpoint and close the API client."""
     if "closing" in memo:
         memo["closing"].set()
     jobs = memo.get("jobs", {})
@@ -125,6 +125,8 @@ async def close(memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
         await asyncio.sleep(0.05)
     if any(runtime.looping for runtime in jobs.values()):
         logger.warning("job loops still running after %s s; closing anyway", CLOSE_TIMEOUT_S)
+    if "context" in memo:
+        await memo["context"].redis_clients.close()
     if "metrics" in memo:
         memo["metrics"].stop()
     if "api" in memo:

@@ -8,7 +8,11 @@ Valid                   False: the spec has a problem only code can find (the me
                         children are created until it is fixed. NotSupported: a valid request for something
                         not implemented yet (tensor/pipeline parallelism, the fast-llm backend).
 RedisReady              managed: the Redis Deployment has a ready replica; external: the operator reached it.
-RolloutReady            every rollout pod is ready; Unschedulable names pods the scheduler cannot place.
+                        Until this process has probed Redis itself (after a restart), the saved condition stays.
+RolloutReady            every rollout pod is ready; Unschedulable names pods the scheduler cannot place;
+                        AllRewardsFailed: every sample of a worker's last batch failed its reward function (the
+                        rollout hash's ``all_rewards_failed``), so nothing reaches the trainer; cleared when a
+                        batch scores again.
 TrainerReady            every trainer pod of the current attempt is running; Unschedulable names pods the
                         scheduler cannot place (scheduled ranks wait in rendezvous; not a failure).
 Running                 the whole gang runs (phase Running).
@@ -60,7 +64,8 @@ class Event:
 @dataclass(frozen=True)
 class _Cond:
     status: str
-    reason: Reason
+    reason: str
+    """A :class:`Reason`, or a saved condition's reason kept as it was."""
     message: str
 
 
@@ -89,11 +94,14 @@ def _pods_condition(role: str, pods: Sequence[PodView], wanted: int, ready_when)
 
 
 def _conditions(lc: Lifecycle, valid: _Cond, redis: RedisHealth, trainers: Sequence[PodView],
-                rollouts: Sequence[PodView], nodes: int, replicas: int) -> dict[ConditionType, _Cond]:
+                rollouts: Sequence[PodView], nodes: int, replicas: int, rewards_failure: Optional[str],
+                saved_redis: Optional[Condition]) -> dict[ConditionType, _Cond]:
     idle = lc.phase in IDLE_PHASES
     idle_cond = _Cond("False", lc.reason, lc.message)
     conds = {ConditionType.VALID: valid}
-    if redis.ready is None:
+    if redis.ready is None and saved_redis is not None:  # not probed by this process yet: keep what was known
+        conds[ConditionType.REDIS_READY] = _Cond(saved_redis.status, saved_redis.reason, saved_redis.message)
+    elif redis.ready is None:
         conds[ConditionType.REDIS_READY] = _Cond("Unknown", Reason.REDIS_UNAVAILABLE, redis.message)
     else:
         conds[ConditionType.REDIS_READY] = _Cond(
@@ -105,9 +113,14 @@ def _conditions(lc: Lifecycle, valid: _Cond, redis: RedisHealth, trainers: Seque
     conds[ConditionType.TRAINER_READY] = idle_cond if idle else _pods_condition(
         "trainer", current, nodes, lambda p: p.phase == "Running"
     )
-    conds[ConditionType.ROLLOUT_READY] = idle_cond if idle else _pods_condition(
-        "rollout", [p for p in rollouts if not p.deleting], replicas, lambda p: p.phase == "Running" and p.ready
-    )
+    if idle:
+        conds[ConditionType.ROLLOUT_READY] = idle_cond
+    elif rewards_failure:
+        conds[ConditionType.ROLLOUT_READY] = _Cond("False", Reason.ALL_REWARDS_FAILED, rewards_failure)
+    else:
+        conds[ConditionType.ROLLOUT_READY] = _pods_condition(
+            "rollout", [p for p in rollouts if not p.deleting], replicas, lambda p: p.phase == "Running" and p.ready
+        )
     running = lc.phase == Phase.RUNNING
     conds[ConditionType.RUNNING] = _Cond("True" if running else "False", lc.reason, lc.message)
     for phase, ctype in ((Phase.RESTARTING, ConditionType.RESTARTING), (Phase.SUSPENDED, ConditionType.SUSPENDED),
@@ -133,8 +146,17 @@ def build_status(
 ) -> RLTrainingJobStatus:
     """The new status. Conditions keep their lastTransitionTime while their status is unchanged; conditions
     that were True once stay listed (False with the current phase's reason) once they no longer hold.
-    Progress fields keep their old values when ``progress`` is None (Redis not read this pass)."""
+    Progress fields, and RolloutReady=False/AllRewardsFailed, keep their old values when ``progress`` is None
+    (Redis not read this pass); RedisReady keeps its saved value while ``redis.ready`` is None (not probed yet)."""
     pods = list(pods)
+    old = {cond.type: cond for cond in previous.conditions}
+    rollout_ready = old.get(ConditionType.ROLLOUT_READY)
+    if progress is not None:
+        rewards_failure = progress.rewards_failure
+    elif rollout_ready is not None and rollout_ready.reason == Reason.ALL_REWARDS_FAILED.value:
+        rewards_failure = rollout_ready.message
+    else:
+        rewards_failure = None
     fresh = _conditions(
         lifecycle,
         valid_condition(problems),
@@ -143,8 +165,9 @@ def build_status(
         [p for p in pods if p.role == "rollout"],
         nodes,
         replicas,
+        rewards_failure,
+        old.get(ConditionType.REDIS_READY),
     )
-    old = {cond.type: cond for cond in previous.conditions}
     conditions = []
     for ctype in ORDER:
         new = fresh.get(ctype)
@@ -161,7 +184,7 @@ def build_status(
             Condition(
                 type=ctype,
                 status=new.status,
-                reason=new.reason.value,
+                reason=getattr(new.reason, "value", new.reason),
                 message=new.message,
                 last_transition_time=now if changed else before.last_transition_time,
                 observed_generation=generation,
@@ -235,7 +258,7 @@ def transition_events(previous: RLTrainingJobStatus, new: RLTrainingJobStatus) -
         warning = (
             (cond.type in (ConditionType.FAILED, ConditionType.RESTARTING) and cond.status == "True")
             or (cond.type == ConditionType.VALID and cond.status == "False")
-            or cond.reason == Reason.UNSCHEDULABLE
+            or cond.reason in (Reason.UNSCHEDULABLE, Reason.ALL_REWARDS_FAILED)
         )
         events.append(Event("Warning" if warning else "Normal", cond.reason, f"{cond.type.value}={cond.status}: "
                             f"{cond.message}"))

@@ -24,10 +24,12 @@ def make_job(name: str = "demo", namespace: str = "ns", labels: dict | None = No
 
 
 def trainer(index: int, attempt: int, phase: str = "Running", config_hash: str = "h1", **kw: Any) -> PodView:
+    kw.setdefault("uid", f"t{index}-{attempt}")
     return PodView(name=f"demo-trainer-{index}", role="trainer", index=index, attempt=attempt,
-                   config_hash=config_hash, phase=phase, uid=f"t{index}-{attempt}", **kw)
+                   config_hash=config_hash, phase=phase, **kw)
 
 
 def rollout(index: int, phase: str = "Running", config_hash: str = "h1", **kw: Any) -> PodView:
+    kw.setdefault("uid", f"r{index}")
     return PodView(name=f"demo-rollout-{index}", role="rollout", index=index, attempt=None,
-                   config_hash=config_hash, phase=phase, ready=phase == "Running", uid=f"r{index}", **kw)
+                   config_hash=config_hash, phase=phase, ready=phase == "Running", **kw)

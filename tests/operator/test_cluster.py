@@ -325,8 +325,9 @@ def test_progress_hashes_reach_status_and_printer_columns(kube, operator, namesp
                                                "metrics": json.dumps({"train_samples_reward": 0.5})})
     client.hincrbyfloat(prefix + "rollout", "reward_sum:256", 6.0)
     client.hincrby(prefix + "rollout", "reward_count:256", 8)
-    status = wait_for(lambda: (s := kube.job(namespace, "prog").get("status") or {}).get("step") == 5 and s,
-                      "progress in status")
+    # the first pass writes the progress with phase Pending, then Starting once it has created the gang
+    status = wait_for(lambda: (s := kube.job(namespace, "prog").get("status") or {}).get("step") == 5
+                      and s.get("gangCreated") and s, "progress in status")
     assert (status["documentsSeen"], status["modelVersion"], status["rolloutReward"]) == (320, 320, 0.75)
     assert status["lastMetrics"] == {"train_samples_reward": 0.5}
     redis_ready = kube.condition(namespace, "prog", "RedisReady")
@@ -335,6 +336,61 @@ def test_progress_hashes_reach_status_and_printer_columns(kube, operator, namesp
     assert row[:6] == ["prog", "Starting", "2", "5", "320", "0.75"]
     client.hset(prefix + "progress", mapping={"step": 6})
     wait_for(lambda: kube.job(namespace, "prog")["status"].get("step") == 6, "the next step")
+
+    # a rollout worker's batch whose every reward failed: RolloutReady=False/AllRewardsFailed + a Warning Event
+    client.hset(prefix + "rollout", "all_rewards_failed", json.dumps(
+        {"version": 320, "samples": 8, "errors": {"ZeroDivisionError": 8}, "message": "..."}))
+    failed = wait_for(lambda: (r := kube.condition(namespace, "prog", "RolloutReady")).get("reason")
+                      == "AllRewardsFailed" and r, "RolloutReady=AllRewardsFailed")
+    assert failed["status"] == "False" and failed["message"].startswith(
+        "every one of the 8 samples of a rollout worker's last batch (weights version 320) failed its reward "
+        "function: ZeroDivisionError ×8;")
+    events = wait_for(lambda: [e for e in kube.json("get", "events", "-n", namespace)["items"]
+                               if e["reason"] == "AllRewardsFailed"], "an AllRewardsFailed Event")
+    assert events[0]["type"] == "Warning" and "ZeroDivisionError ×8" in events[0]["message"]
+    client.hdel(prefix + "rollout", "all_rewards_failed")  # the next batch scored
+    wait_for(lambda: kube.condition(namespace, "prog", "RolloutReady").get("reason") in ("Unschedulable", "PodsNotReady"),
+             "RolloutReady back to the pods' readiness (no node here: the rollout pod is unschedulable)")
+
+
+def stale_status_writes(proc: "OperatorProcess") -> float:
+    """Status writes the operator had refused with 409 so far (rljob_operator_reconcile_errors_total{kind=StaleStatus})."""
+    prefix = 'rljob_operator_reconcile_errors_total{kind="StaleStatus"}'
+    lines = [line for line in proc.get(proc.metrics, "/metrics").splitlines() if line.startswith(prefix)]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
+def test_rollout_changes_never_restart_the_trainer_gang_and_no_status_write_is_refused(kube, operator, namespace):
+    refused_before = stale_status_writes(operator)
+    kube.apply(job_manifest("scale"), namespace)
+
+    def live(role):
+        return {p["metadata"]["name"]: p for p in kube.pods(namespace, role) if not p["metadata"].get("deletionTimestamp")}
+
+    def trainer_identity():
+        return {n: (p["metadata"]["uid"], p["metadata"]["labels"]["rljob.dev/attempt"]) for n, p in live("trainer").items()}
+
+    wait_for(lambda: len(live("trainer")) == 2 and len(live("rollout")) == 1
+             and (kube.job(namespace, "scale").get("status") or {}).get("gangCreated"), "the gang and 1 rollout pod")
+    trainers = trainer_identity()
+    assert sorted(trainers) == ["scale-trainer-0", "scale-trainer-1"] and {a for _, a in trainers.values()} == {"0"}
+    rollout0 = live("rollout")["scale-rollout-0"]["metadata"]["uid"]
+    patch = ["patch", "rljob", "scale", "-n", namespace, "--type=merge", "-p"]
+
+    kube.run(*patch, json.dumps({"spec": {"rollout": {"replicas": 3}}}))
+    wait_for(lambda: sorted(live("rollout")) == ["scale-rollout-0", "scale-rollout-1", "scale-rollout-2"],
+             "3 rollout pods")
+    assert live("rollout")["scale-rollout-0"]["metadata"]["uid"] == rollout0  # scaling keeps the running replica
+    kube.run(*patch, json.dumps({"spec": {"rollout": {"replicas": 1, "image": "rollout:2", "samplesPerPrompt": 4}}}))
+    wait_for(lambda: list(live("rollout")) == ["scale-rollout-0"]
+             and live("rollout")["scale-rollout-0"]["spec"]["containers"][0]["image"] == "rollout:2",
+             "1 rollout pod with the new image")
+    time.sleep(3)  # three active intervals: a restart would have begun
+    assert trainer_identity() == trainers
+    status = kube.job(namespace, "scale")["status"]
+    assert (status["attempt"], status["restarts"], status["phase"]) == (0, 0, "Starting")
+    assert not [e for e in kube.json("get", "events", "-n", namespace)["items"] if e["reason"] == "ConfigChanged"]
+    assert stale_status_writes(operator) == refused_before
 
 
 def test_metrics_and_liveness_endpoints(kube, operator, namespace):

@@ -9,30 +9,41 @@ import pytest
 
 from rljob_api.constants import Phase, Reason
 
-from rljob_operator import gang
+from rljob_operator import gang, render
 from rljob_operator.observe import PodView
 
 from operator_helpers import T0, make_spec, rollout, trainer
 
 
 class Sim:
-    """Pods as the API server would hold them after the operator's actions (kubelet steps are explicit)."""
+    """Pods as the API server would hold them after the operator's actions (kubelet steps are explicit).
 
-    def __init__(self, spec, config_hash="h1"):
-        self.spec, self.config_hash, self.now = spec, config_hash, T0
+    The config hashes come from the renderer, for the spec of the moment (tests change ``sim.spec``)."""
+
+    def __init__(self, spec):
+        self.spec, self.now = spec, T0
         self.pods: dict[str, PodView] = {}
         self.lc = gang.Lifecycle()
         self.plans: list[gang.Plan] = []
+        self.created = 0
+
+    @property
+    def hashes(self) -> gang.ConfigHashes:
+        return render.config_hashes(render.job_config(render.Job("demo", "ns", self.spec)))
 
     def step(self) -> gang.Plan:
-        plan = gang.plan("demo", self.spec, self.lc, list(self.pods.values()), self.config_hash, self.now)
+        hashes = self.hashes
+        plan = gang.plan("demo", self.spec, self.lc, list(self.pods.values()), hashes, self.now)
         self.plans.append(plan)
         for name in plan.delete:
             self.pods[name] = replace(self.pods[name], deleting=True)
         for i in plan.create_trainers:
-            self.pods[f"demo-trainer-{i}"] = trainer(i, plan.lifecycle.attempt, "Pending", self.config_hash)
+            self.pods[f"demo-trainer-{i}"] = trainer(i, plan.lifecycle.attempt, "Pending", hashes.config,
+                                                     role_config_hash=hashes.trainer)
         for i in plan.create_rollouts:
-            self.pods[f"demo-rollout-{i}"] = rollout(i, "Pending", self.config_hash)
+            self.created += 1
+            self.pods[f"demo-rollout-{i}"] = rollout(i, "Pending", hashes.config, role_config_hash=hashes.rollout,
+                                                     uid=f"r{i}-{self.created}")
         self.lc = plan.after_create or plan.lifecycle
         return plan
 
@@ -156,13 +167,70 @@ def test_backoff_limit_zero_fails_on_the_first_failure_but_not_on_an_eviction():
     assert sim.step().lifecycle.phase == Phase.FAILED
 
 
-def test_spec_change_restarts_the_gang_without_counting_and_recreates_rollouts():
+@pytest.mark.parametrize("change", [
+    {"trainer": {"nodes": 2, "maxSteps": 7}},
+    {"trainer": {"nodes": 2}, "rollout": {"sampling": {"temperature": 0.7}}},  # the trainer scores at it
+    {"trainer": {"nodes": 2}, "rollout": {"task": {"name": "digits-reverse"}}},  # it picks the tiny alphabet
+])
+def test_a_change_the_trainer_reads_restarts_the_gang_without_counting_and_recreates_rollouts(change):
     sim = running_sim()
-    sim.config_hash = "h2"
+    sim.spec = make_spec(**change)
     plan = sim.step()
-    assert plan.lifecycle.reason == Reason.CONFIG_CHANGED
+    assert plan.lifecycle.reason == Reason.CONFIG_CHANGED and plan.lifecycle.phase == Phase.RESTARTING
     assert (plan.lifecycle.restarts, plan.lifecycle.failed_attempts) == (1, 0)
+    assert "a spec field the trainer reads changed" in plan.lifecycle.message
     assert "demo-rollout-0" in plan.delete
+
+
+def _trainer_pods(sim: Sim) -> dict[str, tuple[str, int, bool]]:
+    return {n: (p.uid, p.attempt, p.deleting) for n, p in sim.pods.items() if p.role == "trainer"}
+
+
+def test_rollout_only_changes_scale_or_replace_rollout_pods_and_never_restart_the_gang():
+    sim = running_sim(rollout={"replicas": 1})
+    trainers = _trainer_pods(sim)
+    kept = sim.pods["demo-rollout-0"]
+
+    sim.spec = make_spec(trainer={"nodes": 2}, rollout={"replicas": 3})  # scale up: the running replica stays
+    plan = sim.step()
+    assert (plan.create_rollouts, plan.delete, plan.create_trainers) == ((1, 2), (), ())
+    assert (plan.lifecycle.phase, plan.lifecycle.attempt, plan.lifecycle.restarts) == (Phase.RUNNING, 0, 0)
+    assert sim.pods["demo-rollout-0"] == kept
+    sim.kubelet_runs_everything()
+
+    # every other rollout-only field replaces the rollout pods, one by one as their hash changes, never the gang
+    sim.spec = make_spec(trainer={"nodes": 2}, rollout={
+        "replicas": 3, "image": "rollout:2", "samplesPerPrompt": 4, "maxLag": 64, "sampling": {"topP": 0.9},
+        "resources": {"requests": {"cpu": "2"}}, "advantage": {"normalizeStd": False}, "seed": 5,
+    })
+    plan = sim.step()
+    assert plan.delete == ("demo-rollout-0", "demo-rollout-1", "demo-rollout-2") and plan.create_trainers == ()
+    assert (plan.lifecycle.phase, plan.lifecycle.restarts) == (Phase.RUNNING, 0)
+    sim.kubelet_removes_deleted()
+    assert sim.step().create_rollouts == (0, 1, 2)
+    sim.kubelet_runs_everything()
+
+    sim.spec = make_spec(trainer={"nodes": 2}, rollout={"replicas": 1, "image": "rollout:2", "samplesPerPrompt": 4,
+                                                         "maxLag": 64, "sampling": {"topP": 0.9},
+                                                         "resources": {"requests": {"cpu": "2"}},
+                                                         "advantage": {"normalizeStd": False}, "seed": 5})
+    plan = sim.step()  # scale down: only the pods above the count go
+    assert plan.delete == ("demo-rollout-1", "demo-rollout-2") and plan.lifecycle.restarts == 0
+
+    assert _trainer_pods(sim) == trainers and sim.attempts() == [0]
+    assert all(not any(name.startswith("demo-trainer") for name in p.delete) for p in sim.plans)
+    assert sim.lc.phase == Phase.RUNNING and (sim.lc.restarts, sim.lc.attempt) == (0, 0)
+
+
+def test_pods_of_an_operator_without_role_hashes_are_compared_by_the_whole_config():
+    """An operator upgrade leaves running gangs alone (their pods carry only rljob.dev/config-hash)."""
+    sim = running_sim()
+    for name, pod in sim.pods.items():
+        sim.pods[name] = replace(pod, role_config_hash=None)
+    plan = sim.step()
+    assert plan.delete == () and plan.lifecycle.phase == Phase.RUNNING
+    sim.spec = make_spec(trainer={"nodes": 2}, rollout={"replicas": 2})
+    assert sim.step().lifecycle.reason == Reason.CONFIG_CHANGED  # their hash covers everything: restart once
 
 
 def test_rollout_pod_loss_recreates_it_and_never_touches_the_gang():

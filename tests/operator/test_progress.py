@@ -9,10 +9,12 @@ import pytest
 import redis
 
 from rljob_api.config import RedisConnection
+from rljob_api.constants import ConditionType, Phase, Reason
+from rljob_api.status import RLTrainingJobStatus
 
-from rljob_operator import progress, render
+from rljob_operator import gang, progress, render, status
 
-from operator_helpers import make_job
+from operator_helpers import T0, make_job, rollout, trainer
 
 
 def test_parse_reads_trainer_fields_and_the_newest_rollout_version():
@@ -64,3 +66,72 @@ def test_fetch_from_a_real_redis(redis_server):
         "step": 3, "documents_seen": 192, "model_version": 192, "rollout_reward": 0.625,
         "rollout_model_version": 128, "last_metrics": {"kl_new_old": 0.01},
     }
+
+
+def test_all_rewards_failed_becomes_a_warning_condition_and_clears_when_rewards_succeed(redis_server):
+    """The real rollout writer flags a batch whose every reward failed; the operator's read of the real Redis turns
+    it into RolloutReady=False/AllRewardsFailed with one Warning Event, keeps it while Redis is not read, and
+    clears it (one Normal Event) once a batch scores again."""
+    from collections import Counter
+
+    from rljob_trainer.rollout.writer import BatchReport, DocumentWriter
+
+    config = render.job_config(make_job(redis={"mode": "external", "url": redis_server.url}))
+    worker = DocumentWriter(redis_server.client(), config, 0)
+    client = progress.connect(RedisConnection(host=redis_server.host, port=redis_server.port), redis_server.password)
+    running = gang.Lifecycle(phase=Phase.RUNNING, gang_created=True, reason=Reason.TRAINING, message="runs")
+    pods = [trainer(0, 0), rollout(0)]
+
+    def build(previous, fetched):
+        return status.build_status(
+            previous, generation=1, lifecycle=running, problems=[], data_parallel_size=1,
+            redis=status.RedisHealth(True, "reached"), pods=pods, nodes=1, replicas=1, progress=fetched, now=T0,
+        )
+
+    async def fetch():
+        return await progress.fetch(client, config.keys)
+
+    async def go():
+        try:
+            worker.report(BatchReport(0, [1.0, 0.0], 2, Counter(), 0, 0, 0.1))
+            healthy = build(RLTrainingJobStatus(), await fetch())
+            worker.report(BatchReport(64, [], 16, Counter(ValueError=12, KeyError=4), 0, 0, 0.1))
+            failing = build(healthy, await fetch())
+            kept = build(failing, None)  # a pass that did not read Redis
+            worker.report(BatchReport(64, [0.5], 2, Counter(KeyError=1), 0, 0, 0.1))
+            recovered = build(kept, await fetch())
+        finally:
+            await client.aclose()
+        return healthy, failing, kept, recovered
+
+    healthy, failing, kept, recovered = asyncio.run(go())
+    ready = failing.condition(ConditionType.ROLLOUT_READY)
+    assert (ready.status, ready.reason) == ("False", "AllRewardsFailed")
+    assert ready.message.startswith(
+        "every one of the 16 samples of a rollout worker's last batch (weights version 64) failed its reward "
+        "function: ValueError ×12, KeyError ×4; no document reaches the trainer until rewards succeed again"
+    )
+    assert "spec.rollout.task" in ready.message
+    (event,) = status.transition_events(healthy, failing)
+    assert (event.type, event.reason) == ("Warning", "AllRewardsFailed")
+    assert event.message == f"RolloutReady=False: {ready.message}"
+    assert failing.phase == Phase.RUNNING  # the job keeps waiting for data; it is not failed
+
+    assert status.status_patch(status.to_json(failing), kept) is None and not status.transition_events(failing, kept)
+
+    cleared = recovered.condition(ConditionType.ROLLOUT_READY)
+    assert (cleared.status, cleared.reason, cleared.message) == ("True", "PodsReady", "1/1 rollout pods ready")
+    assert [(e.type, e.reason) for e in status.transition_events(kept, recovered)] == [("Normal", "PodsReady")]
+
+
+@pytest.mark.parametrize(("raw", "start"), [
+    ("{not json", "every sample of a rollout worker's last batch failed its reward function: error kind unknown;"),
+    (json.dumps({"samples": 0, "errors": {"E": "x"}}), "every sample of a rollout worker's last batch failed"),
+    (json.dumps({"samples": 3, "version": 7, "errors": {"B": 1, "A": 1, "C": 1}}),
+     "every one of the 3 samples of a rollout worker's last batch (weights version 7) failed its reward function: "
+     "A ×1, B ×1, C ×1;"),
+])
+def test_unreadable_failure_details_still_give_a_message(raw, start):
+    parsed = progress.parse({}, {"all_rewards_failed": raw})
+    assert parsed.rewards_failure.startswith(start)
+    assert progress.parse({}, {}).rewards_failure is None

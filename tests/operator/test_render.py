@@ -9,6 +9,7 @@ import pytest
 from rljob_api import constants as c
 from rljob_api import names
 from rljob_api.config import JobConfig
+from rljob_api.spec import ApiModel, RolloutSpec
 
 from rljob_operator import render
 from rljob_operator.apply import adopt
@@ -63,7 +64,7 @@ def test_trainer_pod_labels_env_ports_and_volumes():
     assert meta["labels"] == {
         c.LABEL_JOB_NAME: "demo", c.LABEL_ROLE: "trainer", "app.kubernetes.io/managed-by": "rljob-operator",
         c.LABEL_CONFIG_HASH: config.config_hash(), c.LABEL_REPLICA_INDEX: "1", c.LABEL_ATTEMPT: "3",
-        c.LABEL_KUEUE_QUEUE_NAME: "team-a",
+        c.LABEL_ROLE_CONFIG_HASH: render.role_config_hash(config, c.Role.TRAINER), c.LABEL_KUEUE_QUEUE_NAME: "team-a",
     }
     assert (spec["hostname"], spec["subdomain"], spec["restartPolicy"]) == ("demo-trainer-1", "demo-trainer", "Never")
     container = spec["containers"][0]
@@ -129,6 +130,70 @@ def test_run_policy_does_not_change_the_config_hash():
     b = render.job_config(make_job(runPolicy={"backoffLimit": 9, "suspend": True, "ttlSecondsAfterFinished": 5}))
     assert a.config_hash() == b.config_hash()
     assert render.job_config(make_job(trainer={"maxSteps": 7})).config_hash() != a.config_hash()
+
+
+ROLLOUT_ONLY_CHANGES = [
+    {"replicas": 5}, {"image": "other:2"}, {"backend": "vllm", "gpusPerReplica": 1},
+    {"resources": {"requests": {"cpu": "3"}}}, {"nodeSelector": {"pool": "a"}},
+    {"tolerations": [{"key": "k", "operator": "Exists"}]}, {"promptsPerBatch": 2}, {"samplesPerPrompt": 2},
+    {"maxLag": 7}, {"sampling": {"topP": 0.5, "maxNewTokens": 9}}, {"task": {"digits": 6}},
+    {"task": {"datasetPath": "/d.jsonl", "rewardFunction": "m:f"}}, {"advantage": {"epsilon": 0.1}},
+    {"filterZeroVariance": True}, {"seed": 3},
+]
+
+
+@pytest.mark.parametrize("rollout", ROLLOUT_ONLY_CHANGES, ids=lambda r: ",".join(r))
+def test_rollout_only_fields_leave_the_trainer_pods_hash_alone(rollout):
+    base = render.job_config(make_job())
+    changed = render.job_config(make_job(rollout=rollout))
+    assert changed.config_hash() != base.config_hash()  # the ConfigMap does change
+    assert render.role_config_hash(changed, c.Role.TRAINER) == render.role_config_hash(base, c.Role.TRAINER)
+    replicas_only = set(rollout) == {"replicas"}
+    assert (render.role_config_hash(changed, c.Role.ROLLOUT) == render.role_config_hash(base, c.Role.ROLLOUT)) \
+        == replicas_only
+
+
+@pytest.mark.parametrize("change", [
+    {"rollout": {"sampling": {"temperature": 0.5}}}, {"rollout": {"task": {"name": "digits-reverse"}}},
+    {"trainer": {"maxSteps": 7}}, {"algorithm": {"loss": "gspo"}}, {"model": {"tiny": {"layers": 3}}},
+    {"redis": {"streamKey": "s2"}},
+])
+def test_fields_the_trainer_reads_change_both_role_hashes(change):
+    base = render.job_config(make_job())
+    changed = render.job_config(make_job(**change))
+    for role in (c.Role.TRAINER, c.Role.ROLLOUT):
+        assert render.role_config_hash(changed, role) != render.role_config_hash(base, role)
+
+
+def _leaves(model_type, prefix=""):
+    for name, field in model_type.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, ApiModel):
+            yield from _leaves(annotation, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}"
+
+
+def test_every_rollout_field_is_classified_once():
+    """A new rollout field must be put in TRAINER_READS_FROM_ROLLOUT or ROLLOUT_ONLY_FIELDS."""
+    classes = list(render.TRAINER_READS_FROM_ROLLOUT) + list(render.ROLLOUT_ONLY_FIELDS)
+    for leaf in _leaves(RolloutSpec):
+        owners = [p for p in classes if leaf == p or leaf.startswith(p + ".")]
+        assert len(owners) == 1, f"spec.rollout.{leaf} is classified {len(owners)} times: {owners}"
+    assert len(set(classes)) == len(classes)
+
+
+def test_every_pod_carries_its_roles_hash_and_the_whole_configs_hash():
+    job = make_job(trainer={"nodes": 2}, rollout={"replicas": 2})
+    config = render.job_config(job)
+    hashes = render.config_hashes(config)
+    for pod in _all_pods(job):
+        labels = pod["metadata"]["labels"]
+        role = labels[c.LABEL_ROLE]
+        assert labels[c.LABEL_CONFIG_HASH] == hashes.config
+        assert labels[c.LABEL_ROLE_CONFIG_HASH] == (hashes.trainer if role == "trainer" else hashes.rollout)
+    with pytest.raises(ValueError, match="role 'redis' has no pods"):
+        render.role_config_hash(config, c.Role.REDIS)
 
 
 def test_services_declare_every_port_and_are_headless():

@@ -130,3 +130,27 @@ def test_events_on_transitions_only():
     invalid = build(previous=quiet, lifecycle=lifecycle, problems=problems)
     (event,) = [e for e in status.transition_events(quiet, invalid) if e.reason == "InvalidSpec"]
     assert event.type == "Warning" and "spec.redis.url: required when mode is 'external'" in event.message
+
+
+def test_redis_ready_keeps_the_saved_condition_until_this_process_has_probed_redis():
+    """An operator restart (a fresh process has not probed Redis yet) neither writes nor posts anything for an
+    idle job; the first real probe decides."""
+    suspended = gang.Lifecycle(phase=Phase.SUSPENDED, attempt=1, reason=Reason.JOB_SUSPENDED, message="suspended")
+    unprobed = status.RedisHealth(None, "not checked yet")
+    saved = build(lifecycle=suspended, redis=status.RedisHealth(True, "reached Redis at r:6379"))
+    restarted = build(previous=saved, lifecycle=suspended, redis=unprobed, now=T0 + timedelta(hours=1))
+    assert status.status_patch(status.to_json(saved), restarted) is None
+    assert status.transition_events(saved, restarted) == []
+    kept = cond(restarted, ConditionType.REDIS_READY)
+    assert (kept.status, kept.reason, kept.message, kept.last_transition_time) == (
+        "True", "RedisAvailable", "reached Redis at r:6379", T0)
+
+    down = build(previous=restarted, lifecycle=suspended, redis=status.RedisHealth(False, "cannot reach Redis"),
+                 now=T0 + timedelta(hours=2))
+    assert (cond(down, ConditionType.REDIS_READY).status, cond(down, ConditionType.REDIS_READY).reason) == (
+        "False", "RedisUnavailable")
+    assert [e.reason for e in status.transition_events(restarted, down)] == ["RedisUnavailable"]
+
+    fresh = build(lifecycle=suspended, redis=unprobed)  # a job never probed says so
+    assert (cond(fresh, ConditionType.REDIS_READY).status, cond(fresh, ConditionType.REDIS_READY).message) == (
+        "Unknown", "not checked yet")
