@@ -170,3 +170,104 @@ def retry_with_backoff(fn: Callable[[], T], what: str, max_seconds: float) -> T:
         log.warning("%s: Redis unreachable (try %d): %s", what, failures, error)
 
     return _Retry(_backoff(), retries=-1).call_with_retry(fn, on_failure, with_failure_count=True)
+
+
+class PipelinedConnection:
+    """One connection held out of ``client``'s pool, for a command sent now whose reply is read later (one in flight).
+
+    Sending the next command before working on the previous reply lets Redis execute it and the network carry the
+    reply while this process computes (the client-side overlap of redis-py's pipelines, for one command at a time).
+    A pipelined command's reply cannot be retried the way redis-py retries a command: if the connection fails
+    while a command is in flight, the server may have executed it and its reply is lost. So this class never
+    resends; it disconnects, sets :attr:`reply_lost` and leaves the recovery to the caller (for XREADGROUP:
+    re-read the consumer's pending entries), which runs its operation again through :meth:`with_retry`.
+
+    Args:
+        client: the ``redis.Redis`` whose pool lends the connection, whose response callbacks parse the replies
+            and whose ``Retry`` (backoff and number of tries, e.g. :func:`connect`'s) :meth:`with_retry` uses.
+    """
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self.retry: Retry = client.get_retry() or Retry(_backoff(), 0)
+        self.in_flight: Optional[str] = None
+        """Name of the command sent and not yet answered, or None."""
+        self.reply_lost = False
+        """A connection failure lost the reply of a command the server may have executed; the caller clears it."""
+        self._connection = None
+
+    def send(self, *args) -> None:
+        """Send one command (``args[0]`` is its name) without reading its reply.
+
+        Raises:
+            RuntimeError: a command is already in flight.
+            redis.ConnectionError, redis.TimeoutError: the connection failed (disconnected; :attr:`reply_lost` set
+                if it failed while the command was being written, since the server may have received it).
+        """
+        if self.in_flight is not None:
+            raise RuntimeError(f"{args[0]} sent while the reply of {self.in_flight} is unread")
+        if self._connection is None:
+            self._connection = self.client.connection_pool.get_connection()
+        self._connection.connect()  # (re)connect and health-check first: a failure here loses no reply
+        self._connection.check_health()
+        self.in_flight = str(args[0])
+        try:
+            self._connection.send_command(*args, check_health=False)
+        except BaseException:
+            self.lose_reply()
+            raise
+
+    def receive(self) -> object:
+        """The reply of the command in flight, parsed as ``client`` parses it.
+
+        Raises:
+            RuntimeError: no command in flight.
+            redis.ResponseError: the server answered with an error (the reply is consumed).
+            redis.ConnectionError, redis.TimeoutError: the connection failed before the whole reply arrived
+                (disconnected; :attr:`reply_lost` set).
+        """
+        if self.in_flight is None or self._connection is None:
+            raise RuntimeError("no command in flight")
+        try:
+            reply = self.client.parse_response(self._connection, self.in_flight)
+        except redis.ResponseError:
+            self.in_flight = None
+            raise
+        except BaseException:
+            self.lose_reply()
+            raise
+        self.in_flight = None
+        return reply
+
+    def execute(self, *args) -> object:
+        """Send one command and read its reply (nothing else may be in flight); raises as :meth:`send` and
+        :meth:`receive` do."""
+        self.send(*args)
+        return self.receive()
+
+    def lose_reply(self) -> None:
+        """Drop the connection; a command in flight counts as executed with its reply lost (:attr:`reply_lost`)."""
+        if self.in_flight is not None:
+            self.in_flight = None
+            self.reply_lost = True
+        if self._connection is not None:
+            self._connection.disconnect()
+
+    def with_retry(self, operation: Callable[[], T]) -> T:
+        """Run ``operation`` (which sends and receives on this connection), retrying redis ``ConnectionError`` and
+        ``TimeoutError`` with the client's ``Retry``: the connection is dropped (:meth:`lose_reply`) and
+        reconnected at the next send, after the backoff. ``operation`` must check :attr:`reply_lost` first.
+
+        Raises:
+            The last ``ConnectionError`` / ``TimeoutError`` once the client's retries are spent; any other error at once.
+            redis-py's ``Retry`` also retries Python's built-in ``TimeoutError``: raise those outside ``operation``.
+        """
+        return self.retry.call_with_retry(operation, lambda _error: self.lose_reply())
+
+    def close(self) -> None:
+        """Give the connection back to the pool (a command in flight is dropped: :attr:`reply_lost`)."""
+        if self._connection is not None:
+            if self.in_flight is not None:
+                self.lose_reply()
+            self.client.connection_pool.release(self._connection)
+            self._connection = None

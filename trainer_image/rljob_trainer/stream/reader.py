@@ -16,6 +16,32 @@ Delivery contract (at-least-once in Redis, exactly-once in committed checkpoints
 * :meth:`StreamReader.trim_acked` trims with XTRIM MINID below the oldest entry that is pending or not yet
   delivered, so only acked entries are ever removed (never MAXLEN). It assumes this group is the stream's
   only consumer group.
+
+Overlapped reads: new entries are read with XREADGROUP on a connection of the reader's own
+(:class:`~rljob_trainer.stream.connection.PipelinedConnection`), and the next XREADGROUP is sent *before* the
+reply in hand is decoded, so Redis and the network deliver it while this process decodes (and, with read-ahead,
+while the caller packs and trains). The next read asks only for what the call still lacks; with read-ahead it may
+also ask for the next call's documents, bounded so that the entries buffered and in flight beyond the current
+call never exceed the ``n`` of that call (one XREADGROUP COUNT). Entries a read-ahead delivered stay pending under
+this rank's consumer like any other (not in :meth:`StreamReader.pending_ids`, so no checkpoint acks them) and
+are handed out by the next calls; after a crash they are re-read with the own pending entries (counted as
+redeliveries although they were never trained).
+
+Read-ahead and back-pressure: the rollout's backlog is the group's lag + pending (DESIGN §6,
+:mod:`rljob_trainer.rollout.writer`), so delivering an entry early moves it from lag to pending without changing
+the backlog, and max lag counts written − seen, which read-ahead does not change either. With one data-parallel
+rank the read-ahead entries are that rank's next documents, so no step can wait on them: read-ahead is on by
+default there. With several ranks, one rank's read-ahead can take entries another rank still needs for the
+current step; when the rollout is held at its bound (maxPending, or max(maxLag, documentsPerStep) documents
+ahead) exactly at that step, the step would never fill. That would need one more step of room in both bounds
+(``documentsPerStep × (everySteps + 1) <= maxPending`` and a max-lag floor of two steps), so read-ahead is off
+with more than one rank (asking for it raises ``ValueError``).
+
+Connection failures: a failure while an XREADGROUP is in flight may lose a reply whose entries Redis already
+delivered to this consumer. The reader then reconnects with the client's retry and backoff, re-reads this
+consumer's pending entries above the newest id it has received (where a lost reply's entries lie) and queues the
+ones it does not hold (buffered, or handed out and not yet acked), counting them in
+:attr:`ReaderCounters.reread_after_connection_loss`; so every entry is handed out once.
 """
 
 from __future__ import annotations
@@ -25,12 +51,13 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import redis
 
 from rljob_api.config import RedisKeys
 from rljob_trainer.stream.codec import Document, DocumentTooLong, MalformedEntry, decode_entries
+from rljob_trainer.stream.connection import PipelinedConnection
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +82,9 @@ class ReaderCounters:
     """Documents longer than the micro-batch token budget, dropped (and acked)."""
     lost_pending: int = 0
     """Pending entries whose data was deleted from the stream before they were re-read (acked, nothing to train)."""
+    reread_after_connection_loss: int = 0
+    """Entries whose XREADGROUP reply a connection failure lost, re-read from this rank's pending list (first
+    deliveries to the caller, not redeliveries)."""
 
 
 class StreamReader:
@@ -74,10 +104,12 @@ class StreamReader:
         require_advantage: entries without ``advantage`` are dead-lettered (the RL losses need it).
         vocab_size: if given, entries with a token id >= vocab_size are dead-lettered.
         dead_letter_maxlen: approximate length cap of the dead-letter stream (it holds copies, not the data).
+        read_ahead: after each call's documents are read, send the XREADGROUP for the next call's (see the module
+            docstring). None (default): on with one data-parallel rank, off with several.
 
     Raises:
-        ValueError: rank outside [0, dp_size), non-positive budget or timeout, or a client that decodes
-            responses to str (the codec needs bytes).
+        ValueError: rank outside [0, dp_size), non-positive budget or timeout, a client that decodes
+            responses to str (the codec needs bytes), or ``read_ahead=True`` with ``dp_size > 1``.
     """
 
     def __init__(
@@ -94,6 +126,7 @@ class StreamReader:
         require_advantage: bool = True,
         vocab_size: Optional[int] = None,
         dead_letter_maxlen: int = 10_000,
+        read_ahead: Optional[bool] = None,
     ):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} is outside [0, dp_size={dp_size})")
@@ -104,6 +137,11 @@ class StreamReader:
             )
         if client.get_connection_kwargs().get("decode_responses"):
             raise ValueError("the Redis client must return bytes (decode_responses=False): entries are binary")
+        if read_ahead and dp_size > 1:
+            raise ValueError(
+                f"read_ahead=True with dp_size={dp_size}: one rank's read-ahead can take entries another rank needs "
+                "for the current step, which stalls when the rollout is held at maxPending or max lag"
+            )
         self.client = client
         self.keys = keys
         self.dp_rank = dp_rank
@@ -116,11 +154,17 @@ class StreamReader:
         self.data_timeout_seconds = data_timeout_seconds
         self.block_ms = block_ms
         self.dead_letter_maxlen = dead_letter_maxlen
+        self.read_ahead = dp_size == 1 if read_ahead is None else read_ahead
         self.counters = ReaderCounters()
         self._started = False
+        self._connection = PipelinedConnection(client)
         self._backlog: collections.deque[Entry] = collections.deque()
+        """Entries received and not yet decoded, oldest first (redeliveries before new entries)."""
         self._ready: list[tuple[str, Document]] = []
+        """Valid documents not yet handed out."""
         self._unacked: dict[str, None] = {}
+        self._newest_id = "0"
+        """Highest id this reader has received from Redis: entries of a lost reply lie above it."""
 
     # --- start-up ----------------------------------------------------------------------------
     def start(self, committed_ids: Iterable[str] = ()) -> None:
@@ -135,22 +179,29 @@ class StreamReader:
             if "BUSYGROUP" not in str(error):
                 raise
         self.ack(committed_ids)
-        self._recover_own_pending()
+        for entry_id, fields in self._connection.with_retry(self._read_own_pending):
+            self._queue_pending(entry_id, fields, redelivery=True)
+        self._connection.reply_lost = False  # a lost reply of the reads from id 0 delivered nothing new
         self._claim_orphaned_pending()
+        if self._backlog:
+            self._newest_id = max((entry_id for entry_id, _ in self._backlog), key=_id_order)
         self._started = True
         if self._backlog:
             log.info("%s: %d entries to redeliver", self.consumer, len(self._backlog))
 
-    def _recover_own_pending(self, page: int = 512) -> None:
-        last = "0"
+    def _read_own_pending(self, after: str = "0", page: int = 512) -> list[tuple[str, Optional[dict]]]:
+        """The entries pending under this consumer with ids above ``after`` (XREADGROUP from that id, ``page`` per
+        command), oldest first; ``None`` fields for an entry deleted from the stream."""
+        entries: list[tuple[str, Optional[dict]]] = []
         while True:
-            response = self.client.xreadgroup(self.keys.group, self.consumer, {self.keys.stream: last}, count=page)
-            entries = response[0][1] if response else []
-            if not entries:
-                return
-            for entry_id, fields in entries:
-                last = entry_id
-                self._queue_redelivery(_str(entry_id), fields)
+            last = entries[-1][0] if entries else after
+            reply = self._connection.execute(
+                "XREADGROUP", "GROUP", self.keys.group, self.consumer, "COUNT", page, "STREAMS", self.keys.stream, last
+            )
+            batch = reply[0][1] if reply else []
+            if not batch:
+                return entries
+            entries += [(_str(entry_id), fields) for entry_id, fields in batch]
 
     def _claim_orphaned_pending(self, page: int = 512) -> None:
         for info in self.client.xinfo_consumers(self.keys.stream, self.keys.group):
@@ -169,7 +220,7 @@ class StreamReader:
                 returned = set()
                 for entry_id, fields in claimed:
                     returned.add(_str(entry_id))
-                    self._queue_redelivery(_str(entry_id), fields)
+                    self._queue_pending(_str(entry_id), fields, redelivery=True)
                 gone = [i for i in ids if i not in returned]
                 if gone:  # deleted from the stream: nothing to train; ack so the PEL empties
                     self.counters.lost_pending += len(gone)
@@ -177,13 +228,16 @@ class StreamReader:
             self.client.xgroup_delconsumer(self.keys.stream, self.keys.group, name)
             log.info("%s: claimed the pending entries of %s (world size is now %d)", self.consumer, name, self.dp_size)
 
-    def _queue_redelivery(self, entry_id: str, fields: Optional[dict]) -> None:
+    def _queue_pending(self, entry_id: str, fields: Optional[dict], *, redelivery: bool) -> None:
         if not fields:
             log.warning("%s: pending entry %s was deleted from the stream; acking it", self.consumer, entry_id)
             self.counters.lost_pending += 1
             self.client.xack(self.keys.stream, self.keys.group, entry_id)
             return
-        self.counters.redeliveries += 1
+        if redelivery:
+            self.counters.redeliveries += 1
+        else:
+            self.counters.reread_after_connection_loss += 1
         self._backlog.append((entry_id, fields))
 
     def _rank_of(self, consumer: str) -> Optional[int]:
@@ -194,48 +248,111 @@ class StreamReader:
     def next_documents(self, n: int) -> list[tuple[str, Document]]:
         """Exactly ``n`` valid documents with their entry ids, redeliveries first, blocking until they arrive.
 
-        Every returned id stays pending (and in :meth:`pending_ids`) until :meth:`ack`.
+        Every returned id stays pending (and in :meth:`pending_ids`) until :meth:`ack`. Documents read beyond
+        ``n`` (read-ahead, see the module docstring) are kept for the next call.
 
         Raises:
             DataTimeout: no valid document for ``data_timeout_seconds``. Documents gathered before the timeout
                 are kept and returned first by the next call.
             redis.ConnectionError: Redis unreachable beyond the client's retries (nothing is lost: entries
-                stay pending in Redis and gathered documents are kept).
+                stay pending in Redis, gathered documents are kept, and a lost reply is re-read at the next call).
         """
         if n < 1:
             raise ValueError(f"n={n}: ask for at least one document")
         if not self._started:
             self.start()
-        out, self._ready = self._ready[:n], self._ready[n:]
         deadline = time.monotonic() + self.data_timeout_seconds
-        try:
-            while len(out) < n:
-                if self._backlog:
-                    entries = [self._backlog.popleft() for _ in range(min(n - len(out), len(self._backlog)))]
-                else:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise DataTimeout(
-                            f"{self.consumer}: no valid document on stream {self.keys.stream!r} for "
-                            f"{self.data_timeout_seconds:g} s (have {len(out)} of {n})"
-                        )
-                    entries = self._read_new(n - len(out), min(self.block_ms, math.ceil(remaining * 1000)))
-                accepted = self._accept(entries)
-                if accepted:
-                    out += accepted
-                    deadline = time.monotonic() + self.data_timeout_seconds
-        except BaseException:
-            self._ready = out + self._ready
-            raise
+        while len(self._ready) < n:
+            if not self._backlog:
+                if self._connection.in_flight is None and self._block_ms(deadline) <= 0:
+                    raise DataTimeout(
+                        f"{self.consumer}: no valid document on stream {self.keys.stream!r} for "
+                        f"{self.data_timeout_seconds:g} s (have {len(self._ready)} of {n})"
+                    )
+                self._on_connection(self._receive_next, n, deadline)
+                if not self._backlog:
+                    continue
+            self._on_connection(self._send_next, n, deadline)  # travels while the backlog is decoded
+            take = min(n - len(self._ready), len(self._backlog))
+            accepted = self._accept([self._backlog.popleft() for _ in range(take)])
+            if accepted:
+                self._ready += accepted
+                deadline = time.monotonic() + self.data_timeout_seconds
+        out, self._ready = self._ready[:n], self._ready[n:]
         self._unacked.update(dict.fromkeys(entry_id for entry_id, _ in out))
         self.counters.documents_read += n
         return out
 
-    def _read_new(self, count: int, block_ms: int) -> list[Entry]:
-        response = self.client.xreadgroup(
-            self.keys.group, self.consumer, {self.keys.stream: ">"}, count=count, block=block_ms
+    def close(self) -> None:
+        """Give the reader's connection back to the client's pool. Entries of a read still in flight stay pending
+        in Redis under this consumer; if the reader is used again it re-reads them first."""
+        self._connection.close()
+
+    def _on_connection(self, operation: Callable[[int, float], None], n: int, deadline: float) -> None:
+        """Run ``operation(n, deadline)`` on the reader's connection with the client's retry and backoff, first
+        recovering the entries of a reply that a connection failure lost."""
+
+        def attempt() -> None:
+            if self._connection.reply_lost:
+                self._recover_lost_reply()
+            operation(n, deadline)
+
+        self._connection.with_retry(attempt)
+
+    def _recover_lost_reply(self) -> None:
+        """Queue the entries a lost XREADGROUP reply delivered to this consumer.
+
+        They are pending under this consumer with ids above every id this reader has received (XREADGROUP ``>``
+        delivers ids above the group's last-delivered id, which no earlier delivery exceeds), so only the pending
+        entries after :attr:`_newest_id` are re-read: re-reading from id 0 would send every entry handed out and
+        not yet acked again (up to a checkpoint interval's data), on each failure. Ids the reader holds are
+        skipped all the same.
+        """
+        held = {entry_id for entry_id, _ in self._ready}
+        held.update(entry_id for entry_id, _ in self._backlog)
+        held.update(self._unacked)
+        lost = [e for e in self._read_own_pending(after=self._newest_id) if e[0] not in held]
+        if lost:
+            log.warning("%s: re-read %d entries whose reply a connection failure lost", self.consumer, len(lost))
+        for entry_id, fields in lost:
+            self._queue_pending(entry_id, fields, redelivery=False)
+            self._newest_id = entry_id
+        self._connection.reply_lost = False  # only now: a failure above re-runs the recovery, which skips what is queued
+
+    def _receive_next(self, n: int, deadline: float) -> None:
+        """Move the reply of the read in flight into the backlog, sending a read for what the call lacks first if
+        none is in flight (unless recovery already filled the backlog)."""
+        if self._backlog:
+            return
+        if self._connection.in_flight is None:
+            self._send_read(n - len(self._ready), max(1, self._block_ms(deadline)))
+        reply = self._connection.receive()
+        entries = [(entry_id.decode(), fields) for entry_id, fields in reply[0][1]] if reply else []  # bytes ids
+        if entries:
+            self._backlog.extend(entries)
+            self._newest_id = entries[-1][0]
+
+    def _send_next(self, n: int, deadline: float) -> None:
+        """Send the next read before the backlog is decoded: for what the call still lacks if the backlog cannot
+        cover it, else (read-ahead) for the next call, keeping buffered + in flight beyond this call <= ``n``."""
+        if self._connection.in_flight is not None:
+            return
+        held = len(self._ready) + len(self._backlog)
+        if held < n:
+            block_ms = self._block_ms(deadline)
+            if block_ms > 0:
+                self._send_read(n - held, block_ms)
+        elif self.read_ahead and held < 2 * n:
+            self._send_read(2 * n - held, self.block_ms)
+
+    def _send_read(self, count: int, block_ms: int) -> None:
+        self._connection.send(
+            "XREADGROUP", "GROUP", self.keys.group, self.consumer, "COUNT", count, "BLOCK", block_ms,
+            "STREAMS", self.keys.stream, ">",
         )
-        return [(entry_id.decode(), fields) for entry_id, fields in response[0][1]] if response else []  # bytes client
+
+    def _block_ms(self, deadline: float) -> int:
+        return min(self.block_ms, math.ceil((deadline - time.monotonic()) * 1000))
 
     def _accept(self, entries: list[Entry]) -> list[tuple[str, Document]]:
         """Decode a batch of entries: return the valid ones, dead-letter or drop (and ack) the rest.
@@ -323,6 +440,11 @@ class StreamReader:
                 return 0
             bound = f"{milliseconds}-{int(sequence) + 1}"
         return self.client.xtrim(self.keys.stream, minid=bound, approximate=False)
+
+
+def _id_order(entry_id: str) -> tuple[int, int]:
+    milliseconds, sequence = entry_id.split("-")
+    return int(milliseconds), int(sequence)
 
 
 def _str(value: bytes | str) -> str:
