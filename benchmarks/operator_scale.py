@@ -20,9 +20,11 @@ Phases and figures:
    and minutes. A suspended job has no real status change, so the target is zero. The operator's own
    reconcile-pass counter shows the idle passes did run.
 3. The operator is restarted once (SIGTERM, then a fresh process): writes per idle job caused by the restart,
-   and which conditions changed.
+   and which conditions changed; the new process's reads (GET, from its ``rljob_operator_api_requests_total``)
+   and how long it took to make one pass per job.
 4. ``--active-jobs`` unsuspended tiny jobs (managed Redis: 2 trainer pods, 1 rollout pod, 1 Redis pod made by
-   the Deployment controller): create → every pod created (no node agent, so pods stay Pending).
+   the Deployment controller): create → every pod created (no node agent, so pods stay Pending), and create →
+   the operator's own pods (trainer and rollout).
 
 Operator memory: VmRSS of its process from /proc (MB = 10^6 bytes), with no jobs, the highest during the
 idle window, and the kernel's peak (VmHWM) of each operator process. Operator CPU while idle: utime + stime
@@ -221,6 +223,17 @@ class OperatorProcess:
                 return float(line.split()[-1])
         return 0.0
 
+    def api_requests(self) -> Counter:
+        """The operator's own API requests so far by "verb resource" (rljob_operator_api_requests_total): reads
+        included, which the audit log (writes only) does not show."""
+        found: Counter = Counter()
+        for line in self._get(self.metrics, "/metrics").splitlines():
+            if line.startswith("rljob_operator_api_requests_total{"):
+                labels = {key: value.strip('"') for key, value in
+                          (kv.split("=", 1) for kv in line[line.index("{") + 1:line.index("}")].split(","))}
+                found[f"{labels['verb']} {labels['resource']}"] += int(float(line.split()[-1]))
+        return found
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             with contextlib.suppress(OSError, KeyError):
@@ -407,12 +420,16 @@ def create_jobs(api: k8s.CustomObjectsApi, namespace: str, manifests: list[dict[
 
 
 def latencies(watch: ChildWatch, namespace: str, manifests: list[dict[str, Any]], started: dict[str, float],
-              kinds: Optional[set[str]], timeout_s: float) -> list[float]:
-    """Per job: seconds from its create request to its last expected child (of ``kinds``, or all) seen."""
+              kinds: Optional[set[str]], timeout_s: float, roles: Optional[set[str]] = None) -> list[float]:
+    """Per job: seconds from its create request to its last expected child (of ``kinds`` and ``roles``, or all)
+    seen."""
     expected = {}
     for m in manifests:
         counts = expected_children(namespace, m)
-        expected[m["metadata"]["name"]] = Counter({k: n for k, n in counts.items() if kinds is None or k[0] in kinds})
+        expected[m["metadata"]["name"]] = Counter({
+            (kind, role): n for (kind, role), n in counts.items()
+            if (kinds is None or kind in kinds) and (roles is None or role in roles)
+        })
 
     def all_done():
         done = {name: watch.done_at(namespace, name, want) for name, want in expected.items()}
@@ -608,11 +625,20 @@ def run(opts: Options, workdir: Path, figures: list[Figure]) -> None:
             operator = OperatorProcess(operator_kubeconfig, workdir / "operator.log", opts.idle_interval_s)
             # each job's daemon runs one pass at start; then the writes it caused trail off
             wait_for(lambda: operator.passes() >= opts.jobs, f"{opts.jobs} passes after the restart", 60 + opts.jobs)
+            one_pass_each_s = time.time() - restart_at
             quiet = wait_quiet(audit, IDLE_NS, 120 + opts.jobs, since=time.time())
             restart_writes = window(audit.writes(), restart_at, quiet + 1, IDLE_NS)
-            figures.append(Figure("operator writes per idle job after a restart", len(restart_writes) / opts.jobs,
-                                  "", TARGET_IDLE_WRITES,
-                                  f"{breakdown(restart_writes)}; {changes(before, conditions(custom, IDLE_NS))}"))
+            requests = operator.api_requests()
+            reads = Counter({what: n for what, n in requests.items() if what.startswith("get ")})
+            figures += [
+                Figure("operator writes per idle job after a restart", len(restart_writes) / opts.jobs,
+                       "", TARGET_IDLE_WRITES,
+                       f"{breakdown(restart_writes)}; {changes(before, conditions(custom, IDLE_NS))}"),
+                Figure("operator reads per idle job after a restart", sum(reads.values()) / opts.jobs, "",
+                       note=", ".join(f"{what} ×{n}" for what, n in reads.most_common()) or "none"),
+                Figure("operator restart → one pass per job", one_pass_each_s, "s",
+                       note=f"{opts.jobs} jobs; includes the new process's start"),
+            ]
         else:
             peak_first = 0.0
 
@@ -626,6 +652,11 @@ def run(opts: Options, workdir: Path, figures: list[Figure]) -> None:
             roles = expected_children(ACTIVE_NS, active[0])
             pods = ", ".join(f"{n} {role}" for (kind, role), n in sorted(roles.items()) if kind == "Pod")
             figures += percentiles("running tiny job: create → every pod", lat, f"pods per job: {pods}")
+            own = np.percentile(latencies(watch, ACTIVE_NS, active, started, {"Pod"}, 30, {"trainer", "rollout"}),
+                                [50, 95])
+            figures.append(Figure("running tiny job: create → the operator's own pods p50", float(own[0]), "s",
+                                  note=f"trainer and rollout pods (not the Redis pod of the ReplicaSet controller); "
+                                       f"p95 {own[1]:.3f} s"))
             time.sleep(5)
             figures.append(refused_figure("running", window(audit.writes(), t_active - 1, time.time(), ACTIVE_NS),
                                           opts.active_jobs))

@@ -39,6 +39,9 @@ LABEL_KUEUE_QUEUE_NAME = "kueue.x-k8s.io/queue-name"
 
 # --- Annotations -----------------------------------------------------------------------------
 ANNOTATION_ATTEMPT = f"{GROUP}/attempt"
+ANNOTATION_APPLIED_HASH = f"{GROUP}/applied-hash"
+"""Short sha256 of the manifest the operator last applied, on the ConfigMap, the Services and the Redis Deployment.
+Written and read by the operator: a restarted operator re-applies a child only when it differs."""
 
 
 class Role(str, Enum):
@@ -69,6 +72,9 @@ CONFIG_MOUNT_DIR = "/etc/rljob"
 CONFIG_FILE_NAME = "config.json"
 CONFIG_PATH = f"{CONFIG_MOUNT_DIR}/{CONFIG_FILE_NAME}"
 CHECKPOINT_MOUNT_DIR = "/var/lib/rljob/checkpoints"
+REDIS_CA_MOUNT_DIR = "/etc/rljob-redis-ca"
+"""Where trainer and rollout pods mount ``spec.redis.caSecretRef`` (read-only); env REDIS_TLS_CA_FILE names the file."""
+REDIS_CA_PATH = f"{REDIS_CA_MOUNT_DIR}/ca.crt"
 SHM_MOUNT_DIR = "/dev/shm"
 
 # --- Ports (declared on the headless trainer Service so DNS names reach them) -----------------
@@ -107,6 +113,18 @@ PROGRESS_MODEL_VERSION = "model_version"
 PROGRESS_TOKENS_PER_SECOND = "tokens_per_second"
 PROGRESS_METRICS = "metrics"
 """JSON object {metric name: number} of the last step (DESIGN §4 names)."""
+PROGRESS_CHECKPOINT_DOCUMENTS_SEEN = "checkpoint_documents_seen"
+"""documents_seen of the checkpoint the trainer's attempt last committed or started from (0 from scratch): the
+documents trained since then (documents_seen − this) are still pending in the stream's group, acked by the next
+checkpoint. Written by trainer rank 0 at every start and before each checkpoint's acks; rollout workers read it
+(rljob_trainer.rollout.writer: max lag)."""
+PROGRESS_RESTORED_FROM_STEP = "restored_from_step"
+"""Step of the checkpoint the trainer's current attempt started from (0 from scratch); written at every start."""
+PROGRESS_CHECKPOINT_LOST = "checkpoint_lost"
+"""Present (JSON {step, path, restored_from_step, message}) while the trainer's current attempt started below the
+checkpoint the Redis checkpoint hash records, because that checkpoint is gone from the checkpoint volume (an
+emptyDir does not survive a gang restart or suspend); deleted by a start that loses none. Trainer rank 0 writes it;
+the operator may report it."""
 
 # Fields of the rollout hash. Rollout workers add to them (HINCRBYFLOAT / HINCRBY), so several workers sum up;
 # the operator reports sum / count of the newest model version as status.rolloutReward.

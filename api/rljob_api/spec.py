@@ -259,6 +259,13 @@ class RedisSpec(ApiModel):
     password_secret_ref: Optional[SecretKeyRef] = Field(
         None, description="passwordSecretRef: Secret key holding the external Redis password."
     )
+    ca_secret_ref: Optional[SecretKeyRef] = Field(
+        None,
+        description="caSecretRef: Secret key holding the PEM bundle of the CAs that signed the external Redis "
+        "server's TLS certificate (a private CA; needs mode=external and a rediss:// url). Mounted read-only into "
+        "trainer and rollout pods (env REDIS_TLS_CA_FILE) and used by the operator to verify the server, host name "
+        "included. Unset: the system CAs.",
+    )
     stream_key: str = Field(c.DEFAULT_STREAM_KEY, min_length=1, description="streamKey: data stream key.")
     group_name: str = Field(c.DEFAULT_GROUP_NAME, min_length=1, description="groupName: consumer group of trainer ranks.")
     consumer_prefix: str = Field(

@@ -58,7 +58,13 @@ class RLTrainingJobStatus(StatusModel):
         "+1 on every gang restart and on every resume.",
     )
     restarts: int = Field(
-        0, ge=0, description="restarts: gang restarts after a trainer pod failure, eviction, deletion or spec change."
+        0,
+        ge=0,
+        description="restarts: gang restarts after a trainer pod failure, eviction or deletion, or after a change of "
+        "a spec field the trainer reads (model, algorithm, trainer, redis, hfTokenSecretRef, "
+        "rollout.sampling.temperature, rollout.task.name; reason ConfigChanged). runPolicy and every other "
+        "spec.rollout field (replicas, image, resources, samplesPerPrompt, ...) never restart the gang: they scale "
+        "or replace rollout pods only.",
     )
     failed_attempts: int = Field(
         0,

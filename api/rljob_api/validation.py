@@ -91,6 +91,13 @@ def check_spec(spec: RLTrainingJobSpec) -> list[SpecProblem]:
         problems.append(SpecProblem("spec.redis.url", "required when mode is 'external'"))
     if spec.redis.mode == "external" and spec.redis.url and not spec.redis.url.startswith(("redis://", "rediss://")):
         problems.append(SpecProblem("spec.redis.url", f"must start with redis:// or rediss://, got {spec.redis.url!r}"))
+    if spec.redis.ca_secret_ref is not None and not (
+        spec.redis.mode == "external" and (spec.redis.url or "").startswith("rediss://")
+    ):
+        problems.append(SpecProblem(
+            "spec.redis.caSecretRef",
+            "verifies a TLS connection: set mode to 'external' and a rediss:// url, or remove caSecretRef",
+        ))
     if r.task.name in ("math", "custom") and not r.task.dataset_path:
         problems.append(SpecProblem("spec.rollout.task.datasetPath", f"required for task {r.task.name!r}"))
     if r.task.name == "custom" and not r.task.reward_function:

@@ -87,15 +87,18 @@ def install_operator(env: dict[str, str], bin_dir: Path) -> None:
 
 
 def apply_example(env: dict[str, str], bin_dir: Path, namespace: str) -> str:
-    """Apply the CPU example in ``namespace`` (deleting a finished job of the same name first); its name."""
+    """Apply the CPU example in ``namespace`` (deleting an earlier job of the same name and its checkpoint claim
+    first, so training starts at step 0); the job's name."""
     kubectl = [str(bin_dir / "kubectl"), "-n", namespace]
-    name = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
+    name = next(d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d and d.get("kind") == "RLTrainingJob")[
+        "metadata"]["name"]
     existing = subprocess.run([*kubectl, "get", "rljob", name, "-o", "json"], env=env, capture_output=True,
                               text=True, check=False)
     if existing.returncode == 0:
         phase = (json.loads(existing.stdout).get("status") or {}).get("phase")
         _say(f"deleting the earlier {name} ({phase}) to start afresh")
-        _run([*kubectl, "delete", "rljob", name, "--wait=true", "--timeout=120s"], env, "deleting the earlier job")
+        _run([*kubectl, "delete", "-f", str(EXAMPLE), "--ignore-not-found", "--wait=true", "--timeout=120s"], env,
+             "deleting the earlier job and its checkpoint claim")
     _say(f"kubectl apply -f {EXAMPLE.relative_to(REPO)}")
     _run([*kubectl, "apply", "-f", str(EXAMPLE)], env, "applying the example")
     return name

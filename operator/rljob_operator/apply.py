@@ -8,6 +8,9 @@
   decision taken on a stale view of the job is refused (409) instead of written;
 - :meth:`KubeApi.list`, :meth:`KubeApi.get`, :meth:`KubeApi.secret_value`.
 
+Every request is reported to ``on_request(verb, resource)`` (verb: apply, create, get, delete, list or patch; resource:
+the plural, ``rltrainingjobs/status`` for status writes), which the operator counts as a Prometheus metric.
+
 Errors come back as :class:`ApiError`; :func:`kopf_error` maps them to kopf's retry semantics: 409, 429 and
 5xx are temporary, 400 and 422 (the API server rejected what we rendered) permanent.
 """
@@ -19,7 +22,7 @@ import base64
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import aiohttp
 import kopf
@@ -91,13 +94,20 @@ def _object_path(obj: Mapping[str, Any]) -> str:
 
 
 class KubeApi:
-    """Async access to the API server for the operator (one per operator process)."""
+    """Async access to the API server for the operator (one per operator process).
 
-    def __init__(self, client: ApiClient) -> None:
+    Args:
+        client: the kubernetes.aio ApiClient (credentials, server).
+        on_request: called with (verb, resource) before each request is sent.
+    """
+
+    def __init__(self, client: ApiClient, on_request: Callable[[str, str], None] = lambda verb, resource: None) -> None:
         self._client = client
+        self._on_request = on_request
 
     @classmethod
-    async def connect(cls, kubeconfig: Optional[str] = None) -> "KubeApi":
+    async def connect(cls, kubeconfig: Optional[str] = None,
+                      on_request: Callable[[str, str], None] = lambda verb, resource: None) -> "KubeApi":
         """Credentials from ``kubeconfig``, $KUBECONFIG / ~/.kube/config, or the pod's service account."""
         configuration = Configuration()
         in_cluster = os.environ.get("KUBERNETES_SERVICE_HOST") and _SERVICE_ACCOUNT_TOKEN.exists()
@@ -105,13 +115,14 @@ class KubeApi:
             kube_config.load_incluster_config(client_configuration=configuration)
         else:
             await kube_config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-        return cls(ApiClient(configuration))
+        return cls(ApiClient(configuration), on_request)
 
     async def close(self) -> None:
         await self._client.close()
 
-    async def _request(self, method: str, path: str, what: str, *, body: Any = None,
+    async def _request(self, method: str, path: str, what: str, counted: tuple[str, str], *, body: Any = None,
                        query: Optional[dict[str, Any]] = None, content_type: str = "application/json") -> Any:
+        self._on_request(*counted)
         headers = {"Content-Type": content_type, "Accept": "application/json"}
         params = await self._client.param_serialize(
             method, path, query_params=list((query or {}).items()) or None, header_params=headers, body=body,
@@ -132,7 +143,7 @@ class KubeApi:
         """Server-side apply ``obj`` (field manager rljob-operator, conflicts forced)."""
         what = f"apply {obj['kind']} {obj['metadata']['namespace']}/{obj['metadata']['name']}"
         return await self._request(
-            "PATCH", _object_path(obj), what, body=dict(obj),
+            "PATCH", _object_path(obj), what, ("apply", PLURALS[obj["kind"]]), body=dict(obj),
             query={"fieldManager": c.FIELD_MANAGER, "force": "true"}, content_type="application/apply-patch+yaml",
         )
 
@@ -142,7 +153,8 @@ class KubeApi:
         what = f"create {obj['kind']} {meta['namespace']}/{meta['name']}"
         path = _path(obj["apiVersion"], PLURALS[obj["kind"]], meta["namespace"])
         try:
-            return await self._request("POST", path, what, body=dict(obj), query={"fieldManager": c.FIELD_MANAGER})
+            return await self._request("POST", path, what, ("create", PLURALS[obj["kind"]]), body=dict(obj),
+                                       query={"fieldManager": c.FIELD_MANAGER})
         except ApiError as err:
             if err.status == 409 and err.reason == "Conflict" and "already exists" in err.message:
                 return None
@@ -152,7 +164,7 @@ class KubeApi:
         """The object, or None when it does not exist."""
         try:
             return await self._request("GET", _path(api_version, PLURALS[kind], namespace, name),
-                                       f"get {kind} {namespace}/{name}")
+                                       f"get {kind} {namespace}/{name}", ("get", PLURALS[kind]))
         except ApiError as err:
             if err.status == 404:
                 return None
@@ -166,7 +178,7 @@ class KubeApi:
             options["preconditions"] = {"uid": uid}
         try:
             await self._request("DELETE", _path(api_version, PLURALS[kind], namespace, name),
-                                f"delete {kind} {namespace}/{name}", body=options)
+                                f"delete {kind} {namespace}/{name}", ("delete", PLURALS[kind]), body=options)
         except ApiError as err:
             if err.status == 404 or (uid and err.status == 409):
                 return False
@@ -178,7 +190,8 @@ class KubeApi:
         """Every object of a kind (in ``namespace``, or cluster-wide when None) matching ``label_selector``."""
         query = {"labelSelector": label_selector} if label_selector else None
         payload = await self._request("GET", _path(api_version, PLURALS[kind], namespace),
-                                      f"list {kind} in {namespace or 'all namespaces'}", query=query)
+                                      f"list {kind} in {namespace or 'all namespaces'}", ("list", PLURALS[kind]),
+                                      query=query)
         return list(payload.get("items") or [])
 
     async def patch_status(self, namespace: str, name: str, patch: Mapping[str, Any],
@@ -190,7 +203,7 @@ class KubeApi:
             body["metadata"] = {"resourceVersion": resource_version}
         return await self._request(
             "PATCH", _path(c.API_VERSION, c.PLURAL, namespace, name, "status"), f"patch status of {namespace}/{name}",
-            body=body, content_type="application/merge-patch+json",
+            ("patch", f"{c.PLURAL}/status"), body=body, content_type="application/merge-patch+json",
         )
 
     async def secret_value(self, namespace: str, name: str, key: str) -> Optional[str]:

@@ -6,7 +6,9 @@
 - ``rljob_operator_reconcile_duration_seconds``: wall time of one reconcile pass (seconds);
 - ``rljob_operator_reconcile_errors_total{kind}``: passes that ended in an error, by exception class
   (``httpNNN`` for a refused API call; ``StaleStatus`` for a status write refused with 409 because the job changed
-  since the pass read it).
+  since the pass read it);
+- ``rljob_operator_api_requests_total{verb,resource}``: the operator's own API requests (apply, create, get, delete,
+  list, patch), not kopf's watches, finalizer patches and Events.
 """
 
 from __future__ import annotations
@@ -75,7 +77,15 @@ class OperatorMetrics:
             "rljob_operator_reconcile_errors", "Reconcile passes that ended in an error.", ["kind"],
             registry=self.registry,
         )
+        self.api_requests = Counter(
+            "rljob_operator_api_requests", "The operator's own API requests (not kopf's watches, finalizer patches "
+            "and Events), by verb and resource.", ["verb", "resource"], registry=self.registry,
+        )
         self._server: Optional[Any] = None
+
+    def count_request(self, verb: str, resource: str) -> None:
+        """Count one API request (the ``on_request`` hook of :class:`~rljob_operator.apply.KubeApi`)."""
+        self.api_requests.labels(verb=verb, resource=resource).inc()
 
     def serve(self, port: int, list_jobs: ListJobs, loop: asyncio.AbstractEventLoop, addr: str = "0.0.0.0") -> int:
         """Register the jobs collector and serve /metrics on ``port`` (0 = a free port). Returns the port.

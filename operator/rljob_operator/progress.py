@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import ssl
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -160,15 +161,22 @@ async def fetch(client: aioredis.Redis, keys: RedisKeys) -> Progress:
     return parse(progress, rollout)
 
 
-def connect(connection: RedisConnection, password: Optional[str], *, timeout: float = 3.0,
-            max_connections: int = 4) -> aioredis.Redis:
+def connect(connection: RedisConnection, password: Optional[str], *, ca_data: Optional[str] = None,
+            timeout: float = 3.0, max_connections: int = 4) -> aioredis.Redis:
     """An asyncio Redis client for ``connection`` (nothing is sent until the first command), safe to share
     between jobs: at most ``max_connections`` connections, a read waits up to ``timeout`` seconds for a free one
     (redis.ConnectionError after that), so the connections to one Redis do not grow with the number of jobs.
 
+    With ``connection.tls`` the server's certificate is verified, host name included, against ``ca_data`` (PEM text
+    of the CAs from ``spec.redis.caSecretRef``) or, when None, the system CAs; a certificate that does not verify
+    fails the first command with redis.ConnectionError (see :func:`tls_failure`).
+
     No retries (redis-py's default retries for seconds): a failed read is reported at once and the operator
     simply reads again on its next pass, so one unreachable Redis never holds up a reconcile pass.
     """
+    tls: dict[str, Any] = {}
+    if connection.tls:
+        tls = {"ssl_cert_reqs": "required", "ssl_check_hostname": True, "ssl_ca_data": ca_data}
     pool = aioredis.BlockingConnectionPool(
         max_connections=max_connections,
         timeout=timeout,
@@ -180,5 +188,19 @@ def connect(connection: RedisConnection, password: Optional[str], *, timeout: fl
         socket_timeout=timeout,
         socket_connect_timeout=timeout,
         retry=Retry(NoBackoff(), 0),
+        **tls,
     )
     return aioredis.Redis.from_pool(pool)
+
+
+def tls_failure(error: BaseException) -> Optional[str]:
+    """The verifier's reason when ``error`` (or an error it was raised from) is a TLS certificate verification
+    failure, e.g. "unable to get local issuer certificate"; None otherwise."""
+    seen: set[int] = set()
+    current: Optional[BaseException] = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, ssl.SSLCertVerificationError):
+            return current.verify_message or str(current)
+        current = current.__cause__ or current.__context__
+    return None

@@ -5,12 +5,14 @@ module only sequences their results with the API calls of :mod:`.apply`:
 
 1. parse and check the spec; a problem (or an earlier 422 from the API server for this generation) makes the
    job Invalid: status says which field, no child is created, nothing retries until the spec changes;
-2. apply the Redis Secret (create-only), the ConfigMap, Services and the Redis Deployment — only when their
-   rendering changed since this process last applied them;
+2. apply the Redis Secret (create-only), the ConfigMap, Services and the Redis Deployment, concurrently — only when
+   their rendering changed since this process last applied them; a job this process meets for the first time has
+   its children read back first, and only those not as rendered are applied (:mod:`.applied`);
 3. plan the gang from the observed pods (the kopf index, plus pods this process created or deleted that the
    watch has not reported yet) and read the progress hashes;
 4. save the status (merge patch with a resourceVersion precondition: a stale view is refused, not written)
-   and post Events for transitions; then delete and create pods, and save again if a gang was created.
+   and post Events for transitions; then delete and create pods (each batch concurrently), and save again if a gang
+   was created.
 
 Per-job state that lives only in this process (locks, what was applied and written, the Redis client held) is a
 :class:`JobRuntime` held in kopf's ``memo``. A pass that starts before the watch has delivered this process's
@@ -29,18 +31,18 @@ import secrets
 import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Optional
 
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 
 from rljob_api import constants as c
 from rljob_api.constants import Phase
-from rljob_api.spec import RLTrainingJobSpec
+from rljob_api.spec import RLTrainingJobSpec, SecretKeyRef
 from rljob_api.status import RLTrainingJobStatus
 from rljob_api.validation import SpecProblem, check_spec, data_parallel_size
 
-from rljob_operator import gang, progress, render, status
+from rljob_operator import applied, gang, progress, render, status
 from rljob_operator.apply import ApiError, KubeApi, adopt
 from rljob_operator.observe import DeploymentView, PodView, controller_uid, pod_view
 from rljob_operator.redis_clients import RedisClients
@@ -60,7 +62,8 @@ class JobRuntime:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     applied: Optional[str] = None
-    """Digest of the static children this process last applied (re-applied only when it changes)."""
+    """Digest of the static children this process last applied or found as rendered (re-applied only when it
+    changes)."""
     rejected: Optional[tuple[int, str]] = None
     """(generation, message) of a child the API server refused (422); cleared by a new generation."""
     created: dict[str, tuple[float, PodView]] = field(default_factory=dict)
@@ -257,8 +260,9 @@ async def reconcile(
         ctx.on_restart(plan.lifecycle.restarts - before.restarts)
 
     uids = {p.name: p.uid for p in pods}
-    for pod in plan.delete:
-        if await ctx.api.delete("v1", "Pod", namespace, pod, uid=uids.get(pod) or None):
+    gone = await _all(ctx.api.delete("v1", "Pod", namespace, pod, uid=uids.get(pod) or None) for pod in plan.delete)
+    for pod, deleted in zip(plan.delete, gone):
+        if deleted:
             runtime.deleted[pod] = uids.get(pod, "")
     if plan.lifecycle.phase in status.IDLE_PHASES:
         await release_redis(runtime, ctx, namespace, name)
@@ -268,8 +272,7 @@ async def reconcile(
     created = [render.trainer_pod(job, config, i, plan.lifecycle.attempt) for i in plan.create_trainers]
     created += [render.rollout_pod(job, config, i) for i in plan.create_rollouts]
     try:
-        for manifest in created:
-            await _create_pod(manifest, body, runtime, ctx)
+        await _all(_create_pod(manifest, body, runtime, ctx) for manifest in created)
     except ApiError as err:
         if err.status not in (400, 422):
             raise
@@ -285,22 +288,57 @@ async def reconcile(
 
 
 async def _apply_static(job: render.Job, config, body: Mapping[str, Any], runtime: JobRuntime, ctx: Context) -> None:
+    """Apply the static children (and create the managed Redis Secret) that are not as rendered, concurrently.
+
+    A job this process has not applied yet but that has a status (reconciled before, by this process or an earlier
+    one) may have every child in place already: they are read first (GET) and only the missing, changed or edited
+    ones applied (:func:`~rljob_operator.applied.outdated`), so an operator restart writes nothing for an idle job.
+    A new job's children are applied at once (no read before its first write)."""
     children = render.static_children(job, config)
     adopt(children, body)
+    children = [applied.stamp(child) for child in children]
     digest = _digest(children)
     if runtime.applied == digest:
         return
-    if job.spec.redis.mode == "managed":
-        secret = render.redis_secret(job, secrets.token_urlsafe(32))
-        adopt([secret], body)
-        if await ctx.api.create(secret) is None:
-            existing = await ctx.api.get("v1", "Secret", job.namespace, secret["metadata"]["name"])
-            if existing is not None and controller_uid(existing) != body["metadata"].get("uid"):
-                raise ApiError(409, "Conflict", f"Secret {secret['metadata']['name']} of an earlier job of the same "
-                               "name still exists", "create Secret")
-    for child in children:
-        await ctx.api.apply(child)
+    known = bool(body.get("status"))
+    managed = job.spec.redis.mode == "managed"
+    secret = render.redis_secret(job, secrets.token_urlsafe(32)) if managed else None
+    if known:
+        reads = [ctx.api.get(ch["apiVersion"], ch["kind"], job.namespace, ch["metadata"]["name"]) for ch in children]
+        if secret is not None:
+            reads.append(ctx.api.get("v1", "Secret", job.namespace, secret["metadata"]["name"]))
+        found = await _all(reads)
+        stale = [child for child, live in zip(children, found) if applied.outdated(live, child)]
+    else:
+        found, stale = [], children
+    writes = [ctx.api.apply(child) for child in stale]
+    if secret is not None:
+        writes.append(_ensure_secret(secret, found[-1] if known else None, body, ctx))
+    await _all(writes)
     runtime.applied = digest
+
+
+async def _ensure_secret(secret: dict[str, Any], existing: Optional[Mapping[str, Any]], owner: Mapping[str, Any],
+                         ctx: Context) -> None:
+    """Create the managed Redis password Secret unless it exists (``existing``: as read already, or None); an existing
+    Secret must be this job's (409 otherwise: an earlier job of the same name still owns it)."""
+    if existing is None:
+        adopt([secret], owner)
+        if await ctx.api.create(secret) is not None:
+            return
+        existing = await ctx.api.get("v1", "Secret", owner["metadata"]["namespace"], secret["metadata"]["name"])
+    if existing is not None and controller_uid(existing) != owner["metadata"].get("uid"):
+        raise ApiError(409, "Conflict", f"Secret {secret['metadata']['name']} of an earlier job of the same "
+                       "name still exists", "create Secret")
+
+
+async def _all(calls: Iterable[Awaitable[Any]]) -> list[Any]:
+    """Await ``calls`` concurrently; once every one has ended, raise the first error in call order (if any)."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
 
 
 async def _create_pod(manifest: dict[str, Any], owner: Mapping[str, Any], runtime: JobRuntime, ctx: Context) -> None:
@@ -349,31 +387,68 @@ def _redis_health(spec: RLTrainingJobSpec, deployment: Optional[DeploymentView],
     return status.RedisHealth(deployment.available, f"managed Redis {deployment.name}: {deployment.message}")
 
 
+class _SecretProblem(Exception):
+    """A Secret the Redis client needs cannot be read; the message names the spec field and the Secret."""
+
+
+async def _secret_text(ctx: Context, namespace: str, ref: Optional[SecretKeyRef], field_name: str) -> Optional[str]:
+    """The value of ``ref`` in ``namespace`` (None when ``ref`` is None).
+
+    Raises:
+        _SecretProblem: the Secret or its key is missing, or the API server refused to read it.
+    """
+    if ref is None:
+        return None
+    try:
+        value = await ctx.api.secret_value(namespace, ref.name, ref.key)
+    except ApiError as err:
+        raise _SecretProblem(f"{field_name}: cannot read Secret {namespace}/{ref.name}: {err.message}") from err
+    if value is None:
+        raise _SecretProblem(f"{field_name}: Secret {namespace}/{ref.name} or its key {ref.key!r} does not exist; "
+                             "create it or fix the reference")
+    return value
+
+
 async def _read_progress(job: render.Job, config, runtime: JobRuntime, ctx: Context,
                          health: status.RedisHealth) -> Optional[progress.Progress]:
-    """Best effort: the progress hashes, or None (and, for external Redis, RedisReady=False with the error)."""
+    """Best effort: the progress hashes, or None (and, for external Redis, RedisReady=False with the error).
+
+    The password and TLS CA Secrets are read when connecting, not on every pass: a missing one is reported (naming
+    the spec field) and read again on the next pass."""
     if job.spec.redis.mode == "managed" and not health.ready:
         return None
-    ref = render.redis_password_ref(job)
-    identity = (config.redis.host, config.redis.port, config.redis.db, config.redis.tls, ref)
+    password_ref, ca_ref = render.redis_password_ref(job), job.spec.redis.ca_secret_ref
+    where = f"{config.redis.host}:{config.redis.port}"
+    identity = (config.redis.host, config.redis.port, config.redis.db, config.redis.tls, password_ref, ca_ref)
     holder = (job.namespace, job.name)
     if runtime.redis is None or runtime.redis_identity != identity:
-        try:  # the Secret is read when connecting, not on every pass
-            password = await ctx.api.secret_value(job.namespace, ref.name, ref.key) if ref else None
-        except ApiError as err:
-            runtime.redis_health = status.RedisHealth(False, f"cannot read the Redis password Secret: {err.message}")
+        external = job.spec.redis.mode == "external"
+        password_field = "spec.redis.passwordSecretRef" if external else "the managed Redis password"
+        try:
+            password = await _secret_text(ctx, job.namespace, password_ref, password_field)
+            ca_data = await _secret_text(ctx, job.namespace, ca_ref, "spec.redis.caSecretRef")
+        except _SecretProblem as err:
+            await release_redis(runtime, ctx, *holder)
+            runtime.redis_health = status.RedisHealth(False, str(err))
             return None
-        runtime.redis = await ctx.redis_clients.acquire(holder, config.redis, password)
+        runtime.redis = await ctx.redis_clients.acquire(holder, config.redis, password, ca_data)
         runtime.redis_identity = identity
     try:
         result = await progress.fetch(runtime.redis, config.keys)
     except (aioredis.RedisError, OSError) as err:
-        await release_redis(runtime, ctx, *holder)  # reconnect (and re-read the password) on the next pass
-        runtime.redis_health = status.RedisHealth(
-            False, f"cannot reach Redis at {config.redis.host}:{config.redis.port}: {err}"
-        )
+        await release_redis(runtime, ctx, *holder)  # reconnect (and re-read the Secrets) on the next pass
+        reason = progress.tls_failure(err)
+        if reason is not None:
+            bundle = (f"the CAs of spec.redis.caSecretRef (Secret {job.namespace}/{ca_ref.name}, key {ca_ref.key!r})"
+                      if ca_ref else "the system CAs (spec.redis.caSecretRef unset)")
+            message = (f"the TLS certificate of Redis at {where} did not verify against {bundle}: {reason}; set "
+                       "spec.redis.caSecretRef to a Secret key holding the CA that signed it, and check that the "
+                       "certificate names the host of spec.redis.url")
+        else:
+            message = f"cannot reach Redis at {where}: {err}"
+        runtime.redis_health = status.RedisHealth(False, message)
         return None
-    runtime.redis_health = status.RedisHealth(True, f"reached Redis at {config.redis.host}:{config.redis.port}")
+    runtime.redis_health = status.RedisHealth(True, f"reached Redis at {where}")
     return result
 
 

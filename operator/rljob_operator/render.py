@@ -12,6 +12,9 @@ Children of a job ``J`` in namespace ``N`` (names from :mod:`rljob_api.names`, a
 - trainer pods ``J-trainer-<i>``: ``torchrun`` with a fixed node count and static rendezvous at pod 0.
 - rollout pods ``J-rollout-<i>``: ``python -m rljob_trainer.rollout``.
 
+With ``spec.redis.caSecretRef`` (a private CA for a ``rediss://`` Redis), trainer and rollout pods mount that one
+Secret key read-only at ``/etc/rljob-redis-ca/ca.crt`` and get env ``REDIS_TLS_CA_FILE`` naming it.
+
 ``runPolicy`` is left out of the config (it is the operator's business, and changing it must not change the
 config hash). Pods are replaced only when the part of the config their role reads changes
 (:func:`role_config_hash`): a change of rollout-only fields (``spec.rollout.replicas``, image, resources, ...)
@@ -70,6 +73,7 @@ _SHM_VOLUME = "dshm"
 _CHECKPOINT_VOLUME = "checkpoints"
 _MODEL_VOLUME = "model"
 _REDIS_DATA_VOLUME = "data"
+_REDIS_CA_VOLUME = "redis-ca"
 _REDIS_UID = 999  # the redis user of the official image
 
 
@@ -367,6 +371,8 @@ def _env(job: Job, index: int, *, attempt: Optional[int]) -> list[dict[str, Any]
     ref = redis_password_ref(job)
     if ref is not None:
         env.append(_secret_env(c.ENV_REDIS_PASSWORD, ref))
+    if job.spec.redis.ca_secret_ref is not None:
+        env.append({"name": c.ENV_REDIS_TLS_CA_FILE, "value": c.REDIS_CA_PATH})
     if job.spec.hf_token_secret_ref is not None:
         env.append(_secret_env(c.ENV_HF_TOKEN, job.spec.hf_token_secret_ref))
     env.append({"name": "PYTHONUNBUFFERED", "value": "1"})
@@ -384,6 +390,8 @@ def _mounts(job: Job, *, checkpoints: bool) -> list[dict[str, Any]]:
     ]
     if checkpoints:
         mounts.append({"name": _CHECKPOINT_VOLUME, "mountPath": c.CHECKPOINT_MOUNT_DIR})
+    if job.spec.redis.ca_secret_ref is not None:
+        mounts.append({"name": _REDIS_CA_VOLUME, "mountPath": c.REDIS_CA_MOUNT_DIR, "readOnly": True})
     if job.spec.model.volume and job.spec.model.path:
         mounts.append({"name": _MODEL_VOLUME, "mountPath": posixpath.dirname(job.spec.model.path.rstrip("/")),
                        "readOnly": True})
@@ -402,6 +410,11 @@ def _volumes(job: Job, *, checkpoints: bool) -> list[dict[str, Any]]:
             if claim
             else {"name": _CHECKPOINT_VOLUME, "emptyDir": {}}
         )
+    ca = job.spec.redis.ca_secret_ref
+    if ca is not None:  # only the one key, under a fixed file name (REDIS_TLS_CA_FILE)
+        volumes.append({"name": _REDIS_CA_VOLUME, "secret": {
+            "secretName": ca.name, "items": [{"key": ca.key, "path": posixpath.basename(c.REDIS_CA_PATH)}],
+        }})
     if job.spec.model.volume and job.spec.model.path:
         volumes.append(
             {"name": _MODEL_VOLUME, "persistentVolumeClaim": {"claimName": job.spec.model.volume, "readOnly": True}}

@@ -85,8 +85,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: lo
     # A handler error is retried after these delays (seconds) unless it says otherwise.
     settings.execution.default_backoff = 10
 
-    api = await KubeApi.connect(options.kubeconfig)
     metrics = OperatorMetrics()
+    api = await KubeApi.connect(options.kubeconfig, on_request=metrics.count_request)
     memo["api"] = api
     memo["metrics"] = metrics
     memo["jobs"] = {}

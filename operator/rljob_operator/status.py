@@ -7,8 +7,10 @@ Conditions (metav1.Condition shaped, keyed by type):
 Valid                   False: the spec has a problem only code can find (the message names the field); no
                         children are created until it is fixed. NotSupported: a valid request for something
                         not implemented yet (tensor/pipeline parallelism, the fast-llm backend).
-RedisReady              managed: the Redis Deployment has a ready replica; external: the operator reached it.
-                        Until this process has probed Redis itself (after a restart), the saved condition stays.
+RedisReady              managed: the Redis Deployment has a ready replica; external: the operator reached it
+                        (over TLS: the certificate verified against spec.redis.caSecretRef or the system CAs); a
+                        missing password or CA Secret names its field. Until this process has probed Redis itself
+                        (after a restart), the saved condition stays.
 RolloutReady            every rollout pod is ready; Unschedulable names pods the scheduler cannot place;
                         AllRewardsFailed: every sample of a worker's last batch failed its reward function (the
                         rollout hash's ``all_rewards_failed``), so nothing reaches the trainer; cleared when a
@@ -42,6 +44,10 @@ ALWAYS = (ConditionType.VALID, ConditionType.REDIS_READY, ConditionType.ROLLOUT_
 ORDER = (*ALWAYS, ConditionType.RESTARTING, ConditionType.SUSPENDED, ConditionType.SUCCEEDED, ConditionType.FAILED)
 IDLE_PHASES = (Phase.SUSPENDED, Phase.SUCCEEDED, Phase.FAILED, Phase.INVALID)
 _NOT_NEWS = (Reason.PODS_NOT_READY, Reason.WAITING_FOR_GANG, Reason.REDIS_UNAVAILABLE)
+"""Reasons of a new job's first conditions that are not news: "not ready yet"."""
+_HEALTHY_FROM_THE_START = (ConditionType.VALID, ConditionType.REDIS_READY)
+"""Conditions whose first observation as True is not news either: a valid spec and a reachable Redis are what a
+user expects of a new job; only a later change (or a False) is worth an Event."""
 
 
 @dataclass(frozen=True)
@@ -238,9 +244,11 @@ def status_patch(stored: Mapping[str, Any], new: RLTrainingJobStatus) -> Optiona
 
 
 def transition_events(previous: RLTrainingJobStatus, new: RLTrainingJobStatus) -> list[Event]:
-    """One Event per condition whose status or reason changed (Warning for failures, restarts, invalid specs
-    and unschedulable pods; Normal otherwise); conditions that echo the same reason and message (the pod
-    conditions of a suspended or invalid job) give one Event."""
+    """One Event per condition whose status or reason changed (Warning for failures, restarts, invalid specs,
+    unschedulable pods and rewards that all failed; Normal otherwise); conditions that echo the same reason and
+    message (the pod conditions of a suspended or invalid job) give one Event. A new job's first conditions give
+    none while they say what is expected (Valid=True, RedisReady=True, pods not ready yet): a job created
+    suspended gets one Event (JobSuspended), a job created running none until something changes."""
     old = {cond.type: cond for cond in previous.conditions}
     events = []
     said: set[tuple[str, str]] = set()
@@ -250,8 +258,11 @@ def transition_events(previous: RLTrainingJobStatus, new: RLTrainingJobStatus) -
             before.reason == cond.reason or cond.type == ConditionType.RUNNING
         ):
             continue  # Running's reason follows the phase, whose own condition reports it
-        if before is None and cond.status != "True" and cond.reason in _NOT_NEWS:
-            continue  # the initial "not ready yet" of a new job is not news
+        if before is None and (
+            (cond.status != "True" and cond.reason in _NOT_NEWS)
+            or (cond.status == "True" and cond.type in _HEALTHY_FROM_THE_START)
+        ):
+            continue  # a new job's initial "not ready yet", valid spec and reachable Redis are not news
         if (cond.reason, cond.message) in said:
             continue
         said.add((cond.reason, cond.message))

@@ -133,6 +133,10 @@ def test_examples_pass_the_code_checks(example):
 
     import yaml
 
-    manifest = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / example).read_text())
+    documents = list(yaml.safe_load_all((Path(__file__).resolve().parents[2] / "examples" / example).read_text()))
+    (claim,) = [d for d in documents if d["kind"] == "PersistentVolumeClaim"]
+    (manifest,) = [d for d in documents if d["kind"] == "RLTrainingJob"]
     assert check_spec(RLTrainingJobSpec.model_validate(manifest["spec"])) == []
+    # Checkpoints on a claim of the same file, so a gang restart resumes (not an emptyDir).
+    assert manifest["spec"]["trainer"]["checkpoint"]["volume"] == claim["metadata"]["name"]
 

@@ -320,7 +320,8 @@ def condition(job: dict[str, Any] | None, ctype: c.ConditionType) -> dict[str, A
 
 
 def load_example(name: str) -> dict[str, Any]:
-    return yaml.safe_load((EXAMPLES / name).read_text())
+    """The RLTrainingJob of ``examples/<name>`` (the file also holds its checkpoint PersistentVolumeClaim)."""
+    return next(doc for doc in yaml.safe_load_all((EXAMPLES / name).read_text()) if doc and doc.get("kind") == c.KIND)
 
 
 @dataclass(frozen=True)
@@ -521,10 +522,11 @@ def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 def job_manifest(name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """An RLTrainingJob named ``name``: the CPU example's spec with ``spec`` merged in."""
-    example = load_example("rljob-cpu.yaml")
-    return {"apiVersion": c.API_VERSION, "kind": c.KIND, "metadata": {"name": name},
-            "spec": merge(example["spec"], spec)}
+    """An RLTrainingJob named ``name``: the CPU example's spec without its checkpoint claim (that claim belongs to
+    the example's own job; :func:`checkpointed_job` makes one per job), with ``spec`` merged in."""
+    base = load_example("rljob-cpu.yaml")["spec"]  # a fresh parse: changing it changes nothing else
+    base["trainer"]["checkpoint"].pop("volume", None)
+    return {"apiVersion": c.API_VERSION, "kind": c.KIND, "metadata": {"name": name}, "spec": merge(base, spec)}
 
 
 def get_job(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:

@@ -353,6 +353,47 @@ def test_progress_hashes_reach_status_and_printer_columns(kube, operator, namesp
              "RolloutReady back to the pods' readiness (no node here: the rollout pod is unschedulable)")
 
 
+def test_a_private_redis_ca_is_mounted_and_verifies_the_operators_reads(kube, operator, namespace, redis_tls_server):
+    """rediss:// with spec.redis.caSecretRef: a missing Secret is named in RedisReady (and not rewritten every pass);
+    a CA that did not sign the server's certificate is named too; once the Secret holds the right CA the operator's
+    own read verifies the server with it, and the pods mount it."""
+    server = redis_tls_server
+    kube.run("create", "secret", "generic", "tls-redis", "-n", namespace, f"--from-literal=password={server.password}")
+    kube.apply(job_manifest("tls", redis={"mode": "external", "url": server.url,
+                                          "passwordSecretRef": {"name": "tls-redis", "key": "password"},
+                                          "caSecretRef": {"name": "redis-ca", "key": "ca.crt"}}), namespace)
+    missing = wait_for(lambda: (r := kube.condition(namespace, "tls", "RedisReady")).get("status") == "False" and r,
+                       "RedisReady=False for the missing CA Secret")
+    assert missing["message"] == (f"spec.redis.caSecretRef: Secret {namespace}/redis-ca or its key 'ca.crt' does not "
+                                  "exist; create it or fix the reference")
+    version = kube.job(namespace, "tls")["metadata"]["resourceVersion"]
+    time.sleep(3)  # three active intervals: the same problem is not written again
+    assert kube.job(namespace, "tls")["metadata"]["resourceVersion"] == version
+
+    kube.run("create", "secret", "generic", "redis-ca", "-n", namespace,
+             f"--from-file=ca.crt={server.tls.foreign_ca_file}")
+    wrong = wait_for(lambda: "did not verify" in (r := kube.condition(namespace, "tls", "RedisReady")).get("message", "")
+                     and r, "RedisReady=False for a CA that did not sign the server's certificate")
+    assert wrong["status"] == "False" and wrong["message"].startswith(
+        f"the TLS certificate of Redis at {server.host}:{server.port} did not verify against the CAs of "
+        f"spec.redis.caSecretRef (Secret {namespace}/redis-ca, key 'ca.crt'): self-signed certificate in certificate "
+        "chain; set spec.redis.caSecretRef to a Secret key holding the CA that signed it")
+
+    kube.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "redis-ca"},
+                "stringData": {"ca.crt": server.tls.ca_file.read_text()}}, namespace)  # the right CA
+    ready = wait_for(lambda: (r := kube.condition(namespace, "tls", "RedisReady")).get("status") == "True" and r,
+                     "RedisReady=True over TLS")
+    assert ready["message"] == f"reached Redis at {server.host}:{server.port}"
+    for role in ("trainer", "rollout"):
+        for pod in kube.pods(namespace, role):
+            volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+            (container,) = pod["spec"]["containers"]
+            (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/etc/rljob-redis-ca"]
+            assert mount["readOnly"] is True
+            assert volumes[mount["name"]]["secret"]["secretName"] == "redis-ca"
+            assert {"name": "REDIS_TLS_CA_FILE", "value": "/etc/rljob-redis-ca/ca.crt"} in container["env"]
+
+
 def stale_status_writes(proc: "OperatorProcess") -> float:
     """Status writes the operator had refused with 409 so far (rljob_operator_reconcile_errors_total{kind=StaleStatus})."""
     prefix = 'rljob_operator_reconcile_errors_total{kind="StaleStatus"}'
@@ -403,6 +444,16 @@ def test_metrics_and_liveness_endpoints(kube, operator, namespace):
     assert operator.get(operator.liveness, "/healthz") is not None
 
 
+def api_requests(proc: OperatorProcess) -> dict[tuple[str, str], float]:
+    """(verb, resource) → the operator's own API requests so far (rljob_operator_api_requests_total)."""
+    found = {}
+    for line in proc.get(proc.metrics, "/metrics").splitlines():
+        if line.startswith("rljob_operator_api_requests_total{"):
+            labels = dict(part.split("=", 1) for part in line[line.index("{") + 1:line.index("}")].split(","))
+            found[(labels["verb"].strip('"'), labels["resource"].strip('"'))] = float(line.split()[-1])
+    return found
+
+
 def reconcile_count(proc: OperatorProcess) -> float:
     line = next(line for line in proc.get(proc.metrics, "/metrics").splitlines()
                 if line.startswith("rljob_operator_reconcile_duration_seconds_count"))
@@ -421,12 +472,26 @@ def settled_reconcile_count(proc: OperatorProcess) -> float:
 
 def test_two_replicas_one_active_and_failover(kube, operator, installed, namespace, tmp_path):
     """Runs last: it stops the module's operator. The replica with the higher peering priority works."""
+    held = f"{namespace}-held"  # jobs the replica that takes over finds (besides earlier tests'), apart from `peer`
+    kube.run("create", "namespace", held)
+    kube.apply(job_manifest("held"), held)
+    kube.apply(job_manifest("held-idle", runPolicy={"suspend": True}), held)
+    wait_for(lambda: (kube.job(held, "held").get("status") or {}).get("gangCreated")
+             and (kube.job(held, "held-idle").get("status") or {}).get("phase") == "Suspended", "2 jobs settled")
     paused_before = operator.logs().count("Pausing operations in favour of")
     second = OperatorProcess(installed, tmp_path / "second.log", priority=200)
     try:
         wait_for(lambda: operator.logs().count("Pausing operations in favour of") > paused_before,
                  "the lower-priority replica to pause")
         passes_while_paused = settled_reconcile_count(operator)  # passes in flight at the pause have ended
+        # The replica that took over reads every job's children back once and applies none: they are as rendered.
+        with_children = len(kube.json("get", "configmaps", "-A", "-l", "rljob.dev/role=config")["items"])
+        assert with_children >= 2
+        wait_for(lambda: api_requests(second).get(("get", "configmaps"), 0) >= with_children,
+                 f"the new replica's first pass over {with_children} jobs")
+        requests = api_requests(second)
+        assert not [key for key in requests if key[0] == "apply" or key == ("create", "secrets")], requests
+        assert requests[("get", "services")] >= with_children
         kube.apply(job_manifest("peer"), namespace)
         wait_for(lambda: len(kube.pods(namespace, "trainer")) == 2, "pods from the active replica")
         time.sleep(2)

@@ -15,10 +15,10 @@ NAMESPACED_RULES = {
     ("rljob.dev", "rltrainingjobs/status"): {"patch"},
     ("rljob.dev", "rltrainingjobs/finalizers"): {"update"},
     ("", "pods"): {"get", "list", "watch", "create", "delete"},
-    ("", "configmaps"): {"create", "patch"},
-    ("", "services"): {"create", "patch"},
+    ("", "configmaps"): {"get", "create", "patch"},
+    ("", "services"): {"get", "create", "patch"},
     ("", "secrets"): {"get", "create"},
-    ("apps", "deployments"): {"list", "watch", "create", "patch"},
+    ("apps", "deployments"): {"get", "list", "watch", "create", "patch"},
     ("", "events"): {"create"},
 }
 CLUSTER_RULES = {

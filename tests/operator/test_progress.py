@@ -68,6 +68,40 @@ def test_fetch_from_a_real_redis(redis_server):
     }
 
 
+def test_fetch_over_tls_verifies_the_server_with_the_ca_bundle_given(redis_tls_server):
+    """The operator's reader verifies a TLS Redis against the PEM text of spec.redis.caSecretRef; a wrong CA or the
+    system CAs fail with the verifier's reason (tls_failure), other errors give none."""
+    server = redis_tls_server
+    keys = render.job_config(make_job(redis={"mode": "external", "url": server.url})).keys
+    server.client().hset(keys.progress, mapping={"step": 4, "documents_seen": 256})
+    connection = RedisConnection(host=server.host, port=server.port, tls=True)
+
+    async def go():
+        outcomes = {}
+        for name, ca_data, password in (
+            ("private CA", server.tls.ca_file.read_text(), server.password),
+            ("foreign CA", server.tls.foreign_ca_file.read_text(), server.password),
+            ("system CAs", None, server.password),
+            ("wrong password", server.tls.ca_file.read_text(), "not-the-password"),
+        ):
+            client = progress.connect(connection, password, ca_data=ca_data)
+            try:
+                outcomes[name] = await progress.fetch(client, keys)
+            except redis.RedisError as err:
+                outcomes[name] = err
+            finally:
+                await client.aclose()
+        return outcomes
+
+    outcomes = asyncio.run(go())
+    assert (outcomes["private CA"].step, outcomes["private CA"].documents_seen) == (4, 256)
+    for name in ("foreign CA", "system CAs"):
+        assert isinstance(outcomes[name], redis.ConnectionError), outcomes[name]
+        assert progress.tls_failure(outcomes[name]) == "self-signed certificate in certificate chain", name
+    assert isinstance(outcomes["wrong password"], redis.AuthenticationError)
+    assert progress.tls_failure(outcomes["wrong password"]) is None
+
+
 def test_all_rewards_failed_becomes_a_warning_condition_and_clears_when_rewards_succeed(redis_server):
     """The real rollout writer flags a batch whose every reward failed; the operator's read of the real Redis turns
     it into RolloutReady=False/AllRewardsFailed with one Warning Event, keeps it while Redis is not read, and

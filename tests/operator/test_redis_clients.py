@@ -56,3 +56,27 @@ def test_jobs_on_one_redis_share_one_client_and_it_closes_with_the_last_holder(r
     asyncio.run(go())
     assert counts["50 jobs"] <= 5, counts  # a pool used by 50 concurrent reads, not 50 clients
     assert counts == {**counts, "one job left on db 1": 0, "closed": 0}
+
+
+def test_jobs_that_verify_tls_with_different_cas_get_different_clients(redis_tls_server):
+    server = redis_tls_server
+    connection = RedisConnection(host=server.host, port=server.port, tls=True)
+    ca, foreign = server.tls.ca_file.read_text(), server.tls.foreign_ca_file.read_text()
+
+    async def go():
+        clients = RedisClients()
+        try:
+            first = await clients.acquire(("ns", "a"), connection, server.password, ca)
+            same = await clients.acquire(("ns", "b"), connection, server.password, ca)
+            other = await clients.acquire(("ns", "c"), connection, server.password, foreign)
+            assert first is same and other is not first and len(clients) == 2
+            assert await first.ping()
+            with pytest.raises(redis.ConnectionError):
+                await other.ping()
+            # job c's CA Secret was fixed: it joins the verified client, the one with the foreign CA closes
+            assert await clients.acquire(("ns", "c"), connection, server.password, ca) is first
+            assert len(clients) == 1
+        finally:
+            await clients.close()
+
+    asyncio.run(go())

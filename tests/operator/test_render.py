@@ -88,6 +88,27 @@ def test_trainer_pod_labels_env_ports_and_volumes():
     assert volumes[next(n for n, p in mounts.items() if p == c.CHECKPOINT_MOUNT_DIR)]["emptyDir"] == {}
 
 
+def test_a_private_redis_ca_is_mounted_read_only_into_trainer_and_rollout_pods_and_named_by_env():
+    tls = {"mode": "external", "url": "rediss://cache.example:6380/0", "passwordSecretRef": {"name": "pw", "key": "p"}}
+    job = make_job(trainer={"nodes": 2}, rollout={"replicas": 1},
+                   redis={**tls, "caSecretRef": {"name": "corp-ca", "key": "bundle.pem"}})
+    pods = _all_pods(job)
+    assert [p["metadata"]["labels"][c.LABEL_ROLE] for p in pods] == ["trainer", "trainer", "rollout"]
+    for pod in pods:
+        (container,) = pod["spec"]["containers"]
+        (volume,) = [v for v in pod["spec"]["volumes"] if "secret" in v]
+        assert volume["secret"] == {"secretName": "corp-ca", "items": [{"key": "bundle.pem", "path": "ca.crt"}]}
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+        assert mount == {"name": volume["name"], "mountPath": "/etc/rljob-redis-ca", "readOnly": True}
+        assert _env(container)[c.ENV_REDIS_TLS_CA_FILE] == "/etc/rljob-redis-ca/ca.crt" == c.REDIS_CA_PATH
+        assert c.REDIS_CA_PATH.startswith(mount["mountPath"] + "/")
+
+    plain = _all_pods(make_job(trainer={"nodes": 2}, rollout={"replicas": 1}, redis=tls))  # system CAs
+    for pod in plain:
+        assert not [v for v in pod["spec"]["volumes"] if "secret" in v]
+        assert c.ENV_REDIS_TLS_CA_FILE not in _env(pod["spec"]["containers"][0])
+
+
 def test_checkpoint_pvc_and_model_volume():
     job = make_job(trainer={"checkpoint": {"volume": "ckpt"}}, model={"source": "path", "path": "/models/m1",
                                                                      "volume": "models"})

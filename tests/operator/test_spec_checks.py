@@ -42,6 +42,16 @@ CASES = {
         {"redis": {"mode": "external", "url": "http://cache:6379"}},
         "spec.redis.url: must start with redis:// or rediss://, got 'http://cache:6379'",
     ),
+    "redis-ca-without-tls": (
+        {"redis": {"mode": "external", "url": "redis://cache:6379", "caSecretRef": {"name": "ca", "key": "ca.crt"}}},
+        "spec.redis.caSecretRef: verifies a TLS connection: set mode to 'external' and a rediss:// url, or remove "
+        "caSecretRef",
+    ),
+    "redis-ca-managed": (
+        {"redis": {"caSecretRef": {"name": "ca", "key": "ca.crt"}}},
+        "spec.redis.caSecretRef: verifies a TLS connection: set mode to 'external' and a rediss:// url, or remove "
+        "caSecretRef",
+    ),
     "dataset": ({"rollout": {"task": {"name": "math"}}}, "spec.rollout.task.datasetPath: required for task 'math'"),
     "reward-function": (
         {"rollout": {"task": {"name": "custom", "datasetPath": "/d.jsonl"}}},
@@ -79,3 +89,9 @@ def test_job_names_that_cannot_name_services_are_refused(name):
 def test_a_valid_spec_has_no_problems():
     spec, problems = parse_spec("grpo-demo", {"trainer": {"nodes": 2, "batch": {"documentsPerStep": 64}}})
     assert problems == [] and spec.trainer.nodes == 2
+
+
+def test_a_ca_for_a_tls_redis_is_valid():
+    spec, problems = parse_spec("tls", {"redis": {"mode": "external", "url": "rediss://cache.example:6380/2",
+                                                  "caSecretRef": {"name": "redis-ca", "key": "ca.crt"}}})
+    assert problems == [] and (spec.redis.ca_secret_ref.name, spec.redis.ca_secret_ref.key) == ("redis-ca", "ca.crt")

@@ -114,9 +114,31 @@ def test_status_patch_is_none_when_unchanged_and_nulls_removed_fields():
     assert (first["restarts"], first["attempt"], first["failedAttempts"]) == (0, 0, 0)
 
 
+def test_a_new_job_gets_events_only_for_what_a_user_did_not_expect():
+    """A valid spec, a reachable Redis and pods not ready yet are what a new job starts with: no Event. A job created
+    suspended gets one (every pod condition echoes the same reason), a Redis or spec that becomes fine later one."""
+    assert status.transition_events(RLTrainingJobStatus(), build(lifecycle=gang.Lifecycle(), pods=[])) == []
+    suspended = gang.Lifecycle(phase=Phase.SUSPENDED, reason=Reason.JOB_SUSPENDED, message="job suspended")
+    (event,) = status.transition_events(RLTrainingJobStatus(), build(lifecycle=suspended))
+    assert (event.type, event.reason) == ("Normal", "JobSuspended")
+    assert event.message == "RolloutReady=False: job suspended"
+
+    down = status.RedisHealth(False, "the managed Redis Deployment does not exist yet")
+    waiting = build(lifecycle=gang.Lifecycle(), redis=down)
+    assert status.transition_events(RLTrainingJobStatus(), waiting) == []
+    up = build(previous=waiting, lifecycle=gang.Lifecycle())
+    assert [(e.reason, e.message) for e in status.transition_events(waiting, up)] == [
+        ("RedisAvailable", f"RedisReady=True: {READY.message}")]
+
+    problems = [SpecProblem("spec.model.tiny.heads", "heads = 3 does not divide hiddenSize = 64")]
+    invalid = build(lifecycle=gang.Lifecycle(), problems=problems)
+    assert [e.type for e in status.transition_events(RLTrainingJobStatus(), invalid)] == ["Warning"]
+    fixed = build(previous=invalid, lifecycle=gang.Lifecycle())
+    assert [e.reason for e in status.transition_events(invalid, fixed)] == ["SpecValid"]
+
+
 def test_events_on_transitions_only():
     quiet = build(lifecycle=gang.Lifecycle(), pods=[])
-    assert [e.reason for e in status.transition_events(RLTrainingJobStatus(), quiet)] == ["SpecValid", "RedisAvailable"]
     restarting = gang.Lifecycle(phase=Phase.RESTARTING, attempt=1, restarts=1, reason=Reason.POD_FAILED,
                                 message="trainer pod demo-trainer-1 of attempt 0 failed")
     st = build(previous=quiet, lifecycle=restarting)

@@ -1,4 +1,5 @@
-"""The document writer: wire format of rollout documents, back-pressure, max lag and the rollout hash."""
+"""The document writer: wire format of rollout documents, back-pressure, max lag (also across a trainer restart,
+with the real stream reader as the trainer) and the rollout hash."""
 
 from __future__ import annotations
 
@@ -6,11 +7,14 @@ import json
 from collections import Counter
 
 import numpy as np
+import pytest
 
 from rollout_harness import make_config
 from rljob_api import constants as c
-from rljob_trainer.rollout.writer import BatchReport, DocumentWriter, make_document, rollout_rewards
+from rljob_trainer.rollout.writer import BatchReport, DocumentWriter, StreamBacklog, make_document, rollout_rewards
 from rljob_trainer.stream.codec import decode_entry
+from rljob_trainer.stream.reader import StreamReader
+from rljob_trainer.train import publish_checkpointed, publish_start
 
 
 def _docs(n: int, version: int = 0):
@@ -50,22 +54,99 @@ def test_backpressure_counts_undelivered_and_unacked_entries(redis_server):
     assert client.xlen(config.keys.stream) == 8
 
 
-def test_max_lag_compares_documents_written_with_the_trainers_documents_seen(redis_server):
-    config = make_config(redis_server, rollout={"maxLag": 20}, trainer={"batch": {"documentsPerStep": 16}},
+def _reader(client, config):
+    """The trainer side: data-parallel rank 0 of 1 reading the job's stream (a real consumer-group consumer)."""
+    return StreamReader(client, config.keys, 0, 1, micro_batch_tokens=64, require_metrics_fields=True,
+                        data_timeout_seconds=5, read_ahead=False)
+
+
+def _train_step(client, config, reader, documents_seen, n):
+    """One trainer step as the rollout sees it: ``n`` documents handed out, then the progress hash's documents_seen."""
+    assert len(reader.next_documents(n)) == n
+    client.hset(config.keys.progress, c.PROGRESS_DOCUMENTS_SEEN, documents_seen + n)
+    return documents_seen + n
+
+
+def test_max_lag_counts_documents_not_yet_trained_and_not_those_waiting_for_a_checkpoint(redis_server):
+    config = make_config(redis_server, rollout={"maxLag": 8}, trainer={"batch": {"documentsPerStep": 4}},
                          redis={"maxPending": 100_000})
     client = redis_server.client()
-    writer = DocumentWriter(client, config, 0)
-    assert writer.max_ahead == 20
-    writer.write(_docs(20))
-    assert "ahead of the trainer" in writer.wait_reason()
-    client.hset(config.keys.progress, c.PROGRESS_DOCUMENTS_SEEN, 5)
-    assert writer.ahead(writer.backlog()) == 15 and writer.wait_reason() is None
-    # documents the trainer dropped (acked, never seen) cannot stall the workers: ahead is capped by the backlog
-    client.xgroup_create(config.keys.stream, config.keys.group, id="$")
-    assert writer.backlog() == 0 and writer.ahead(0) == 0
+    writers = [DocumentWriter(client, config, 0), DocumentWriter(client, config, 1)]  # two rollout workers
+    assert writers[0].max_ahead == 8
+    writers[0].write(_docs(4))
+    writers[1].write(_docs(4))
+    for writer in writers:  # no group and no progress yet: every written document is ahead
+        assert writer.snapshot() == StreamBacklog(undelivered=8, pending=0, trained_unacked=0)
+        assert "8 documents ahead of the trainer" in writer.wait_reason()
+
+    publish_start(client, config, 0, 0, None)  # the trainer starts from scratch
+    reader = _reader(client, config)
+    reader.start()
+    seen = _train_step(client, config, reader, 0, 4)
+    assert writers[0].snapshot() == StreamBacklog(undelivered=4, pending=4, trained_unacked=4)
+    assert writers[1].ahead() == 4 and writers[1].wait_reason() is None
+    seen = _train_step(client, config, reader, seen, 4)
+    writers[1].write(_docs(8))  # the trained, unacked documents do not hold the workers back
+    assert writers[0].snapshot() == StreamBacklog(undelivered=8, pending=8, trained_unacked=8)
+    assert "8 documents ahead" in writers[0].wait_reason()
+    # documents_written is a statistic: documents the trainer dropped (acked, never seen) cannot stall the workers
+    client.hincrby(config.keys.rollout, "documents_written", 1000)
+    assert writers[0].ahead() == 8
+
+    # A checkpoint: documents_seen published before the acks (briefly too many ahead, never too few), then the acks.
+    publish_checkpointed(client, config, seen)
+    assert writers[0].snapshot() == StreamBacklog(undelivered=8, pending=8, trained_unacked=0)
+    reader.ack(reader.pending_ids())
+    assert writers[0].snapshot() == StreamBacklog(undelivered=8, pending=0, trained_unacked=0)
+    _train_step(client, config, reader, seen, 4)
+    assert writers[0].ahead() == 4 and writers[0].wait_reason() is None
     # a maxLag below one step is raised to documentsPerStep, so the trainer can always fill a step
     small = make_config(redis_server, rollout={"maxLag": 0}, trainer={"batch": {"documentsPerStep": 16}})
     assert DocumentWriter(client, small, 0).max_ahead == 16
+
+
+@pytest.mark.parametrize(("restored", "old_rule_ahead"), [(0, 12), (20, 0)], ids=["from-scratch", "from-step-5"])
+def test_a_trainer_restart_does_not_stall_the_rollout(redis_server, restored, old_rule_ahead):
+    """The stall of a restart (B1): the old attempt wrote 32 documents, checkpointed 20 (acked) and trained 12 more
+    (pending); the new attempt (from scratch, the checkpoint lost, or from the step-5 checkpoint) re-reads and trains
+    the 12, then needs new documents while nothing is undelivered and only a checkpoint acks the 12."""
+    config = make_config(redis_server, rollout={"maxLag": 4},
+                         trainer={"batch": {"documentsPerStep": 4}, "checkpoint": {"everySteps": 5}},
+                         redis={"maxPending": 20})
+    client = redis_server.client()
+    writer = DocumentWriter(client, config, 0)
+    old = _reader(client, config)
+    old.start()
+    seen = 0
+    for _ in range(8):  # attempt 0: 8 steps, a checkpoint at step 5
+        writer.write(_docs(4))
+        seen = _train_step(client, config, old, seen, 4)
+        if seen == 20:
+            publish_checkpointed(client, config, seen)
+            old.ack(old.pending_ids())
+    old.close()
+    assert writer.snapshot() == StreamBacklog(undelivered=0, pending=12, trained_unacked=12)
+
+    publish_start(client, config, restored // 4, restored, None)  # attempt 1
+    new = _reader(client, config)
+    new.start()
+    assert new.counters.redeliveries == 12
+    assert writer.ahead() == 12  # the redelivered documents are ahead of the restarted trainer
+    seen = restored
+    for _ in range(3):
+        assert writer.wait_reason() is not None
+        seen = _train_step(client, config, new, seen, 4)
+    # The trainer waits for a 4th step. The old rule, min(documents_written - documents_seen, undelivered + pending),
+    # said 12 documents ahead from scratch (>= max(maxLag, documentsPerStep) = 4: the stall, for good, as only a
+    # checkpoint acks the 12), 0 from the step-5 checkpoint.
+    written = int(client.hget(config.keys.rollout, "documents_written"))
+    assert min(written - seen, writer.backlog()) == old_rule_ahead
+    assert writer.snapshot() == StreamBacklog(undelivered=0, pending=12, trained_unacked=12)
+    assert writer.ahead() == 0 and writer.wait_reason() is None
+    writer.write(_docs(4))
+    assert "4 documents ahead" in writer.wait_reason()  # the bound still holds
+    _train_step(client, config, new, seen, 4)
+    assert writer.wait_reason() is None
 
 
 def test_rollout_hash_sums_rewards_per_version_over_workers_and_reports_all_failed(redis_server):

@@ -138,3 +138,14 @@ def test_acknowledge_covered_acks_only_still_pending_covered_entries(redis_serve
     pending = [row["message_id"].decode() for row in client.xpending_range(keys.stream, keys.group, "-", "+", 10)]
     assert pending == ids[4:]
     assert acknowledge_covered(client, config, committed) == 0
+
+
+def test_acknowledge_covered_on_a_redis_without_the_group_acks_nothing(redis_server, tmp_path):
+    """A resume against a new Redis (the job re-created, its checkpoint volume kept): nothing is pending there."""
+    config = make_config(redis_server, tmp_path / "ckpt", processes=1)
+    client = redis_server.client()
+    committed = CommittedCheckpoint("x", 2, 4, 1, {"fast_llm_consumer_0": ["1-0", "2-0"]})
+    assert acknowledge_covered(client, config, committed) == 0  # no stream
+    client.xadd(config.keys.stream, {"x": "1"})
+    assert acknowledge_covered(client, config, committed) == 0  # a stream, no group
+    assert client.xinfo_groups(config.keys.stream) == []

@@ -1,6 +1,7 @@
 """Kill a 2-rank trainer mid-run and restart it: every entry id is acked exactly once (counted with Redis
 MONITOR), only after a committed checkpoint covers it, and entries trained after the last checkpoint are
-redelivered and counted (DESIGN §6)."""
+redelivered and counted (DESIGN §6); the progress hash says what the rollout's max lag and the operator need
+(checkpoint_documents_seen, restored_from_step, no checkpoint_lost)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,12 @@ import collections
 import json
 import threading
 
+from rljob_api.constants import (
+    PROGRESS_CHECKPOINT_DOCUMENTS_SEEN,
+    PROGRESS_CHECKPOINT_LOST,
+    PROGRESS_DOCUMENTS_SEEN,
+    PROGRESS_RESTORED_FROM_STEP,
+)
 from rljob_trainer.checkpoint import COMMIT_FILE, committed_checkpoints
 from train_harness import (
     Torchrun,
@@ -82,6 +89,10 @@ def test_kill_and_restart_acks_every_entry_once_after_its_checkpoint(redis_serve
         pending = {row["message_id"].decode() for row in client.xpending_range(keys.stream, keys.group, "-", "+", 100)}
         assert pending == set(ids[16:20])
         assert set(monitor.acks) == set(ids[:16])
+        # What the rollout's max lag reads: 20 seen - 16 checkpointed = the 4 trained entries still pending.
+        progress = client.hmget(keys.progress, [PROGRESS_DOCUMENTS_SEEN, PROGRESS_CHECKPOINT_DOCUMENTS_SEEN])
+        assert progress == [b"20", b"16"]
+        client.hset(keys.progress, PROGRESS_CHECKPOINT_LOST, "{}")  # as if an earlier start had lost a checkpoint
 
         # Redis drops the killed ranks' blocked XREADGROUPs once it sees their sockets close; entries written
         # before that would be delivered to the dead consumers (and merely redelivered later).
@@ -113,3 +124,8 @@ def test_kill_and_restart_acks_every_entry_once_after_its_checkpoint(redis_serve
     ready = [(e["step"], e["documents_seen"]) for e in events if e["type"] == "weights_ready"]
     assert ready == [(s, 4 * s) for s in range(6)] + [(4, 16), (5, 20), (6, 24)]  # a start publishes the checkpoint's
     assert [e["type"] for e in events].count("training_finished") == 1 and events[-1] == {"type": "training_finished"}
+
+    # A start that finds its checkpoint says where it started and clears an earlier start's checkpoint_lost.
+    progress = {k.decode(): v.decode() for k, v in client.hgetall(keys.progress).items()}
+    assert progress[PROGRESS_RESTORED_FROM_STEP] == "4" and PROGRESS_CHECKPOINT_LOST not in progress
+    assert progress[PROGRESS_CHECKPOINT_DOCUMENTS_SEEN] == progress[PROGRESS_DOCUMENTS_SEEN] == "24"

@@ -16,6 +16,10 @@ pending before any rank re-reads its pending entries, so an entry is never train
 
 Resharding: the model and optimizer state dicts go through ``torch.distributed.checkpoint.state_dict``,
 so a checkpoint written by N ranks loads on M ranks (and later on FSDP-sharded models).
+
+Lost checkpoints: rank 0 also records each commit in the Redis hash ``keys.checkpoint``, which outlives the pods.
+At a start, :func:`find_lost_checkpoint` compares that record with what the volume holds: a recorded checkpoint
+that is gone (an emptyDir volume after a gang restart or suspend) means the run restarts from an older step.
 """
 
 from __future__ import annotations
@@ -280,16 +284,67 @@ class CheckpointManager:
         return out
 
 
+@dataclass(frozen=True)
+class LostCheckpoint:
+    """A committed checkpoint that the Redis checkpoint hash records but the checkpoint volume no longer holds.
+
+    ``step`` / ``path``: the recorded checkpoint; ``restored_from_step``: the step the trainer starts from instead
+    (0 from scratch).
+    """
+
+    step: int
+    path: str
+    restored_from_step: int
+
+    @property
+    def message(self) -> str:
+        """The warning the trainer logs and publishes (progress hash ``checkpoint_lost``)."""
+        return (
+            f"checkpoint step {self.step} at {self.path} is gone (an emptyDir checkpoint volume does not survive a "
+            "gang restart or suspend; set spec.trainer.checkpoint.volume to a PersistentVolumeClaim): starting from "
+            f"step {self.restored_from_step}"
+        )
+
+
+def find_lost_checkpoint(client: redis.Redis, config: JobConfig, restored_from_step: int) -> Optional[LostCheckpoint]:
+    """The checkpoint recorded in the Redis hash ``keys.checkpoint`` if it is gone and newer than the start.
+
+    Args:
+        restored_from_step: the step of the checkpoint being loaded (own or ``initFrom``), 0 without one.
+
+    Returns:
+        A :class:`LostCheckpoint` when the hash records a step above ``restored_from_step`` whose directory holds no
+        commit file, else None (no record, or nothing newer is missing: a record that a Redis error left behind an
+        own checkpoint is not a loss).
+
+    Raises:
+        redis.RedisError: Redis unreachable beyond the client's retries.
+        ValueError: the hash's ``step`` is not an integer.
+    """
+    record = {_text(k): _text(v) for k, v in client.hgetall(config.keys.checkpoint).items()}
+    if "step" not in record or "path" not in record:
+        return None
+    try:
+        step = int(record["step"])
+    except ValueError as err:
+        raise ValueError(f"Redis hash {config.keys.checkpoint}: step {record['step']!r} is not an integer") from err
+    if step <= restored_from_step or (Path(record["path"]) / COMMIT_FILE).is_file():
+        return None
+    return LostCheckpoint(step=step, path=record["path"], restored_from_step=restored_from_step)
+
+
 def acknowledge_covered(client: redis.Redis, config: JobConfig, committed: CommittedCheckpoint) -> int:
     """XACK the entries ``committed`` covers that are still pending; return how many were acked.
 
     Run by global rank 0 at a resume, before any rank reads: it closes the window between a checkpoint's
-    commit and its acks. Entries already acked are left alone, so each entry id is acked exactly once.
+    commit and its acks. Entries already acked are left alone, so each entry id is acked exactly once. A Redis
+    without the job's consumer group (a new Redis, or the job re-created while its checkpoint volume was kept) has
+    nothing pending: 0.
     """
     covered = {entry for ids in committed.covered_entry_ids.values() for entry in ids}
-    if not covered:
-        return 0
     keys = config.keys
+    if not covered or not _group_exists(client, keys.stream, keys.group):
+        return 0
     low = min(covered, key=_entry_key)
     high = max(covered, key=_entry_key)
     still_pending: list[str] = []
@@ -307,6 +362,14 @@ def acknowledge_covered(client: redis.Redis, config: JobConfig, committed: Commi
         client.xack(keys.stream, keys.group, *still_pending)
         log.info("checkpoint: acked %d entries covered by %s that were still pending", len(still_pending), committed.path)
     return len(still_pending)
+
+
+def _group_exists(client: redis.Redis, stream: str, group: str) -> bool:
+    try:
+        groups = client.xinfo_groups(stream)
+    except redis.ResponseError:  # no such stream
+        return False
+    return any(_text(g["name"]) == group for g in groups)
 
 
 def _entry_key(entry_id: str) -> tuple[int, int]:

@@ -11,22 +11,26 @@ One optimizer step on every data-parallel rank (DESIGN §4, §6):
 4. gradient clipping, AdamW with linear warm-up, metrics all-reduced (sum/max/min);
 5. ``documents_seen`` += the step's documents; the new model_version is ``documents_seen``; rank 0 publishes
    the weights (``weights_ready``) and the progress hash;
-6. every ``everySteps`` and at ``maxSteps``: a checkpoint; once it is durable each rank XACKs the entries it
+6. every ``everySteps`` and at ``maxSteps``: a checkpoint; once it is durable rank 0 publishes its
+   documents_seen (``checkpoint_documents_seen``, for the rollout's max lag), then each rank XACKs the entries it
    covers and rank 0 trims acked entries.
 
-At every start (resumes included) the latest checkpoint (or ``initFrom``) is loaded and rank 0 publishes
-the full weights with the checkpoint's documents_seen. At ``maxSteps``: final checkpoint, safetensors
-export, ``training_finished``, exit 0. Logs go to stderr, one JSON line per step to stdout.
+At every start (resumes included) the latest checkpoint (or ``initFrom``) is loaded; rank 0 warns when the
+checkpoint Redis records is gone from the volume (``checkpoint_lost``), writes the start's step and documents_seen
+to the progress hash (:func:`publish_start`) and publishes the full weights with the checkpoint's documents_seen.
+At ``maxSteps``: final checkpoint, safetensors export, ``training_finished``, exit 0. Logs go to stderr, one JSON
+line per step to stdout.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, TextIO
 
@@ -34,9 +38,16 @@ import redis
 import torch
 import torch.distributed as dist
 
+from rljob_api import constants as c
 from rljob_api.config import JobConfig
 from rljob_trainer import loss as losses
-from rljob_trainer.checkpoint import CheckpointManager, CommittedCheckpoint, acknowledge_covered
+from rljob_trainer.checkpoint import (
+    CheckpointManager,
+    CommittedCheckpoint,
+    LostCheckpoint,
+    acknowledge_covered,
+    find_lost_checkpoint,
+)
 from rljob_trainer.loss_metrics import StepMetrics, token_entropy
 from rljob_trainer.model import build_model, build_tokenizer, sequence_logprobs
 from rljob_trainer.parallel import Distributed, init_distributed, shutdown_distributed, wrap_model
@@ -133,7 +144,8 @@ class Trainer:
 
     # --- start and end ----------------------------------------------------------------------------
     def resume(self) -> Optional[CommittedCheckpoint]:
-        """Load the latest own checkpoint (or ``initFrom``), ack what it covers, start the reader. Collective."""
+        """Load the latest own checkpoint (or ``initFrom``), ack what it covers, publish where this attempt starts
+        (warning about a lost checkpoint), start the reader. Collective."""
         source, own = self.checkpoints.resume_source()
         committed = None
         if source is not None:
@@ -141,7 +153,12 @@ class Trainer:
             self.step, self.documents_seen = committed.step, committed.documents_seen
             if own and self.where.is_rank_zero:
                 acknowledge_covered(self.client, self.config, committed)
-        dist.barrier()  # covered entries are acked before any rank re-reads its pending entries
+        if self.where.is_rank_zero:
+            lost = find_lost_checkpoint(self.client, self.config, self.step)
+            if lost is not None:
+                log.warning("checkpoint: %s", lost.message)
+            publish_start(self.client, self.config, self.step, self.documents_seen, lost)
+        dist.barrier()  # covered entries are acked and the start published before any rank re-reads its pending entries
         self.reader.start()
         self.ddp = wrap_model(self.model, self.where)
         if self.where.is_rank_zero:
@@ -173,9 +190,13 @@ class Trainer:
             self.publisher = None
 
     def save_checkpoint(self) -> CommittedCheckpoint:
-        """Checkpoint (collective), then XACK the entries it covers and trim acked entries (rank 0)."""
+        """Checkpoint (collective), publish its documents_seen (rank 0, :func:`publish_checkpointed`), then XACK the
+        entries it covers and trim acked entries (rank 0)."""
         covered = self.reader.pending_ids()
         committed = self.checkpoints.save(self.step, self.documents_seen, self.model, self.optimizer, covered)
+        if self.where.is_rank_zero:
+            publish_checkpointed(self.client, self.config, self.documents_seen)
+        dist.barrier()  # the rollout stops counting the covered entries as trained before they leave the pending list
         self.reader.ack(covered)
         dist.barrier()  # every rank's acks are in, so the trim reaches this checkpoint's entries
         if self.where.is_rank_zero:
@@ -292,6 +313,46 @@ class Trainer:
     def _stream_counter(self, name: str) -> float:
         value = getattr(self.reader.counters, name)
         return float(sum(value.values()) if isinstance(value, dict) else value)
+
+
+def publish_start(
+    client: redis.Redis, config: JobConfig, step: int, documents_seen: int, lost: Optional[LostCheckpoint]
+) -> None:
+    """Rank 0 at every start: where this attempt starts, in the progress hash, in one MULTI/EXEC.
+
+    Sets ``step``, ``documents_seen``, ``model_version`` (= documents_seen), ``restored_from_step`` (= step) and
+    ``checkpoint_documents_seen`` (= documents_seen: nothing trained yet is unacked) to the loaded checkpoint's values
+    (0 from scratch), and sets ``checkpoint_lost`` (JSON {step, path, restored_from_step, message}) or deletes it.
+    The rollout's max lag needs this before the first step (:mod:`rljob_trainer.rollout.writer`): an earlier attempt's
+    documents_seen would otherwise count this attempt's redelivered documents as trained.
+
+    Raises:
+        redis.RedisError: Redis unreachable beyond the client's retries (the attempt fails and is restarted).
+    """
+    key = config.keys.progress
+    pipe = client.pipeline(transaction=True)
+    pipe.hset(key, mapping={
+        c.PROGRESS_STEP: step,
+        c.PROGRESS_DOCUMENTS_SEEN: documents_seen,
+        c.PROGRESS_MODEL_VERSION: documents_seen,
+        c.PROGRESS_RESTORED_FROM_STEP: step,
+        c.PROGRESS_CHECKPOINT_DOCUMENTS_SEEN: documents_seen,
+    })
+    if lost is None:
+        pipe.hdel(key, c.PROGRESS_CHECKPOINT_LOST)
+    else:
+        pipe.hset(key, c.PROGRESS_CHECKPOINT_LOST, json.dumps({**asdict(lost), "message": lost.message}))
+    pipe.execute()
+
+
+def publish_checkpointed(client: redis.Redis, config: JobConfig, documents_seen: int) -> None:
+    """Rank 0 once a checkpoint is durable and before its entries are acked: ``checkpoint_documents_seen`` =
+    ``documents_seen`` in the progress hash (the documents it covers leave the rollout's trained-unacked count).
+
+    Raises:
+        redis.RedisError: Redis unreachable beyond the client's retries (the acks that follow would fail as well).
+    """
+    client.hset(config.keys.progress, c.PROGRESS_CHECKPOINT_DOCUMENTS_SEEN, documents_seen)
 
 
 def run(config: JobConfig, *, client: Optional[redis.Redis] = None, stdout: TextIO = sys.stdout) -> RunResult:

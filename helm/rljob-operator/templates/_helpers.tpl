@@ -44,18 +44,19 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch", "create", "delete"]
-# ConfigMap and Services: server-side apply (create + patch).
+# ConfigMap and Services: server-side apply (create + patch); read back once per job after an operator start, so
+# children already as rendered are not applied again.
 - apiGroups: [""]
   resources: ["configmaps", "services"]
-  verbs: ["create", "patch"]
-# The generated Redis password Secret (create-only) and the Redis passwords (read for progress).
+  verbs: ["get", "create", "patch"]
+# The generated Redis password Secret (create-only), the Redis passwords and TLS CA bundles (read for progress).
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get", "create"]
-# Managed Redis: server-side apply, watched for readiness.
+# Managed Redis: server-side apply, watched for readiness, read back once per job after an operator start.
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["list", "watch", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 # Events on jobs (kopf posts core/v1 Events).
 - apiGroups: [""]
   resources: ["events"]

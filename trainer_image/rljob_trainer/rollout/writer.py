@@ -1,16 +1,33 @@
 """Documents onto the stream (DESIGN §3), with back-pressure and max lag (DESIGN §6), and the rollout hash (§2).
 
-Back-pressure: ``backlog`` = the consumer group's ``lag`` (entries not yet delivered to any trainer rank) +
-``pending`` (delivered, not yet acknowledged, i.e. not yet covered by a committed checkpoint), from XINFO GROUPS;
-before the trainer has created the group, the stream length. A worker starts a batch only while
-``backlog < redis.maxPending``. Nothing is ever trimmed here: only the trainer trims, and only acked entries.
+Both bounds read one snapshot of the stream's consumer group (:class:`StreamBacklog`, one MULTI/EXEC):
 
-Max lag: ``ahead`` = documents written by every worker (``documents_written`` in the rollout hash) − the
-trainer's ``documents_seen`` (progress hash), capped by ``backlog`` (documents the trainer drops — too long,
-malformed — never reach documents_seen but are acked at once, so the cap keeps them from stalling the
-workers for good). A worker starts a batch only while ``ahead < max(rollout.maxLag, trainer.batch.documentsPerStep)``:
-the floor of one step's worth keeps the trainer able to fill a step when maxLag is smaller (maxLag = 0 then means
-"one step ahead at most", the synchronous limit). A batch may overshoot by its own size, per worker.
+* ``undelivered``: entries no trainer rank has been handed yet (XINFO GROUPS ``lag``; the stream length before the
+  trainer has created the group);
+* ``pending``: entries delivered and not yet acknowledged (XINFO GROUPS ``pending``), i.e. not yet covered by a
+  committed checkpoint. Some of them the trainer's current attempt has already trained and only waits to ack
+  (``trained_unacked``); the rest are being trained, read ahead, or were delivered to an earlier attempt and are
+  delivered again after a restart (own pending entries re-read, orphaned ones claimed);
+* ``trained_unacked`` = the progress hash's ``documents_seen`` − ``checkpoint_documents_seen``: documents the
+  current attempt trained since the checkpoint it last committed or started from. Trainer rank 0 writes both at
+  every start (the loaded checkpoint's documents_seen, or 0 from scratch), so the difference is right across a
+  restart from an older checkpoint or from scratch, where documents_seen goes back.
+
+Back-pressure: ``backlog`` = undelivered + pending. A worker starts a batch only while ``backlog < redis.maxPending``.
+Nothing is ever trimmed here: only the trainer trims, and only acked entries. (A trainer needs
+documentsPerStep × everySteps unacked entries to reach its next checkpoint; the spec check
+``documentsPerStep × everySteps <= maxPending`` keeps that reachable.)
+
+Max lag: ``ahead`` = documents generated and not yet trained by the trainer's current attempt = undelivered +
+(pending − trained_unacked) — entries trained and only waiting for a checkpoint's ack are not ahead of anything.
+A worker starts a batch only while ``ahead < max(rollout.maxLag, trainer.batch.documentsPerStep)``: the floor of one
+step's worth keeps the trainer able to fill a step when maxLag is smaller (maxLag = 0 then means "one step ahead at
+most", the synchronous limit). A batch may overshoot by its own size, per worker. Documents the trainer drops (too
+long, malformed) are acked at once, so they leave both counts; ``documents_written`` is a statistic only.
+
+Between the end of one trainer attempt and the start of the next, the progress hash still describes the old
+attempt: the rollout may then run ahead by up to one checkpoint interval more, until the new attempt's start resets
+``checkpoint_documents_seen``.
 
 Rollout hash (``keys.rollout``; every worker adds to the same fields, see :mod:`rljob_api.constants`):
 ``reward_sum:{v}`` / ``reward_count:{v}`` over every scored sample generated with weights version v, before
@@ -88,6 +105,35 @@ class BatchReport:
     seconds: float
 
 
+@dataclass(frozen=True)
+class StreamBacklog:
+    """One snapshot of the stream's consumer group as the rollout sees it (module docstring); all in documents.
+
+    Attributes:
+        undelivered: entries no trainer rank has been handed yet (the group's lag; the stream length before the
+            group exists).
+        pending: entries delivered to a trainer rank and not yet acknowledged.
+        trained_unacked: documents the trainer's current attempt has trained since the checkpoint it last committed
+            or started from (progress hash: documents_seen − checkpoint_documents_seen; 0 before the trainer wrote
+            them). They are pending until the next checkpoint acks them.
+    """
+
+    undelivered: int
+    pending: int
+    trained_unacked: int
+
+    @property
+    def backlog(self) -> int:
+        """Entries not yet acknowledged: undelivered + pending (what ``redis.maxPending`` bounds)."""
+        return self.undelivered + self.pending
+
+    @property
+    def ahead(self) -> int:
+        """Documents generated and not yet trained by the current attempt: undelivered + (pending − trained_unacked),
+        the pending part floored at 0 (the progress hash and the group are written at slightly different times)."""
+        return self.undelivered + max(0, self.pending - self.trained_unacked)
+
+
 class DocumentWriter:
     """Writes one worker's documents and statistics (see the module docstring).
 
@@ -112,35 +158,53 @@ class DocumentWriter:
         self.max_ahead = max(config.spec.rollout.max_lag, config.spec.trainer.batch.documents_per_step)
         self._worker_field = f"{WORKER_PREFIX}{replica_index}"
 
-    def backlog(self) -> int:
-        """Group lag + pending (documents), or the stream length before the group exists. Raises RedisError."""
-        try:
-            groups = self._client.xinfo_groups(self._keys.stream)
-        except redis.ResponseError:  # no such stream yet
-            return 0
+    def snapshot(self) -> StreamBacklog:
+        """The group's undelivered and pending entries and the trainer's trained-unacked documents, read in one
+        MULTI/EXEC (module docstring). Raises RedisError."""
+        pipe = self._client.pipeline(transaction=True)
+        pipe.xinfo_groups(self._keys.stream)
+        pipe.xlen(self._keys.stream)
+        pipe.hmget(self._keys.progress, [c.PROGRESS_DOCUMENTS_SEEN, c.PROGRESS_CHECKPOINT_DOCUMENTS_SEEN])
+        groups, length, (seen, checkpointed) = pipe.execute(raise_on_error=False)
+        if isinstance(length, Exception) or isinstance(seen, Exception):
+            raise length if isinstance(length, Exception) else seen
+        trained = max(0, int(seen or 0) - int(checkpointed or 0)) if checkpointed is not None else 0
+        if isinstance(groups, redis.ResponseError):  # no such stream yet
+            return StreamBacklog(undelivered=0, pending=0, trained_unacked=trained)
+        if isinstance(groups, Exception):
+            raise groups
         for group in groups:
             name = group.get("name")
             if (name.decode() if isinstance(name, bytes) else name) == self._keys.group:
                 lag = group.get("lag")
                 if lag is None:  # Redis cannot tell after deletions: assume every entry is undelivered
-                    lag = self._client.xlen(self._keys.stream)
-                return int(lag) + int(group.get("pending") or 0)
-        return int(self._client.xlen(self._keys.stream))
+                    lag = length
+                return StreamBacklog(int(lag), int(group.get("pending") or 0), trained)
+        return StreamBacklog(undelivered=int(length), pending=0, trained_unacked=trained)
 
-    def ahead(self, backlog: int) -> int:
-        """Documents written by all workers and not yet seen by the trainer, capped by ``backlog``."""
-        written = self._client.hget(self._keys.rollout, DOCUMENTS_WRITTEN)
-        seen = self._client.hget(self._keys.progress, c.PROGRESS_DOCUMENTS_SEEN)
-        return max(0, min(int(written or 0) - int(seen or 0), backlog))
+    def backlog(self) -> int:
+        """Undelivered + pending entries (documents): :attr:`StreamBacklog.backlog`. Raises RedisError."""
+        return self.snapshot().backlog
+
+    def ahead(self) -> int:
+        """Documents generated and not yet trained by the trainer's current attempt: :attr:`StreamBacklog.ahead`.
+        Raises RedisError."""
+        return self.snapshot().ahead
 
     def wait_reason(self) -> Optional[str]:
         """Why the worker must not start a batch now (back-pressure or max lag), or None. Raises RedisError."""
-        backlog = self.backlog()
-        if backlog >= self.max_pending:
-            return f"backlog {backlog} >= spec.redis.maxPending {self.max_pending} documents"
-        ahead = self.ahead(backlog)
-        if ahead >= self.max_ahead:
-            return f"{ahead} documents ahead of the trainer >= max(maxLag, documentsPerStep) = {self.max_ahead}"
+        state = self.snapshot()
+        if state.backlog >= self.max_pending:
+            return (
+                f"backlog {state.backlog} ({state.undelivered} undelivered + {state.pending} pending) >= "
+                f"spec.redis.maxPending {self.max_pending} documents"
+            )
+        if state.ahead >= self.max_ahead:
+            return (
+                f"{state.ahead} documents ahead of the trainer ({state.undelivered} undelivered + {state.pending} "
+                f"pending - {state.trained_unacked} trained and waiting for a checkpoint) >= "
+                f"max(maxLag, documentsPerStep) = {self.max_ahead}"
+            )
         return None
 
     def write(self, documents: Sequence[Document]) -> None:

@@ -1,0 +1,125 @@
+"""A trainer start that finds the checkpoint Redis records gone from its volume (an emptyDir after a gang restart or
+suspend): it warns, publishes ``checkpoint_lost``, starts from step 0 and, fed by two rollout writers that keep to
+max lag, trains through the redelivered entries to the end instead of stalling (B1)."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import shutil
+import threading
+
+import pytest
+import torch
+
+from rljob_api import constants as c
+from rljob_trainer.checkpoint import COMMIT_FILE, LostCheckpoint, find_lost_checkpoint, step_dir
+from rljob_trainer.rollout.writer import DocumentWriter
+from rljob_trainer.stream.reader import DataTimeout
+from rljob_trainer.train import run
+from train_harness import make_config, make_documents
+
+torch.set_num_threads(1)
+
+GONE = ("is gone (an emptyDir checkpoint volume does not survive a gang restart or suspend; set "
+        "spec.trainer.checkpoint.volume to a PersistentVolumeClaim)")
+
+
+@pytest.fixture(autouse=True)
+def no_torchrun_env(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_find_lost_checkpoint_compares_the_redis_record_with_the_volume(redis_server, tmp_path):
+    config = make_config(redis_server, tmp_path / "ckpt", processes=1)
+    client = redis_server.client()
+    assert find_lost_checkpoint(client, config, 0) is None  # nothing recorded: a first start
+    path = step_dir(tmp_path / "ckpt", 5)
+    client.hset(config.keys.checkpoint, mapping={"step": 5, "documents_seen": 20, "path": str(path)})
+    lost = find_lost_checkpoint(client, config, 0)
+    assert lost == LostCheckpoint(step=5, path=str(path), restored_from_step=0)
+    assert lost.message == f"checkpoint step 5 at {path} {GONE}: starting from step 0"
+    assert find_lost_checkpoint(client, config, 2).message.endswith("starting from step 2")  # an older one survived
+    assert find_lost_checkpoint(client, config, 5) is None  # the start is not behind the record
+    path.mkdir(parents=True)
+    (path / COMMIT_FILE).write_text("{}")
+    assert find_lost_checkpoint(client, config, 0) is None  # still on the volume
+    client.hset(config.keys.checkpoint, "step", "five")
+    with pytest.raises(ValueError, match=f"Redis hash {config.keys.checkpoint}: step 'five' is not an integer"):
+        find_lost_checkpoint(client, config, 0)
+
+
+def test_a_lost_checkpoint_is_reported_and_the_restart_trains_through_without_stalling(redis_server, tmp_path, caplog):
+    config = make_config(redis_server, tmp_path / "ckpt", processes=1, documents_per_step=4, max_steps=10,
+                         every_steps=5, data_timeout_seconds=3)
+    spec = config.spec.model_copy(update={
+        "rollout": config.spec.rollout.model_copy(update={"max_lag": 4}),  # max(maxLag, documentsPerStep) = 4
+        "redis": config.spec.redis.model_copy(update={"max_pending": 20}),  # = documentsPerStep × everySteps
+    })
+    config = config.model_copy(update={"spec": spec})
+    client = redis_server.client()
+    keys = config.keys
+
+    # Attempt 0: 32 documents, 8 steps, a checkpoint at step 5 (20 entries acked), then no more data: it fails.
+    DocumentWriter(client, config, 0).write(make_documents(32, seed=3))
+    with pytest.raises(DataTimeout):
+        run(config, client=client, stdout=io.StringIO())
+    assert client.hget(keys.checkpoint, "step") == b"5"
+    assert client.xinfo_groups(keys.stream)[0]["pending"] == 12  # steps 6-8: trained, not covered by a checkpoint
+    # The gang restarts on an empty checkpoint volume (emptyDir).
+    shutil.rmtree(tmp_path / "ckpt")
+
+    # Two rollout workers write whenever back-pressure and max lag let them, from attempt 1's start on.
+    stop = threading.Event()
+    written = [0, 0]
+    errors: list[BaseException] = []
+
+    def rollout(replica: int) -> None:
+        try:
+            writer = DocumentWriter(redis_server.client(), config, replica)
+            while not stop.is_set() and client.hget(keys.progress, c.PROGRESS_CHECKPOINT_LOST) is None:
+                stop.wait(0.01)
+            while not stop.is_set():
+                if writer.wait_reason() is None:
+                    writer.write(make_documents(2, seed=100 + written[replica] + 1000 * replica))
+                    written[replica] += 2
+                else:
+                    stop.wait(0.01)
+        except BaseException as error:  # noqa: BLE001 - reported to the test
+            errors.append(error)
+
+    threads = [threading.Thread(target=rollout, args=(r,), daemon=True) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    out = io.StringIO()
+    caplog.set_level(logging.WARNING, logger="rljob_trainer.train")
+    try:
+        result = run(config, client=client, stdout=out)  # before the fix: DataTimeout at step 4
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+
+    assert (result.step, result.documents_seen) == (10, 40)
+    lines = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert [(x["step"], x["documents_seen"]) for x in lines] == [(s, 4 * s) for s in range(1, 11)]  # from step 0
+    assert {x["stream"]["redeliveries"] for x in lines} == {12}  # the 12 pending entries trained again
+    path = step_dir(tmp_path / "ckpt", 5)
+    message = f"checkpoint step 5 at {path} {GONE}: starting from step 0"
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [f"checkpoint: {message}"]
+    progress = {k.decode(): v.decode() for k, v in client.hgetall(keys.progress).items()}
+    assert json.loads(progress[c.PROGRESS_CHECKPOINT_LOST]) == {
+        "step": 5, "path": str(path), "restored_from_step": 0, "message": message,
+    }
+    assert progress[c.PROGRESS_RESTORED_FROM_STEP] == "0"
+    assert progress[c.PROGRESS_CHECKPOINT_DOCUMENTS_SEEN] == "40"  # the final checkpoint's
+    assert client.hget(keys.checkpoint, "step") == b"10"
+
+    # Both workers wrote; max lag held: once the trainer finished, at most 3 + one batch per worker is not trained
+    # (undelivered, or read ahead and pending; without the bound the workers would have gone on to maxPending = 20).
+    group = client.xinfo_groups(keys.stream)[0]
+    assert all(written) and sum(written) == 28 + group["pending"] + group["lag"], (written, group)
+    assert group["pending"] + group["lag"] <= 3 + 2 * 2, group
