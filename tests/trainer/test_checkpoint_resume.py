@@ -5,19 +5,16 @@ redelivered and counted (DESIGN §6); the progress hash says what the rollout's 
 
 from __future__ import annotations
 
-import collections
-import json
-import threading
-
 from rljob_api.constants import (
     PROGRESS_CHECKPOINT_DOCUMENTS_SEEN,
     PROGRESS_CHECKPOINT_LOST,
     PROGRESS_DOCUMENTS_SEEN,
     PROGRESS_RESTORED_FROM_STEP,
 )
-from rljob_trainer.checkpoint import COMMIT_FILE, committed_checkpoints
 from train_harness import (
     Torchrun,
+    XackMonitor,
+    covered_by_checkpoint,
     free_port,
     json_lines,
     make_config,
@@ -28,45 +25,6 @@ from train_harness import (
     write_config,
     write_documents,
 )
-
-
-class XackMonitor:
-    """Counts every entry id of every XACK the Redis server executes (Redis MONITOR, in a thread)."""
-
-    SENTINEL = "rljob-test-stop-monitor"
-
-    def __init__(self, redis_server):
-        self.redis_server = redis_server
-        self.acks: collections.Counter[str] = collections.Counter()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._listen, daemon=True)
-        self._thread.start()
-        assert self._ready.wait(10), "MONITOR did not start"
-
-    def _listen(self) -> None:
-        with self.redis_server.client(socket_timeout=None).monitor() as monitor:
-            self._ready.set()
-            for command in monitor.listen():
-                words = command["command"].split()
-                if words and words[0].upper() == "XACK":
-                    self.acks.update(words[3:])  # XACK <stream> <group> <id>...
-                elif self.SENTINEL in command["command"]:
-                    return
-
-    def stop(self) -> collections.Counter:
-        self.redis_server.client().echo(self.SENTINEL)
-        self._thread.join(10)
-        assert not self._thread.is_alive(), "MONITOR thread did not stop"
-        return self.acks
-
-
-def covered_by_checkpoint(root):
-    """{step: [entry ids the committed checkpoint covers]} of every committed checkpoint under ``root``."""
-    out = {}
-    for path in committed_checkpoints(root):
-        commit = json.loads((path / COMMIT_FILE).read_text())
-        out[commit["step"]] = [entry for ids in commit["covered_entry_ids"].values() for entry in ids]
-    return out
 
 
 def test_kill_and_restart_acks_every_entry_once_after_its_checkpoint(redis_server, tmp_path):

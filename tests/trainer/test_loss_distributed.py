@@ -9,51 +9,18 @@
 from __future__ import annotations
 
 import json
-import os
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from rljob_trainer.loss import count_labels_and_documents, grpo_loss, gspo_loss, scale_for_ddp_mean
 from rljob_trainer.loss_metrics import MetricsInputError, StepMetrics
+from train_harness import JOIN_TIMEOUT_S, init_gloo, run_ranks
 
 torch.set_num_threads(1)
 VOCAB, WIDTH = 11, 8
-JOIN_TIMEOUT_S = 90
-
-
-# --- harness -------------------------------------------------------------------------------------
-def run_ranks(worker, world_size: int, tmp_path: Path, *args) -> None:
-    """Run ``worker(rank, world_size, tmp_dir, *args)`` in spawned processes; fail on an error or a timeout."""
-    context = mp.start_processes(
-        worker, args=(world_size, str(tmp_path), *args), nprocs=world_size, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    try:
-        while not context.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{world_size} gloo ranks did not finish within {JOIN_TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
-                process.join(5)
-
-
-def init_gloo(rank: int, world_size: int, tmp_dir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp_dir}/rendezvous",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=30),
-    )
 
 
 # --- a tiny policy and its documents ------------------------------------------------------------------

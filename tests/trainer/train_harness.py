@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import os
@@ -9,19 +10,27 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from portutil import free_port
 from rljob_api.config import JobConfig, RedisConnection, resolve
 from rljob_api.spec import RLTrainingJobSpec
+from rljob_trainer.checkpoint import COMMIT_FILE, committed_checkpoints
 from rljob_trainer.model import DigitTokenizer
 from rljob_trainer.stream.codec import Document, encode_document
 from waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
+JOIN_TIMEOUT_S = 90
+"""Seconds :func:`run_ranks` waits for its spawned gloo ranks."""
 TINY = {"layers": 1, "hiddenSize": 16, "heads": 2, "intermediateSize": 32, "maxPositionEmbeddings": 32}
 
 
@@ -39,8 +48,14 @@ def make_config(
     metrics_port: int = 0,
     data_timeout_seconds: int = 120,
     init_from: Optional[str] = None,
+    max_pending: Optional[int] = None,
+    max_lag: Optional[int] = None,
 ) -> JobConfig:
-    """A resolved config for a one-node trainer of ``processes`` ranks with a tiny model and a managed Redis."""
+    """A resolved config for a one-node trainer of ``processes`` ranks with a tiny model and a managed Redis
+    (``max_pending`` / ``max_lag``: spec.redis.maxPending / spec.rollout.maxLag, the spec's defaults if None)."""
+    rollout: dict[str, Any] = {"sampling": {"temperature": 0.7}, "replicas": 1}
+    if max_lag is not None:
+        rollout["maxLag"] = max_lag
     spec = RLTrainingJobSpec.model_validate(
         {
             "model": {"source": "tiny", "tiny": TINY},
@@ -54,7 +69,8 @@ def make_config(
                 "collectiveTimeoutSeconds": 120,
                 "dataTimeoutSeconds": data_timeout_seconds,
             },
-            "rollout": {"sampling": {"temperature": 0.7}, "replicas": 1},
+            "rollout": rollout,
+            **({"redis": {"maxPending": max_pending}} if max_pending is not None else {}),
         }
     )
     config = resolve("job", "ns", spec, RedisConnection(host=redis_server.host, port=redis_server.port))
@@ -257,3 +273,72 @@ def run_until_step_then_kill(
 def json_lines(trainer: Torchrun) -> list[dict]:
     """The per-step JSON objects a trainer printed on stdout."""
     return [json.loads(line) for line in trainer.stdout_path.read_text().splitlines() if line.startswith("{")]
+
+
+class XackMonitor:
+    """Counts every entry id of every XACK the Redis server executes (Redis MONITOR, in a thread)."""
+
+    SENTINEL = "rljob-test-stop-monitor"
+
+    def __init__(self, redis_server):
+        self.redis_server = redis_server
+        self.acks: collections.Counter[str] = collections.Counter()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._listen, daemon=True)
+        self._thread.start()
+        assert self._ready.wait(10), "MONITOR did not start"
+
+    def _listen(self) -> None:
+        with self.redis_server.client(socket_timeout=None).monitor() as monitor:
+            self._ready.set()
+            for command in monitor.listen():
+                words = command["command"].split()
+                if words and words[0].upper() == "XACK":
+                    self.acks.update(words[3:])  # XACK <stream> <group> <id>...
+                elif self.SENTINEL in command["command"]:
+                    return
+
+    def stop(self) -> collections.Counter:
+        self.redis_server.client().echo(self.SENTINEL)
+        self._thread.join(10)
+        assert not self._thread.is_alive(), "MONITOR thread did not stop"
+        return self.acks
+
+
+def covered_by_checkpoint(root):
+    """{step: [entry ids the committed checkpoint covers]} of every committed checkpoint under ``root``."""
+    out = {}
+    for path in committed_checkpoints(root):
+        commit = json.loads((path / COMMIT_FILE).read_text())
+        out[commit["step"]] = [entry for ids in commit["covered_entry_ids"].values() for entry in ids]
+    return out
+
+
+def run_ranks(worker, world_size: int, tmp_path: Path, *args) -> None:
+    """Run ``worker(rank, world_size, tmp_dir, *args)`` in spawned processes; fail on an error or a timeout."""
+    context = mp.start_processes(
+        worker, args=(world_size, str(tmp_path), *args), nprocs=world_size, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world_size} gloo ranks did not finish within {JOIN_TIMEOUT_S} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(5)
+
+
+def init_gloo(rank: int, world_size: int, tmp_dir: str) -> None:
+    """Join a gloo process group of ``world_size`` through a file:// rendezvous in ``tmp_dir`` (30 s timeout)."""
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp_dir}/rendezvous",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=30),
+    )

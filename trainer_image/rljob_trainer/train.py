@@ -17,7 +17,9 @@ One optimizer step on every data-parallel rank (DESIGN §4, §6):
 
 At every start (resumes included) the latest checkpoint (or ``initFrom``) is loaded; rank 0 warns when the
 checkpoint Redis records is gone from the volume (``checkpoint_lost``), writes the start's step and documents_seen
-to the progress hash (:func:`publish_start`) and publishes the full weights with the checkpoint's documents_seen.
+to the progress hash (:func:`publish_start`), spreads the stream's pending entries over the current ranks before any
+rank reads (:func:`start_reading`; the world size may have changed) and publishes the full weights with the
+checkpoint's documents_seen.
 At ``maxSteps``: final checkpoint, safetensors export, ``training_finished``, exit 0. Logs go to stderr, one JSON
 line per step to stdout.
 """
@@ -54,7 +56,7 @@ from rljob_trainer.parallel import Distributed, init_distributed, shutdown_distr
 from rljob_trainer.progress import Progress, StepRecord, build_progress
 from rljob_trainer.stream.batch import MicroBatch, flat_from_padded, pack_documents
 from rljob_trainer.stream.connection import connect, retry_with_backoff
-from rljob_trainer.stream.reader import StreamReader
+from rljob_trainer.stream.reader import StreamReader, redistribute_pending
 from rljob_trainer.weights import WeightPublisher
 
 log = logging.getLogger("rljob_trainer.train")
@@ -145,7 +147,8 @@ class Trainer:
     # --- start and end ----------------------------------------------------------------------------
     def resume(self) -> Optional[CommittedCheckpoint]:
         """Load the latest own checkpoint (or ``initFrom``), ack what it covers, publish where this attempt starts
-        (warning about a lost checkpoint), start the reader. Collective."""
+        (warning about a lost checkpoint), spread the pending entries over the ranks and start the reader
+        (:func:`start_reading`). Collective."""
         source, own = self.checkpoints.resume_source()
         committed = None
         if source is not None:
@@ -158,8 +161,7 @@ class Trainer:
             if lost is not None:
                 log.warning("checkpoint: %s", lost.message)
             publish_start(self.client, self.config, self.step, self.documents_seen, lost)
-        dist.barrier()  # covered entries are acked and the start published before any rank re-reads its pending entries
-        self.reader.start()
+        start_reading(self.reader, self.where)  # after the acks and publish_start above: it begins with a barrier
         self.ddp = wrap_model(self.model, self.where)
         if self.where.is_rank_zero:
             self.publisher = WeightPublisher(self.config, self.client)
@@ -313,6 +315,29 @@ class Trainer:
     def _stream_counter(self, name: str) -> float:
         value = getattr(self.reader.counters, name)
         return float(sum(value.values()) if isinstance(value, dict) else value)
+
+
+def start_reading(reader: StreamReader, where: Distributed) -> None:
+    """Collective start of every rank's reader: global rank 0 spreads the group's pending entries evenly over the
+    current data-parallel ranks (:func:`~rljob_trainer.stream.reader.redistribute_pending`), all ranks wait at a
+    barrier, then each re-reads its own pending entries (:meth:`StreamReader.start`).
+
+    After a world-size change (DP 1 → 2, 3 → 2, ...) the old attempt's pending entries all belong to the old ranks'
+    consumers; without the redistribution the new ranks would need fresh documents, which a rollout held at
+    ``maxPending`` or max lag by those very entries never writes (the attempt would stall until
+    ``dataTimeoutSeconds``), and the ranks' redeliveries would not match their per-step share. The barrier keeps
+    every rank from reading before each entry has its one owner, so none is trained twice. Rank 0 adds the entries
+    that were deleted from the stream to its ``lost_pending`` counter.
+
+    Raises:
+        redis.RedisError: Redis unreachable beyond the client's retries on rank 0 (the barrier then fails on the other
+            ranks; the next attempt redistributes again).
+    """
+    if where.is_rank_zero:
+        result = redistribute_pending(reader.client, reader.keys, reader.dp_size)
+        reader.counters.lost_pending += result.lost
+    dist.barrier()
+    reader.start()
 
 
 def publish_start(

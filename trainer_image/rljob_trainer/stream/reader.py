@@ -5,11 +5,15 @@ Delivery contract (at-least-once in Redis, exactly-once in committed checkpoints
 * Entries are read with XREADGROUP (no NOACK), so every entry handed out stays in the group's pending list
   (PEL) under this rank's consumer name until :meth:`StreamReader.ack`. The training loop records
   :meth:`StreamReader.pending_ids` in its checkpoint and acks them once that checkpoint is durable.
-* On start, a rank first re-reads its own pending entries (entries trained after the last checkpoint of a
-  crashed attempt), then claims the pending entries of consumers whose rank is >= the data-parallel size
-  (the world shrank): consumer rank r is claimed by rank ``r % dp_size``, so claims are disjoint. Both count
-  as redeliveries. Ids already covered by the checkpoint being resumed are acked first
-  (``start(committed_ids)``), so a crash between "checkpoint durable" and "XACK" does not train them twice.
+* On start, one process first spreads the group's pending entries (trained after the last checkpoint of a
+  crashed attempt, or read ahead) evenly over the current data-parallel ranks (:func:`redistribute_pending`;
+  trainer rank 0, then a barrier): when the world size changed, the old attempt's entries all belong to the old
+  ranks' consumers, and new ranks would otherwise need fresh documents that a rollout held at maxPending or max
+  lag never writes. Then each rank re-reads its own pending entries (``start``), counted as redeliveries. Every
+  pending entry has exactly one current owner before any rank reads, so no entry is trained twice. Ids already
+  covered by the checkpoint being resumed are acked first (``start(committed_ids)``, or
+  :func:`rljob_trainer.checkpoint.acknowledge_covered` before the redistribution), so a crash between "checkpoint
+  durable" and "XACK" does not train them twice.
 * Malformed entries go to the dead-letter stream with their reason and are acked right after (a crash in
   between dead-letters one twice rather than losing it); documents longer than the micro-batch budget are
   dropped, counted and acked. Neither ever raises out of the reader.
@@ -47,6 +51,7 @@ ones it does not hold (buffered, or handed out and not yet acked), counting them
 from __future__ import annotations
 
 import collections
+import heapq
 import logging
 import math
 import time
@@ -75,13 +80,15 @@ class ReaderCounters:
     documents_read: int = 0
     """Valid documents handed out by :meth:`StreamReader.next_documents`, redeliveries included."""
     redeliveries: int = 0
-    """Entries re-read from this rank's own pending list or claimed from a consumer that no longer exists."""
+    """Entries re-read at start from this rank's pending list (its own from a crashed attempt, or entries
+    :func:`redistribute_pending` gave it)."""
     dead_lettered: collections.Counter = field(default_factory=collections.Counter)
     """Malformed entries moved to the dead-letter stream, by :class:`~rljob_trainer.stream.codec.MalformedKind`."""
     dropped_too_long: int = 0
     """Documents longer than the micro-batch token budget, dropped (and acked)."""
     lost_pending: int = 0
-    """Pending entries whose data was deleted from the stream before they were re-read (acked, nothing to train)."""
+    """Pending entries whose data was deleted from the stream before they were re-read (acked, nothing to train);
+    the caller adds :attr:`Redistribution.lost` to the counters of the rank that redistributed."""
     reread_after_connection_loss: int = 0
     """Entries whose XREADGROUP reply a connection failure lost, re-read from this rank's pending list (first
     deliveries to the caller, not redeliveries)."""
@@ -168,7 +175,11 @@ class StreamReader:
 
     # --- start-up ----------------------------------------------------------------------------
     def start(self, committed_ids: Iterable[str] = ()) -> None:
-        """Create the group if missing, ack ids a resumed checkpoint already covers, queue redeliveries.
+        """Create the group if missing, ack ids a resumed checkpoint already covers, queue this consumer's pending
+        entries as redeliveries.
+
+        Entries pending under consumers of other ranks are not read here: after a world-size change they reach this
+        rank only through :func:`redistribute_pending`, run by one process before any rank starts.
 
         Args:
             committed_ids: entry ids recorded in the checkpoint being resumed (of every rank; XACK is per group).
@@ -182,7 +193,6 @@ class StreamReader:
         for entry_id, fields in self._connection.with_retry(self._read_own_pending):
             self._queue_pending(entry_id, fields, redelivery=True)
         self._connection.reply_lost = False  # a lost reply of the reads from id 0 delivered nothing new
-        self._claim_orphaned_pending()
         if self._backlog:
             self._newest_id = max((entry_id for entry_id, _ in self._backlog), key=_id_order)
         self._started = True
@@ -203,31 +213,6 @@ class StreamReader:
                 return entries
             entries += [(_str(entry_id), fields) for entry_id, fields in batch]
 
-    def _claim_orphaned_pending(self, page: int = 512) -> None:
-        for info in self.client.xinfo_consumers(self.keys.stream, self.keys.group):
-            name = _str(info["name"])
-            rank = self._rank_of(name)
-            if rank is None or rank < self.dp_size or rank % self.dp_size != self.dp_rank:
-                continue
-            while True:
-                pending = self.client.xpending_range(
-                    self.keys.stream, self.keys.group, "-", "+", page, consumername=name
-                )
-                if not pending:
-                    break
-                ids = [_str(p["message_id"]) for p in pending]
-                claimed = self.client.xclaim(self.keys.stream, self.keys.group, self.consumer, 0, ids)
-                returned = set()
-                for entry_id, fields in claimed:
-                    returned.add(_str(entry_id))
-                    self._queue_pending(_str(entry_id), fields, redelivery=True)
-                gone = [i for i in ids if i not in returned]
-                if gone:  # deleted from the stream: nothing to train; ack so the PEL empties
-                    self.counters.lost_pending += len(gone)
-                    self.client.xack(self.keys.stream, self.keys.group, *gone)
-            self.client.xgroup_delconsumer(self.keys.stream, self.keys.group, name)
-            log.info("%s: claimed the pending entries of %s (world size is now %d)", self.consumer, name, self.dp_size)
-
     def _queue_pending(self, entry_id: str, fields: Optional[dict], *, redelivery: bool) -> None:
         if not fields:
             log.warning("%s: pending entry %s was deleted from the stream; acking it", self.consumer, entry_id)
@@ -239,10 +224,6 @@ class StreamReader:
         else:
             self.counters.reread_after_connection_loss += 1
         self._backlog.append((entry_id, fields))
-
-    def _rank_of(self, consumer: str) -> Optional[int]:
-        suffix = consumer.removeprefix(self.keys.consumer_prefix)
-        return int(suffix) if suffix != consumer and suffix.isdigit() else None
 
     # --- reading ---------------------------------------------------------------------------
     def next_documents(self, n: int) -> list[tuple[str, Document]]:
@@ -440,6 +421,144 @@ class StreamReader:
                 return 0
             bound = f"{milliseconds}-{int(sequence) + 1}"
         return self.client.xtrim(self.keys.stream, minid=bound, approximate=False)
+
+
+@dataclass(frozen=True)
+class Redistribution:
+    """What :func:`redistribute_pending` did (all counts in entries = documents)."""
+
+    pending: int
+    """Entries pending under data-parallel consumers (current or vanished ranks) before the redistribution."""
+    moved: int
+    """Entries claimed by another consumer than the one that held them."""
+    lost: int
+    """Entries to move whose data had been deleted from the stream: Redis drops them from the pending list (nothing
+    to train)."""
+    removed_consumers: tuple[str, ...]
+    """Consumers of ranks >= the data-parallel size, deleted from the group once they held nothing."""
+
+
+def redistribute_pending(client: redis.Redis, keys: RedisKeys, dp_size: int, *, page: int = 1000) -> Redistribution:
+    """Spread the group's pending entries evenly over the consumers of data-parallel ranks 0..dp_size-1.
+
+    Run by ONE process while no rank reads (trainer rank 0 before the start barrier,
+    :func:`rljob_trainer.train.start_reading`); each rank then re-reads its own pending entries
+    (:meth:`StreamReader.start`).
+
+    Of the P entries pending under consumers named ``keys.consumer(r)`` (any r, vanished ranks included), each
+    current rank ends with ``P // dp_size`` or one more; the extra ones stay with the ranks that hold the most
+    (ties: lower rank), so a group that is already balanced within one entry per rank is left as it is. Only
+    surplus entries move: a current rank above its share gives its oldest surplus, a vanished rank (>= dp_size)
+    gives everything, in rank order, each entry to the rank furthest below its share (ties: lower rank).
+    Consumers of vanished ranks are then deleted. Entries of consumers whose names are not rank names are left
+    alone.
+
+    Deterministic and idempotent: a redistribution that died part-way leaves every entry pending under exactly one
+    consumer, and the next one (the next attempt's) balances from there. Cost: one XPENDING summary, then XPENDING
+    pages of ``page`` ids and one pipelined round trip of XCLAIM ... JUSTID (one per receiving rank) per page, only
+    over the entries that move; delivery counters are not incremented.
+
+    Args:
+        client: a bytes-mode ``redis.Redis``.
+        keys: the job's Redis keys (stream, group, consumer prefix).
+        dp_size: the current data-parallel world size.
+        page: entry ids per XPENDING page and per pipelined XCLAIM round.
+
+    Raises:
+        ValueError: ``dp_size`` or ``page`` < 1.
+        redis.RedisError: Redis unreachable beyond the client's retries (entries stay pending, each under one
+            consumer; the next start redistributes again).
+    """
+    if dp_size < 1 or page < 1:
+        raise ValueError(f"dp_size={dp_size} and page={page} must be positive")
+    try:
+        summary = client.xpending(keys.stream, keys.group)
+    except redis.ResponseError as error:
+        if "NOGROUP" not in str(error):
+            raise
+        return Redistribution(pending=0, moved=0, lost=0, removed_consumers=())  # no group yet: nothing pending
+    ranks = ((_rank_of(keys, row["name"]), int(row["pending"])) for row in summary["consumers"])
+    held = {rank: count for rank, count in ranks if rank is not None}
+    total = sum(held.values())
+    counts = [held.get(rank, 0) for rank in range(dp_size)]
+    quota = _shares(counts, total)
+    # Heap of (-entries still to receive, rank): the rank furthest below its share comes first.
+    receivers = [(counts[rank] - quota[rank], rank) for rank in range(dp_size)]
+    heapq.heapify(receivers)
+    moved = lost = 0
+    for rank in sorted(held):
+        give = held[rank] - quota[rank] if rank < dp_size else None  # None: everything, however many there are
+        after = "-"
+        while give is None or give > 0:
+            count = page if give is None else min(page, give)
+            rows = client.xpending_range(keys.stream, keys.group, after, "+", count, consumername=keys.consumer(rank))
+            if not rows:
+                break
+            ids = [_str(row["message_id"]) for row in rows]
+            targets: dict[int, list[str]] = collections.defaultdict(list)
+            for entry_id in ids:
+                below, target = heapq.heappop(receivers)
+                heapq.heappush(receivers, (below + 1, target))
+                targets[target].append(entry_id)
+            moved_now, lost_now = _claim(client, keys, targets)
+            moved, lost = moved + moved_now, lost + lost_now
+            give = None if give is None else give - len(ids)
+            after = "(" + ids[-1]
+    removed = []
+    for info in client.xinfo_consumers(keys.stream, keys.group):
+        rank = _rank_of(keys, info["name"])
+        if rank is None or rank < dp_size:
+            continue
+        name = _str(info["name"])
+        if int(info["pending"]):  # never DELCONSUMER with entries: Redis would drop them unacked
+            log.error("%s still holds %d pending entries after the redistribution; kept", name, info["pending"])
+            continue
+        client.xgroup_delconsumer(keys.stream, keys.group, name)
+        removed.append(name)
+    result = Redistribution(pending=total, moved=moved, lost=lost, removed_consumers=tuple(removed))
+    if moved or lost or removed:
+        log.info(
+            "redistributed %d of %d pending entries over %d data-parallel ranks (%d deleted from the stream); "
+            "removed consumers %s", moved, total, dp_size, lost, removed,
+        )
+    return result
+
+
+def _shares(counts: list[int], total: int) -> list[int]:
+    """Each current rank's share of ``total`` pending entries: ``total // len(counts)``, plus one for the
+    ``total % len(counts)`` ranks that hold the most (``counts``; ties: lower rank)."""
+    share, extra = divmod(total, len(counts))
+    quota = [share] * len(counts)
+    for rank in sorted(range(len(counts)), key=lambda rank: (-counts[rank], rank))[:extra]:
+        quota[rank] += 1
+    return quota
+
+
+def _claim(client: redis.Redis, keys: RedisKeys, targets: dict[int, list[str]]) -> tuple[int, int]:
+    """XCLAIM (min idle 0, JUSTID) each rank's ids to its consumer in one pipelined round trip; ids Redis did not
+    return were deleted from the stream (Redis 7 drops them from the pending list; XACK covers older servers).
+
+    Returns:
+        (ids claimed, ids lost).
+    """
+    with client.pipeline(transaction=False) as pipe:
+        for rank, ids in targets.items():
+            pipe.xclaim(keys.stream, keys.group, keys.consumer(rank), 0, ids, justid=True)
+        replies = pipe.execute()
+    claimed = {_str(entry_id) for reply in replies for entry_id in reply}
+    gone = [entry_id for ids in targets.values() for entry_id in ids if entry_id not in claimed]
+    if gone:
+        log.warning("%d pending entries were deleted from the stream before they were trained: %s", len(gone),
+                    gone[:10])
+        client.xack(keys.stream, keys.group, *gone)
+    return len(claimed), len(gone)
+
+
+def _rank_of(keys: RedisKeys, consumer: bytes | str) -> Optional[int]:
+    """The data-parallel rank of consumer name ``keys.consumer(rank)``, or None for any other name."""
+    name = _str(consumer)
+    suffix = name.removeprefix(keys.consumer_prefix)
+    return int(suffix) if suffix != name and suffix.isdigit() else None
 
 
 def _id_order(entry_id: str) -> tuple[int, int]:
