@@ -7,7 +7,7 @@ Both bounds read one snapshot of the stream's consumer group (:class:`StreamBack
 * ``pending``: entries delivered and not yet acknowledged (XINFO GROUPS ``pending``), i.e. not yet covered by a
   committed checkpoint. Some of them the trainer's current attempt has already trained and only waits to ack
   (``trained_unacked``); the rest are being trained, read ahead, or were delivered to an earlier attempt and are
-  delivered again after a restart (own pending entries re-read, orphaned ones claimed);
+  delivered again after a restart (the group's pending entries spread over the current ranks, then each rank re-reads its own);
 * ``trained_unacked`` = the progress hash's ``documents_seen`` − ``checkpoint_documents_seen``: documents the
   current attempt trained since the checkpoint it last committed or started from. Trainer rank 0 writes both at
   every start (the loaded checkpoint's documents_seen, or 0 from scratch), so the difference is right across a
