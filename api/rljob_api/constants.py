@@ -72,6 +72,9 @@ CONFIG_MOUNT_DIR = "/etc/rljob"
 CONFIG_FILE_NAME = "config.json"
 CONFIG_PATH = f"{CONFIG_MOUNT_DIR}/{CONFIG_FILE_NAME}"
 CHECKPOINT_MOUNT_DIR = "/var/lib/rljob/checkpoints"
+EXPORT_SUBDIR = "export"
+"""Sub-directory of the checkpoint directory where trainer rank 0 writes the final weights (safetensors, Hugging Face
+layout) at maxSteps; the operator names ``CHECKPOINT_MOUNT_DIR/EXPORT_SUBDIR`` in the Succeeded condition."""
 REDIS_CA_MOUNT_DIR = "/etc/rljob-redis-ca"
 """Where trainer and rollout pods mount ``spec.redis.caSecretRef`` (read-only); env REDIS_TLS_CA_FILE names the file."""
 REDIS_CA_PATH = f"{REDIS_CA_MOUNT_DIR}/ca.crt"
@@ -206,3 +209,12 @@ class Reason(str, Enum):
     POD_LOST = "PodLost"
     GANG_CREATED = "GangCreated"
     ALL_REWARDS_FAILED = "AllRewardsFailed"
+    CONTAINER_CANNOT_START = "ContainerCannotStart"
+    """A pod's container waits for something that will not come by itself (CreateContainerConfigError such as a
+    missing Secret, ImagePullBackOff, ErrImagePull, CreateContainerError ...); the message names the kubelet's reason."""
+    CONTAINER_FAILING = "ContainerFailing"
+    """A pod's container keeps exiting with an error and being restarted (CrashLoopBackOff); the message gives the
+    restart count and the last exit code and termination message."""
+    CHECKPOINT_LOST = "CheckpointLost"
+    """Running=True, but the attempt started below the last recorded checkpoint because it is gone from the checkpoint
+    volume (the progress hash's ``checkpoint_lost``)."""

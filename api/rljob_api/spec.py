@@ -227,7 +227,13 @@ class RolloutSpec(ApiModel):
     node_selector: dict[str, str] = Field(default_factory=dict, description="nodeSelector: pod node selector.")
     tolerations: list[dict[str, Any]] = Field(default_factory=list, description="tolerations: pod tolerations.")
     prompts_per_batch: int = Field(16, ge=1, description="promptsPerBatch: prompts generated together.")
-    samples_per_prompt: int = Field(8, ge=1, le=1024, description="samplesPerPrompt: completions per prompt (group size G).")
+    samples_per_prompt: int = Field(
+        8,
+        ge=2,
+        le=1024,
+        description="samplesPerPrompt: completions per prompt (group size G), at least 2: GRPO and GSPO advantages "
+        "are reward minus the group mean, identically 0 in a group of 1.",
+    )
     max_lag: int = Field(
         1024,
         ge=0,

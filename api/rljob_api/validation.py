@@ -108,4 +108,10 @@ def check_spec(spec: RLTrainingJobSpec) -> list[SpecProblem]:
         )
     if r.backend == "vllm" and r.gpus_per_replica < 1:
         problems.append(SpecProblem("spec.rollout.gpusPerReplica", "must be >= 1 with backend 'vllm'"))
+    if r.backend == "cpu" and r.gpus_per_replica > 0:
+        problems.append(SpecProblem(
+            "spec.rollout.gpusPerReplica",
+            f"must be 0 with backend 'cpu' (it generates on CPU; {r.gpus_per_replica} would hold "
+            f"{r.gpus_per_replica} GPUs per rollout pod unused): set it to 0, or backend to 'vllm'",
+        ))
     return problems

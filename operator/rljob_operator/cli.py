@@ -7,6 +7,7 @@ subcommands to :data:`app`.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import List, Optional
 
@@ -74,6 +75,19 @@ def crd() -> None:
     typer.echo(crd_yaml(), nl=False)
 
 
+def _names_object(body: Optional[str], name: str) -> bool:
+    """Whether a 404's body is the API server's Status for the object ``name`` (not a missing resource type)."""
+    try:
+        status = json.loads(body or "")
+    except ValueError:
+        return False
+    return isinstance(status, dict) and (status.get("details") or {}).get("name") == name
+
+
+WATCH_SUCCEEDED, WATCH_FAILED, WATCH_TIMEOUT, WATCH_NOT_FOUND, WATCH_API_ERROR = 0, 1, 2, 3, 4
+"""Exit codes of ``rljob watch`` (also in its help)."""
+
+
 @app.command()
 def watch(
     name: str = typer.Argument(..., help="RLTrainingJob name."),
@@ -83,19 +97,41 @@ def watch(
 ) -> None:
     """Show a job's progress live (step, rewards, staleness, conditions) until it finishes.
 
-    Exits 0 on Succeeded, 1 on Failed, 2 on timeout.
+    Exit codes (errors are printed on one line):
+    0 the job Succeeded,
+    1 the job Failed,
+    2 --timeout passed first,
+    3 no such job in the namespace,
+    4 no kubeconfig, the API server refused or could not be reached, or the CRD is not installed.
     """
     from kubernetes import config as kube_config
+    from kubernetes.client import ApiException
+    from urllib3.exceptions import HTTPError
+
+    from rljob_api import constants as c
 
     from rljob_operator.watch import watch as watch_job
 
-    kube_config.load_kube_config(config_file=kubeconfig)
     try:
+        kube_config.load_kube_config(config_file=kubeconfig)
         final = watch_job(name, namespace, timeout_seconds=timeout)
     except TimeoutError as err:
         typer.echo(str(err), err=True)
-        raise typer.Exit(2)
-    raise typer.Exit(0 if final["status"]["phase"] == "Succeeded" else 1)
+        raise typer.Exit(WATCH_TIMEOUT)
+    except ApiException as err:
+        if err.status == 404 and _names_object(err.body, name):
+            typer.echo(f"{c.SINGULAR} {name} not found in namespace {namespace}", err=True)
+            raise typer.Exit(WATCH_NOT_FOUND)
+        if err.status == 404:
+            typer.echo(f"the API server has no {c.PLURAL}.{c.GROUP}: the CRD is not installed (see `rljob crd`)",
+                       err=True)
+            raise typer.Exit(WATCH_API_ERROR)
+        typer.echo(f"cannot read {c.SINGULAR} {namespace}/{name}: HTTP {err.status} {err.reason}", err=True)
+        raise typer.Exit(WATCH_API_ERROR)
+    except (HTTPError, OSError, kube_config.ConfigException) as err:
+        typer.echo(f"cannot read {c.SINGULAR} {namespace}/{name}: {err}", err=True)
+        raise typer.Exit(WATCH_API_ERROR)
+    raise typer.Exit(WATCH_SUCCEEDED if final["status"]["phase"] == "Succeeded" else WATCH_FAILED)
 
 
 if __name__ == "__main__":

@@ -26,10 +26,12 @@ Rules (JobSet's BlockingRecreate, Kubernetes Job's backoffLimit, suspend and dea
 
 from __future__ import annotations
 
+import posixpath
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Iterable, Optional, Sequence
 
+from rljob_api import constants as c
 from rljob_api import names
 from rljob_api.constants import ConditionType, Phase, Reason
 from rljob_api.spec import RLTrainingJobSpec
@@ -167,8 +169,40 @@ def plan(
     if previous.phase in FINISHED:
         return _finished(spec, previous, obs, now)
     if spec.run_policy.suspend:
-        return _suspend(previous, obs)
+        return _suspend(spec, previous, obs)
     return _active(job, spec, previous, obs, hashes, now)
+
+
+def require_redis(lc: Lifecycle, redis_ready: Optional[bool], why: str) -> Lifecycle:
+    """A gang that runs while Redis is down makes no step: phase Running becomes Starting, reason RedisUnavailable
+    (the message says why, ``why``: the RedisReady message). ``redis_ready`` None (not known yet) changes nothing."""
+    if lc.phase != Phase.RUNNING or redis_ready is not False:
+        return lc
+    return replace(lc, phase=Phase.STARTING, reason=Reason.REDIS_UNAVAILABLE,
+                   message=f"{lc.message}, but no step can be made while Redis is not ready: {why}")
+
+
+def _resumes(spec: RLTrainingJobSpec, attempt: int) -> str:
+    """Where gang ``attempt`` starts from: the last checkpoint on the claim, or (emptyDir) over from step 0 or initFrom."""
+    checkpoint = spec.trainer.checkpoint
+    if checkpoint.volume:
+        return f"attempt {attempt} resumes from the last checkpoint on PersistentVolumeClaim {checkpoint.volume}"
+    start = "spec.trainer.checkpoint.initFrom" if checkpoint.init_from else "step 0"
+    return (f"attempt {attempt} starts over from {start}: the checkpoints were on an emptyDir that goes with the pods "
+            "(set spec.trainer.checkpoint.volume to a PersistentVolumeClaim to keep them)")
+
+
+def _export(spec: RLTrainingJobSpec) -> str:
+    """Where trainer rank 0 exported the final weights (see :data:`rljob_api.constants.EXPORT_SUBDIR`)."""
+    if not spec.trainer.export.safetensors:
+        return "no export (spec.trainer.export.safetensors is false)"
+    path = posixpath.join(c.CHECKPOINT_MOUNT_DIR, c.EXPORT_SUBDIR)
+    claim = spec.trainer.checkpoint.volume
+    exported = f"final weights exported to {path} (safetensors, Hugging Face layout)"
+    if claim:
+        return f"{exported} on PersistentVolumeClaim {claim}"
+    return (f"{exported} on the pod's emptyDir, which goes with the pod: set spec.trainer.checkpoint.volume to a "
+            "PersistentVolumeClaim to keep them")
 
 
 def _finished(spec: RLTrainingJobSpec, lc: Lifecycle, obs: _Observed, now: datetime) -> Plan:
@@ -189,9 +223,12 @@ def _cleanup(policy: str, pods: Sequence[PodView]) -> tuple[str, ...]:
     return ()
 
 
-def _suspend(lc: Lifecycle, obs: _Observed) -> Plan:
+def _suspend(spec: RLTrainingJobSpec, lc: Lifecycle, obs: _Observed) -> Plan:
     left = [*obs.trainers, *obs.rollouts]
     message = "job suspended: pods deleted, Redis and the stream kept; set runPolicy.suspend to false to resume"
+    if (lc.gang_created or lc.attempt > 0) and not spec.trainer.checkpoint.volume:  # a gang has run
+        message += (" (from step 0: the checkpoints were on an emptyDir; set spec.trainer.checkpoint.volume to a "
+                    "PersistentVolumeClaim to keep them)")
     if left:
         message += f" ({len(left)} pods still terminating)"
     suspended = replace(
@@ -235,7 +272,7 @@ def _active(
             phase=Phase.SUCCEEDED,
             completion_time=now,
             reason=Reason.TRAINING_FINISHED,
-            message=f"trainer pod {pod0.name} (global rank 0) of attempt {lc.attempt} exited 0",
+            message=f"trainer pod {pod0.name} (global rank 0) of attempt {lc.attempt} exited 0; {_export(spec)}",
         )
         return Plan(done, delete=_cleanup(rp.clean_pod_policy, [*obs.trainers, *obs.rollouts]))
 
@@ -333,7 +370,7 @@ def _restart_or_fail(spec, lc, obs, failures, delete_rollouts, create_rollouts, 
         failed_attempts=lc.failed_attempts + (1 if counted else 0),
         gang_created=False,
         reason=cause.reason,
-        message=f"{what}; tearing down the gang, attempt {lc.attempt + 1} resumes from the last checkpoint "
+        message=f"{what}; tearing down the gang, {_resumes(spec, lc.attempt + 1)} "
         f"(restart {lc.restarts + 1}; counted {lc.failed_attempts + (1 if counted else 0)} of backoffLimit {limit})",
     )
     return Plan(restarted, delete=teardown + delete_rollouts, create_rollouts=create_rollouts, requeue_after=requeue)

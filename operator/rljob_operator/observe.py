@@ -8,12 +8,19 @@ what decisions need: role, index, attempt, config hashes, phase, why a pod faile
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Mapping, Optional
 
 from rljob_api import constants as c
 
 DISRUPTION_REASONS = frozenset({"Evicted", "Preempting", "NodeLost", "NodeShutdown", "Terminated"})
 """Pod ``status.reason`` values of a pod the platform (not the workload) ended."""
+STARTING_REASONS = frozenset({"ContainerCreating", "PodInitializing"})
+"""Waiting reasons of a container that is on its way (kubelet): anything else needs a change or a retry."""
+RESTART_REASONS = frozenset({"CrashLoopBackOff", "RunContainerError"})
+"""Waiting reasons of a container the kubelet keeps restarting after failed runs or starts (it backs off between)."""
+LAST_LINE_MAX = 300
+"""Characters of a termination message's last line kept in a view (condition messages stay readable)."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,21 @@ class PodView:
     owner_uid: str = ""
     """uid of the controller owner (the RLTrainingJob); another uid means a deleted job of the same name."""
     role_config_hash: Optional[str] = None
+    container: str = ""
+    """Name of the container the next fields describe: the first that waits for a reason other than being created,
+    else the first that exited with an error, else the first that restarted."""
+    waiting_reason: str = ""
+    """Its waiting reason unless it is being created (:data:`STARTING_REASONS`): CrashLoopBackOff,
+    CreateContainerConfigError, ImagePullBackOff, ErrImagePull ..."""
+    waiting_message: str = ""
+    """The kubelet's message for ``waiting_reason``, e.g. 'secret "nosuch" not found'."""
+    restarts: int = 0
+    """Its ``restartCount``."""
+    last_failure: str = ""
+    """Its last run that ended with a non-zero exit code (``lastState``, or ``state`` while terminated): "exit code 2
+    (Error): <last line of the termination message>"; "" when none."""
+    running_since: Optional[datetime] = None
+    """When its current run started (``state.running.startedAt``); None while it does not run."""
 
     @property
     def terminal(self) -> bool:
@@ -95,7 +117,62 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         failure=_failure(status),
         unschedulable=unschedulable,
         owner_uid=controller_uid(pod),
+        **_container_fields(status),
     )
+
+
+def _container_fields(status: Mapping[str, Any]) -> dict[str, Any]:
+    """The PodView fields of the container that explains why a pod is not ready (see :class:`PodView`)."""
+    containers = [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
+    stuck = [cs for cs in containers if _waiting(cs).get("reason") not in (None, *STARTING_REASONS)]
+    failed = [cs for cs in containers if ((cs.get("state") or {}).get("terminated") or {}).get("exitCode")]
+    restarted = [cs for cs in containers if cs.get("restartCount")]
+    chosen = next(iter(stuck or failed or restarted), None)
+    if chosen is None:
+        return {}
+    state = chosen.get("state") or {}
+    wait = _waiting(chosen) if chosen in stuck else {}
+    terminated = state.get("terminated") or (chosen.get("lastState") or {}).get("terminated") or {}
+    return {
+        "container": chosen.get("name", ""),
+        "waiting_reason": wait.get("reason", ""),
+        "waiting_message": wait.get("message") or "",
+        "restarts": _int(chosen.get("restartCount")) or 0,
+        "last_failure": _exit(terminated) if terminated.get("exitCode") else "",
+        "running_since": _time((state.get("running") or {}).get("startedAt")),
+    }
+
+
+def _waiting(container_status: Mapping[str, Any]) -> Mapping[str, Any]:
+    return (container_status.get("state") or {}).get("waiting") or {}
+
+
+def _exit(terminated: Mapping[str, Any]) -> str:
+    """A terminated run as "exit code N (Reason)", plus ": <last line>" of its termination message (with
+    terminationMessagePolicy FallbackToLogsOnError: the tail of its log when the container wrote no message)."""
+    text = f"exit code {terminated.get('exitCode')} ({terminated.get('reason') or 'Error'})"
+    line = last_line(terminated.get("message") or "")
+    return f"{text}: {line}" if line else text
+
+
+def last_line(message: str) -> str:
+    """The last line of ``message`` that says something (not blank, not a ``====`` rule), at most
+    :data:`LAST_LINE_MAX` characters: a Python traceback's exception, a log's last error."""
+    lines = [line.strip() for line in message.splitlines()]
+    said = [line for line in lines if any(ch.isalnum() for ch in line)]
+    if not said:
+        return ""
+    line = said[-1]
+    return line if len(line) <= LAST_LINE_MAX else line[:LAST_LINE_MAX - 1] + "…"
+
+
+def _time(value: Any) -> Optional[datetime]:
+    if not value:
+        return None
+    try:
+        return datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except ValueError:
+        return None
 
 
 def _failure(status: Mapping[str, Any]) -> str:
@@ -106,7 +183,9 @@ def _failure(status: Mapping[str, Any]) -> str:
         term = (container.get("state") or {}).get("terminated") or {}
         if term.get("exitCode"):
             reason = term.get("reason") or "Error"
-            return f"container {container.get('name')} exited with code {term['exitCode']} ({reason})"
+            line = last_line(term.get("message") or "")
+            return f"container {container.get('name')} exited with code {term['exitCode']} ({reason})" + (
+                f": {line}" if line else "")
     if status.get("reason") or status.get("message"):
         return ": ".join(x for x in (status.get("reason"), status.get("message")) if x)
     return f"phase {status.get('phase')}"

@@ -4,7 +4,9 @@ Trainer global rank 0 writes the hash ``{prefix}progress`` after each step (``st
 ``model_version``, ``tokens_per_second``, ``metrics`` as a JSON object); rollout workers add to
 ``{prefix}rollout`` (``reward_sum:{v}`` and ``reward_count:{v}`` per weights version v). The operator reports
 the newest version's mean as ``status.rolloutReward``, and the ``all_rewards_failed`` field (present while a
-worker's last batch had no sample whose reward function returned) as RolloutReady=False/AllRewardsFailed.
+worker's last batch had no sample whose reward function returned) as RolloutReady=False/AllRewardsFailed. The
+progress hash's ``checkpoint_lost`` (present while the trainer's attempt started below the checkpoint Redis records,
+because the volume no longer holds it) becomes Running=True/CheckpointLost and a Warning Event.
 """
 
 from __future__ import annotations
@@ -24,12 +26,36 @@ from rljob_api.config import RedisConnection, RedisKeys
 
 
 @dataclass(frozen=True)
+class LostCheckpoint:
+    """The progress hash's ``checkpoint_lost``: checkpoint ``step`` at ``path`` is recorded in Redis but gone from the
+    checkpoint volume, so the trainer started from step ``restored_from_step`` (0: from scratch). None: unreadable."""
+
+    step: Optional[int]
+    path: Optional[str]
+    restored_from_step: Optional[int]
+
+
+def lost_checkpoint_message(lost: LostCheckpoint, attempt: int, volume: Optional[str]) -> str:
+    """What Running=True/CheckpointLost says, e.g. "attempt 1 started over at step 0: checkpoint step 35 (<path>) was
+    lost: an emptyDir checkpoint volume does not survive a gang restart or suspend; set
+    spec.trainer.checkpoint.volume to a PersistentVolumeClaim". ``volume``: spec.trainer.checkpoint.volume."""
+    where = (f"it is missing from PersistentVolumeClaim {volume} (spec.trainer.checkpoint.volume; was the claim "
+             "replaced or cleaned?)" if volume else
+             "an emptyDir checkpoint volume does not survive a gang restart or suspend; set "
+             "spec.trainer.checkpoint.volume to a PersistentVolumeClaim")
+    start = "started over" + (f" at step {lost.restored_from_step}" if lost.restored_from_step is not None else "")
+    which = f"checkpoint step {lost.step}" if lost.step is not None else "the last recorded checkpoint"
+    return f"attempt {attempt} {start}: {which}" + (f" ({lost.path})" if lost.path else "") + f" was lost: {where}"
+
+
+@dataclass(frozen=True)
 class Progress:
     """Trainer and rollout progress; None where not reported yet.
 
     ``documents_seen`` and ``model_version`` are in documents; ``rollout_reward`` is the mean raw reward of the
     documents generated with weights version ``rollout_model_version``. ``rewards_failure``: what to tell the user
-    while the rollout hash holds ``all_rewards_failed`` (None when it does not).
+    while the rollout hash holds ``all_rewards_failed`` (None when it does not). ``checkpoint_lost``: the progress
+    hash's ``checkpoint_lost`` (None when absent or unreadable).
     """
 
     step: Optional[int] = None
@@ -40,6 +66,7 @@ class Progress:
     rollout_reward: Optional[float] = None
     rollout_model_version: Optional[int] = None
     rewards_failure: Optional[str] = None
+    checkpoint_lost: Optional[LostCheckpoint] = None
 
     def status_fields(self) -> dict[str, Any]:
         """The status fields this progress sets (snake_case names of :class:`RLTrainingJobStatus`)."""
@@ -105,7 +132,28 @@ def parse(progress: Mapping[Any, Any], rollout: Mapping[Any, Any]) -> Progress:
         rollout_reward=reward,
         rollout_model_version=version,
         rewards_failure=rewards_failure(rollout.get(c.ROLLOUT_ALL_REWARDS_FAILED)),
+        checkpoint_lost=checkpoint_lost(progress.get(c.PROGRESS_CHECKPOINT_LOST)),
     )
+
+
+def checkpoint_lost(raw: Any) -> Optional[LostCheckpoint]:
+    """The progress hash's ``checkpoint_lost`` field (JSON {step, path, restored_from_step, message}, written by trainer
+    rank 0), or None when absent. An unreadable record still counts, its unreadable parts None; never an error: a bad
+    field must not stop status updates."""
+    text = _text(raw)
+    if text is None:
+        return None
+    try:
+        info = json.loads(text)
+    except json.JSONDecodeError:
+        info = None
+    info = info if isinstance(info, dict) else {}
+    def integer(value: Any) -> Optional[int]:
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    path = info.get("path")
+    return LostCheckpoint(step=integer(info.get("step")), path=path if isinstance(path, str) and path else None,
+                          restored_from_step=integer(info.get("restored_from_step")))
 
 
 def rewards_failure(raw: Any) -> Optional[str]:

@@ -129,7 +129,8 @@ def parse_spec(name: str, raw: Mapping[str, Any]) -> tuple[Optional[RLTrainingJo
         problems.append(SpecProblem(
             "metadata.name",
             f"{name!r} must start with a lowercase letter and hold only lowercase letters, digits and '-' "
-            "(it names the job's Services and pod hostnames); recreate the job under another name",
+            "(it names the job's Services and pod hostnames); a name cannot be changed: delete the job and create it "
+            "again under another name",
         ))
     try:
         spec = RLTrainingJobSpec.model_validate(raw)
@@ -238,23 +239,26 @@ async def reconcile(
         )
         new = status.build_status(
             previous, generation=generation, lifecycle=invalid, problems=problems, data_parallel_size=None,
-            redis=runtime.redis_health, pods=pods, nodes=0, replicas=0, progress=None, now=now,
+            redis=_invalid_redis_health(spec, redis_deployment, runtime, pods, now), pods=pods, nodes=0, replicas=0,
+            progress=None, now=now,
         )
         await _save(body, previous, new, runtime, ctx)
         await release_redis(runtime, ctx, namespace, name)
         return ctx.idle_interval_s
 
     plan = gang.plan(name, spec, before, pods, render.config_hashes(config), now)
-    redis_health = _redis_health(spec, redis_deployment, runtime)
+    redis_health = _redis_health(spec, redis_deployment, runtime, pods, now)
     fetched = None
     if ctx.read_progress and (before.phase not in status.IDLE_PHASES or plan.lifecycle.phase != before.phase):
         fetched = await _read_progress(job, config, runtime, ctx, redis_health)
-        redis_health = _redis_health(spec, redis_deployment, runtime)
+        redis_health = _redis_health(spec, redis_deployment, runtime, pods, now)
+    lifecycle = gang.require_redis(plan.lifecycle, *_known_redis(redis_health, previous))
     common = dict(
         generation=generation, problems=problems, data_parallel_size=data_parallel_size(spec), redis=redis_health,
         nodes=spec.trainer.nodes, replicas=spec.rollout.replicas, progress=fetched, now=now,
+        checkpoint_volume=spec.trainer.checkpoint.volume,
     )
-    new = status.build_status(previous, lifecycle=plan.lifecycle, pods=pods, **common)
+    new = status.build_status(previous, lifecycle=lifecycle, pods=pods, **common)
     resource_version = await _save(body, previous, new, runtime, ctx)
     if plan.lifecycle.restarts > before.restarts:
         ctx.on_restart(plan.lifecycle.restarts - before.restarts)
@@ -379,12 +383,40 @@ async def _save(body: Mapping[str, Any], previous: RLTrainingJobStatus, new: RLT
     return updated["metadata"]["resourceVersion"]
 
 
-def _redis_health(spec: RLTrainingJobSpec, deployment: Optional[DeploymentView], runtime: JobRuntime) -> status.RedisHealth:
+def _redis_health(spec: RLTrainingJobSpec, deployment: Optional[DeploymentView], runtime: JobRuntime,
+                  pods: Iterable[PodView], now: datetime) -> status.RedisHealth:
+    """External: what this process's last probe found. Managed: whether the Deployment is available; if not, why its
+    pods are not ready, when they say (e.g. 'cannot start: container redis ImagePullBackOff: ...')."""
     if spec.redis.mode == "external":
         return runtime.redis_health
     if deployment is None:
         return status.RedisHealth(False, "the managed Redis Deployment does not exist yet")
-    return status.RedisHealth(deployment.available, f"managed Redis {deployment.name}: {deployment.message}")
+    message = f"managed Redis {deployment.name}: {deployment.message}"
+    troubles = "" if deployment.available else status.describe_troubles(
+        (p for p in pods if p.role == c.Role.REDIS.value and not p.deleting), now)
+    return status.RedisHealth(deployment.available, f"{message}; {troubles}" if troubles else message)
+
+
+def _invalid_redis_health(spec: Optional[RLTrainingJobSpec], deployment: Optional[DeploymentView],
+                          runtime: JobRuntime, pods: Iterable[PodView], now: datetime) -> status.RedisHealth:
+    """RedisReady of an invalid job: a managed Redis that exists (the spec became invalid after it was made, or a
+    child was refused) is reported as it is; otherwise what this process knows, or Unknown."""
+    if spec is not None and spec.redis.mode == "managed" and deployment is not None:
+        return _redis_health(spec, deployment, runtime, pods, now)
+    if runtime.redis_health.ready is None:
+        return status.RedisHealth(None, "not checked while the spec is invalid")
+    return runtime.redis_health
+
+
+def _known_redis(health: status.RedisHealth, previous: RLTrainingJobStatus) -> tuple[Optional[bool], str]:
+    """(whether Redis is ready, why): this pass's health, or while it is unknown (not probed by this process yet)
+    the saved RedisReady condition's."""
+    if health.ready is not None:
+        return health.ready, health.message
+    saved = previous.condition(c.ConditionType.REDIS_READY)
+    if saved is None or saved.status == "Unknown":
+        return None, health.message
+    return saved.status == "True", saved.message
 
 
 class _SecretProblem(Exception):

@@ -44,6 +44,10 @@ GPU_RESOURCE = "nvidia.com/gpu"
 TRAINER_COMMAND = ("torchrun",)
 TRAINER_MODULE = "rljob_trainer.train"
 ROLLOUT_COMMAND = ("python", "-m", "rljob_trainer.rollout")
+TERMINATION_MESSAGE_POLICY = "FallbackToLogsOnError"
+"""Of trainer and rollout containers: a container that fails without writing /dev/termination-log gets the tail of
+its log as termination message, which the job's conditions and Events quote (its last line: the entrypoint's
+"cannot start: ..." or a traceback's exception)."""
 
 TRAINER_PORTS = (
     ("rendezvous", c.PORT_RENDEZVOUS),
@@ -307,6 +311,7 @@ def trainer_pod(job: Job, config: JobConfig, index: int, attempt: int) -> dict[s
         "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in TRAINER_PORTS],
         "resources": dict(t.resources),
         "volumeMounts": _mounts(job, checkpoints=True),
+        "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
     }
     pod = _pod(job, config, name, c.Role.TRAINER, index, container, t.node_selector, t.tolerations, "Never",
                {c.LABEL_ATTEMPT: str(attempt)}, checkpoints=True)
@@ -329,6 +334,7 @@ def rollout_pod(job: Job, config: JobConfig, index: int) -> dict[str, Any]:
         "ports": [{"name": "metrics", "containerPort": c.PORT_METRICS, "protocol": "TCP"}],
         "resources": resources,
         "volumeMounts": _mounts(job, checkpoints=False),
+        "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
     }
     return _pod(job, config, names.rollout_pod(job.name, index), c.Role.ROLLOUT, index, container, r.node_selector,
                 r.tolerations, "OnFailure", {}, checkpoints=False)

@@ -9,18 +9,28 @@ Valid                   False: the spec has a problem only code can find (the me
                         not implemented yet (tensor/pipeline parallelism, the fast-llm backend).
 RedisReady              managed: the Redis Deployment has a ready replica; external: the operator reached it
                         (over TLS: the certificate verified against spec.redis.caSecretRef or the system CAs); a
-                        missing password or CA Secret names its field. Until this process has probed Redis itself
-                        (after a restart), the saved condition stays.
+                        missing password or CA Secret names its field; a managed Redis pod that cannot be scheduled
+                        or started is named. Until this process has probed Redis itself (after a restart), the saved
+                        condition stays.
 RolloutReady            every rollout pod is ready; Unschedulable names pods the scheduler cannot place;
-                        AllRewardsFailed: every sample of a worker's last batch failed its reward function (the
-                        rollout hash's ``all_rewards_failed``), so nothing reaches the trainer; cleared when a
-                        batch scores again.
+                        ContainerCannotStart names the kubelet's waiting reason and message (a missing Secret,
+                        an image that cannot be pulled); ContainerFailing: a container keeps exiting with an error
+                        (CrashLoopBackOff), with its restart count and last exit code and termination message, and
+                        stays so between restarts (:func:`failing`); AllRewardsFailed: every sample of a worker's last
+                        batch failed its reward function (the rollout hash's ``all_rewards_failed``), so nothing
+                        reaches the trainer; cleared when a batch scores again.
 TrainerReady            every trainer pod of the current attempt is running; Unschedulable names pods the
-                        scheduler cannot place (scheduled ranks wait in rendezvous; not a failure).
-Running                 the whole gang runs (phase Running).
-Restarting              a gang restart is in progress (reason: what ended the attempt); appears on the first one.
+                        scheduler cannot place (scheduled ranks wait in rendezvous; not a failure);
+                        ContainerCannotStart and ContainerFailing as for RolloutReady.
+Running                 training steps can be made (phase Running): the whole gang runs and Redis is ready (a gang
+                        whose Redis is down stays in phase Starting, reason RedisUnavailable). CheckpointLost (still
+                        True): the attempt started below the last recorded checkpoint because the checkpoint volume
+                        no longer holds it (the progress hash's ``checkpoint_lost``). The message adds when no new
+                        document can reach the trainer because RolloutReady is False.
+Restarting              a gang restart is in progress (reason: what ended the attempt; the message: where the next
+                        attempt starts); appears on the first one.
 Suspended               runPolicy.suspend is true and the pods are gone; appears on the first suspend.
-Succeeded / Failed      terminal; appear once.
+Succeeded / Failed      terminal; appear once. Succeeded's message says where the final weights were exported.
 ======================  ==========================================================================================
 """
 
@@ -35,8 +45,8 @@ from rljob_api.status import Condition, RLTrainingJobStatus
 from rljob_api.validation import SpecProblem
 
 from rljob_operator.gang import Lifecycle
-from rljob_operator.observe import PodView
-from rljob_operator.progress import Progress
+from rljob_operator.observe import RESTART_REASONS, PodView
+from rljob_operator.progress import Progress, lost_checkpoint_message
 
 #: Conditions set from the first pass on; the others appear when they first become True.
 ALWAYS = (ConditionType.VALID, ConditionType.REDIS_READY, ConditionType.ROLLOUT_READY, ConditionType.TRAINER_READY,
@@ -45,9 +55,25 @@ ORDER = (*ALWAYS, ConditionType.RESTARTING, ConditionType.SUSPENDED, ConditionTy
 IDLE_PHASES = (Phase.SUSPENDED, Phase.SUCCEEDED, Phase.FAILED, Phase.INVALID)
 _NOT_NEWS = (Reason.PODS_NOT_READY, Reason.WAITING_FOR_GANG, Reason.REDIS_UNAVAILABLE)
 """Reasons of a new job's first conditions that are not news: "not ready yet"."""
-_HEALTHY_FROM_THE_START = (ConditionType.VALID, ConditionType.REDIS_READY)
-"""Conditions whose first observation as True is not news either: a valid spec and a reachable Redis are what a
-user expects of a new job; only a later change (or a False) is worth an Event."""
+_HEALTHY_FROM_THE_START = (ConditionType.REDIS_READY,)
+"""Conditions whose first observation as True is not news either: a reachable external Redis is what a user expects
+of a new job; only a later change (or a False) is worth an Event. Valid=True keeps its Event (SpecValid): it is the
+one transition that tells a user the operator has accepted the job."""
+_PHASE_CONDITIONS = (ConditionType.RESTARTING, ConditionType.SUSPENDED, ConditionType.SUCCEEDED, ConditionType.FAILED)
+"""Conditions that describe a phase: of conditions that say the same, they give the Event."""
+_WARNINGS = (Reason.UNSCHEDULABLE, Reason.ALL_REWARDS_FAILED, Reason.CONTAINER_CANNOT_START, Reason.CONTAINER_FAILING,
+             Reason.CHECKPOINT_LOST, Reason.REDIS_UNAVAILABLE)
+"""Reasons whose Events are Warnings (besides Failed, Restarting and Valid=False)."""
+_STARVED = (Reason.UNSCHEDULABLE, Reason.CONTAINER_CANNOT_START, Reason.CONTAINER_FAILING)
+"""RolloutReady reasons that, with no rollout pod ready, mean that no new document reaches the trainer."""
+
+FAILING_WINDOW_PER_RESTART_S = 60.0
+FAILING_WINDOW_MAX_S = 600.0
+"""A container that restarted after a failure counts as failing (not ready) until its current run has lasted
+FAILING_WINDOW_PER_RESTART_S per restart, at most FAILING_WINDOW_MAX_S (seconds; the kubelet, too, forgets a crash
+loop after 10 minutes of running). A crash loop whose runs are shorter than that keeps its condition False between
+restarts rather than flipping it (and posting two Events) on every restart, and the window outgrows longer runs after
+a few restarts; one crash costs a healthy container at most a minute of readiness."""
 
 
 @dataclass(frozen=True)
@@ -76,32 +102,100 @@ class _Cond:
 
 
 def valid_condition(problems: Sequence[SpecProblem]) -> _Cond:
-    """Valid: True, or False naming every problem's field (NotSupported when all are not-yet-supported)."""
+    """Valid: True, or False naming every problem's field (NotSupported when all are not-yet-supported); the message
+    ends with "fix the spec (kubectl edit rljob)" when a problem is in the spec (a bad name says what to do itself)."""
     if not problems:
         return _Cond("True", Reason.SPEC_VALID, "the spec is valid")
     reason = Reason.NOT_SUPPORTED if all(not p.supported for p in problems) else Reason.INVALID_SPEC
-    return _Cond("False", reason, "; ".join(str(p) for p in problems) + "; fix the spec (kubectl edit rljob)")
+    hint = "; fix the spec (kubectl edit rljob)" if any(p.field.startswith("spec") for p in problems) else ""
+    return _Cond("False", reason, "; ".join(str(p) for p in problems) + hint)
 
 
-def _pods_condition(role: str, pods: Sequence[PodView], wanted: int, ready_when) -> _Cond:
-    ready = [p for p in pods if ready_when(p)]
-    if wanted and len(ready) >= wanted:
-        return _Cond("True", Reason.PODS_READY, f"{len(ready)}/{wanted} {role} pods ready")
+def failing(pod: PodView, now: datetime) -> bool:
+    """Whether ``pod``'s container keeps failing: it waits to be restarted (CrashLoopBackOff), or its last run failed
+    and its current run (if any) is younger than the window of :data:`FAILING_WINDOW_MAX_S`."""
+    if pod.waiting_reason in RESTART_REASONS:
+        return True
+    if not pod.last_failure:
+        return False
+    if pod.running_since is None:
+        return True
+    window = min(FAILING_WINDOW_PER_RESTART_S * max(pod.restarts, 1), FAILING_WINDOW_MAX_S)
+    return (now - pod.running_since).total_seconds() < window
+
+
+def _failing_detail(pod: PodView) -> str:
+    """e.g. "container rollout CrashLoopBackOff, 3 restarts; last run: exit code 2 (Error): <termination message's
+    last line>"."""
+    state = pod.waiting_reason or ("running again" if pod.running_since else "exited")
+    restarts = f", {pod.restarts} restart{'' if pod.restarts == 1 else 's'}" if pod.restarts else ""
+    return f"container {pod.container} {state}{restarts}" + (f"; last run: {pod.last_failure}" if pod.last_failure
+                                                            else "")
+
+
+def _grouped(details: Iterable[tuple[str, str]]) -> str:
+    """(pod name, detail) pairs as "a, b: detail; c: other detail" (pods that say the same are named together)."""
+    groups: dict[str, list[str]] = {}
+    for name, detail in details:
+        groups.setdefault(detail, []).append(name)
+    return "; ".join(f"{', '.join(names)}: {detail}" for detail, names in groups.items())
+
+
+_LABELS = {Reason.UNSCHEDULABLE: "cannot be scheduled", Reason.CONTAINER_CANNOT_START: "cannot start",
+           Reason.CONTAINER_FAILING: "failing"}
+
+
+def pod_trouble(pod: PodView, now: datetime) -> Optional[tuple[Reason, str]]:
+    """Why ``pod`` is not ready when it is not merely on its way: (Unschedulable, the scheduler's message),
+    (ContainerFailing, e.g. "container rollout CrashLoopBackOff, 3 restarts; last run: exit code 2 (Error): ..."),
+    (ContainerCannotStart, e.g. 'container trainer CreateContainerConfigError: secret "nosuch" not found'); None."""
+    if pod.unschedulable:
+        return Reason.UNSCHEDULABLE, pod.unschedulable
+    if failing(pod, now):
+        return Reason.CONTAINER_FAILING, _failing_detail(pod)
+    if pod.waiting_reason:
+        return Reason.CONTAINER_CANNOT_START, f"container {pod.container} {pod.waiting_reason}" + (
+            f": {pod.waiting_message}" if pod.waiting_message else "")
+    return None
+
+
+def describe_troubles(pods: Iterable[PodView], now: datetime) -> str:
+    """ "name: cannot start: detail; ..." for every pod of ``pods`` with a :func:`pod_trouble` ("" when none)."""
+    found = [(p.name, pod_trouble(p, now)) for p in pods]
+    return "; ".join(f"{name}: {_LABELS[trouble[0]]}: {trouble[1]}" for name, trouble in found if trouble)
+
+
+def _pods_condition(role: str, pods: Sequence[PodView], wanted: int, ready_when, now: datetime) -> _Cond:
+    """The readiness of one role's pods. Reason by precedence: Unschedulable, ContainerCannotStart, ContainerFailing,
+    PodsNotReady; the message names every pod that is not ready and why (:func:`pod_trouble`)."""
+    troubles = {p.name: pod_trouble(p, now) for p in pods}
+    ready = [p for p in pods if ready_when(p) and troubles[p.name] is None]
     message = f"{len(ready)}/{wanted} {role} pods ready"
-    unschedulable = [p for p in pods if p.unschedulable]
+    if wanted and len(ready) >= wanted:
+        return _Cond("True", Reason.PODS_READY, message)
+    by_reason: dict[Reason, list[tuple[str, str]]] = {}
+    for name, trouble in troubles.items():
+        if trouble is not None:
+            by_reason.setdefault(trouble[0], []).append((name, trouble[1]))
+    unschedulable = by_reason.get(Reason.UNSCHEDULABLE)
     if unschedulable:
-        names = ", ".join(f"{p.name}: {p.unschedulable}" for p in unschedulable)
         hint = " (the scheduled ranks wait in rendezvous; this is not counted as a failure)" if role == "trainer" else ""
-        return _Cond("False", Reason.UNSCHEDULABLE, f"{message}; cannot be scheduled: {names}{hint}")
-    waiting = [f"{p.name} ({p.phase})" for p in pods if not ready_when(p)]
+        message += "; cannot be scheduled: " + ", ".join(f"{name}: {detail}" for name, detail in unschedulable) + hint
+    for reason in (Reason.CONTAINER_CANNOT_START, Reason.CONTAINER_FAILING):
+        if reason in by_reason:
+            message += f"; {_LABELS[reason]}: {_grouped(by_reason[reason])}"
+    ready_names = {p.name for p in ready}
+    waiting = [f"{p.name} ({p.phase})" for p in pods if p.name not in ready_names and troubles[p.name] is None]
     if waiting:
         message += "; waiting for " + ", ".join(waiting)
-    return _Cond("False", Reason.PODS_NOT_READY, message)
+    reason = next((r for r in (Reason.UNSCHEDULABLE, Reason.CONTAINER_CANNOT_START, Reason.CONTAINER_FAILING)
+                   if r in by_reason), Reason.PODS_NOT_READY)
+    return _Cond("False", reason, message)
 
 
 def _conditions(lc: Lifecycle, valid: _Cond, redis: RedisHealth, trainers: Sequence[PodView],
                 rollouts: Sequence[PodView], nodes: int, replicas: int, rewards_failure: Optional[str],
-                saved_redis: Optional[Condition]) -> dict[ConditionType, _Cond]:
+                saved_redis: Optional[Condition], lost: Optional[str], now: datetime) -> dict[ConditionType, _Cond]:
     idle = lc.phase in IDLE_PHASES
     idle_cond = _Cond("False", lc.reason, lc.message)
     conds = {ConditionType.VALID: valid}
@@ -117,23 +211,38 @@ def _conditions(lc: Lifecycle, valid: _Cond, redis: RedisHealth, trainers: Seque
         )
     current = [p for p in trainers if p.attempt == lc.attempt and not p.deleting]
     conds[ConditionType.TRAINER_READY] = idle_cond if idle else _pods_condition(
-        "trainer", current, nodes, lambda p: p.phase == "Running"
+        "trainer", current, nodes, lambda p: p.phase == "Running", now
     )
+    rollouts = [p for p in rollouts if not p.deleting]
     if idle:
         conds[ConditionType.ROLLOUT_READY] = idle_cond
     elif rewards_failure:
         conds[ConditionType.ROLLOUT_READY] = _Cond("False", Reason.ALL_REWARDS_FAILED, rewards_failure)
     else:
         conds[ConditionType.ROLLOUT_READY] = _pods_condition(
-            "rollout", [p for p in rollouts if not p.deleting], replicas, lambda p: p.phase == "Running" and p.ready
+            "rollout", rollouts, replicas, lambda p: p.phase == "Running" and p.ready, now
         )
-    running = lc.phase == Phase.RUNNING
-    conds[ConditionType.RUNNING] = _Cond("True" if running else "False", lc.reason, lc.message)
+    conds[ConditionType.RUNNING] = _running(lc, conds[ConditionType.ROLLOUT_READY], rollouts, lost, now)
     for phase, ctype in ((Phase.RESTARTING, ConditionType.RESTARTING), (Phase.SUSPENDED, ConditionType.SUSPENDED),
                          (Phase.SUCCEEDED, ConditionType.SUCCEEDED), (Phase.FAILED, ConditionType.FAILED)):
         if lc.phase == phase:
             conds[ctype] = _Cond("True", lc.reason, lc.message)
     return conds
+
+
+def _running(lc: Lifecycle, rollout: _Cond, rollouts: Sequence[PodView], lost: Optional[str], now: datetime) -> _Cond:
+    """Running: True in phase Running (reason CheckpointLost, saying ``lost``, when the attempt lost its checkpoint;
+    the message adds when no new document reaches the trainer because of ``rollout``), else False with the phase's
+    reason."""
+    if lc.phase != Phase.RUNNING:
+        return _Cond("False", lc.reason, lc.message)
+    message = f"{lc.message}; {lost}" if lost else lc.message
+    if rollout.reason == Reason.ALL_REWARDS_FAILED or (
+        rollout.reason in _STARVED
+        and not any(p.phase == "Running" and p.ready and pod_trouble(p, now) is None for p in rollouts)
+    ):
+        message += f"; no new document reaches the trainer while RolloutReady is False ({rollout.reason.value})"
+    return _Cond("True", Reason.CHECKPOINT_LOST if lost else lc.reason, message)
 
 
 def build_status(
@@ -149,13 +258,19 @@ def build_status(
     replicas: int,
     progress: Optional[Progress],
     now: datetime,
+    checkpoint_volume: Optional[str] = None,
 ) -> RLTrainingJobStatus:
     """The new status. Conditions keep their lastTransitionTime while their status is unchanged; conditions
     that were True once stay listed (False with the current phase's reason) once they no longer hold.
-    Progress fields, and RolloutReady=False/AllRewardsFailed, keep their old values when ``progress`` is None
-    (Redis not read this pass); RedisReady keeps its saved value while ``redis.ready`` is None (not probed yet)."""
+    Progress fields, RolloutReady=False/AllRewardsFailed and Running=True/CheckpointLost keep their old values when
+    ``progress`` is None (Redis not read this pass); RedisReady keeps its saved value while ``redis.ready`` is None
+    (not probed yet). ``checkpoint_volume``: spec.trainer.checkpoint.volume (what a lost checkpoint's message
+    advises)."""
     pods = list(pods)
     old = {cond.type: cond for cond in previous.conditions}
+    lost = None
+    if progress is not None and progress.checkpoint_lost is not None:
+        lost = lost_checkpoint_message(progress.checkpoint_lost, lifecycle.attempt, checkpoint_volume)
     rollout_ready = old.get(ConditionType.ROLLOUT_READY)
     if progress is not None:
         rewards_failure = progress.rewards_failure
@@ -173,7 +288,13 @@ def build_status(
         replicas,
         rewards_failure,
         old.get(ConditionType.REDIS_READY),
+        lost,
+        now,
     )
+    old_running = old.get(ConditionType.RUNNING)
+    if (progress is None and lifecycle.phase == Phase.RUNNING and lifecycle.attempt == previous.attempt
+            and old_running is not None and old_running.reason == Reason.CHECKPOINT_LOST.value):
+        fresh[ConditionType.RUNNING] = _Cond(old_running.status, old_running.reason, old_running.message)
     conditions = []
     for ctype in ORDER:
         new = fresh.get(ctype)
@@ -244,32 +365,42 @@ def status_patch(stored: Mapping[str, Any], new: RLTrainingJobStatus) -> Optiona
 
 
 def transition_events(previous: RLTrainingJobStatus, new: RLTrainingJobStatus) -> list[Event]:
-    """One Event per condition whose status or reason changed (Warning for failures, restarts, invalid specs,
-    unschedulable pods and rewards that all failed; Normal otherwise); conditions that echo the same reason and
-    message (the pod conditions of a suspended or invalid job) give one Event. A new job's first conditions give
-    none while they say what is expected (Valid=True, RedisReady=True, pods not ready yet): a job created
-    suspended gets one Event (JobSuspended), a job created running none until something changes."""
+    """One Event per condition whose status or reason changed (Warning for failures, restarts, invalid specs, Redis
+    down, pods that cannot be scheduled, cannot start or keep failing, rewards that all failed and lost checkpoints;
+    Normal otherwise). Conditions that echo the same reason and message (the pod conditions of a suspended, finished or
+    invalid job) give one Event, the phase's own condition's (e.g. Succeeded=True), and Running gives none for a reason
+    another condition's Event already told. Running's reason otherwise follows the phase, so a change of it alone is
+    no Event, except to CheckpointLost (once per attempt: Running is False between attempts). A new job's first
+    conditions give none while they say what is expected (RedisReady=True, pods not ready yet)."""
     old = {cond.type: cond for cond in previous.conditions}
-    events = []
-    said: set[tuple[str, str]] = set()
+    news = []
     for cond in new.conditions:
         before = old.get(cond.type)
         if before is not None and before.status == cond.status and (
-            before.reason == cond.reason or cond.type == ConditionType.RUNNING
+            before.reason == cond.reason
+            or (cond.type == ConditionType.RUNNING and cond.reason != Reason.CHECKPOINT_LOST.value)
         ):
-            continue  # Running's reason follows the phase, whose own condition reports it
+            continue
         if before is None and (
             (cond.status != "True" and cond.reason in _NOT_NEWS)
             or (cond.status == "True" and cond.type in _HEALTHY_FROM_THE_START)
         ):
-            continue  # a new job's initial "not ready yet", valid spec and reachable Redis are not news
-        if (cond.reason, cond.message) in said:
+            continue  # a new job's initial "not ready yet" and reachable Redis are not news
+        news.append(cond)
+    told: dict[tuple[str, str], Condition] = {}  # (reason, message) → the condition that tells it, in first-seen order
+    for cond in news:
+        key = (cond.reason, cond.message)
+        if key not in told or (cond.type in _PHASE_CONDITIONS and told[key].type not in _PHASE_CONDITIONS):
+            told[key] = cond
+    reasons = {cond.reason for cond in told.values() if cond.type != ConditionType.RUNNING}
+    events = []
+    for cond in told.values():
+        if cond.type == ConditionType.RUNNING and cond.reason in reasons:
             continue
-        said.add((cond.reason, cond.message))
         warning = (
             (cond.type in (ConditionType.FAILED, ConditionType.RESTARTING) and cond.status == "True")
             or (cond.type == ConditionType.VALID and cond.status == "False")
-            or cond.reason in (Reason.UNSCHEDULABLE, Reason.ALL_REWARDS_FAILED)
+            or (cond.reason in _WARNINGS and cond.status != "Unknown")
         )
         events.append(Event("Warning" if warning else "Normal", cond.reason, f"{cond.type.value}={cond.status}: "
                             f"{cond.message}"))

@@ -90,4 +90,6 @@ def watch(
             time.sleep(interval_seconds)
             job = fetch(name, namespace)
             live.update(render(job))
+    if not console.is_terminal:  # Live ends a terminal's last frame with a newline, not a file's or a pipe's
+        console.line()
     return job

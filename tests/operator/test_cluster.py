@@ -193,6 +193,8 @@ def test_schema_and_cel_rules_are_enforced_with_messages_that_name_the_field(kub
     assert "spec.trainer.nodes: Invalid value: 0: spec.trainer.nodes in body should be greater than or equal to 1" \
         in refused(job_manifest("bound", trainer={"nodes": 0}))
     assert 'spec.algorithm.loss: Unsupported value: "ppo"' in refused(job_manifest("enum", algorithm={"loss": "ppo"}))
+    assert ("spec.rollout.samplesPerPrompt: Invalid value: 1: spec.rollout.samplesPerPrompt in body should be greater "
+            "than or equal to 2") in refused(job_manifest("group", rollout={"samplesPerPrompt": 1}))
 
     kube.apply(job_manifest("topo"), namespace)
     stored = kube.job(namespace, "topo")
@@ -227,6 +229,8 @@ def test_children_owner_references_and_gpu_pending_status(kube, operator, namesp
         assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("RLTrainingJob", "demo",
                                                                               job["metadata"]["uid"], True)
     assert {p["metadata"]["labels"]["rljob.dev/config-hash"] for p in pods} == {digest}
+    # the last log lines of a failed container become its termination message (quoted in the job's conditions)
+    assert {c["terminationMessagePolicy"] for p in pods for c in p["spec"]["containers"]} == {"FallbackToLogsOnError"}
     assert {p["metadata"]["labels"].get("rljob.dev/attempt") for p in kube.pods(namespace, "trainer")} == {"0"}
 
     ready = wait_for(lambda: kube.condition(namespace, "demo", "TrainerReady").get("reason") == "Unschedulable"
@@ -366,9 +370,15 @@ def test_a_private_redis_ca_is_mounted_and_verifies_the_operators_reads(kube, op
                        "RedisReady=False for the missing CA Secret")
     assert missing["message"] == (f"spec.redis.caSecretRef: Secret {namespace}/redis-ca or its key 'ca.crt' does not "
                                   "exist; create it or fix the reference")
-    version = kube.job(namespace, "tls")["metadata"]["resourceVersion"]
+    # settled: the gang is created and the scheduler has said why its pods wait (both are status writes of their own)
+    before = wait_for(lambda: (job := kube.job(namespace, "tls"))["status"].get("gangCreated") and all(
+        c["reason"] == "Unschedulable" for c in job["status"]["conditions"] if c["type"] in ("TrainerReady",
+                                                                                             "RolloutReady")) and job,
+        "the gang created and its pods unschedulable")
     time.sleep(3)  # three active intervals: the same problem is not written again
-    assert kube.job(namespace, "tls")["metadata"]["resourceVersion"] == version
+    after = kube.job(namespace, "tls")
+    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"], (
+        before["status"], after["status"])
 
     kube.run("create", "secret", "generic", "redis-ca", "-n", namespace,
              f"--from-file=ca.crt={server.tls.foreign_ca_file}")
@@ -442,6 +452,132 @@ def test_metrics_and_liveness_endpoints(kube, operator, namespace):
     assert float(suspended.split()[-1]) >= 1
     assert "rljob_operator_reconcile_duration_seconds_count" in text
     assert operator.get(operator.liveness, "/healthz") is not None
+
+
+def kubelet_status(kube: Kube, namespace: str, pod: str, phase: str, container: dict, scheduled: bool = True) -> None:
+    """Write pod status the way a kubelet would (there is no node agent here): phase, conditions, one container."""
+    ready = "running" in container["state"]
+    conditions = [{"type": "Ready", "status": "True" if ready else "False"}]
+    if scheduled:
+        conditions.append({"type": "PodScheduled", "status": "True"})
+    status = {"phase": phase, "conditions": conditions, "containerStatuses": [
+        {"image": "x", "imageID": "", "ready": ready, "started": ready, "restartCount": 0, **container}]}
+    kube.run("patch", "pod", pod, "-n", namespace, "--subresource=status", "--type=merge",
+             "-p", json.dumps({"status": status}))
+
+
+@pytest.fixture()
+def ghost_node(kube):
+    """A Node with no kubelet behind it, for binding pods whose status the tests then write (deleted afterwards)."""
+    name = f"ghost-{uuid.uuid4().hex[:6]}"
+    kube.apply({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}})
+    try:
+        yield name
+    finally:
+        kube.run("delete", "node", name, "--wait=false", check=False)
+
+
+def bind(kube: Kube, namespace: str, pod: str, node: str) -> None:
+    kube.run("create", "-n", namespace, "-f", "-", input=yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Binding", "metadata": {"name": pod},
+        "target": {"apiVersion": "v1", "kind": "Node", "name": node}}))
+
+
+def test_crash_looping_and_unstartable_containers_are_named_on_the_job(kube, operator, namespace, ghost_node):
+    """A rollout container in CrashLoopBackOff and trainer containers stuck in CreateContainerConfigError, as the kubelet
+    reports them: the job's conditions quote the kubelet's reason, the restart count and the termination message, with
+    one Warning Event each."""
+    kube.apply(job_manifest("loop"), namespace)
+    wait_for(lambda: len(kube.pods(namespace, "trainer")) == 2 and kube.pods(namespace, "rollout")
+             and (kube.job(namespace, "loop").get("status") or {}).get("gangCreated"), "the gang and a rollout pod")
+    for pod in ("loop-rollout-0", "loop-trainer-0", "loop-trainer-1"):
+        bind(kube, namespace, pod, ghost_node)
+    log_tail = ("2026-01-01 12:00:03,512 ERROR rljob_trainer.rollout.__main__: rollout: cannot start: "
+                "spec.rollout.task.datasetPath: no file at '/data/nope.jsonl'\n")
+    kubelet_status(kube, namespace, "loop-rollout-0", "Running", {
+        "name": "rollout", "restartCount": 4,
+        "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 1m20s restarting failed container"}},
+        "lastState": {"terminated": {"exitCode": 2, "reason": "Error", "message": log_tail,
+                                     "startedAt": "2026-01-01T12:00:02Z", "finishedAt": "2026-01-01T12:00:04Z"}}})
+    for pod in ("loop-trainer-0", "loop-trainer-1"):
+        kubelet_status(kube, namespace, pod, "Pending", {"name": "trainer", "state": {"waiting": {
+            "reason": "CreateContainerConfigError", "message": 'secret "nosuch" not found'}}})
+
+    rollout = wait_for(lambda: (r := kube.condition(namespace, "loop", "RolloutReady")).get("reason")
+                       == "ContainerFailing" and r, "RolloutReady=False/ContainerFailing")
+    assert rollout["message"] == (
+        "0/1 rollout pods ready; failing: loop-rollout-0: container rollout CrashLoopBackOff, 4 restarts; last run: "
+        f"exit code 2 (Error): {log_tail.strip()}")
+    trainer = wait_for(lambda: (r := kube.condition(namespace, "loop", "TrainerReady")).get("reason")
+                       == "ContainerCannotStart" and r, "TrainerReady=False/ContainerCannotStart")
+    assert trainer["message"] == ('0/2 trainer pods ready; cannot start: loop-trainer-0, loop-trainer-1: container '
+                                  'trainer CreateContainerConfigError: secret "nosuch" not found')
+    def warnings():
+        found = {e["reason"]: e for e in kube.json("get", "events", "-n", namespace)["items"]
+                 if e["reason"] in ("ContainerFailing", "ContainerCannotStart")}
+        return found if len(found) == 2 else None
+
+    events = wait_for(warnings, "a ContainerFailing and a ContainerCannotStart Event")
+    assert {e["type"] for e in events.values()} == {"Warning"}
+    assert "nope.jsonl" in events["ContainerFailing"]["message"]
+    assert kube.job(namespace, "loop")["status"]["phase"] == "Starting"
+
+
+def test_a_gang_whose_redis_is_unreachable_is_not_running(kube, operator, namespace, ghost_node):
+    """Every trainer pod runs, but nothing listens at the external Redis URL: the job stays Starting with
+    Running=False/RedisUnavailable (never Running=True while no step can be made)."""
+    port = _free_port()  # nothing listens there
+    kube.apply(job_manifest("noredis", redis={"mode": "external", "url": f"redis://127.0.0.1:{port}"}), namespace)
+    wait_for(lambda: len(kube.pods(namespace, "trainer")) == 2
+             and (kube.job(namespace, "noredis").get("status") or {}).get("gangCreated"), "the gang")
+    for pod in ("noredis-trainer-0", "noredis-trainer-1"):
+        bind(kube, namespace, pod, ghost_node)
+        kubelet_status(kube, namespace, pod, "Running", {"name": "trainer",
+                                                         "state": {"running": {"startedAt": "2026-01-01T12:00:00Z"}}})
+    running = wait_for(lambda: (r := kube.condition(namespace, "noredis", "Running")).get("reason")
+                       == "RedisUnavailable" and r, "Running=False/RedisUnavailable")
+    assert running["status"] == "False" and running["message"].startswith(
+        "attempt 0: all 2 trainer pods running, but no step can be made while Redis is not ready: cannot reach Redis "
+        f"at 127.0.0.1:{port}")
+    assert kube.condition(namespace, "noredis", "TrainerReady")["status"] == "True"
+    time.sleep(2)  # two active intervals: it does not flip to Running
+    status = kube.job(namespace, "noredis")["status"]
+    assert status["phase"] == "Starting"
+    assert [c["status"] for c in status["conditions"] if c["type"] in ("RedisReady", "Running")] == ["False", "False"]
+
+
+def test_a_child_the_api_server_refuses_makes_the_job_invalid_and_redis_ready_says_what_it_sees(kube, operator,
+                                                                                               namespace):
+    """limits.cpu "-2" passes the CRD but not Pod validation: Valid=False quotes the API server; the managed Redis,
+    already made, is reported as it is (here: its pod cannot be scheduled), not as "not checked yet"."""
+    kube.apply(job_manifest("badres", trainer={"resources": {"limits": {"cpu": "-2"}}}), namespace)
+    valid = wait_for(lambda: (v := kube.condition(namespace, "badres", "Valid")).get("status") == "False" and v,
+                     "Valid=False")
+    assert valid["reason"] == "InvalidSpec" and valid["message"].startswith(
+        'spec: the API server refused a child object: Pod "badres-trainer-0" is invalid')
+    assert '"-2": must be greater than or equal to 0' in valid["message"]
+    redis = wait_for(lambda: "cannot be scheduled" in (r := kube.condition(namespace, "badres", "RedisReady")).get(
+        "message", "") and r, "RedisReady naming the Redis pod")
+    assert redis["status"] == "False" and redis["message"].startswith(
+        "managed Redis badres-redis: 0/1 replicas available")
+    assert kube.job(namespace, "badres")["status"]["phase"] == "Invalid"
+
+
+def test_watch_of_a_job_that_does_not_exist_says_so_in_one_line(kube, installed, namespace):
+    kube.apply(job_manifest("here", runPolicy={"suspend": True}), namespace)
+
+    def watch(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "rljob_operator.cli", "watch", *args], capture_output=True,
+                              text=True, timeout=60, env={**os.environ, "KUBECONFIG": str(kube.cp.kubeconfig)})
+
+    missing = watch("nosuchjob", "-n", namespace)
+    assert (missing.returncode, missing.stdout, missing.stderr) == (
+        3, "", f"rltrainingjob nosuchjob not found in namespace {namespace}\n")
+    elsewhere = watch("here")  # the default namespace
+    assert (elsewhere.returncode, elsewhere.stderr) == (3, "rltrainingjob here not found in namespace default\n")
+    waited = watch("here", "-n", namespace, "--timeout=0.5")
+    assert waited.returncode == 2 and waited.stderr == (
+        f"RLTrainingJob {namespace}/here did not finish within 0 s\n"), waited.stderr
 
 
 def api_requests(proc: OperatorProcess) -> dict[tuple[str, str], float]:

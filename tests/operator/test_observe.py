@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from rljob_operator.observe import deployment_view, pod_view
+from datetime import datetime, timezone
+
+import pytest
+
+from rljob_operator.observe import LAST_LINE_MAX, deployment_view, last_line, pod_view
 from rljob_operator.reconcile import CREATED_GRACE_S, JobRuntime, observed_pods
 
-from operator_helpers import trainer
+from operator_helpers import CRASHED, kubelet_rollout_pod, trainer
 
 
 def _pod(phase="Pending", conditions=(), reason=None, containers=(), deleting=False, attempt="2"):
@@ -79,3 +83,66 @@ def test_children_of_a_deleted_job_of_the_same_name_are_foreign():
     redis_pod = _pod()
     redis_pod["metadata"]["ownerReferences"] = [{"uid": "rs", "controller": True, "kind": "ReplicaSet"}]
     assert foreign_children("new-job", [pod_view(redis_pod)], None) == []  # owned by its ReplicaSet
+
+
+# --- containers that do not start or keep failing, as the kubelet reports them ----------------------------------
+def test_a_crash_looping_container_gives_its_reason_restarts_and_last_termination_message():
+    view = pod_view(kubelet_rollout_pod(
+        restartCount=3, lastState=CRASHED,
+        state={"waiting": {"reason": "CrashLoopBackOff",
+                           "message": "back-off 40s restarting failed container=rollout pod=math-rollout-0_default(r0)"}}))
+    assert (view.phase, view.ready, view.container, view.waiting_reason, view.restarts) == (
+        "Running", False, "rollout", "CrashLoopBackOff", 3)
+    assert view.last_failure == ("exit code 2 (Error): 2026-01-01 12:00:03,512 ERROR rljob_trainer.rollout.__main__: "
+                                 "rollout: cannot start: spec.rollout.task.datasetPath: no file at '/data/nope.jsonl'")
+    assert view.running_since is None and view.failure == ""  # a restarting container does not fail the pod
+
+    again = pod_view(kubelet_rollout_pod(restartCount=3, lastState=CRASHED,
+                                        state={"running": {"startedAt": "2026-01-01T12:00:44Z"}}))
+    assert (again.ready, again.waiting_reason, again.restarts) == (True, "", 3)
+    assert again.running_since == datetime(2026, 1, 1, 12, 0, 44, tzinfo=timezone.utc)
+    assert again.last_failure.startswith("exit code 2 (Error): ")
+
+
+@pytest.mark.parametrize(("reason", "message"), [
+    ("CreateContainerConfigError", 'secret "nosuch" not found'),
+    ("ImagePullBackOff", 'Back-off pulling image "rljob/trainer-gpu:0.1.0"'),
+    ("ErrImagePull", 'failed to pull and unpack image "docker.io/rljob/nope:1": not found'),
+])
+def test_a_container_that_cannot_start_names_the_kubelets_reason_and_message(reason, message):
+    pod = _pod("Pending", containers=[{"name": "trainer", "image": "x", "ready": False, "restartCount": 0,
+                                       "state": {"waiting": {"reason": reason, "message": message}}}])
+    view = pod_view(pod)
+    assert (view.container, view.waiting_reason, view.waiting_message, view.restarts, view.last_failure) == (
+        "trainer", reason, message, 0, "")
+    creating = pod_view(_pod("Pending", containers=[{"name": "trainer", "state": {"waiting": {
+        "reason": "ContainerCreating"}}}]))
+    assert (creating.waiting_reason, creating.container) == ("", "")  # on its way: nothing to report
+
+
+TORCHRUN_FAILURE = """[rank0]: Traceback (most recent call last):
+[rank0]:   File "/app/rljob_trainer/train.py", line 394, in main
+[rank0]: ValueError: spec.model.path: no config.json in /models/qwen
+E1201 12:00:09 torch/distributed/elastic/multiprocessing/api.py:869] failed (exitcode: 1) local_rank: 0
+Traceback (most recent call last):
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+rljob_trainer.train FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  exitcode  : 1 (pid: 31)
+  traceback : Traceback (most recent call last):
+    ValueError: spec.model.path: no config.json in /models/qwen
+
+============================================================
+"""
+
+
+def test_a_failed_trainer_pod_quotes_the_last_line_of_its_termination_message():
+    failed = pod_view(_pod("Failed", containers=[{"name": "trainer", "restartCount": 0, "state": {"terminated": {
+        "exitCode": 1, "reason": "Error", "message": TORCHRUN_FAILURE}}}]))
+    assert failed.failure == ("container trainer exited with code 1 (Error): "
+                              "ValueError: spec.model.path: no config.json in /models/qwen")
+    assert failed.last_failure == "exit code 1 (Error): ValueError: spec.model.path: no config.json in /models/qwen"
+    assert last_line("=====\n\n") == "" and len(last_line("x" * 1000)) == LAST_LINE_MAX

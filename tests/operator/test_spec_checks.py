@@ -62,9 +62,18 @@ CASES = {
         "spec.rollout.task.rewardFunction: must be 'module:function', got 'score'",
     ),
     "vllm-gpus": ({"rollout": {"backend": "vllm"}}, "spec.rollout.gpusPerReplica: must be >= 1 with backend 'vllm'"),
+    "cpu-gpus": (
+        {"rollout": {"backend": "cpu", "gpusPerReplica": 2}},
+        "spec.rollout.gpusPerReplica: must be 0 with backend 'cpu' (it generates on CPU; 2 would hold 2 GPUs per "
+        "rollout pod unused): set it to 0, or backend to 'vllm'",
+    ),
     # what the CRD schema would have refused, if the CRD was bypassed or is older than the operator
     "schema-bound": ({"trainer": {"nodes": 0}}, "spec.trainer.nodes: Input should be greater than or equal to 1"),
     "schema-unknown": ({"trainer": {"nodez": 2}}, "spec.trainer.nodez: Extra inputs are not permitted"),
+    "group-of-one": (  # GRPO and GSPO advantages (reward − group mean) would all be 0
+        {"rollout": {"samplesPerPrompt": 1}},
+        "spec.rollout.samplesPerPrompt: Input should be greater than or equal to 2",
+    ),
 }
 
 
@@ -79,11 +88,16 @@ def test_each_code_check_names_its_field(case):
 
 @pytest.mark.parametrize("name", ["9lives", "my.job", "Upper"])
 def test_job_names_that_cannot_name_services_are_refused(name):
+    """A name cannot be edited: the message says to recreate the job, and does not also say to edit the spec."""
     _, problems = parse_spec(name, {})
-    assert [str(p) for p in problems] == [
-        f"metadata.name: {name!r} must start with a lowercase letter and hold only lowercase letters, digits and "
-        "'-' (it names the job's Services and pod hostnames); recreate the job under another name"
-    ]
+    message = (f"metadata.name: {name!r} must start with a lowercase letter and hold only lowercase letters, digits "
+               "and '-' (it names the job's Services and pod hostnames); a name cannot be changed: delete the job and "
+               "create it again under another name")
+    assert [str(p) for p in problems] == [message]
+    assert valid_condition(problems).message == message
+    _, both = parse_spec(name, {"model": {"tiny": {"heads": 3}}})
+    assert valid_condition(both).message == (f"{message}; spec.model.tiny.heads: heads = 3 does not divide hiddenSize = "
+                                             "64; fix the spec (kubectl edit rljob)")
 
 
 def test_a_valid_spec_has_no_problems():

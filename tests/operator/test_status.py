@@ -115,17 +115,19 @@ def test_status_patch_is_none_when_unchanged_and_nulls_removed_fields():
 
 
 def test_a_new_job_gets_events_only_for_what_a_user_did_not_expect():
-    """A valid spec, a reachable Redis and pods not ready yet are what a new job starts with: no Event. A job created
-    suspended gets one (every pod condition echoes the same reason), a Redis or spec that becomes fine later one."""
-    assert status.transition_events(RLTrainingJobStatus(), build(lifecycle=gang.Lifecycle(), pods=[])) == []
+    """A reachable Redis and pods not ready yet are what a new job starts with: no Event; the accepted spec gets one
+    (SpecValid). A job created suspended gets one more (every pod condition echoes the same reason), a Redis or spec
+    that becomes fine later one."""
+    (accepted,) = status.transition_events(RLTrainingJobStatus(), build(lifecycle=gang.Lifecycle(), pods=[]))
+    assert (accepted.type, accepted.reason) == ("Normal", "SpecValid")
     suspended = gang.Lifecycle(phase=Phase.SUSPENDED, reason=Reason.JOB_SUSPENDED, message="job suspended")
-    (event,) = status.transition_events(RLTrainingJobStatus(), build(lifecycle=suspended))
-    assert (event.type, event.reason) == ("Normal", "JobSuspended")
-    assert event.message == "RolloutReady=False: job suspended"
+    events = status.transition_events(RLTrainingJobStatus(), build(lifecycle=suspended))
+    assert [(e.type, e.reason) for e in events] == [("Normal", "SpecValid"), ("Normal", "JobSuspended")]
+    assert events[1].message == "Suspended=True: job suspended"
 
     down = status.RedisHealth(False, "the managed Redis Deployment does not exist yet")
     waiting = build(lifecycle=gang.Lifecycle(), redis=down)
-    assert status.transition_events(RLTrainingJobStatus(), waiting) == []
+    assert [e.reason for e in status.transition_events(RLTrainingJobStatus(), waiting)] == ["SpecValid"]
     up = build(previous=waiting, lifecycle=gang.Lifecycle())
     assert [(e.reason, e.message) for e in status.transition_events(waiting, up)] == [
         ("RedisAvailable", f"RedisReady=True: {READY.message}")]

@@ -41,6 +41,8 @@ def test_watch_polls_until_a_final_phase():
         calls.append((name, namespace))
         return next(states)
 
-    final = watch("demo", "ns", interval_seconds=0, console=Console(file=io.StringIO()), fetch=fetch)
+    out = io.StringIO()
+    final = watch("demo", "ns", interval_seconds=0, console=Console(file=out), fetch=fetch)
     assert final["status"]["phase"] == "Succeeded"
     assert calls == [("demo", "ns")] * 3
+    assert out.getvalue().endswith("┘\n")  # the last frame's table, then a newline (output to a file or a pipe)

@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from rljob_api import constants as c
 from rljob_api.config import JobConfig
 from rljob_trainer.parallel import Distributed
 
@@ -47,8 +48,8 @@ log = logging.getLogger(__name__)
 
 COMMIT_FILE = "rljob_commit.json"
 """Written by global rank 0 after every rank's part is on disk; its presence is the commit."""
-EXPORT_DIR = "export"
-"""Sub-directory of the checkpoint dir holding the final Hugging Face export."""
+EXPORT_DIR = c.EXPORT_SUBDIR
+"""Sub-directory of the checkpoint dir holding the final Hugging Face export (the operator names it too)."""
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
 

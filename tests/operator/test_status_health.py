@@ -1,0 +1,257 @@
+"""Status honesty, from pod objects as the kubelet writes them (through observe.pod_view): containers that cannot start
+or keep failing are named with the kubelet's reason (without a condition flip per restart), Running holds only while
+steps can be made, a lost checkpoint is told once per attempt, and a finished job's Event is Succeeded=True."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from datetime import timedelta
+
+import pytest
+
+from rljob_api.constants import ConditionType, Phase, Reason
+from rljob_api.status import RLTrainingJobStatus
+
+from rljob_operator import gang, progress, render, status
+from rljob_operator.observe import pod_view
+
+from operator_helpers import CRASHED, T0, kubelet_pod, kubelet_rollout_pod, make_spec, trainer
+
+READY = status.RedisHealth(True, "managed Redis demo-redis: 1/1 replicas available")
+RUNNING = gang.Lifecycle(phase=Phase.RUNNING, gang_created=True, start_time=T0, reason=Reason.TRAINING,
+                         message="attempt 0: all 2 trainer pods running")
+LAST_LINE = ("2026-01-01 12:00:03,512 ERROR rljob_trainer.rollout.__main__: rollout: cannot start: "
+             "spec.rollout.task.datasetPath: no file at '/data/nope.jsonl'")
+
+
+def build(previous, pods, lifecycle=RUNNING, seconds=0.0, fetched=None, redis=READY, volume=None):
+    return status.build_status(
+        previous, generation=1, lifecycle=lifecycle, problems=[], data_parallel_size=2, redis=redis, pods=pods,
+        nodes=2, replicas=1, progress=fetched, now=T0 + timedelta(seconds=seconds), checkpoint_volume=volume,
+    )
+
+
+def stamp(seconds: float) -> str:
+    return (T0 + timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def cond(st, ctype):
+    return st.condition(ctype)
+
+
+def crash_loop(restarts: int, delay: int = 10) -> dict:
+    return kubelet_rollout_pod(restartCount=restarts, lastState=CRASHED, state={"waiting": {
+        "reason": "CrashLoopBackOff",
+        "message": f"back-off {delay}s restarting failed container=rollout pod=demo-rollout-0_ns(r0)"}})
+
+
+def running_again(restarts: int, since: float) -> dict:
+    return kubelet_rollout_pod(restartCount=restarts, lastState=CRASHED, state={"running": {"startedAt": stamp(since)}})
+
+
+def test_a_crash_looping_rollout_is_named_once_and_its_condition_does_not_flip_on_every_restart():
+    trainers = [trainer(0, 0), trainer(1, 0)]
+    first = build(RLTrainingJobStatus(), trainers + [pod_view(kubelet_rollout_pod(
+        state={"running": {"startedAt": stamp(0)}}))])
+    assert cond(first, ConditionType.ROLLOUT_READY).status == "True"
+
+    crashed = build(first, trainers + [pod_view(crash_loop(1))], seconds=5)
+    ready = cond(crashed, ConditionType.ROLLOUT_READY)
+    assert (ready.status, ready.reason) == ("False", "ContainerFailing")
+    assert ready.message == ("0/1 rollout pods ready; failing: demo-rollout-0: container rollout CrashLoopBackOff, "
+                             f"1 restart; last run: exit code 2 (Error): {LAST_LINE}")
+    assert [(e.type, e.reason, e.message) for e in status.transition_events(first, crashed)] == [
+        ("Warning", "ContainerFailing", f"RolloutReady=False: {ready.message}")]
+    running = cond(crashed, ConditionType.RUNNING)  # the gang still runs and may drain the stream; it says so
+    assert (running.status, running.reason) == ("True", "Training")
+    assert running.message == ("attempt 0: all 2 trainer pods running; no new document reaches the trainer while "
+                               "RolloutReady is False (ContainerFailing)")
+
+    # The kubelet restarts it (Ready for a moment), it crashes again, and again: no flip, no Event.
+    steps = [(16, running_again(1, since=15)), (20, crash_loop(2, 20)), (41, running_again(2, since=40)),
+             (40 + 119, running_again(2, since=40))]
+    previous = crashed
+    for seconds, pod in steps:
+        now = build(previous, trainers + [pod_view(pod)], seconds=seconds)
+        again = cond(now, ConditionType.ROLLOUT_READY)
+        assert (again.status, again.reason, again.last_transition_time) == ("False", "ContainerFailing",
+                                                                            ready.last_transition_time), seconds
+        assert status.transition_events(previous, now) == [], seconds
+        previous = now
+    assert again.message == ("0/1 rollout pods ready; failing: demo-rollout-0: container rollout running again, "
+                             f"2 restarts; last run: exit code 2 (Error): {LAST_LINE}")
+
+    # Once its run outlasts 60 s per restart it counts as recovered: one Event.
+    recovered = build(previous, trainers + [pod_view(running_again(2, since=40))], seconds=40 + 121)
+    assert cond(recovered, ConditionType.ROLLOUT_READY).status == "True"
+    assert [(e.type, e.reason) for e in status.transition_events(previous, recovered)] == [("Normal", "PodsReady")]
+    assert cond(recovered, ConditionType.RUNNING).message == "attempt 0: all 2 trainer pods running"
+
+
+def waiting_trainer(index: int, reason: str, message: str) -> dict:
+    return kubelet_pod("trainer", index, "Pending", attempt=0, state={"waiting": {"reason": reason, "message": message}})
+
+
+def test_trainer_pods_that_cannot_start_name_the_kubelets_reason_and_message():
+    starting = gang.Lifecycle(phase=Phase.STARTING, gang_created=True, reason=Reason.GANG_CREATED,
+                              message="created attempt 0: 2 trainer pods")
+    created = build(RLTrainingJobStatus(), [trainer(0, 0, "Pending"), trainer(1, 0, "Pending")], starting)
+    secret = 'secret "nosuch" not found'
+    pods = [pod_view(waiting_trainer(i, "CreateContainerConfigError", secret)) for i in (0, 1)]
+    stuck = build(created, pods, starting, seconds=3)
+    ready = cond(stuck, ConditionType.TRAINER_READY)
+    assert (ready.status, ready.reason) == ("False", "ContainerCannotStart")
+    assert ready.message == ("0/2 trainer pods ready; cannot start: demo-trainer-0, demo-trainer-1: container trainer "
+                             f"CreateContainerConfigError: {secret}")
+    assert [(e.type, e.reason) for e in status.transition_events(created, stuck)] == [
+        ("Warning", "ContainerCannotStart")]
+
+    # An image that cannot be pulled alternates between two kubelet reasons: one condition reason, no new Event.
+    pull = [pod_view(waiting_trainer(0, "ErrImagePull", "not found")), pod_view(waiting_trainer(1, "ImagePullBackOff",
+                                                                                                 "Back-off pulling"))]
+    pulling = build(stuck, pull, starting, seconds=6)
+    assert cond(pulling, ConditionType.TRAINER_READY).message == (
+        "0/2 trainer pods ready; cannot start: demo-trainer-0: container trainer ErrImagePull: not found; "
+        "demo-trainer-1: container trainer ImagePullBackOff: Back-off pulling")
+    assert status.transition_events(stuck, pulling) == []
+
+    # One rank unschedulable, one stuck: Unschedulable comes first, both are named.
+    mixed = [trainer(0, 0, "Pending", unschedulable="0/2 nodes are available: 2 Insufficient nvidia.com/gpu."),
+             pod_view(waiting_trainer(1, "CreateContainerConfigError", secret))]
+    both = cond(build(created, mixed, starting), ConditionType.TRAINER_READY)
+    assert both.reason == "Unschedulable"
+    assert both.message == (
+        "0/2 trainer pods ready; cannot be scheduled: demo-trainer-0: 0/2 nodes are available: 2 Insufficient "
+        "nvidia.com/gpu. (the scheduled ranks wait in rendezvous; this is not counted as a failure); cannot start: "
+        f"demo-trainer-1: container trainer CreateContainerConfigError: {secret}")
+
+
+def test_running_needs_redis_a_running_gang_without_it_stays_starting():
+    spec = make_spec(trainer={"nodes": 2})
+    hashes = render.config_hashes(render.job_config(render.Job("demo", "ns", spec)))
+    pods = [trainer(i, 0, config_hash=hashes.config, role_config_hash=hashes.trainer) for i in (0, 1)]
+    down = status.RedisHealth(False, "cannot reach Redis at 10.1.2.3:6379: Timeout connecting to server")
+    up = build(RLTrainingJobStatus(), pods, RUNNING)
+    assert (up.phase, cond(up, ConditionType.RUNNING).status) == (Phase.RUNNING, "True")
+
+    previous = up
+    for seconds in (5, 10):  # every pass: the plan says Running, Redis says no
+        planned = gang.plan("demo", spec, gang.Lifecycle.from_status(previous), pods, hashes, T0).lifecycle
+        assert planned.phase == Phase.RUNNING
+        lifecycle = gang.require_redis(planned, down.ready, down.message)
+        now = build(previous, pods, lifecycle, seconds=seconds, redis=down)
+        running = cond(now, ConditionType.RUNNING)
+        assert now.phase == Phase.STARTING
+        assert (running.status, running.reason) == ("False", "RedisUnavailable")
+        assert running.message == ("attempt 0: all 2 trainer pods running, but no step can be made while Redis is not "
+                                   f"ready: {down.message}")
+        if seconds == 5:  # one Warning, from RedisReady (Running's says the same)
+            assert [(e.type, e.reason, e.message) for e in status.transition_events(previous, now)] == [
+                ("Warning", "RedisUnavailable", f"RedisReady=False: {down.message}")]
+        else:
+            assert status.status_patch(status.to_json(previous), now) is None
+        previous = now
+
+    assert gang.require_redis(RUNNING, None, "not checked yet") == RUNNING  # unknown: the plan stands
+    starting = replace(RUNNING, phase=Phase.STARTING)
+    assert gang.require_redis(starting, False, "down") == starting
+
+
+LOST = {"step": 35, "path": "/var/lib/rljob/checkpoints/step-00000035", "restored_from_step": 0,
+        "message": "checkpoint step 35 at /var/lib/rljob/checkpoints/step-00000035 is gone ..."}
+
+
+def lost_progress(step: int = 3, lost: dict | None = LOST) -> progress.Progress:
+    fields = {"step": str(step), "restored_from_step": "0", "documents_seen": str(step * 64)}
+    if lost is not None:
+        fields["checkpoint_lost"] = json.dumps(lost)
+    return progress.parse({k.encode(): v.encode() for k, v in fields.items()}, {})
+
+
+def test_a_lost_checkpoint_is_told_once_per_attempt_in_running_and_a_warning():
+    attempt1 = replace(RUNNING, attempt=1, restarts=1, message="attempt 1: all 2 trainer pods running")
+    pods = [trainer(0, 1), trainer(1, 1)]
+    before = build(RLTrainingJobStatus(attempt=1, restarts=1), pods, attempt1, fetched=lost_progress(0, None))
+    lost = build(before, pods, attempt1, seconds=5, fetched=lost_progress())
+    running = cond(lost, ConditionType.RUNNING)
+    told = ("attempt 1 started over at step 0: checkpoint step 35 (/var/lib/rljob/checkpoints/step-00000035) was "
+            "lost: an emptyDir checkpoint volume does not survive a gang restart or suspend; set "
+            "spec.trainer.checkpoint.volume to a PersistentVolumeClaim")
+    assert (running.status, running.reason, running.message) == (
+        "True", "CheckpointLost", f"attempt 1: all 2 trainer pods running; {told}")
+    assert [(e.type, e.reason) for e in status.transition_events(before, lost)] == [("Warning", "CheckpointLost")]
+
+    later = build(lost, pods, attempt1, seconds=10, fetched=lost_progress(step=9))
+    unread = build(later, pods, attempt1, seconds=15)  # a pass that did not read Redis keeps it
+    assert status.transition_events(lost, later) == [] and status.transition_events(later, unread) == []
+    assert status.status_patch(status.to_json(later), unread) is None
+
+    # The gang restarts: Running is False in between, and attempt 2 loses its checkpoint again: one more Warning.
+    restarting = gang.Lifecycle(phase=Phase.RESTARTING, attempt=2, restarts=2, gang_created=False,
+                                reason=Reason.POD_DELETED, message="trainer pod demo-trainer-1 of attempt 1 was deleted")
+    torn = build(unread, [], restarting, seconds=20)
+    attempt2 = replace(attempt1, attempt=2, restarts=2, message="attempt 2: all 2 trainer pods running")
+    again = build(torn, [trainer(0, 2), trainer(1, 2)], attempt2, seconds=40, fetched=lost_progress(), volume="ckpt")
+    assert cond(again, ConditionType.RUNNING).message == (
+        "attempt 2: all 2 trainer pods running; attempt 2 started over at step 0: checkpoint step 35 "
+        "(/var/lib/rljob/checkpoints/step-00000035) was lost: it is missing from PersistentVolumeClaim ckpt "
+        "(spec.trainer.checkpoint.volume; was the claim replaced or cleaned?)")
+    assert "CheckpointLost" in [e.reason for e in status.transition_events(torn, again)]
+
+    cleared = build(again, [trainer(0, 2), trainer(1, 2)], attempt2, seconds=45, fetched=lost_progress(lost=None))
+    assert cond(cleared, ConditionType.RUNNING).reason == "Training"
+    assert status.transition_events(again, cleared) == []
+
+
+@pytest.mark.parametrize(("raw", "told"), [
+    ("{not json", "attempt 1 started over: the last recorded checkpoint was lost"),
+    (json.dumps({"step": 7, "restored_from_step": 5}), "attempt 1 started over at step 5: checkpoint step 7 was lost"),
+])
+def test_an_unreadable_lost_checkpoint_record_still_gives_a_message(raw, told):
+    parsed = progress.parse({"checkpoint_lost": raw}, {})
+    assert progress.lost_checkpoint_message(parsed.checkpoint_lost, 1, None).startswith(told)
+    assert progress.parse({}, {}).checkpoint_lost is None
+
+
+@pytest.mark.parametrize(("trainer_spec", "export"), [
+    ({"checkpoint": {"volume": "ckpt"}}, "final weights exported to /var/lib/rljob/checkpoints/export (safetensors, "
+     "Hugging Face layout) on PersistentVolumeClaim ckpt"),
+    ({}, "final weights exported to /var/lib/rljob/checkpoints/export (safetensors, Hugging Face layout) on the pod's "
+     "emptyDir, which goes with the pod: set spec.trainer.checkpoint.volume to a PersistentVolumeClaim to keep them"),
+    ({"export": {"safetensors": False}}, "no export (spec.trainer.export.safetensors is false)"),
+])
+def test_success_is_one_normal_event_from_succeeded_naming_the_export(trainer_spec, export):
+    spec = make_spec(trainer={"nodes": 2, **trainer_spec})
+    hashes = render.config_hashes(render.job_config(render.Job("demo", "ns", spec)))
+    pods = [trainer(0, 0, "Succeeded", hashes.config, role_config_hash=hashes.trainer),
+            trainer(1, 0, "Succeeded", hashes.config, role_config_hash=hashes.trainer)]
+    running = build(RLTrainingJobStatus(), pods, RUNNING)
+    done = gang.plan("demo", spec, RUNNING, pods, hashes, T0).lifecycle
+    finished = build(running, pods, done, seconds=5)
+    message = f"trainer pod demo-trainer-0 (global rank 0) of attempt 0 exited 0; {export}"
+    assert cond(finished, ConditionType.SUCCEEDED).message == message
+    assert [(e.type, e.reason, e.message) for e in status.transition_events(running, finished)] == [
+        ("Normal", "TrainingFinished", f"Succeeded=True: {message}")]
+
+
+@pytest.mark.parametrize(("checkpoint", "resumes"), [
+    ({}, "attempt 1 starts over from step 0: the checkpoints were on an emptyDir that goes with the pods (set "
+         "spec.trainer.checkpoint.volume to a PersistentVolumeClaim to keep them)"),
+    ({"initFrom": "/models/ckpt"}, "attempt 1 starts over from spec.trainer.checkpoint.initFrom: the checkpoints were "
+     "on an emptyDir"),
+    ({"volume": "ckpt"}, "attempt 1 resumes from the last checkpoint on PersistentVolumeClaim ckpt"),
+])
+def test_a_gang_restart_says_where_the_next_attempt_starts(checkpoint, resumes):
+    spec = make_spec(trainer={"nodes": 2, "checkpoint": checkpoint})
+    hashes = render.config_hashes(render.job_config(render.Job("demo", "ns", spec)))
+    pods = [trainer(0, 0, config_hash=hashes.config, role_config_hash=hashes.trainer),
+            trainer(1, 0, "Failed", hashes.config, role_config_hash=hashes.trainer, failure="exit code 1")]
+    restarting = gang.plan("demo", spec, RUNNING, pods, hashes, T0).lifecycle
+    assert restarting.phase == Phase.RESTARTING
+    assert f"; tearing down the gang, {resumes}" in restarting.message
+    suspended = gang.plan("demo", make_spec(trainer={"nodes": 2, "checkpoint": checkpoint},
+                                            runPolicy={"suspend": True}), RUNNING, pods, hashes, T0).lifecycle
+    note = ("(from step 0: the checkpoints were on an emptyDir; set spec.trainer.checkpoint.volume to a "
+            "PersistentVolumeClaim to keep them)")
+    assert (note in suspended.message) == ("volume" not in checkpoint)
