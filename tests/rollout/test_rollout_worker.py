@@ -48,7 +48,9 @@ def _recomputed(model, doc, temperature):
 
 
 def test_tokens_carry_the_version_of_the_weights_that_generated_them(redis_server, publisher_for):
-    config = make_config(redis_server, rollout={"sampling": {"temperature": 0.7}})
+    # Nothing trains here, so max lag must not stop the worker before version 48's documents are written.
+    config = make_config(redis_server, rollout={"sampling": {"temperature": 0.7}, "maxLag": 10_000_000},
+                         redis={"maxPending": 10_000_000})
     client = redis_server.client()
     publisher = publisher_for(config)
     worker = make_worker(config, redis_server.password)
