@@ -128,8 +128,8 @@ def report(job: dict[str, Any], env: dict[str, str], bin_dir: Path, d: Path, *, 
     name, namespace = meta["name"], meta["namespace"]
     kubectl = [str(bin_dir / "kubectl"), "-n", namespace]
     print()
-    _say(f"kubectl get rljob {name} -o wide")
-    print(_run([*kubectl, "get", "rljob", name, "-o", "wide"], env, "kubectl get rljob"), end="")
+    _say(f"kubectl get rljob {name}")
+    print(_run([*kubectl, "get", "rljob", name], env, "kubectl get rljob"), end="")
     print()
     _say("conditions")
     for cond in status.get("conditions") or []:
@@ -157,13 +157,19 @@ def report(job: dict[str, Any], env: dict[str, str], bin_dir: Path, d: Path, *, 
     print()
     _say("where to look next")
     agent_logs = agent_daemon.state_dir(d) / "logs"
-    operator_metrics = f"http://{RELEASE}-metrics.{OPERATOR_NAMESPACE}.svc.cluster.local:9090/metrics"
+    # The local cluster has no kube-proxy and the host does not resolve cluster DNS names, but pod IPs on the
+    # agent's bridge are reachable from the host: point at those.
+    operator_pods = json.loads(_run([str(bin_dir / "kubectl"), "-n", OPERATOR_NAMESPACE, "get", "pods", "-l",
+                                     f"app.kubernetes.io/instance={RELEASE}", "-o", "json"], env,
+                                    "listing the operator pods"))["items"]
+    operator_ip = next((ip for p in operator_pods if (ip := (p.get("status") or {}).get("podIP"))), "<operator pod IP>")
+    operator_metrics = f"http://{operator_ip}:9090/metrics"
     lines = [
         f"kubectl get rljob {name} -n {namespace} -o yaml      # status: conditions, lastMetrics, rolloutReward",
         f"kubectl get events -n {namespace} --field-selector involvedObject.name={name}",
-        f"trainer Prometheus endpoint while it runs: http://{name}-trainer-0.{name}-trainer.{namespace}"
-        f".svc.cluster.local:9400/metrics (rljob_trainer_*; also the rollout pods on :9400)",
-        f"operator metrics: {operator_metrics}",
+        f"trainer Prometheus endpoint while it runs: http://<{name}-trainer-0 pod IP>:9400/metrics (rljob_trainer_*; "
+        f"also the rollout pods on :9400; in a cluster: {name}-trainer-0.{name}-trainer.{namespace}:9400)",
+        f"operator metrics: {operator_metrics} (in a cluster: the Service {RELEASE}-metrics.{OPERATOR_NAMESPACE}:9090)",
         f"container logs (kept after the pods are gone): {agent_logs}/{namespace}_{name}-*.log",
         f"control-plane logs: {d / 'data' / 'logs'}; agent log: {d / 'agent.log'}",
     ]
