@@ -136,18 +136,25 @@ def parse(progress: Mapping[Any, Any], rollout: Mapping[Any, Any]) -> Progress:
     )
 
 
-def checkpoint_lost(raw: Any) -> Optional[LostCheckpoint]:
-    """The progress hash's ``checkpoint_lost`` field (JSON {step, path, restored_from_step, message}, written by trainer
-    rank 0), or None when absent. An unreadable record still counts, its unreadable parts None; never an error: a bad
-    field must not stop status updates."""
+def _json_object(raw: Any) -> Optional[dict]:
+    """A hash field holding a JSON object: None when absent, {} when present but unreadable or not an object."""
     text = _text(raw)
     if text is None:
         return None
     try:
         info = json.loads(text)
     except json.JSONDecodeError:
-        info = None
-    info = info if isinstance(info, dict) else {}
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def checkpoint_lost(raw: Any) -> Optional[LostCheckpoint]:
+    """The progress hash's ``checkpoint_lost`` field (JSON {step, path, restored_from_step, message}, written by trainer
+    rank 0), or None when absent. An unreadable record still counts, its unreadable parts None; never an error: a bad
+    field must not stop status updates."""
+    info = _json_object(raw)
+    if info is None:
+        return None
     def integer(value: Any) -> Optional[int]:
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
@@ -160,14 +167,9 @@ def rewards_failure(raw: Any) -> Optional[str]:
     """The message of RolloutReady=False/AllRewardsFailed from the rollout hash's ``all_rewards_failed`` field
     (JSON {version, samples, errors: {exception class: count}, message}, written by the rollout worker), or None
     when the field is absent. Unreadable details still give a message, never an error."""
-    text = _text(raw)
-    if text is None:
+    info = _json_object(raw)
+    if info is None:
         return None
-    try:
-        info = json.loads(text)
-    except json.JSONDecodeError:
-        info = None
-    info = info if isinstance(info, dict) else {}
     samples, version, errors = info.get("samples"), info.get("version"), info.get("errors")
     counted = {str(kind): n for kind, n in errors.items() if isinstance(n, int)} if isinstance(errors, dict) else {}
     kinds = ", ".join(f"{kind} ×{n}" for kind, n in sorted(counted.items(), key=lambda kv: (-kv[1], kv[0])))
