@@ -24,13 +24,6 @@ what the loopback socket buffers hold (tcp_rmem max 32 MiB + tcp_wmem max 4 MiB)
 partly in Redis when its connection is killed, and the client can never read it whole."""
 
 
-@pytest.fixture()
-def client(redis_server):
-    client = redis_server.client()
-    yield client
-    client.close()
-
-
 def big_document(i: int) -> Document:
     return Document(
         tokens=np.full(BIG_TOKENS, i, np.int64),

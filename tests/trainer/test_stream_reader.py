@@ -17,13 +17,6 @@ from rljob_trainer.stream.reader import DataTimeout, StreamReader
 KEYS = resolve("demo", "ns", RLTrainingJobSpec(), RedisConnection(host="unused")).keys
 
 
-@pytest.fixture()
-def client(redis_server):
-    client = redis_server.client()
-    yield client
-    client.close()
-
-
 def document(i: int, length: int = 4) -> Document:
     """Document number ``i``: its first token is ``i`` so a test can tell documents apart."""
     return Document(

@@ -50,13 +50,6 @@ torch.set_num_threads(1)
 KEYS = resolve("demo", "ns", RLTrainingJobSpec(), RedisConnection(host="unused")).keys
 
 
-@pytest.fixture()
-def client(redis_server):
-    client = redis_server.client()
-    yield client
-    client.close()
-
-
 def write_docs(client, count: int) -> list[str]:
     """XADD ``count`` valid documents (4 tokens each); return their ids."""
     document = Document(

@@ -277,6 +277,13 @@ _JSON_LAST_BYTES = frozenset(b"] \t\n\r")
 otherwise cannot parse as JSON, so they are raw without trying."""
 
 
+def _fast_scalar_ok(value: object, required: bool) -> bool:
+    """The fast path's check of an optional scalar of ``data``: absent and not required, or a finite float."""
+    if value is None:
+        return not required
+    return type(value) is float and -math.inf < value < math.inf
+
+
 def _decode_common_layout(
     entries: Sequence[Mapping[bytes, bytes]],
     results: list[Any],
@@ -333,17 +340,8 @@ def _decode_common_layout(
                 values = orjson.loads(data)
                 if type(values) is not dict or not values.keys() <= _COMMON_DATA_KEYS:
                     continue
-            advantage = values.get(ADVANTAGE)
-            if advantage is None:
-                if require_advantage:
-                    continue
-            elif type(advantage) is not float or not -math.inf < advantage < math.inf:
-                continue
-            reward = values.get(REWARD)
-            if reward is None:
-                if require_metrics_fields:
-                    continue
-            elif type(reward) is not float or not -math.inf < reward < math.inf:
+            advantage, reward = values.get(ADVANTAGE), values.get(REWARD)
+            if not (_fast_scalar_ok(advantage, require_advantage) and _fast_scalar_ok(reward, require_metrics_fields)):
                 continue
             spans = values.get(LOSS_MASKING_SPANS)
             spans = [] if spans is None else _common_spans(spans, size // _TOKEN_DTYPE.itemsize)
