@@ -44,7 +44,10 @@ def main() -> int:
 
             try:
                 if receive_update(subscriber.address, event.ticket, subscriber.transfer_ranks[0], device=torch.device("cpu"), sink=sink):
-                    torch.save(received, out / f"{replica}-{event.documents_seen}.pt")
+                    final = out / f"{replica}-{event.documents_seen}.pt"
+                    partial = final.with_suffix(".partial")
+                    torch.save(received, partial)
+                    partial.rename(final)  # the test polls for the final name: it must never see half a file
                     subscriber.version = event.documents_seen
                     subscriber.heartbeat()
                     updates += 1
