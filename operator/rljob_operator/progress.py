@@ -28,11 +28,18 @@ from rljob_api.config import RedisConnection, RedisKeys
 @dataclass(frozen=True)
 class LostCheckpoint:
     """The progress hash's ``checkpoint_lost``: checkpoint ``step`` at ``path`` is recorded in Redis but gone from the
-    checkpoint volume, so the trainer started from step ``restored_from_step`` (0: from scratch). None: unreadable."""
+    checkpoint volume, so the trainer started from step ``restored_from_step`` (0: from scratch). ``attempt``: the gang
+    attempt whose start found the loss (None: not stamped, e.g. an older trainer). None: unreadable."""
 
     step: Optional[int]
     path: Optional[str]
     restored_from_step: Optional[int]
+    attempt: Optional[int] = None
+
+    def belongs_to(self, attempt: int) -> bool:
+        """Whether this record describes gang ``attempt``'s start: until the new gang's rank 0 replaces or deletes
+        it, the hash still holds the previous attempt's record. An unstamped record is taken as current."""
+        return self.attempt is None or self.attempt == attempt
 
 
 def lost_checkpoint_message(lost: LostCheckpoint, attempt: int, volume: Optional[str]) -> str:
@@ -149,8 +156,8 @@ def _json_object(raw: Any) -> Optional[dict]:
 
 
 def checkpoint_lost(raw: Any) -> Optional[LostCheckpoint]:
-    """The progress hash's ``checkpoint_lost`` field (JSON {step, path, restored_from_step, message}, written by trainer
-    rank 0), or None when absent. An unreadable record still counts, its unreadable parts None; never an error: a bad
+    """The progress hash's ``checkpoint_lost`` field (JSON {step, path, restored_from_step, message, attempt}, written
+    by trainer rank 0), or None when absent. An unreadable record still counts, its unreadable parts None; never an error: a bad
     field must not stop status updates."""
     info = _json_object(raw)
     if info is None:
@@ -160,7 +167,7 @@ def checkpoint_lost(raw: Any) -> Optional[LostCheckpoint]:
 
     path = info.get("path")
     return LostCheckpoint(step=integer(info.get("step")), path=path if isinstance(path, str) and path else None,
-                          restored_from_step=integer(info.get("restored_from_step")))
+                          restored_from_step=integer(info.get("restored_from_step")), attempt=integer(info.get("attempt")))
 
 
 def rewards_failure(raw: Any) -> Optional[str]:

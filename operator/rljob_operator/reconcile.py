@@ -4,7 +4,10 @@ Everything decided here comes from the pure modules (:mod:`.render`, :mod:`.gang
 module only sequences their results with the API calls of :mod:`.apply`:
 
 1. parse and check the spec; a problem (or an earlier 422 from the API server for this generation) makes the
-   job Invalid: status says which field, no child is created, nothing retries until the spec changes;
+   job Invalid: status says which field, no child is created, nothing retries until the spec changes. An edit
+   that makes the spec of a job with pods invalid (Pending, Starting, Running, Restarting) does not orphan them: the
+   job goes on with its last valid spec (:func:`kept_spec`; runPolicy edits still act, so suspend works), Valid=False
+   says so, and the fixed spec is applied like any edit;
 2. apply the Redis Secret (create-only), the ConfigMap, Services and the Redis Deployment, concurrently — only when
    their rendering changed since this process last applied them; a job this process meets for the first time has
    its children read back first, and only those not as rendered are applied (:mod:`.applied`);
@@ -36,9 +39,10 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping, Optional
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 
-from rljob_api import constants as c
+from rljob_api import constants as c, names
 from rljob_api.constants import Phase
-from rljob_api.spec import RLTrainingJobSpec, SecretKeyRef
+from rljob_api.config import JobConfig
+from rljob_api.spec import RLTrainingJobSpec, RunPolicySpec, SecretKeyRef
 from rljob_api.status import RLTrainingJobStatus
 from rljob_api.validation import SpecProblem, check_spec, data_parallel_size
 
@@ -66,6 +70,8 @@ class JobRuntime:
     changes)."""
     rejected: Optional[tuple[int, str]] = None
     """(generation, message) of a child the API server refused (422); cleared by a new generation."""
+    last_valid: Optional[tuple[Optional[int], RLTrainingJobSpec]] = None
+    """(generation, spec) whose children this process last applied: what an invalid edit keeps running."""
     created: dict[str, tuple[float, PodView]] = field(default_factory=dict)
     deleted: dict[str, str] = field(default_factory=dict)
     redis: Optional[aioredis.Redis] = None
@@ -160,6 +166,41 @@ def observed_pods(indexed: Iterable[PodView], runtime: JobRuntime, now: float) -
     return sorted(seen.values(), key=lambda p: (p.role, p.index, p.name))
 
 
+#: Phases whose pods an invalid edit leaves running on the last valid spec (:func:`kept_spec`).
+KEEP_PHASES = (Phase.PENDING, Phase.STARTING, Phase.RUNNING, Phase.RESTARTING)
+
+
+async def kept_spec(
+    name: str, namespace: str, raw: Mapping[str, Any], runtime: JobRuntime, api: KubeApi
+) -> Optional[tuple[Optional[int], RLTrainingJobSpec]]:
+    """The (generation or None, spec) an active job goes on with while its spec is invalid: the last valid spec this
+    process applied, or — after an operator restart — the one in the job's config ConfigMap (the resolved config of
+    the last valid spec). Its ``runPolicy`` is the invalid spec's when that part validates on its own (suspend,
+    deadlines and backoffLimit still act; the ConfigMap's copy holds only defaults), else the last valid one's.
+    None when there is none (a job that was never valid). The caller drops a kept spec equal to the current one
+    (a spec whose children the API server refused).
+
+    Raises:
+        ApiError: reading the ConfigMap failed other than with 404.
+    """
+    if runtime.last_valid is not None:
+        generation, spec = runtime.last_valid
+    else:
+        stored = await api.get("v1", "ConfigMap", namespace, names.config_map(name))
+        try:
+            spec = JobConfig.model_validate_json(stored["data"][c.CONFIG_FILE_NAME]).spec if stored else None
+        except (KeyError, TypeError, ValidationError):
+            spec = None  # edited by hand: nothing to go on with
+        if spec is None:
+            return None
+        generation = None
+    try:
+        run_policy = RunPolicySpec.model_validate(raw.get("runPolicy") or {})
+    except ValidationError:
+        return generation, spec
+    return generation, spec.model_copy(update={"run_policy": run_policy})
+
+
 def foreign_children(uid: Optional[str], pods: Iterable[PodView], redis: Optional[DeploymentView]) -> list[str]:
     """Names of pods and of the Redis Deployment that carry the job's labels but belong to another owner: a
     deleted job of the same name whose children the garbage collector has not removed yet."""
@@ -223,6 +264,7 @@ async def reconcile(
             return min(ctx.active_interval_s, 1.0)
         try:
             await _apply_static(job, config, body, runtime, ctx)
+            runtime.last_valid = (generation, spec)
         except ApiError as err:
             if err.status not in (400, 422):
                 raise
@@ -231,7 +273,18 @@ async def reconcile(
         return 0.0
     if runtime.rejected:
         problems = [*problems, SpecProblem("spec", f"the API server refused a child object: {runtime.rejected[1]}")]
-    if spec is None or problems:
+    kept = None
+    if (spec is None or problems) and before.phase in KEEP_PHASES and any(not p.deleting for p in pods):
+        kept = await kept_spec(name, namespace, body.get("spec") or {}, runtime, ctx.api)
+    if kept is not None and spec is not None and kept[1].model_copy(update={"run_policy": spec.run_policy}) == spec:
+        kept = None  # the last valid spec is this one, refused by the API server: nothing valid to go on with
+    if kept is not None:
+        kept_generation, spec = kept
+        job = render.Job(name, namespace, spec, dict(meta.get("labels") or {}))
+        config = render.job_config(job)
+        kept_note = ("the job goes on with its last valid spec"
+                     + (f" (generation {kept_generation})" if kept_generation is not None else "") + " until then")
+    elif spec is None or problems:
         valid = status.valid_condition(problems)
         # a finished job stays finished (its Valid condition still reports the problem)
         invalid = before if before.phase in gang.FINISHED else replace(
@@ -245,6 +298,8 @@ async def reconcile(
         await _save(body, previous, new, runtime, ctx)
         await release_redis(runtime, ctx, namespace, name)
         return ctx.idle_interval_s
+    else:
+        kept_note = None
 
     plan = gang.plan(name, spec, before, pods, render.config_hashes(config), now)
     redis_health = _redis_health(spec, redis_deployment, runtime, pods, now)
@@ -256,7 +311,7 @@ async def reconcile(
     common = dict(
         generation=generation, problems=problems, data_parallel_size=data_parallel_size(spec), redis=redis_health,
         nodes=spec.trainer.nodes, replicas=spec.rollout.replicas, progress=fetched, now=now,
-        checkpoint_volume=spec.trainer.checkpoint.volume,
+        checkpoint_volume=spec.trainer.checkpoint.volume, kept=kept_note,
     )
     new = status.build_status(previous, lifecycle=lifecycle, pods=pods, **common)
     resource_version = await _save(body, previous, new, runtime, ctx)
@@ -281,7 +336,7 @@ async def reconcile(
         if err.status not in (400, 422):
             raise
         runtime.rejected = (generation, err.message)
-        return 0.0  # the next pass reports it as Valid=False
+        return 0.0 if kept is None else ctx.active_interval_s  # the next pass reports it as Valid=False
     if plan.after_create is not None:
         pods = observed_pods(indexed_pods, runtime, time.monotonic())
         after = status.build_status(new, lifecycle=plan.after_create, pods=pods, **{**common, "progress": None})

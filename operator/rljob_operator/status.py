@@ -101,14 +101,15 @@ class _Cond:
     message: str
 
 
-def valid_condition(problems: Sequence[SpecProblem]) -> _Cond:
+def valid_condition(problems: Sequence[SpecProblem], kept: Optional[str] = None) -> _Cond:
     """Valid: True, or False naming every problem's field (NotSupported when all are not-yet-supported); the message
-    ends with "fix the spec (kubectl edit rljob)" when a problem is in the spec (a bad name says what to do itself)."""
+    ends with "fix the spec (kubectl edit rljob)" when a problem is in the spec (a bad name says what to do itself),
+    then with ``kept`` (what the running job goes on with meanwhile, see :mod:`.reconcile`) when given."""
     if not problems:
         return _Cond("True", Reason.SPEC_VALID, "the spec is valid")
     reason = Reason.NOT_SUPPORTED if all(not p.supported for p in problems) else Reason.INVALID_SPEC
     hint = "; fix the spec (kubectl edit rljob)" if any(p.field.startswith("spec") for p in problems) else ""
-    return _Cond("False", reason, "; ".join(str(p) for p in problems) + hint)
+    return _Cond("False", reason, "; ".join(str(p) for p in problems) + hint + (f"; {kept}" if kept else ""))
 
 
 def failing(pod: PodView, now: datetime) -> bool:
@@ -259,18 +260,20 @@ def build_status(
     progress: Optional[Progress],
     now: datetime,
     checkpoint_volume: Optional[str] = None,
+    kept: Optional[str] = None,
 ) -> RLTrainingJobStatus:
     """The new status. Conditions keep their lastTransitionTime while their status is unchanged; conditions
     that were True once stay listed (False with the current phase's reason) once they no longer hold.
     Progress fields, RolloutReady=False/AllRewardsFailed and Running=True/CheckpointLost keep their old values when
     ``progress`` is None (Redis not read this pass); RedisReady keeps its saved value while ``redis.ready`` is None
     (not probed yet). ``checkpoint_volume``: spec.trainer.checkpoint.volume (what a lost checkpoint's message
-    advises)."""
+    advises). ``kept``: with ``problems``, what the running job goes on with meanwhile (ends Valid's message)."""
     pods = list(pods)
     old = {cond.type: cond for cond in previous.conditions}
     lost = None
-    if progress is not None and progress.checkpoint_lost is not None:
-        lost = lost_checkpoint_message(progress.checkpoint_lost, lifecycle.attempt, checkpoint_volume)
+    record = progress.checkpoint_lost if progress is not None else None
+    if record is not None and record.belongs_to(lifecycle.attempt):
+        lost = lost_checkpoint_message(record, lifecycle.attempt, checkpoint_volume)
     rollout_ready = old.get(ConditionType.ROLLOUT_READY)
     if progress is not None:
         rewards_failure = progress.rewards_failure
@@ -280,7 +283,7 @@ def build_status(
         rewards_failure = None
     fresh = _conditions(
         lifecycle,
-        valid_condition(problems),
+        valid_condition(problems, kept),
         redis,
         [p for p in pods if p.role == "trainer"],
         [p for p in pods if p.role == "rollout"],

@@ -7,6 +7,7 @@ these tests. Pod failures and evictions are written into pod status the way a ku
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -24,6 +25,8 @@ import pytest
 import yaml
 
 from helm_tools import CHART, helm_binary, render
+from rljob_operator.apply import KubeApi
+from rljob_operator.reconcile import JobRuntime, kept_spec
 
 pytestmark = [
     pytest.mark.cluster,
@@ -314,6 +317,49 @@ def test_invalid_spec_creates_nothing_does_not_hot_loop_and_recovers(kube, opera
              json.dumps({"spec": {"model": {"tiny": {"heads": 4}}}}))
     wait_for(lambda: len(kube.pods(namespace, "trainer")) == 2, "children after the fix")
     assert wait_for(lambda: kube.condition(namespace, "bad", "Valid").get("status") == "True", "Valid=True")
+
+
+def test_an_invalid_edit_keeps_the_running_pods_on_the_last_valid_spec_until_fixed(kube, operator, installed, namespace):
+    kube.apply(job_manifest("edit"), namespace)
+
+    def uids():
+        return {p["metadata"]["name"]: p["metadata"]["uid"] for role in ("trainer", "rollout")
+                for p in kube.pods(namespace, role) if not p["metadata"].get("deletionTimestamp")}
+
+    wait_for(lambda: len(uids()) == 3 and (kube.job(namespace, "edit").get("status") or {}).get("gangCreated"),
+             "the gang and 1 rollout pod")
+    running, config = uids(), kube.json("get", "configmap", "edit-config", "-n", namespace)["data"]
+    patch = ["patch", "rljob", "edit", "-n", namespace, "--type=merge", "-p"]
+    kube.run(*patch, json.dumps({"spec": {"model": {"tiny": {"heads": 3}}, "rollout": {"replicas": 2}}}))
+    valid = wait_for(lambda: (v := kube.condition(namespace, "edit", "Valid")).get("status") == "False" and v,
+                     "Valid=False")
+    assert (valid["reason"], valid["message"]) == ("InvalidSpec", (
+        "spec.model.tiny.heads: heads = 3 does not divide hiddenSize = 64; fix the spec (kubectl edit rljob); "
+        "the job goes on with its last valid spec (generation 1) until then"))
+    time.sleep(3)  # three active intervals: the gang is still managed, nothing of generation 2 was applied
+    job = kube.job(namespace, "edit")
+    assert job["status"]["phase"] == "Starting" and job["status"]["observedGeneration"] == 2
+    assert uids() == running  # no second rollout pod either: that is generation 2's
+    assert kube.json("get", "configmap", "edit-config", "-n", namespace)["data"] == config
+
+    # After an operator restart the last valid spec comes from the config ConfigMap, runPolicy from the edit.
+    async def kept_after_restart():
+        api = await KubeApi.connect(str(installed))
+        try:
+            return await kept_spec("edit", namespace, {"runPolicy": {"backoffLimit": 7}}, JobRuntime(), api)
+        finally:
+            await api.close()
+
+    generation, spec = asyncio.run(kept_after_restart())
+    assert generation is None and spec.model.tiny.heads == 4 and spec.rollout.replicas == 1
+    assert spec.run_policy.backoff_limit == 7
+
+    # runPolicy edits still act on the kept spec: suspend deletes the pods; the fixed spec resumes.
+    kube.run(*patch, json.dumps({"spec": {"runPolicy": {"suspend": True}}}))
+    wait_for(lambda: not uids(), "pods deleted on suspend")
+    kube.run(*patch, json.dumps({"spec": {"model": {"tiny": {"heads": 4}}, "runPolicy": {"suspend": False}}}))
+    wait_for(lambda: len(uids()) == 4, "the gang and 2 rollout pods of the fixed spec")
+    assert wait_for(lambda: kube.condition(namespace, "edit", "Valid").get("status") == "True", "Valid=True")
 
 
 def test_progress_hashes_reach_status_and_printer_columns(kube, operator, namespace, redis_server):

@@ -199,6 +199,14 @@ def test_a_lost_checkpoint_is_told_once_per_attempt_in_running_and_a_warning():
         "(spec.trainer.checkpoint.volume; was the claim replaced or cleaned?)")
     assert "CheckpointLost" in [e.reason for e in status.transition_events(torn, again)]
 
+    # Until attempt 3's rank 0 starts, the hash still holds attempt 2's record: not told as attempt 3's.
+    attempt3 = replace(attempt1, attempt=3, restarts=3, message="attempt 3: all 2 trainer pods running")
+    gang3 = [trainer(0, 3), trainer(1, 3)]
+    stale = build(again, gang3, attempt3, seconds=42, fetched=lost_progress(lost={**LOST, "attempt": 2}))
+    assert cond(stale, ConditionType.RUNNING).reason == "Training"
+    current = build(stale, gang3, attempt3, seconds=43, fetched=lost_progress(lost={**LOST, "attempt": 3}))
+    assert cond(current, ConditionType.RUNNING).reason == "CheckpointLost"
+
     cleared = build(again, [trainer(0, 2), trainer(1, 2)], attempt2, seconds=45, fetched=lost_progress(lost=None))
     assert cond(cleared, ConditionType.RUNNING).reason == "Training"
     assert status.transition_events(again, cleared) == []

@@ -17,7 +17,7 @@ from rljob_api import constants as c
 from rljob_trainer.checkpoint import COMMIT_FILE, LostCheckpoint, find_lost_checkpoint, step_dir
 from rljob_trainer.rollout.writer import DocumentWriter
 from rljob_trainer.stream.reader import DataTimeout
-from rljob_trainer.train import run
+from rljob_trainer.train import gang_attempt, run
 from train_harness import make_config, make_documents
 
 torch.set_num_threads(1)
@@ -51,7 +51,9 @@ def test_find_lost_checkpoint_compares_the_redis_record_with_the_volume(redis_se
         find_lost_checkpoint(client, config, 0)
 
 
-def test_a_lost_checkpoint_is_reported_and_the_restart_trains_through_without_stalling(redis_server, tmp_path, caplog):
+def test_a_lost_checkpoint_is_reported_and_the_restart_trains_through_without_stalling(
+    redis_server, tmp_path, caplog, monkeypatch
+):
     config = make_config(redis_server, tmp_path / "ckpt", processes=1, documents_per_step=4, max_steps=10,
                          every_steps=5, data_timeout_seconds=3)
     spec = config.spec.model_copy(update={
@@ -68,8 +70,9 @@ def test_a_lost_checkpoint_is_reported_and_the_restart_trains_through_without_st
         run(config, client=client, stdout=io.StringIO())
     assert client.hget(keys.checkpoint, "step") == b"5"
     assert client.xinfo_groups(keys.stream)[0]["pending"] == 12  # steps 6-8: trained, not covered by a checkpoint
-    # The gang restarts on an empty checkpoint volume (emptyDir).
+    # The gang restarts on an empty checkpoint volume (emptyDir), as attempt 1.
     shutil.rmtree(tmp_path / "ckpt")
+    monkeypatch.setenv(c.ENV_ATTEMPT, "1")
 
     # Two rollout workers write whenever back-pressure and max lag let them, from attempt 1's start on.
     stop = threading.Event()
@@ -112,7 +115,7 @@ def test_a_lost_checkpoint_is_reported_and_the_restart_trains_through_without_st
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [f"checkpoint: {message}"]
     progress = {k.decode(): v.decode() for k, v in client.hgetall(keys.progress).items()}
     assert json.loads(progress[c.PROGRESS_CHECKPOINT_LOST]) == {
-        "step": 5, "path": str(path), "restored_from_step": 0, "message": message,
+        "step": 5, "path": str(path), "restored_from_step": 0, "message": message, "attempt": 1,
     }
     assert progress[c.PROGRESS_RESTORED_FROM_STEP] == "0"
     assert progress[c.PROGRESS_CHECKPOINT_DOCUMENTS_SEEN] == "40"  # the final checkpoint's
@@ -123,3 +126,12 @@ def test_a_lost_checkpoint_is_reported_and_the_restart_trains_through_without_st
     group = client.xinfo_groups(keys.stream)[0]
     assert all(written) and sum(written) == 28 + group["pending"] + group["lag"], (written, group)
     assert group["pending"] + group["lag"] <= 3 + 2 * 2, group
+
+
+@pytest.mark.parametrize(("value", "attempt"), [("3", 3), ("0", 0), ("three", None), (None, None)])
+def test_the_gang_attempt_comes_from_the_operator_env(monkeypatch, value, attempt):
+    if value is None:
+        monkeypatch.delenv(c.ENV_ATTEMPT, raising=False)
+    else:
+        monkeypatch.setenv(c.ENV_ATTEMPT, value)
+    assert gang_attempt() == attempt

@@ -160,7 +160,7 @@ class Trainer:
             lost = find_lost_checkpoint(self.client, self.config, self.step)
             if lost is not None:
                 log.warning("checkpoint: %s", lost.message)
-            publish_start(self.client, self.config, self.step, self.documents_seen, lost)
+            publish_start(self.client, self.config, self.step, self.documents_seen, lost, attempt=gang_attempt())
         start_reading(self.reader, self.where)  # after the acks and publish_start above: it begins with a barrier
         self.ddp = wrap_model(self.model, self.where)
         if self.where.is_rank_zero:
@@ -341,13 +341,20 @@ def start_reading(reader: StreamReader, where: Distributed) -> None:
 
 
 def publish_start(
-    client: redis.Redis, config: JobConfig, step: int, documents_seen: int, lost: Optional[LostCheckpoint]
+    client: redis.Redis,
+    config: JobConfig,
+    step: int,
+    documents_seen: int,
+    lost: Optional[LostCheckpoint],
+    attempt: Optional[int] = None,
 ) -> None:
     """Rank 0 at every start: where this attempt starts, in the progress hash, in one MULTI/EXEC.
 
     Sets ``step``, ``documents_seen``, ``model_version`` (= documents_seen), ``restored_from_step`` (= step) and
     ``checkpoint_documents_seen`` (= documents_seen: nothing trained yet is unacked) to the loaded checkpoint's values
-    (0 from scratch), and sets ``checkpoint_lost`` (JSON {step, path, restored_from_step, message}) or deletes it.
+    (0 from scratch), and sets ``checkpoint_lost`` (JSON {step, path, restored_from_step, message, attempt}) or deletes
+    it. ``attempt``: the gang attempt (env ``RLJOB_ATTEMPT``, :func:`gang_attempt`), so the operator never shows the
+    record of an earlier attempt as this one's.
     The rollout's max lag needs this before the first step (:mod:`rljob_trainer.rollout.writer`): an earlier attempt's
     documents_seen would otherwise count this attempt's redelivered documents as trained.
 
@@ -366,8 +373,18 @@ def publish_start(
     if lost is None:
         pipe.hdel(key, c.PROGRESS_CHECKPOINT_LOST)
     else:
-        pipe.hset(key, c.PROGRESS_CHECKPOINT_LOST, json.dumps({**asdict(lost), "message": lost.message}))
+        record = {**asdict(lost), "message": lost.message, **({"attempt": attempt} if attempt is not None else {})}
+        pipe.hset(key, c.PROGRESS_CHECKPOINT_LOST, json.dumps(record))
     pipe.execute()
+
+
+def gang_attempt() -> Optional[int]:
+    """The gang attempt the operator stamped on this pod (env ``RLJOB_ATTEMPT``, status.attempt), or None outside the
+    operator (tests, a manual torchrun) or when the value is not an integer."""
+    try:
+        return int(os.environ[c.ENV_ATTEMPT])
+    except (KeyError, ValueError):
+        return None
 
 
 def publish_checkpointed(client: redis.Redis, config: JobConfig, documents_seen: int) -> None:
