@@ -30,6 +30,7 @@
 #   RLJOB_TOOLS_DIR         cache root (default $HOME/.cache/rljob/tools)
 #   RLJOB_GO_BUILD_P        go build -p (default: number of CPUs)
 #   RLJOB_FORCE_REBUILD=1   rebuild even if cached
+#   RLJOB_TOOLS_QUIET=1     say nothing about tools already cached (builds still report progress)
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -37,6 +38,7 @@ GOTOOLS="$HERE/gotools"
 TOOLS_DIR="${RLJOB_TOOLS_DIR:-${HOME:-/root}/.cache/rljob/tools}"
 
 log() { echo "[build-go-tools] $*" >&2; }
+quiet_log() { [[ "${RLJOB_TOOLS_QUIET:-0}" == 1 ]] || log "$@"; }
 die() { echo "[build-go-tools] ERROR: $*" >&2; exit 1; }
 
 # Version of a required module, read from a wrapper go.mod (no go toolchain needed).
@@ -170,7 +172,7 @@ for t in "${want[@]}"; do
     helm)       d="$HELM_DIR"; bins=(helm);;
   esac
   if [[ "${RLJOB_FORCE_REBUILD:-0}" != "1" ]] && have_all "$d" "${bins[@]}"; then
-    log "cached: $d"
+    quiet_log "cached: $d"
     continue
   fi
   need
@@ -187,5 +189,5 @@ for b in "${K8S_BINS[@]}"; do link "$K8S_DIR" "$b"; done
 link "$ETCD_DIR" etcd
 link "$HELM_DIR" helm
 printf 'kubernetes %s\netcd %s\nhelm %s\n' "$K8S_VERSION" "$ETCD_VERSION" "$HELM_VERSION" > "$BIN_DIR/VERSIONS"
-log "bin dir (kubernetes $K8S_VERSION, etcd $ETCD_VERSION, helm $HELM_VERSION):"
+quiet_log "bin dir (kubernetes $K8S_VERSION, etcd $ETCD_VERSION, helm $HELM_VERSION):"
 echo "$BIN_DIR"

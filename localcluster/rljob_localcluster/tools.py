@@ -54,7 +54,8 @@ def tools_bin_dir() -> Path:
     if not script.exists():
         raise FileNotFoundError(f"{script} not found; set RLJOB_TOOLS_BIN_DIR or RLJOB_REPO_ROOT")
     cmd = ["bash", str(script)]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, check=False)
+    env = {**os.environ, "RLJOB_TOOLS_QUIET": "1"}  # the cached-tools lines are setup.sh's to print
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, check=False, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed with exit code {proc.returncode}")
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]

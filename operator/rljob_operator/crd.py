@@ -114,6 +114,17 @@ PRINTER_COLUMNS = [
         "description": "Mean rollout reward of the newest weights version.",
     },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    # -o wide
+    {"name": "Attempt", "type": "integer", "jsonPath": ".status.attempt", "priority": 1,
+     "description": "Trainer gang attempt."},
+    {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts", "priority": 1,
+     "description": "Gang restarts."},
+    {"name": "Documents", "type": "integer", "jsonPath": ".status.documentsSeen", "priority": 1,
+     "description": "Documents that entered the loss."},
+    {"name": "Staleness", "type": "number", "jsonPath": ".status.lastMetrics.staleness", "priority": 1,
+     "description": "Mean staleness of the last step (documents)."},
+    {"name": "Tokens/s", "type": "number", "jsonPath": ".status.tokensPerSecond", "priority": 1,
+     "description": "Trained tokens per second of the last step."},
 ]
 
 _KEEP = ("description", "enum", "format", "minimum", "maximum", "minLength", "maxLength", "pattern", "minItems",

@@ -25,6 +25,10 @@ from rljob_api import constants as c
 from rljob_api.config import RedisConnection, RedisKeys
 
 
+#: Decimals of status.rolloutReward: what `kubectl get rljob` shows, and fewer status writes for noise.
+REWARD_DECIMALS = 4
+
+
 @dataclass(frozen=True)
 class LostCheckpoint:
     """The progress hash's ``checkpoint_lost``: checkpoint ``step`` at ``path`` is recorded in Redis but gone from the
@@ -134,7 +138,7 @@ def parse(progress: Mapping[Any, Any], rollout: Mapping[Any, Any]) -> Progress:
         step=_number(progress.get(c.PROGRESS_STEP), int),
         documents_seen=_number(progress.get(c.PROGRESS_DOCUMENTS_SEEN), int),
         model_version=_number(progress.get(c.PROGRESS_MODEL_VERSION), int),
-        tokens_per_second=_number(progress.get(c.PROGRESS_TOKENS_PER_SECOND), float),
+        tokens_per_second=_rounded(_number(progress.get(c.PROGRESS_TOKENS_PER_SECOND), float), 1),
         metrics=metrics,
         rollout_reward=reward,
         rollout_model_version=version,
@@ -189,8 +193,12 @@ def rewards_failure(raw: Any) -> Optional[str]:
     )
 
 
+def _rounded(value: Optional[float], decimals: int) -> Optional[float]:
+    return None if value is None else round(value, decimals)
+
+
 def _newest_reward(rollout: Mapping[str, Any]) -> tuple[Optional[float], Optional[int]]:
-    """(sum / count, version) for the newest version with a positive count."""
+    """(sum / count rounded to :data:`REWARD_DECIMALS`, version) for the newest version with a positive count."""
     best: tuple[Optional[float], Optional[int]] = (None, None)
     for key, raw_count in rollout.items():
         if not key.startswith(c.ROLLOUT_REWARD_COUNT_PREFIX):
@@ -201,7 +209,7 @@ def _newest_reward(rollout: Mapping[str, Any]) -> tuple[Optional[float], Optiona
         if version is None or not count or count <= 0 or total is None:
             continue
         if best[1] is None or version > best[1]:
-            best = (total / count, version)
+            best = (round(total / count, REWARD_DECIMALS), version)
     return best
 
 

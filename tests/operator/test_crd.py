@@ -97,13 +97,19 @@ def test_cel_rules_sit_next_to_their_fields():
 def test_status_subresource_columns_and_names():
     version = crd.crd()["spec"]["versions"][0]
     assert version["subresources"] == {"status": {}}
-    assert [(col["name"], col["jsonPath"]) for col in version["additionalPrinterColumns"]] == [
-        ("Phase", ".status.phase"),
-        ("DP", ".status.dataParallelSize"),
-        ("Step", ".status.step"),
-        ("ModelVersion", ".status.modelVersion"),
-        ("Reward", ".status.rolloutReward"),
-        ("Age", ".metadata.creationTimestamp"),
+    columns = [(col["name"], col["jsonPath"], col.get("priority", 0)) for col in version["additionalPrinterColumns"]]
+    assert columns == [
+        ("Phase", ".status.phase", 0),
+        ("DP", ".status.dataParallelSize", 0),
+        ("Step", ".status.step", 0),
+        ("ModelVersion", ".status.modelVersion", 0),
+        ("Reward", ".status.rolloutReward", 0),
+        ("Age", ".metadata.creationTimestamp", 0),
+        ("Attempt", ".status.attempt", 1),  # -o wide
+        ("Restarts", ".status.restarts", 1),
+        ("Documents", ".status.documentsSeen", 1),
+        ("Staleness", ".status.lastMetrics.staleness", 1),
+        ("Tokens/s", ".status.tokensPerSecond", 1),
     ]
     names = crd.crd()["spec"]["names"]
     assert names["shortNames"] == ["rljob"] and names["kind"] == "RLTrainingJob"

@@ -31,6 +31,11 @@ def test_parse_reads_trainer_fields_and_the_newest_rollout_version():
     assert (parsed.rollout_reward, parsed.rollout_model_version) == (0.75, 448)
 
 
+def test_reward_and_throughput_are_rounded_for_the_printer_columns():
+    parsed = progress.parse({"tokens_per_second": "812.4567"}, {"reward_sum:64": "2.0", "reward_count:64": "3"})
+    assert (parsed.rollout_reward, parsed.tokens_per_second) == (0.6667, 812.5)
+
+
 def test_parse_skips_what_it_cannot_read_and_keeps_big_integers_exact():
     parsed = progress.parse({"step": "abc", "documents_seen": str(2**60 + 1), "metrics": "{not json"},
                             {"reward_count:x": "3", "reward_sum:1": "inf", "reward_count:1": "2"})
