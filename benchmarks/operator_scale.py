@@ -389,7 +389,8 @@ def tiny_job(name: str) -> dict[str, Any]:
 
 
 def _job(name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": c.API_VERSION, "kind": c.KIND, "metadata": {"name": name}, "spec": spec}
+    return {"apiVersion": c.API_VERSION, "kind": c.KIND, "metadata": {"name": name},
+            "spec": {"model": {"source": "tiny"}, **spec}}
 
 
 def expected_children(namespace: str, manifest: dict[str, Any]) -> Counter:

@@ -237,7 +237,7 @@ class Row:
 
 def run(url: str, lengths: list[int], megabytes: float, repeats: int) -> list[Row]:
     client = redis.Redis.from_url(url)
-    keys = resolve("bench", "bench", RLTrainingJobSpec(), RedisConnection(host="unused")).keys
+    keys = resolve("bench", "bench", RLTrainingJobSpec.model_validate({"model": {"source": "tiny"}}), RedisConnection(host="unused")).keys
     keys = keys.model_copy(update={"stream": "rljob:bench:stream", "group": "rljob:bench:group"})
     rows = []
     for length in lengths:

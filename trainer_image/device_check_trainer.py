@@ -441,7 +441,7 @@ def check_training(report: Report, config: JobConfig, target: RedisTarget, workd
     events = [json.loads(fields[b"event"]) for _, fields in client.xrange(config.keys.events)]
     announced = [(e["type"], e.get("step"), e.get("documents_seen")) for e in events]
     want_events = [("weights_ready", s, DOCUMENTS_PER_STEP * s) for s in range(MAX_STEPS + 1)]
-    want_events.append(("training_finished", None, None))
+    want_events.append(("training_finished", MAX_STEPS, DOCUMENTS_PER_STEP * MAX_STEPS))
     backends = sorted({e["transfer"]["backend"] for e in events if "transfer" in e})
     report.check("weights_ready_published", announced == want_events, f"events {announced}")
     want_backend = "gloo" if dry_run_cpu else "nccl"

@@ -80,6 +80,9 @@ REDIS_CA_MOUNT_DIR = "/etc/rljob-redis-ca"
 REDIS_CA_PATH = f"{REDIS_CA_MOUNT_DIR}/ca.crt"
 SHM_MOUNT_DIR = "/dev/shm"
 
+#: The extended resource of an NVIDIA GPU (device plugin), in pod resources and node capacity.
+GPU_RESOURCE = "nvidia.com/gpu"
+
 # --- Ports (declared on the headless trainer Service so DNS names reach them) -----------------
 PORT_RENDEZVOUS = 29400
 """torchrun c10d rendezvous store on trainer pod 0."""

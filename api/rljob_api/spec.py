@@ -42,16 +42,16 @@ class ModelSpec(ApiModel):
     """Which causal LM is trained and served."""
 
     source: Literal["tiny", "huggingface", "path"] = Field(
-        "tiny",
-        description="source: `tiny` builds a small random model from `tiny` (tests, no downloads); "
+        ...,
+        description="source (required): `tiny` builds a small random model from `tiny` (tests, no downloads); "
         "`huggingface` loads `name` from the Hugging Face Hub (HF_TOKEN from `hfTokenSecretRef`); "
         "`path` loads a model directory from `path` (a PVC mounted by `volume`).",
     )
-    name: str = Field(
-        "tiny-digits",
+    name: Optional[str] = Field(
+        None,
         min_length=1,
         max_length=256,
-        description="name: Hugging Face model id (source=huggingface) or a display name.",
+        description="name: Hugging Face model id (required when source=huggingface); a display name otherwise.",
     )
     revision: Optional[str] = Field(None, description="revision: Hub revision (branch, tag or commit).")
     path: Optional[str] = Field(None, description="path: model directory inside the pod (source=path).")
@@ -304,7 +304,7 @@ class RunPolicySpec(ApiModel):
 class RLTrainingJobSpec(ApiModel):
     """spec of an RLTrainingJob."""
 
-    model: ModelSpec = Field(default_factory=ModelSpec, description="model: the causal LM trained and served.")
+    model: ModelSpec = Field(..., description="model (required): the causal LM trained and served.")
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description="algorithm: loss and metrics.")
     trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="trainer: the data-parallel gang.")
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="rollout: generation workers.")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rljob_api import constants as c
 from rljob_api.spec import RLTrainingJobSpec
 
 
@@ -39,6 +40,16 @@ def data_parallel_size(spec: RLTrainingJobSpec) -> int:
     return world // model_parallel
 
 
+def trainer_gpus(spec: RLTrainingJobSpec) -> int:
+    """GPUs per trainer pod: ``spec.trainer.resources.limits["nvidia.com/gpu"]`` (0 when absent or not a whole
+    number; the API server refuses a fractional GPU quantity on the pod)."""
+    value = ((spec.trainer.resources or {}).get("limits") or {}).get(c.GPU_RESOURCE, 0)
+    try:
+        return max(int(str(value)), 0)
+    except ValueError:
+        return 0
+
+
 def check_spec(spec: RLTrainingJobSpec) -> list[SpecProblem]:
     """All problems of a spec, in field order; empty when the job can run."""
     problems: list[SpecProblem] = []
@@ -58,6 +69,13 @@ def check_spec(spec: RLTrainingJobSpec) -> list[SpecProblem]:
         problems.append(
             SpecProblem("spec.trainer.pipelineParallel", "pipeline parallelism > 1 is not supported yet", False)
         )
+    gpus = trainer_gpus(spec)
+    if gpus and t.processes_per_node > gpus:
+        problems.append(SpecProblem(
+            "spec.trainer.processesPerNode",
+            f"{t.processes_per_node} ranks per pod but spec.trainer.resources.limits {c.GPU_RESOURCE} = {gpus}: each "
+            f"rank needs a GPU of its own (NCCL); set processesPerNode <= {gpus} or raise the GPU limit",
+        ))
     if t.backend != "builtin":
         problems.append(SpecProblem("spec.trainer.backend", f"backend {t.backend!r} is not supported yet", False))
     if dp is not None and t.batch.documents_per_step % dp:
@@ -87,10 +105,25 @@ def check_spec(spec: RLTrainingJobSpec) -> list[SpecProblem]:
         )
     if m.source == "path" and not m.path:
         problems.append(SpecProblem("spec.model.path", "required when source is 'path'"))
+    if m.source == "huggingface" and not m.name:
+        problems.append(SpecProblem(
+            "spec.model.name", "required when source is 'huggingface': a Hub model id such as Qwen/Qwen2.5-1.5B-Instruct"))
     if spec.redis.mode == "external" and not spec.redis.url:
         problems.append(SpecProblem("spec.redis.url", "required when mode is 'external'"))
     if spec.redis.mode == "external" and spec.redis.url and not spec.redis.url.startswith(("redis://", "rediss://")):
         problems.append(SpecProblem("spec.redis.url", f"must start with redis:// or rediss://, got {spec.redis.url!r}"))
+    if spec.redis.mode == "managed" and spec.redis.url:
+        problems.append(SpecProblem(
+            "spec.redis.url",
+            "only used with mode 'external' (the managed Redis is reached through its own Service): remove url, or "
+            "set mode to 'external'",
+        ))
+    if spec.redis.mode == "managed" and spec.redis.password_secret_ref is not None:
+        problems.append(SpecProblem(
+            "spec.redis.passwordSecretRef",
+            "only used with mode 'external' (the managed Redis's password is generated into the Secret "
+            "<job>-redis-auth): remove passwordSecretRef, or set mode to 'external'",
+        ))
     if spec.redis.ca_secret_ref is not None and not (
         spec.redis.mode == "external" and (spec.redis.url or "").startswith("rediss://")
     ):

@@ -5,11 +5,13 @@
     eval "$(python -m rljob_localcluster env)"
     kubectl get ns
     python -m rljob_localcluster status
-    python -m rljob_localcluster down     # stop it (and the demo's node agent) and remove its data
+    python -m rljob_localcluster down     # stop it (and the node agent) and remove their data
     python -m rljob_localcluster demo     # the README's main job: cluster + agent, helm install, CPU example
 
 State lives in ``--dir`` (default ``${RLJOB_CLUSTER_DIR:-$HOME/.cache/rljob/cluster}``):
-``kubeconfig``, ``state.json``, ``daemon.pid``, ``daemon.log`` and ``data/`` (certs, etcd, logs).
+``kubeconfig``, ``state.json``, ``daemon.pid``, ``daemon.log`` and ``data/`` (certs, etcd, logs); with the node
+agent also ``agent.pid``, ``agent.log`` and ``agent/`` (container logs, pod dirs, PV data). ``down`` removes
+everything but the two ``.log`` files.
 """
 
 from __future__ import annotations
@@ -166,22 +168,41 @@ def _serve(d: Path, bin_dir: str, bind_address: str, timeout: float) -> int:
 
 
 def _down(d: Path, quiet: bool = False) -> int:
-    if agent_daemon.stop_agent(d) and not quiet:  # its pods first, while the API server still answers
-        print("node agent stopped", file=sys.stderr)
+    """Stop the node agent (its pods first, while the API server still answers), then the control plane,
+    and delete their data: ``data/`` and the agent's state dir ``agent/``. ``daemon.log`` and ``agent.log``
+    are kept. Exit status 1 when the agent's state dir could not be removed."""
+    def say(text: str) -> None:
+        if not quiet:
+            print(text, file=sys.stderr)
+
+    if agent_daemon.stop_agent(d):
+        say("node agent stopped")
     pid = _daemon_pid(d)
     st = _read_state(d) or {}
+    had_data = (d / "data").exists()  # the daemon removes it itself when it stops
     if pid:
         terminate(pid, 60, *_daemon_marks(d))
     # Components of a daemon that died hard: end exactly those recorded pids whose command line
     # still names this cluster's data dir (so a recycled pid is never touched).
     for cpid in (st.get("pids") or {}).values():
         terminate(cpid, 10, str(d / "data"))
+    say("control plane stopped" if pid else "control plane was not running")
     for name in ("state.json", "state.json.tmp", "kubeconfig", "daemon.pid"):
         (d / name).unlink(missing_ok=True)
+    rc = 0
     shutil.rmtree(d / "data", ignore_errors=True)
-    if not quiet:
-        print("control plane stopped" if pid else "control plane was not running", file=sys.stderr)
-    return 0
+    if had_data:
+        say(f"removed {d / 'data'} (etcd data, certificates, control-plane logs)")
+    try:
+        if removed := agent_daemon.remove_state(d):
+            say(f"removed {removed} (container logs, pod dirs, persistent volume data)")
+    except RuntimeError as err:
+        print(f"node agent state not removed: {err}", file=sys.stderr)
+        rc = 1
+    kept = [str(d / name) for name in ("daemon.log", "agent.log") if (d / name).exists()]
+    if kept:
+        say(f"kept {' and '.join(kept)}")
+    return rc
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -231,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for readiness")
     up.add_argument("--agent", action="store_true",
                     help="also start the test node agent (pods run; needs root), as the demo does")
-    add("down", cmd_down, "stop the control plane and remove its data")
+    add("down", cmd_down, "stop the node agent and the control plane; remove their data (data/, agent/)")
     add("status", cmd_status, "print the state JSON; exit 1 when not running")
     add("env", cmd_env, "print export lines for KUBECONFIG and PATH")
     add("tools", cmd_tools, "build the Go tools if missing and print their bin dir")

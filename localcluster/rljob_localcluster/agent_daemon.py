@@ -3,12 +3,15 @@
 The agent runs as ``python -m rljob_localcluster.agent`` in its own session, its state in ``<dir>/agent``
 (pods' files, container logs in ``logs/``, PV data), its output in ``<dir>/agent.log`` and its pid in
 ``<dir>/agent.pid``. ``python -m rljob_localcluster down`` stops it (SIGTERM: pods get their grace period and
-everything it made on the host is removed) before the control plane.
+everything it made on the host is removed) before the control plane, then deletes its state dir
+(:func:`remove_state`).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -77,3 +80,53 @@ def stop_agent(d: Path, timeout: float = 60.0) -> bool:
     terminate(pid, timeout, AGENT_MODULE, str(state_dir(d)))
     (d / "agent.pid").unlink(missing_ok=True)
     return True
+
+
+def _mounts_under(path: Path) -> list[str]:
+    """Mount points at or below ``path`` in this mount namespace (from /proc/self/mounts)."""
+    root = str(path.resolve())
+    found = []
+    with open("/proc/self/mounts") as mounts:
+        for line in mounts:
+            point = line.split()[1].encode().decode("unicode_escape")  # spaces etc. are written as \\040
+            if point == root or point.startswith(root + "/"):
+                found.append(point)
+    return found
+
+
+def remove_state(d: Path) -> Path | None:
+    """Delete the agent's state dir of cluster dir ``d`` (container logs, pod dirs, PV data) once no agent
+    runs, after removing what an agent that died hard left on the host (:meth:`.agent.Agent.clean_leftovers`).
+    Returns the removed dir, or None when there was none.
+
+    Raises:
+        RuntimeError: the agent still runs, or something is still mounted below the dir (nothing is deleted).
+    """
+    from .agent import Agent, AgentConfig, AgentError
+
+    sd = state_dir(d)
+    if not sd.exists():
+        return None
+    if agent_pid(d) is not None:
+        raise RuntimeError(f"the node agent (pid {agent_pid(d)}) still runs; {sd} not removed")
+
+    def foreign_mounts() -> list[str]:
+        """Mounts below the dir but the pods' tmpfs volumes (clean_leftovers unmounts those)."""
+        recorded = set()
+        for record in (sd / "pods").glob("*/sandbox.json"):
+            try:
+                recorded.update(json.loads(record.read_text()).get("tmpfs") or [])
+            except (OSError, ValueError):
+                pass
+        return [p for p in _mounts_under(sd) if p not in recorded]
+
+    if mounts := foreign_mounts():
+        raise RuntimeError(f"still mounted below {sd}: {', '.join(mounts)}; not removed")
+    try:
+        Agent(AgentConfig(kubeconfig="", state_dir=sd)).clean_leftovers()
+    except AgentError as err:
+        raise RuntimeError(f"{err}; {sd} not removed") from err
+    if mounts := _mounts_under(sd):
+        raise RuntimeError(f"still mounted below {sd}: {', '.join(mounts)}; not removed")
+    shutil.rmtree(sd)
+    return sd

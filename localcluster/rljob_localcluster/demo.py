@@ -170,12 +170,18 @@ def report(job: dict[str, Any], env: dict[str, str], bin_dir: Path, d: Path, *, 
         f"trainer Prometheus endpoint while it runs: http://<{name}-trainer-0 pod IP>:9400/metrics (rljob_trainer_*; "
         f"also the rollout pods on :9400; in a cluster: {name}-trainer-0.{name}-trainer.{namespace}:9400)",
         f"operator metrics: {operator_metrics} (in a cluster: the Service {RELEASE}-metrics.{OPERATOR_NAMESPACE}:9090)",
-        f"container logs (kept after the pods are gone): {agent_logs}/{namespace}_{name}-*.log",
-        f"control-plane logs: {d / 'data' / 'logs'}; agent log: {d / 'agent.log'}",
     ]
     if kept:
-        lines.append('use this cluster: eval "$(python -m rljob_localcluster env)"; '
-                     'stop it: python -m rljob_localcluster down')
+        lines += [
+            f"container logs (kept after the pods are gone, until 'down'): {agent_logs}/{namespace}_{name}-*.log; "
+            f"those of earlier pods of the same name (gang restarts): {agent_logs / 'previous'}/",
+            f"control-plane logs: {d / 'data' / 'logs'}; agent log: {d / 'agent.log'}",
+            'use this cluster: eval "$(python -m rljob_localcluster env)"; '
+            'stop it (removes those logs): python -m rljob_localcluster down',
+        ]
+    else:
+        lines.append(f"container and control-plane logs: removed with the cluster (--down); agent log: "
+                     f"{d / 'agent.log'}")
     for line in lines:
         print(f"  {line}")
     try:

@@ -5,8 +5,8 @@ file; a test regenerates it and compares bytes, so the CRD never drifts from the
 
 The pydantic JSON schema is turned into a Kubernetes *structural* schema: ``$ref``s inlined, ``Optional``
 unwrapped, JSON-Schema-2020 exclusive bounds turned into OpenAPI v3 booleans, titles dropped, a description
-on every field (``kubectl explain``), ``default: {}`` on nested objects so their own defaults apply, and the
-rules only CEL can express (``x-kubernetes-validations``) placed next to the fields they guard.
+on every field (``kubectl explain``), defaults on nested objects so their own defaults apply (not on what the
+user must give: ``spec`` and ``spec.model``), and the rules only CEL can express (``x-kubernetes-validations``) placed next to the fields they guard.
 """
 
 from __future__ import annotations
@@ -136,11 +136,12 @@ class SchemaError(ValueError):
 
 
 def _convert(node: dict[str, Any], defs: dict[str, Any], path: str, with_defaults: bool,
-             optional: bool = False) -> dict[str, Any]:
+             optional: bool = False, required: bool = False) -> dict[str, Any]:
     """One pydantic JSON-schema node → one structural OpenAPI v3 node (see module docstring).
 
-    A required-by-default nested object (not ``optional``) gets as default the object of its properties'
-    defaults, so the API server fills the whole tree and CEL rules always see every defaulted field.
+    A nested object with a default (neither ``optional`` nor ``required`` of the user) gets as default the object
+    of its properties' defaults, so the API server fills the whole tree and CEL rules always see every defaulted
+    field.
     """
     own_description = node.get("description")
     own_default = node.get("default")
@@ -149,7 +150,7 @@ def _convert(node: dict[str, Any], defs: dict[str, Any], path: str, with_default
         out = _convert(target, defs, path, with_defaults)
         if own_description:
             out["description"] = own_description
-        if with_defaults and not optional and "default" not in node and "properties" in out:
+        if with_defaults and not optional and not required and "default" not in node and "properties" in out:
             out["default"] = object_default(out)
     elif "anyOf" in node:
         members = [m for m in node["anyOf"] if m.get("type") != "null"]
@@ -181,7 +182,8 @@ def _convert_plain(node: dict[str, Any], defs: dict[str, Any], path: str, with_d
         extra = node.get("additionalProperties")
         if props:
             out["properties"] = {
-                name: _convert(sub, defs, f"{path}.{name}", with_defaults) for name, sub in props.items()
+                name: _convert(sub, defs, f"{path}.{name}", with_defaults, required=name in node.get("required", ()))
+                for name, sub in props.items()
             }
             if node.get("required"):
                 out["required"] = list(node["required"])
@@ -222,8 +224,7 @@ def model_schema(model: type[BaseModel], path: str, *, with_defaults: bool) -> d
 
 def crd() -> dict[str, Any]:
     """The CustomResourceDefinition as a dict (apiextensions.k8s.io/v1)."""
-    spec = model_schema(RLTrainingJobSpec, "spec", with_defaults=True)
-    spec["default"] = object_default(spec)
+    spec = model_schema(RLTrainingJobSpec, "spec", with_defaults=True)  # required (model has no default)
     spec["x-kubernetes-validations"] = [RULE_METRICS_PP, RULE_TOPOLOGY_IMMUTABLE]
     spec["properties"]["trainer"]["x-kubernetes-validations"] = [RULE_DIVISIBLE]
     status = model_schema(RLTrainingJobStatus, "status", with_defaults=False)
@@ -244,6 +245,7 @@ def crd() -> dict[str, Any]:
             "spec": spec,
             "status": status,
         },
+        "required": ["spec"],
     }
     return {
         "apiVersion": "apiextensions.k8s.io/v1",

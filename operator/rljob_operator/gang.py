@@ -182,12 +182,18 @@ def require_redis(lc: Lifecycle, redis_ready: Optional[bool], why: str) -> Lifec
                    message=f"{lc.message}, but no step can be made while Redis is not ready: {why}")
 
 
+def _count(n: int, noun: str) -> str:
+    """"1 trainer pod", "2 trainer pods"."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _resumes(spec: RLTrainingJobSpec, attempt: int) -> str:
     """Where gang ``attempt`` starts from: the last checkpoint on the claim, or (emptyDir) over from step 0 or initFrom."""
     checkpoint = spec.trainer.checkpoint
-    if checkpoint.volume:
-        return f"attempt {attempt} resumes from the last checkpoint on PersistentVolumeClaim {checkpoint.volume}"
     start = "spec.trainer.checkpoint.initFrom" if checkpoint.init_from else "step 0"
+    if checkpoint.volume:
+        return (f"attempt {attempt} resumes from the newest checkpoint on PersistentVolumeClaim {checkpoint.volume} "
+                f"(from {start} if none was written yet: one every {checkpoint.every_steps} steps)")
     return (f"attempt {attempt} starts over from {start}: the checkpoints were on an emptyDir that goes with the pods "
             "(set spec.trainer.checkpoint.volume to a PersistentVolumeClaim to keep them)")
 
@@ -282,7 +288,7 @@ def _active(
 
     common = dict(delete=delete_old + delete_rollouts, create_rollouts=create_rollouts, requeue_after=requeue)
     if obs.old:
-        waiting = f"waiting for {len(obs.old)} trainer pods of earlier attempts to terminate"
+        waiting = f"waiting for {_count(len(obs.old), 'trainer pod')} of earlier attempts to terminate"
         if lc.phase == Phase.RESTARTING:
             return Plan(lc, **common)
         return Plan(replace(lc, phase=Phase.PENDING, reason=Reason.TEARING_DOWN, message=waiting), **common)
@@ -296,7 +302,7 @@ def _active(
             phase=Phase.STARTING,
             gang_created=True,
             reason=Reason.GANG_CREATED,
-            message=f"created attempt {lc.attempt}: {spec.trainer.nodes} trainer pods",
+            message=f"created attempt {lc.attempt}: {_count(spec.trainer.nodes, 'trainer pod')}",
         )
         return Plan(before, create_trainers=missing, after_create=after, **common)
     # A rank that exited 0 finished its share (at maxSteps): the gang is not "starting" again while pod 0 exits.
@@ -306,7 +312,8 @@ def _active(
             lc,
             phase=Phase.RUNNING,
             reason=Reason.TRAINING,
-            message=f"attempt {lc.attempt}: all {spec.trainer.nodes} trainer pods running",
+            message=f"attempt {lc.attempt}: "
+            + (f"all {spec.trainer.nodes} trainer pods running" if spec.trainer.nodes > 1 else "the trainer pod is running"),
         )
         return Plan(now_running, **common)
     if lc.phase == Phase.STARTING:

@@ -133,11 +133,12 @@ def parse(progress: Mapping[Any, Any], rollout: Mapping[Any, Any]) -> Progress:
         for name, value in (decoded.items() if isinstance(decoded, dict) else ()):
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                 metrics[str(name)] = float(value)
-    reward, version = _newest_reward(rollout)
+    model_version = _number(progress.get(c.PROGRESS_MODEL_VERSION), int)
+    reward, version = _newest_reward(rollout, model_version)
     return Progress(
         step=_number(progress.get(c.PROGRESS_STEP), int),
         documents_seen=_number(progress.get(c.PROGRESS_DOCUMENTS_SEEN), int),
-        model_version=_number(progress.get(c.PROGRESS_MODEL_VERSION), int),
+        model_version=model_version,
         tokens_per_second=_rounded(_number(progress.get(c.PROGRESS_TOKENS_PER_SECOND), float), 1),
         metrics=metrics,
         rollout_reward=reward,
@@ -197,8 +198,10 @@ def _rounded(value: Optional[float], decimals: int) -> Optional[float]:
     return None if value is None else round(value, decimals)
 
 
-def _newest_reward(rollout: Mapping[str, Any]) -> tuple[Optional[float], Optional[int]]:
-    """(sum / count rounded to :data:`REWARD_DECIMALS`, version) for the newest version with a positive count."""
+def _newest_reward(rollout: Mapping[str, Any], model_version: Optional[int]) -> tuple[Optional[float], Optional[int]]:
+    """(sum / count rounded to :data:`REWARD_DECIMALS`, version) for the newest version with a positive count, at
+    most the trainer's ``model_version`` when known: a higher one belongs to a timeline a restart abandoned (a rollout
+    worker still on those weights may add to it until the new weights reach it)."""
     best: tuple[Optional[float], Optional[int]] = (None, None)
     for key, raw_count in rollout.items():
         if not key.startswith(c.ROLLOUT_REWARD_COUNT_PREFIX):
@@ -207,6 +210,8 @@ def _newest_reward(rollout: Mapping[str, Any]) -> tuple[Optional[float], Optiona
         count = _number(raw_count, float)
         total = _number(rollout.get(f"{c.ROLLOUT_REWARD_SUM_PREFIX}{key[len(c.ROLLOUT_REWARD_COUNT_PREFIX):]}"), float)
         if version is None or not count or count <= 0 or total is None:
+            continue
+        if model_version is not None and version > model_version:
             continue
         if best[1] is None or version > best[1]:
             best = (round(total / count, REWARD_DECIMALS), version)

@@ -304,8 +304,9 @@ async def reconcile(
     plan = gang.plan(name, spec, before, pods, render.config_hashes(config), now)
     redis_health = _redis_health(spec, redis_deployment, runtime, pods, now)
     fetched = None
-    if ctx.read_progress and (before.phase not in status.IDLE_PHASES or plan.lifecycle.phase != before.phase):
-        fetched = await _read_progress(job, config, runtime, ctx, redis_health)
+    if ctx.read_progress and reads_progress(before.phase, plan.lifecycle.phase, spec.redis.mode == "managed",
+                                            redis_health.ready):
+        fetched = await _read_progress(job, config, runtime, ctx)
         redis_health = _redis_health(spec, redis_deployment, runtime, pods, now)
     lifecycle = gang.require_redis(plan.lifecycle, *_known_redis(redis_health, previous))
     common = dict(
@@ -496,14 +497,23 @@ async def _secret_text(ctx: Context, namespace: str, ref: Optional[SecretKeyRef]
     return value
 
 
-async def _read_progress(job: render.Job, config, runtime: JobRuntime, ctx: Context,
-                         health: status.RedisHealth) -> Optional[progress.Progress]:
-    """Best effort: the progress hashes, or None (and, for external Redis, RedisReady=False with the error).
+def reads_progress(before: Phase, after: Phase, managed: bool, redis_ready: Optional[bool]) -> bool:
+    """Whether a pass that moves the job from phase ``before`` to ``after`` reads the progress hashes: while active
+    or on a phase change, a managed Redis only once it is ready — except on the pass that finishes the job, whose
+    read carries the final step, reward and metrics into status even when the Redis Deployment's readiness lags
+    behind the trainer (a short job can finish before it shows)."""
+    if before in status.IDLE_PHASES and after == before:
+        return False
+    if after in gang.FINISHED and before not in gang.FINISHED:
+        return True
+    return bool(redis_ready) or not managed
+
+
+async def _read_progress(job: render.Job, config, runtime: JobRuntime, ctx: Context) -> Optional[progress.Progress]:
+    """Best effort: the progress hashes, or None (and RedisReady=False with the error).
 
     The password and TLS CA Secrets are read when connecting, not on every pass: a missing one is reported (naming
     the spec field) and read again on the next pass."""
-    if job.spec.redis.mode == "managed" and not health.ready:
-        return None
     password_ref, ca_ref = render.redis_password_ref(job), job.spec.redis.ca_secret_ref
     where = f"{config.redis.host}:{config.redis.port}"
     identity = (config.redis.host, config.redis.port, config.redis.db, config.redis.tls, password_ref, ca_ref)

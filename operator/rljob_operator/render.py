@@ -40,7 +40,6 @@ from rljob_operator.gang import ConfigHashes
 REDIS_PASSWORD_KEY = "password"
 """Key of the generated password in the managed Redis Secret."""
 MANAGED_BY = {"app.kubernetes.io/managed-by": c.FIELD_MANAGER}
-GPU_RESOURCE = "nvidia.com/gpu"
 TRAINER_COMMAND = ("torchrun",)
 TRAINER_MODULE = "rljob_trainer.train"
 ROLLOUT_COMMAND = ("python", "-m", "rljob_trainer.rollout")
@@ -325,7 +324,7 @@ def rollout_pod(job: Job, config: JobConfig, index: int) -> dict[str, Any]:
     r = job.spec.rollout
     resources = {key: dict(value) for key, value in r.resources.items()}
     if r.gpus_per_replica:
-        resources.setdefault("limits", {})[GPU_RESOURCE] = r.gpus_per_replica
+        resources.setdefault("limits", {})[c.GPU_RESOURCE] = r.gpus_per_replica
     container = {
         "name": "rollout",
         "image": r.image,

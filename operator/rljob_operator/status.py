@@ -168,10 +168,13 @@ def describe_troubles(pods: Iterable[PodView], now: datetime) -> str:
 
 def _pods_condition(role: str, pods: Sequence[PodView], wanted: int, ready_when, now: datetime) -> _Cond:
     """The readiness of one role's pods. Reason by precedence: Unschedulable, ContainerCannotStart, ContainerFailing,
-    PodsNotReady; the message names every pod that is not ready and why (:func:`pod_trouble`)."""
+    PodsNotReady; the message names every pod that is not ready and why (:func:`pod_trouble`). A pod that Succeeded
+    did its part (its container exited 0: training finished) and counts as ready, noted as finished, so the last
+    seconds of a job, when some pods have exited and others not yet, are not told as pods that stopped being ready."""
     troubles = {p.name: pod_trouble(p, now) for p in pods}
-    ready = [p for p in pods if ready_when(p) and troubles[p.name] is None]
-    message = f"{len(ready)}/{wanted} {role} pods ready"
+    ready = [p for p in pods if (ready_when(p) or p.phase == "Succeeded") and troubles[p.name] is None]
+    finished = sum(p.phase == "Succeeded" for p in ready)
+    message = f"{len(ready)}/{wanted} {role} pods ready" + (f" ({finished} finished)" if finished else "")
     if wanted and len(ready) >= wanted:
         return _Cond("True", Reason.PODS_READY, message)
     by_reason: dict[Reason, list[tuple[str, str]]] = {}
@@ -393,8 +396,10 @@ def transition_events(previous: RLTrainingJobStatus, new: RLTrainingJobStatus) -
     told: dict[tuple[str, str], Condition] = {}  # (reason, message) → the condition that tells it, in first-seen order
     for cond in news:
         key = (cond.reason, cond.message)
-        if key not in told or (cond.type in _PHASE_CONDITIONS and told[key].type not in _PHASE_CONDITIONS):
-            told[key] = cond
+        if key not in told or (cond.type in _PHASE_CONDITIONS and (
+            told[key].type not in _PHASE_CONDITIONS or (cond.status == "True" and told[key].status != "True")
+        )):
+            told[key] = cond  # e.g. Succeeded=True tells a finish, not the Restarting=False that echoes it
     reasons = {cond.reason for cond in told.values() if cond.type != ConditionType.RUNNING}
     events = []
     for cond in told.values():

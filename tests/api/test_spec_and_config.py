@@ -10,7 +10,7 @@ from rljob_api.config import RedisConnection
 
 
 def spec(**overrides) -> RLTrainingJobSpec:
-    return RLTrainingJobSpec.model_validate(overrides)
+    return RLTrainingJobSpec.model_validate({"model": {"source": "tiny"}, **overrides})
 
 
 def test_defaults_and_camel_case_round_trip():
@@ -117,8 +117,7 @@ def test_long_job_names_stay_within_63_characters_and_stay_distinct():
 
 
 def test_unacknowledged_documents_between_checkpoints_must_fit_under_max_pending():
-    ok = RLTrainingJobSpec.model_validate({"trainer": {"batch": {"documentsPerStep": 512}, "checkpoint": {"everySteps": 8}},
-                                           "redis": {"maxPending": 4096}})
+    ok = spec(trainer={"batch": {"documentsPerStep": 512}, "checkpoint": {"everySteps": 8}}, redis={"maxPending": 4096})
     assert check_spec(ok) == []  # 512 × 8 = 4096: the rollout can still fill the step that checkpoints
     stall = ok.model_copy(update={"trainer": ok.trainer.model_copy(update={
         "checkpoint": ok.trainer.checkpoint.model_copy(update={"every_steps": 9})})})

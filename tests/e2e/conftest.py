@@ -130,10 +130,13 @@ class Cluster:
 
     def pod_log(self, namespace: str, pod: str, tail: int = LOG_TAIL) -> str:
         """The last ``tail`` lines of every container of a pod: the agent's files on the local cluster
-        (they outlive deleted pods), ``kubectl logs`` elsewhere."""
+        (they outlive deleted pods; earlier pods of the name first, from ``logs/previous/``), ``kubectl logs``
+        elsewhere."""
         if self.agent_state_dir is not None:
             text = ""
-            for path in sorted((self.agent_state_dir / "logs").glob(f"{namespace}_{pod}_*.log")):
+            logs = self.agent_state_dir / "logs"
+            paths = [*logs.glob(f"{namespace}_{pod}_*.log"), *(logs / "previous").glob(f"{namespace}_{pod}_*.log")]
+            for path in sorted(paths, key=lambda p: (p.stat().st_mtime, p.name)):
                 lines = path.read_text(errors="replace").splitlines()[-tail:]
                 text += f"--- {path.name}\n" + "\n".join(lines) + "\n"
             return text or f"(no log files for {namespace}/{pod})\n"
@@ -143,8 +146,9 @@ class Cluster:
     def logged_pods(self, namespace: str, prefix: str = "") -> list[str]:
         """Pods of ``namespace`` with logs: the agent's files (deleted pods too) or the live pods."""
         if self.agent_state_dir is not None:
+            logs = self.agent_state_dir / "logs"
             names = {p.name[len(namespace) + 1:].rsplit("_", 1)[0]
-                     for p in (self.agent_state_dir / "logs").glob(f"{namespace}_{prefix}*.log")}
+                     for folder in (logs, logs / "previous") for p in folder.glob(f"{namespace}_{prefix}*.log")}
             return sorted(names)
         return sorted(p["metadata"]["name"] for p in self.items("pods", namespace)
                       if p["metadata"]["name"].startswith(prefix))

@@ -313,6 +313,24 @@ def test_readiness_probe_gates_ready(k):
     became = wait_until(lambda: (p := k.get("pod", "probed")) and ready(p) == "True" and p, 30, "Ready=True")
     assert "ready now" in k.logs("probed")
     assert became["status"]["containerStatuses"][0]["ready"] is True
+    conditions = {c["type"]: c for c in became["status"]["conditions"]}
+    for ctype in ("Ready", "ContainersReady"):  # no "containers with unready status" left from before
+        assert "reason" not in conditions[ctype] and "message" not in conditions[ctype], conditions[ctype]
+
+
+def test_a_new_pod_of_the_same_name_starts_its_log_afresh(k):
+    def run(word: str) -> dict:
+        k.apply(k.pod("reused", py(f"print({word!r}, flush=True)")))
+        return k.wait_phase("reused", ("Succeeded",))
+
+    first = run("first pod")
+    k.cp.kubectl("delete", "pod", "reused", "-n", k.ns, "--wait=true", timeout=60)
+    second = run("second pod")
+    assert second["metadata"]["uid"] != first["metadata"]["uid"]
+    assert k.cp.kubectl("logs", "reused", "-n", k.ns).stdout == "second pod\n"
+    assert k.logs("reused") == "second pod\n"
+    previous = k.agent.state_dir / "logs" / "previous" / f"{k.ns}_reused_main.{first['metadata']['uid'][:8]}.log"
+    assert previous.read_text() == "first pod\n"
 
 
 def test_liveness_probe_restarts_the_container(k):

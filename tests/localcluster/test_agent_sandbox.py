@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from procutil import pids_with_env_marker
-from rljob_localcluster.agent.network import Bridge, PodSandboxNet
+from rljob_localcluster.agent.network import Bridge, PodSandboxNet, pod_mac
 from rljob_localcluster.agent.process import ContainerProcess, LaunchSpec
 from rljob_localcluster.agent.agent import default_image_paths
 from rljob_localcluster.agent.volumes import Mount, image_mounts
@@ -240,3 +240,37 @@ def test_bridge_keeps_its_mac_when_pod_veths_come_and_go(bridge):
     finally:
         net.delete()
     assert mac() == bridge.mac
+
+
+def _serve_once_in(net: PodSandboxNet, port: int) -> subprocess.Popen:
+    """A TCP server on ``port`` inside the pod's network namespace; returns once it listens."""
+    code = ("import socket, sys\ns = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+            f"s.bind(('0.0.0.0', {port})); s.listen(); print('listening', flush=True)\n"
+            "c, _ = s.accept(); c.sendall(b'hi'); c.close()\n")
+    proc = subprocess.Popen(["ip", "netns", "exec", net.netns, sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "listening\n"
+    return proc
+
+
+def test_a_new_pod_on_a_reused_ip_is_reachable_at_once(bridge):
+    """The host caches the first pod's MAC for its IP (REACHABLE for 15-45 s); the next pod on that IP must
+    answer at once, as a new Redis pod's readiness probe (1 s timeout) expects."""
+    ip, port = "10.251.1.7", 7001
+    for attempt in range(2):
+        net = PodSandboxNet.for_pod(f"test-{uuid.uuid4()}", ip)
+        net.create(bridge)
+        try:
+            mac = subprocess.run(["ip", "-n", net.netns, "-o", "link", "show", "eth0"], capture_output=True,
+                                 text=True, check=True).stdout
+            assert f"link/ether {pod_mac(ip)} " in mac
+            server = _serve_once_in(net, port)
+            try:
+                with socket.create_connection((ip, port), timeout=1.0) as conn:
+                    assert conn.recv(2) == b"hi"
+            finally:
+                server.kill()
+                server.wait()
+        finally:
+            net.delete()
+        neigh = subprocess.run(["ip", "neigh", "show", ip, "dev", bridge.name], capture_output=True, text=True).stdout
+        assert pod_mac(ip) in neigh  # the host keeps the entry the next pod needs

@@ -23,11 +23,13 @@ from rljob_localcluster.agent.dns import (
     replace_managed_block,
 )
 from rljob_localcluster.agent.mountpoints import MountPointError, MountPoints
+from rljob_localcluster.agent.logs import PREVIOUS_DIR, claim_log, log_path, logs
 from rljob_localcluster.agent.network import (
     IPAllocator,
     NetworkError,
     bridge_address,
     node_pod_cidrs,
+    pod_mac,
 )
 from rljob_localcluster.agent.podenv import (
     ContainerConfigError,
@@ -43,6 +45,7 @@ from rljob_localcluster.agent.podstatus import (
     pod_conditions,
     pod_phase,
     pod_status,
+    status_patch,
 )
 from rljob_localcluster.agent.probes import ProbeTracker, resolve_port, run_probe
 from rljob_localcluster.agent.volumes import (
@@ -501,9 +504,6 @@ def test_mount_points_created_and_removed(tmp_path):
 
 
 def test_logs_helper(tmp_path):
-    from rljob_localcluster.agent import logs
-    from rljob_localcluster.agent.logs import log_path
-
     p = log_path(tmp_path, "ns", "pod", "main")
     p.parent.mkdir(parents=True)
     p.write_text("hello\n")
@@ -515,3 +515,55 @@ def test_logs_helper(tmp_path):
     assert logs("ns", "pod", "side", state_dir=tmp_path) == "x"
     with pytest.raises(FileNotFoundError, match="no logs for pod ns/ghost"):
         logs("ns", "ghost", state_dir=Path(tmp_path))
+
+
+def test_a_new_pod_of_the_same_name_starts_its_log_afresh(tmp_path):
+    first = claim_log(tmp_path, "ns", "job-trainer-0", "trainer", "aaaaaaaa-1111")
+    assert first == log_path(tmp_path, "ns", "job-trainer-0", "trainer") and not first.exists()
+    first.write_text("attempt 0 run 0\n")
+    # a restart of the container in the same pod, or the pod taken over by a restarted agent: appended
+    assert claim_log(tmp_path, "ns", "job-trainer-0", "trainer", "aaaaaaaa-1111") == first
+    with first.open("a") as f:
+        f.write("attempt 0 run 1\n")
+    second = claim_log(tmp_path, "ns", "job-trainer-0", "trainer", "bbbbbbbb-2222")
+    assert second == first and not second.exists()
+    previous = tmp_path / "logs" / PREVIOUS_DIR / "ns_job-trainer-0_trainer.aaaaaaaa.log"
+    assert previous.read_text() == "attempt 0 run 0\nattempt 0 run 1\n"
+    second.write_text("attempt 1\n")
+    assert logs("ns", "job-trainer-0", state_dir=tmp_path) == "attempt 1\n"
+    assert logs("ns", "job-trainer-0", "trainer", state_dir=tmp_path) == "attempt 1\n"
+    # a file without a recorded owner (left by an older agent) is kept as well, named by its mtime
+    other = log_path(tmp_path, "ns", "old", "main")
+    other.write_text("old agent\n")
+    os.utime(other, (1_700_000_000, 1_700_000_000))
+    claim_log(tmp_path, "ns", "old", "main", "cccccccc")
+    assert (tmp_path / "logs" / PREVIOUS_DIR / "ns_old_main.unknown-1700000000.log").read_text() == "old agent\n"
+    assert sorted(p.name for p in (tmp_path / "logs").glob("*.log")) == ["ns_job-trainer-0_trainer.log"]
+
+
+def test_pod_mac_is_a_function_of_the_pod_ip():
+    assert pod_mac("10.244.1.2") == "0a:58:0a:f4:01:02"
+    assert pod_mac("10.244.255.254") == "0a:58:0a:f4:ff:fe"
+    assert int(pod_mac("10.0.0.1")[:2], 16) & 0b11 == 0b10  # locally administered, unicast
+    with pytest.raises(ValueError):
+        pod_mac("fd00::1")
+
+
+def test_status_patch_deletes_the_fields_a_condition_no_longer_has():
+    unready = [rec("redis", "running")]
+    ready = [ContainerRecord("redis", state="running", ready=True)]
+    before = pod_status({"spec": {}}, init=[], main=unready, pod_ip="10.244.1.2", host_ip="10.244.0.1",
+                        start_time="t0", sandbox_ready=True, now="t1")
+    assert {c["type"]: c.get("message") for c in before["conditions"]}["Ready"] == "containers with unready status: [redis]"
+    after = pod_status({"spec": {}, "status": before}, init=[], main=ready, pod_ip="10.244.1.2",
+                       host_ip="10.244.0.1", start_time="t0", sandbox_ready=True, now="t2")
+    patch = status_patch(after)["status"]
+    conds = {c["type"]: c for c in patch["conditions"]}
+    assert conds["Ready"] == {"type": "Ready", "status": "True", "lastProbeTime": None, "lastTransitionTime": "t2",
+                              "reason": None, "message": None}
+    assert conds["Initialized"]["reason"] is None and conds["Initialized"]["message"] is None
+    assert patch["podIPs"] == [{"$patch": "replace"}, {"ip": "10.244.1.2"}]
+    assert patch["hostIPs"] == [{"$patch": "replace"}, {"ip": "10.244.0.1"}]
+    unready_patch = {c["type"]: c for c in status_patch(before)["status"]["conditions"]}
+    assert unready_patch["Ready"]["reason"] == "ContainersNotReady"
+    assert unready_patch["Ready"]["message"] == "containers with unready status: [redis]"

@@ -16,7 +16,7 @@ T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 
 def make_spec(**overrides: Any) -> RLTrainingJobSpec:
     """A spec from camelCase overrides, e.g. make_spec(trainer={"nodes": 2})."""
-    return RLTrainingJobSpec.model_validate(overrides)
+    return RLTrainingJobSpec.model_validate({"model": {"source": "tiny"}, **overrides})
 
 
 def make_job(name: str = "demo", namespace: str = "ns", labels: dict | None = None, **overrides: Any) -> render.Job:

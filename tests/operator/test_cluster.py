@@ -93,7 +93,7 @@ class Kube:
 
 
 def job_manifest(name: str, **spec_overrides) -> dict:
-    spec = {"trainer": {"nodes": 2, "batch": {"documentsPerStep": 64}}, "rollout": {"replicas": 1}}
+    spec = {"model": {"source": "tiny"}, "trainer": {"nodes": 2, "batch": {"documentsPerStep": 64}}, "rollout": {"replicas": 1}}
     for key, value in spec_overrides.items():
         spec[key] = {**spec.get(key, {}), **value}
     return {"apiVersion": "rljob.dev/v1alpha1", "kind": "RLTrainingJob", "metadata": {"name": name}, "spec": spec}
@@ -198,6 +198,14 @@ def test_schema_and_cel_rules_are_enforced_with_messages_that_name_the_field(kub
     assert 'spec.algorithm.loss: Unsupported value: "ppo"' in refused(job_manifest("enum", algorithm={"loss": "ppo"}))
     assert ("spec.rollout.samplesPerPrompt: Invalid value: 1: spec.rollout.samplesPerPrompt in body should be greater "
             "than or equal to 2") in refused(job_manifest("group", rollout={"samplesPerPrompt": 1}))
+
+    no_model = job_manifest("nomodel")
+    del no_model["spec"]["model"]
+    assert "spec.model: Required value" in refused(no_model)
+    hub_id_only = job_manifest("hubid")
+    hub_id_only["spec"]["model"] = {"name": "Qwen/Qwen2.5-1.5B-Instruct"}  # no silent tiny model named like Qwen
+    assert "spec.model.source: Required value" in refused(hub_id_only)
+    assert "spec: Required value" in refused({k: v for k, v in job_manifest("nospec").items() if k != "spec"})
 
     kube.apply(job_manifest("topo"), namespace)
     stored = kube.job(namespace, "topo")

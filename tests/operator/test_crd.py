@@ -68,7 +68,11 @@ def test_defaults_enums_and_bounds_come_from_the_models():
     assert "default" not in eps  # Optional: resolved by the loss
     # nested objects default to the tree of their defaults, so CEL always sees every field
     assert trainer["default"]["nodes"] == 1 and trainer["default"]["batch"]["documentsPerStep"] == 128
-    assert spec["default"]["runPolicy"]["suspend"] is False
+    assert spec["properties"]["runPolicy"]["default"]["suspend"] is False
+    # what the user must give has no default: no silent tiny model
+    assert "default" not in spec and _schema()["required"] == ["spec"] and spec["required"] == ["model"]
+    model = spec["properties"]["model"]
+    assert "default" not in model and model["required"] == ["source"] and "default" not in model["properties"]["name"]
     assert "default" not in spec["properties"]["hfTokenSecretRef"]  # optional objects stay absent
     assert spec["properties"]["hfTokenSecretRef"]["required"] == ["name", "key"]
 

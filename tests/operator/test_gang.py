@@ -85,6 +85,13 @@ def test_a_new_job_creates_the_whole_gang_and_its_rollouts_then_runs():
     assert (plan.delete, plan.create_trainers, plan.create_rollouts) == ((), (), ())
 
 
+def test_a_one_pod_gang_is_told_in_the_singular():
+    sim = Sim(make_spec(trainer={"nodes": 1, "processesPerNode": 2}))
+    assert sim.step().after_create.message == "created attempt 0: 1 trainer pod"
+    sim.kubelet_runs_everything()
+    assert sim.step().lifecycle.message == "attempt 0: the trainer pod is running"
+
+
 def test_pod_failure_tears_down_waits_and_only_then_starts_attempt_plus_one():
     sim = running_sim()
     sim.set("demo-trainer-1", phase="Failed", failure="container trainer exited with code 1 (Error)")

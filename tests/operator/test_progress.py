@@ -12,7 +12,7 @@ from rljob_api.config import RedisConnection
 from rljob_api.constants import ConditionType, Phase, Reason
 from rljob_api.status import RLTrainingJobStatus
 
-from rljob_operator import gang, progress, render, status
+from rljob_operator import gang, progress, reconcile, render, status
 
 from operator_helpers import T0, make_job, rollout, trainer
 
@@ -34,6 +34,13 @@ def test_parse_reads_trainer_fields_and_the_newest_rollout_version():
 def test_reward_and_throughput_are_rounded_for_the_printer_columns():
     parsed = progress.parse({"tokens_per_second": "812.4567"}, {"reward_sum:64": "2.0", "reward_count:64": "3"})
     assert (parsed.rollout_reward, parsed.tokens_per_second) == (0.6667, 812.5)
+
+
+def test_a_reward_above_the_trainers_version_is_an_abandoned_timeline():
+    rollout = {"reward_sum:64": "1.0", "reward_count:64": "4", "reward_sum:512": "3.0", "reward_count:512": "4"}
+    restarted = progress.parse({"model_version": "128"}, rollout)  # started over below 512
+    assert (restarted.rollout_reward, restarted.rollout_model_version) == (0.25, 64)
+    assert progress.parse({}, rollout).rollout_model_version == 512  # the trainer's version not known yet
 
 
 def test_parse_skips_what_it_cannot_read_and_keeps_big_integers_exact():
@@ -174,3 +181,18 @@ def test_unreadable_failure_details_still_give_a_message(raw, start):
     parsed = progress.parse({}, {"all_rewards_failed": raw})
     assert parsed.rewards_failure.startswith(start)
     assert progress.parse({}, {}).rewards_failure is None
+
+
+@pytest.mark.parametrize(("before", "after", "managed", "ready", "reads"), [
+    (Phase.RUNNING, Phase.RUNNING, True, True, True),
+    (Phase.RUNNING, Phase.RUNNING, True, None, False),  # a managed Redis that is not ready yet: no connection
+    (Phase.RUNNING, Phase.RUNNING, False, None, True),  # external: the read is the probe
+    (Phase.STARTING, Phase.SUCCEEDED, True, False, True),  # the finishing pass reads the final step regardless
+    (Phase.RUNNING, Phase.FAILED, True, None, True),
+    (Phase.SUCCEEDED, Phase.SUCCEEDED, False, True, False),  # idle: nothing changes there
+    (Phase.SUSPENDED, Phase.SUSPENDED, False, True, False),
+    (Phase.SUSPENDED, Phase.STARTING, True, False, False),
+    (Phase.RUNNING, Phase.SUSPENDED, True, True, True),
+])
+def test_which_passes_read_the_progress_hashes(before, after, managed, ready, reads):
+    assert reconcile.reads_progress(before, after, managed, ready) is reads

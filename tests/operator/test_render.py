@@ -176,7 +176,7 @@ def test_rollout_only_fields_leave_the_trainer_pods_hash_alone(rollout):
 
 @pytest.mark.parametrize("change", [
     {"rollout": {"sampling": {"temperature": 0.5}}}, {"rollout": {"task": {"name": "digits-reverse"}}},
-    {"trainer": {"maxSteps": 7}}, {"algorithm": {"loss": "gspo"}}, {"model": {"tiny": {"layers": 3}}},
+    {"trainer": {"maxSteps": 7}}, {"algorithm": {"loss": "gspo"}}, {"model": {"source": "tiny", "tiny": {"layers": 3}}},
     {"redis": {"streamKey": "s2"}},
 ])
 def test_fields_the_trainer_reads_change_both_role_hashes(change):

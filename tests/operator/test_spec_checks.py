@@ -61,6 +61,21 @@ CASES = {
         {"rollout": {"task": {"name": "custom", "datasetPath": "/d.jsonl", "rewardFunction": "score"}}},
         "spec.rollout.task.rewardFunction: must be 'module:function', got 'score'",
     ),
+    "redis-managed-url": (
+        {"redis": {"url": "redis://x:6379"}},
+        "spec.redis.url: only used with mode 'external' (the managed Redis is reached through its own Service): "
+        "remove url, or set mode to 'external'",
+    ),
+    "redis-managed-password": (
+        {"redis": {"passwordSecretRef": {"name": "mine", "key": "password"}}},
+        "spec.redis.passwordSecretRef: only used with mode 'external' (the managed Redis's password is generated into "
+        "the Secret <job>-redis-auth): remove passwordSecretRef, or set mode to 'external'",
+    ),
+    "ranks-per-gpu": (
+        {"trainer": {"processesPerNode": 3, "batch": {"documentsPerStep": 96}, "resources": {"limits": {"nvidia.com/gpu": 2}}}},
+        "spec.trainer.processesPerNode: 3 ranks per pod but spec.trainer.resources.limits nvidia.com/gpu = 2: each "
+        "rank needs a GPU of its own (NCCL); set processesPerNode <= 2 or raise the GPU limit",
+    ),
     "vllm-gpus": ({"rollout": {"backend": "vllm"}}, "spec.rollout.gpusPerReplica: must be >= 1 with backend 'vllm'"),
     "cpu-gpus": (
         {"rollout": {"backend": "cpu", "gpusPerReplica": 2}},
@@ -74,13 +89,28 @@ CASES = {
         {"rollout": {"samplesPerPrompt": 1}},
         "spec.rollout.samplesPerPrompt: Input should be greater than or equal to 2",
     ),
+    "hub-name": (
+        {"model": {"source": "huggingface"}},
+        "spec.model.name: required when source is 'huggingface': a Hub model id such as Qwen/Qwen2.5-1.5B-Instruct",
+    ),
+    # no silent tiny model: a Hub id without a source, or no model at all, is refused (as by the CRD schema)
+    "model-source": ({"model": {"name": "Qwen/Qwen2.5-1.5B-Instruct"}}, "spec.model.source: Field required"),
+    "no-model": ({"model": None}, "spec.model: Field required"),
 }
+
+
+def with_tiny_model(raw: dict) -> dict:
+    """``raw`` with model.source = tiny unless it sets one (``"model": None`` drops the model)."""
+    if "model" in raw and raw["model"] is None:
+        return {k: v for k, v in raw.items() if k != "model"}
+    model = raw.get("model") or {}
+    return {**raw, "model": model if "source" in model or "name" in model else {"source": "tiny", **model}}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_each_code_check_names_its_field(case):
     raw, *messages = CASES[case]
-    _, problems = parse_spec("demo", raw)
+    _, problems = parse_spec("demo", with_tiny_model(raw))
     assert [str(p) for p in problems] == messages
     cond = valid_condition(problems)
     assert cond.status == "False" and cond.message == "; ".join(messages) + "; fix the spec (kubectl edit rljob)"
@@ -89,23 +119,24 @@ def test_each_code_check_names_its_field(case):
 @pytest.mark.parametrize("name", ["9lives", "my.job", "Upper"])
 def test_job_names_that_cannot_name_services_are_refused(name):
     """A name cannot be edited: the message says to recreate the job, and does not also say to edit the spec."""
-    _, problems = parse_spec(name, {})
+    _, problems = parse_spec(name, {"model": {"source": "tiny"}})
     message = (f"metadata.name: {name!r} must start with a lowercase letter and hold only lowercase letters, digits "
                "and '-' (it names the job's Services and pod hostnames); a name cannot be changed: delete the job and "
                "create it again under another name")
     assert [str(p) for p in problems] == [message]
     assert valid_condition(problems).message == message
-    _, both = parse_spec(name, {"model": {"tiny": {"heads": 3}}})
+    _, both = parse_spec(name, {"model": {"source": "tiny", "tiny": {"heads": 3}}})
     assert valid_condition(both).message == (f"{message}; spec.model.tiny.heads: heads = 3 does not divide hiddenSize = "
                                              "64; fix the spec (kubectl edit rljob)")
 
 
 def test_a_valid_spec_has_no_problems():
-    spec, problems = parse_spec("grpo-demo", {"trainer": {"nodes": 2, "batch": {"documentsPerStep": 64}}})
+    spec, problems = parse_spec("grpo-demo", {"model": {"source": "tiny"},
+                                              "trainer": {"nodes": 2, "batch": {"documentsPerStep": 64}}})
     assert problems == [] and spec.trainer.nodes == 2
 
 
 def test_a_ca_for_a_tls_redis_is_valid():
-    spec, problems = parse_spec("tls", {"redis": {"mode": "external", "url": "rediss://cache.example:6380/2",
+    spec, problems = parse_spec("tls", {"model": {"source": "tiny"}, "redis": {"mode": "external", "url": "rediss://cache.example:6380/2",
                                                   "caSecretRef": {"name": "redis-ca", "key": "ca.crt"}}})
     assert problems == [] and (spec.redis.ca_secret_ref.name, spec.redis.ca_secret_ref.key) == ("redis-ca", "ca.crt")

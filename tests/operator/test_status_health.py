@@ -243,12 +243,35 @@ def test_success_is_one_normal_event_from_succeeded_naming_the_export(trainer_sp
         ("Normal", "TrainingFinished", f"Succeeded=True: {message}")]
 
 
+def test_a_finish_after_a_restart_is_told_by_succeeded_and_exited_ranks_are_not_unready():
+    spec = make_spec(trainer={"nodes": 2})
+    hashes = render.config_hashes(render.job_config(render.Job("demo", "ns", spec)))
+
+    def gang1(*phases):
+        return [trainer(i, 1, phase, hashes.config, role_config_hash=hashes.trainer) for i, phase in enumerate(phases)]
+
+    restarting = gang.Lifecycle(phase=Phase.RESTARTING, attempt=1, restarts=1, gang_created=False,
+                                reason=Reason.POD_DELETED, message="trainer pod demo-trainer-1 of attempt 0 was deleted")
+    attempt1 = replace(RUNNING, attempt=1, restarts=1, message="attempt 1: all 2 trainer pods running")
+    running = build(build(RLTrainingJobStatus(), [], restarting), gang1("Running", "Running"), attempt1, seconds=5)
+    closing = build(running, gang1("Succeeded", "Running"), attempt1, seconds=6)  # rank 0 exited first
+    ready = cond(closing, ConditionType.TRAINER_READY)
+    assert (ready.status, ready.message) == ("True", "2/2 trainer pods ready (1 finished)")
+    assert status.transition_events(running, closing) == []
+    done = gang.plan("demo", spec, attempt1, gang1("Succeeded", "Succeeded"), hashes, T0).lifecycle
+    finished = build(closing, gang1("Succeeded", "Succeeded"), done, seconds=7)
+    assert cond(finished, ConditionType.RESTARTING).reason == "TrainingFinished"  # False, echoing the finish
+    assert [(e.type, e.reason, e.message.split(":")[0]) for e in status.transition_events(closing, finished)] == [
+        ("Normal", "TrainingFinished", "Succeeded=True")]
+
+
 @pytest.mark.parametrize(("checkpoint", "resumes"), [
     ({}, "attempt 1 starts over from step 0: the checkpoints were on an emptyDir that goes with the pods (set "
          "spec.trainer.checkpoint.volume to a PersistentVolumeClaim to keep them)"),
     ({"initFrom": "/models/ckpt"}, "attempt 1 starts over from spec.trainer.checkpoint.initFrom: the checkpoints were "
      "on an emptyDir"),
-    ({"volume": "ckpt"}, "attempt 1 resumes from the last checkpoint on PersistentVolumeClaim ckpt"),
+    ({"volume": "ckpt", "everySteps": 5}, "attempt 1 resumes from the newest checkpoint on PersistentVolumeClaim ckpt "
+     "(from step 0 if none was written yet: one every 5 steps)"),
 ])
 def test_a_gang_restart_says_where_the_next_attempt_starts(checkpoint, resumes):
     spec = make_spec(trainer={"nodes": 2, "checkpoint": checkpoint})

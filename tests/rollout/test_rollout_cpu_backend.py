@@ -11,7 +11,7 @@ from rljob_trainer.rollout.backends.cpu import CpuBackend
 from rljob_trainer.rollout.writer import make_document
 
 TOK = DigitTokenizer()
-SPEC = ModelSpec(tiny=TinyModelSpec(layers=2, hidden_size=32, heads=2, intermediate_size=64, max_position_embeddings=64))
+SPEC = ModelSpec(source="tiny", tiny=TinyModelSpec(layers=2, hidden_size=32, heads=2, intermediate_size=64, max_position_embeddings=64))
 
 
 @pytest.fixture(scope="module")

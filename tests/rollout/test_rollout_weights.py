@@ -99,7 +99,7 @@ def test_two_receiver_processes_get_equal_tensors_and_a_dead_one_costs_one_join_
         assert [(e.step, e.documents_seen) for e in ready][:2] == [(1, 10), (2, 20)]
         assert ready[1].ticket.members == (1, 2)
 
-        publisher.finish()
+        publisher.finish(step=2, documents_seen=20)
         assert receivers[0].wait(30) == 0
     finally:
         _stop(receivers)
@@ -173,7 +173,12 @@ def test_events_members_and_tickets_parse_or_fail_clearly():
     assert (event.type, event.step, event.documents_seen, event.ticket) == ("weights_ready", 4, 512, ticket)
     upstream = parse_event("2-0", {b"event": b'{"type": "weights_ready", "step": 1, "documents_seen": 2}'})
     assert upstream.ticket is None
-    assert parse_event("3-0", {b"event": b'{"type": "training_finished"}'}).type == "training_finished"
+    bare = parse_event("3-0", {b"event": b'{"type": "training_finished"}'})  # an upstream or older trainer
+    assert (bare.type, bare.step, bare.documents_seen) == ("training_finished", None, None)
+    final = parse_event("3-1", {b"event": b'{"type": "training_finished", "step": 40, "documents_seen": 640}'})
+    assert (final.type, final.step, final.documents_seen) == ("training_finished", 40, 640)
+    odd = parse_event("3-2", {b"event": b'{"type": "training_finished", "step": "40", "documents_seen": true}'})
+    assert (odd.step, odd.documents_seen) == (None, None)  # still ends training, like a bare one
     for bad in ({}, {b"event": b"nope"}, {b"event": b'{"type": "weights_ready", "step": "1", "documents_seen": 2}'}):
         with pytest.raises(ValueError):
             parse_event("4-0", bad)

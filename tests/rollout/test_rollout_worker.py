@@ -93,18 +93,54 @@ def test_a_lower_version_is_adopted_after_a_trainer_restart(redis_server, publis
 
 
 def test_training_finished_ends_the_worker_with_0(redis_server, publisher_for):
-    config = make_config(redis_server)
+    config = make_config(redis_server, trainer={"maxSteps": 40})
+    client = redis_server.client()
     publisher = publisher_for(config)
     worker = make_worker(config, redis_server.password)
     with running(worker) as result:
         publisher.publish(tiny_model(config, 1).named_parameters(), step=0, documents_seen=0)
         wait_until(lambda: worker.version == 0, 30, "first weights")
-        publisher.finish()
+        publisher.finish(step=40, documents_seen=640)
         result["thread"].join(30)
         assert not result["thread"].is_alive() and result["rc"] == 0
-    assert redis_server.client().hlen(config.keys.members) == 0  # it left the membership
+    assert client.hlen(config.keys.members) == 0  # it left the membership
+    _, fields = client.xrevrange(config.keys.events, count=1)[0]
+    assert json.loads(fields[b"event"]) == {"type": "training_finished", "step": 40, "documents_seen": 640}
     late = make_worker(config, redis_server.password)  # a worker started after the end exits at once
     assert late.run() == 0
+    assert client.hlen(config.keys.members) == 0
+
+
+@pytest.mark.parametrize("event", [
+    {"type": "training_finished"},  # an older trainer's, without a step: the job is taken as finished
+    {"type": "training_finished", "step": 80, "documents_seen": 1280},
+    {"type": "training_finished", "step": 90, "documents_seen": 1440},  # maxSteps was lowered below the last step
+])
+def test_a_worker_started_after_the_last_step_exits_at_once(redis_server, event):
+    config = make_config(redis_server, trainer={"maxSteps": 80})
+    redis_server.client().xadd(config.keys.events, {"event": json.dumps(event)})
+    assert make_worker(config, redis_server.password).run() == 0
+
+
+def test_an_earlier_attempts_training_finished_does_not_end_a_new_worker(redis_server, publisher_for):
+    # The job trained to maxSteps 40 and announced it; then maxSteps was raised to 80, so the operator restarted the
+    # trainer gang and recreated this rollout pod, whose first look at the events stream finds the old end.
+    config = make_config(redis_server, trainer={"maxSteps": 80}, rollout={"maxLag": 10_000_000},
+                         redis={"maxPending": 10_000_000})
+    client = redis_server.client()
+    publisher = publisher_for(config)
+    publisher.finish(step=40, documents_seen=640)
+    worker = make_worker(config, redis_server.password)
+    with running(worker) as result:
+        wait_until(lambda: client.hlen(config.keys.members) == 1, 30, "the worker joining the membership")
+        assert result["thread"].is_alive(), f"the worker exited on the stale training_finished: {result}"
+        publisher.publish(tiny_model(config, 1).named_parameters(), step=40, documents_seen=640)  # the new attempt
+        wait_until(lambda: worker.version == 640, 30, "the new attempt's weights")
+        wait_until(lambda: client.xlen(config.keys.stream) >= 16, 30, "a batch for the new attempt")
+        assert {int(v) for d in _documents(client, config) for v in d.model_version} == {640}
+        publisher.finish(step=60, documents_seen=960)  # live: ends the worker whatever the step
+        result["thread"].join(30)
+        assert not result["thread"].is_alive() and result["rc"] == 0 and "error" not in result
 
 
 def test_backpressure_blocks_the_worker_until_entries_are_acked(redis_server, publisher_for):

@@ -17,7 +17,7 @@ from rljob_api import constants as c
 from rljob_trainer.checkpoint import COMMIT_FILE, LostCheckpoint, find_lost_checkpoint, step_dir
 from rljob_trainer.rollout.writer import DocumentWriter
 from rljob_trainer.stream.reader import DataTimeout
-from rljob_trainer.train import gang_attempt, run
+from rljob_trainer.train import gang_attempt, publish_start, run
 from train_harness import make_config, make_documents
 
 torch.set_num_threads(1)
@@ -73,6 +73,7 @@ def test_a_lost_checkpoint_is_reported_and_the_restart_trains_through_without_st
     # The gang restarts on an empty checkpoint volume (emptyDir), as attempt 1.
     shutil.rmtree(tmp_path / "ckpt")
     monkeypatch.setenv(c.ENV_ATTEMPT, "1")
+    client.hset(keys.rollout, mapping={"reward_sum:32": "3", "reward_count:32": "4", "reward_sum:0": "1.5", "reward_count:0": "2"})
 
     # Two rollout workers write whenever back-pressure and max lag let them, from attempt 1's start on.
     stop = threading.Event()
@@ -120,12 +121,44 @@ def test_a_lost_checkpoint_is_reported_and_the_restart_trains_through_without_st
     assert progress[c.PROGRESS_RESTORED_FROM_STEP] == "0"
     assert progress[c.PROGRESS_CHECKPOINT_DOCUMENTS_SEEN] == "40"  # the final checkpoint's
     assert client.hget(keys.checkpoint, "step") == b"10"
+    rewards = {k: v for k, v in client.hgetall(keys.rollout).items() if k.startswith(b"reward_")}
+    assert rewards == {b"reward_sum:0": b"1.5", b"reward_count:0": b"2"}  # attempt 0's version 32 went at the start
 
     # Both workers wrote; max lag held: once the trainer finished, at most 3 + one batch per worker is not trained
     # (undelivered, or read ahead and pending; without the bound the workers would have gone on to maxPending = 20).
     group = client.xinfo_groups(keys.stream)[0]
     assert all(written) and sum(written) == 28 + group["pending"] + group["lag"], (written, group)
     assert group["pending"] + group["lag"] <= 3 + 2 * 2, group
+
+
+def test_a_start_drops_the_rollout_rewards_of_an_abandoned_timeline(redis_server, tmp_path):
+    # The last attempt reached version 48; this one restarts from the checkpoint at step 4 = 16 documents.
+    config = make_config(redis_server, tmp_path / "ckpt", processes=1)
+    client = redis_server.client()
+    keys = config.keys
+    rewards = {f"{prefix}{v}": str(v) for v in (0, 8, 16, 32, 48) for prefix in ("reward_sum:", "reward_count:")}
+    others = {"reward": "0.5", "reward_version": "48", "samples_generated": "80", "reward_errors:KeyError": "2",
+              "reward_sum:latest": "1.0", "worker:0": '{"version": 48}'}
+    client.hset(keys.rollout, mapping={**rewards, **others})
+    client.hset(keys.progress, mapping={"step": 12, "documents_seen": 48, "model_version": 48, "metrics": "{}"})
+
+    lost = LostCheckpoint(step=12, path="/ckpt/step-00000012", restored_from_step=4)
+    publish_start(client, config, 4, 16, lost, attempt=2)
+
+    rollout = {k.decode(): v.decode() for k, v in client.hgetall(keys.rollout).items()}
+    kept = {name: value for name, value in rewards.items() if int(name.split(":")[1]) <= 16}
+    assert rollout == {**kept, **others}
+    progress = {k.decode(): v.decode() for k, v in client.hgetall(keys.progress).items()}
+    assert (progress["step"], progress["documents_seen"], progress["model_version"]) == ("4", "16", "16")
+    assert (progress[c.PROGRESS_RESTORED_FROM_STEP], progress[c.PROGRESS_CHECKPOINT_DOCUMENTS_SEEN]) == ("4", "16")
+    assert json.loads(progress[c.PROGRESS_CHECKPOINT_LOST])["attempt"] == 2 and progress["metrics"] == "{}"
+
+    publish_start(client, config, 0, 0, None)  # a start over: only version 0 stays; an empty hash is no error
+    assert sorted(k.decode() for k in client.hkeys(keys.rollout)) == sorted(["reward_sum:0", "reward_count:0", *others])
+    assert not client.hexists(keys.progress, c.PROGRESS_CHECKPOINT_LOST)
+    client.delete(keys.rollout)
+    publish_start(client, config, 0, 0, None)
+    assert not client.exists(keys.rollout)
 
 
 @pytest.mark.parametrize(("value", "attempt"), [("3", 3), ("0", 0), ("three", None), (None, None)])

@@ -81,7 +81,7 @@ def test_kill_and_restart_acks_every_entry_once_after_its_checkpoint(redis_serve
     events = read_events(client, config)
     ready = [(e["step"], e["documents_seen"]) for e in events if e["type"] == "weights_ready"]
     assert ready == [(s, 4 * s) for s in range(6)] + [(4, 16), (5, 20), (6, 24)]  # a start publishes the checkpoint's
-    assert [e["type"] for e in events].count("training_finished") == 1 and events[-1] == {"type": "training_finished"}
+    assert [e["type"] for e in events].count("training_finished") == 1 and events[-1] == {"type": "training_finished", "step": 6, "documents_seen": 24}
 
     # A start that finds its checkpoint says where it started and clears an earlier start's checkpoint_lost.
     progress = {k.decode(): v.decode() for k, v in client.hgetall(keys.progress).items()}

@@ -74,7 +74,8 @@ def test_resolve_level():
 
 def test_from_job_config():
     spec = RLTrainingJobSpec.model_validate(
-        {"algorithm": {"loss": "gspo", "metrics": "auto"}, "rollout": {"sampling": {"temperature": 0.7}}}
+        {"model": {"source": "tiny"}, "algorithm": {"loss": "gspo", "metrics": "auto"},
+         "rollout": {"sampling": {"temperature": 0.7}}}
     )
     config = resolve("demo", "default", spec, RedisConnection(host="redis"))
     assert metrics_level(config) == "basic"
@@ -86,7 +87,7 @@ def test_from_job_config():
         4e-4,
         0.7,
     )
-    spec_pp = RLTrainingJobSpec.model_validate({"trainer": {"pipelineParallel": 2}})
+    spec_pp = RLTrainingJobSpec.model_validate({"model": {"source": "tiny"}, "trainer": {"pipelineParallel": 2}})
     assert metrics_level(spec_pp) == "none"
 
 

@@ -14,7 +14,7 @@ from rljob_trainer.stream.connection import RedisUnavailable, connect, retry_wit
 
 
 def config_for(server, tls: bool = False):
-    return resolve("demo", "ns", RLTrainingJobSpec(), RedisConnection(host=server.host, port=server.port, tls=tls))
+    return resolve("demo", "ns", RLTrainingJobSpec.model_validate({"model": {"source": "tiny"}}), RedisConnection(host=server.host, port=server.port, tls=tls))
 
 
 def test_password_comes_from_env(redis_server, monkeypatch):

@@ -18,7 +18,7 @@ from rljob_trainer.stream.reader import StreamReader
 
 
 def tls_config(server):
-    return resolve("demo", "ns", RLTrainingJobSpec(), RedisConnection(host=server.host, port=server.port, tls=True))
+    return resolve("demo", "ns", RLTrainingJobSpec.model_validate({"model": {"source": "tiny"}}), RedisConnection(host=server.host, port=server.port, tls=True))
 
 
 def test_server_listens_only_on_tls(redis_tls_server):

@@ -96,7 +96,7 @@ def test_lost_read_ahead_reply_is_reread_after_client_kill(client):
 
 
 def test_lost_read_ahead_reply_is_reread_after_a_server_restart(redis_server):
-    config = resolve("demo", "ns", RLTrainingJobSpec(), RedisConnection(host=redis_server.host, port=redis_server.port))
+    config = resolve("demo", "ns", RLTrainingJobSpec.model_validate({"model": {"source": "tiny"}}), RedisConnection(host=redis_server.host, port=redis_server.port))
     client = connect(config, password=redis_server.password)  # the trainer's client: retries with backoff
     small = write_docs(client, [1, 2])
     big = write(client, [encode_document(big_document(i)) for i in (3, 4)])

@@ -14,7 +14,7 @@ from rljob_api.config import RedisConnection
 from rljob_trainer.stream.codec import Document, MalformedKind, encode_document
 from rljob_trainer.stream.reader import DataTimeout, StreamReader
 
-KEYS = resolve("demo", "ns", RLTrainingJobSpec(), RedisConnection(host="unused")).keys
+KEYS = resolve("demo", "ns", RLTrainingJobSpec.model_validate({"model": {"source": "tiny"}}), RedisConnection(host="unused")).keys
 
 
 def document(i: int, length: int = 4) -> Document:

@@ -47,7 +47,7 @@ from train_harness import (
 )
 
 torch.set_num_threads(1)
-KEYS = resolve("demo", "ns", RLTrainingJobSpec(), RedisConnection(host="unused")).keys
+KEYS = resolve("demo", "ns", RLTrainingJobSpec.model_validate({"model": {"source": "tiny"}}), RedisConnection(host="unused")).keys
 
 
 def write_docs(client, count: int) -> list[str]:

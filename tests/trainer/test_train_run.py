@@ -110,7 +110,7 @@ def test_two_rank_run_trains_checkpoints_reports_and_matches_one_rank(redis_serv
     assert json.loads(progress["metrics"]) == pytest.approx(lines[-1]["metrics"])
     assert read_events(client, config) == [
         {"type": "weights_ready", "step": s, "documents_seen": 4 * s} for s in range(4)
-    ] + [{"type": "training_finished"}]
+    ] + [{"type": "training_finished", "step": 3, "documents_seen": 12}]
 
     # Delivery: every entry covered by exactly one committed checkpoint, acked, nothing pending.
     checkpoints = committed_checkpoints(tmp_path / "ckpt")

@@ -180,7 +180,7 @@ class Trainer:
         if self.config.spec.trainer.export.safetensors:
             export_dir = self.checkpoints.export(self.model, self.tokenizer)
         if self.publisher is not None:
-            self.publisher.finish()
+            self.publisher.finish(step=self.step, documents_seen=self.documents_seen)
         log.info("training finished at step %d (%d documents seen)", self.step, self.documents_seen)
         return RunResult(self.step, self.documents_seen, export_dir)
 
@@ -348,7 +348,8 @@ def publish_start(
     lost: Optional[LostCheckpoint],
     attempt: Optional[int] = None,
 ) -> None:
-    """Rank 0 at every start: where this attempt starts, in the progress hash, in one MULTI/EXEC.
+    """Rank 0 at every start: where this attempt starts, in the progress hash, and the rollout hash's rewards of an
+    abandoned timeline dropped, in one MULTI/EXEC.
 
     Sets ``step``, ``documents_seen``, ``model_version`` (= documents_seen), ``restored_from_step`` (= step) and
     ``checkpoint_documents_seen`` (= documents_seen: nothing trained yet is unacked) to the loaded checkpoint's values
@@ -358,24 +359,45 @@ def publish_start(
     The rollout's max lag needs this before the first step (:mod:`rljob_trainer.rollout.writer`): an earlier attempt's
     documents_seen would otherwise count this attempt's redelivered documents as trained.
 
+    In the rollout hash it deletes the ``reward_sum:{v}`` / ``reward_count:{v}`` fields with v > ``documents_seen``:
+    versions of a timeline this start abandoned (it started over, or from an older checkpoint), which the operator
+    would otherwise keep showing as the newest reward (status.rolloutReward). Versions <= ``documents_seen`` and the
+    hash's other fields stay. The field names are read with HKEYS under WATCH, so a field a rollout worker adds
+    meanwhile reruns the transaction (redis-py :meth:`redis.Redis.transaction`). Not covered: a rollout worker still
+    holding the abandoned weights tags its batches with the old version until it loads this start's weights (published
+    right after), so such a field can come back for that short while; the operator ignores reward versions above
+    the progress hash's model_version.
+
     Raises:
         redis.RedisError: Redis unreachable beyond the client's retries (the attempt fails and is restarted).
     """
-    key = config.keys.progress
-    pipe = client.pipeline(transaction=True)
-    pipe.hset(key, mapping={
-        c.PROGRESS_STEP: step,
-        c.PROGRESS_DOCUMENTS_SEEN: documents_seen,
-        c.PROGRESS_MODEL_VERSION: documents_seen,
-        c.PROGRESS_RESTORED_FROM_STEP: step,
-        c.PROGRESS_CHECKPOINT_DOCUMENTS_SEEN: documents_seen,
-    })
-    if lost is None:
-        pipe.hdel(key, c.PROGRESS_CHECKPOINT_LOST)
-    else:
-        record = {**asdict(lost), "message": lost.message, **({"attempt": attempt} if attempt is not None else {})}
-        pipe.hset(key, c.PROGRESS_CHECKPOINT_LOST, json.dumps(record))
-    pipe.execute()
+    key, rollout = config.keys.progress, config.keys.rollout
+    reward_prefixes = (c.ROLLOUT_REWARD_SUM_PREFIX, c.ROLLOUT_REWARD_COUNT_PREFIX)
+
+    def write(pipe: redis.client.Pipeline) -> None:
+        abandoned = []
+        for raw in pipe.hkeys(rollout):
+            name = raw.decode() if isinstance(raw, bytes) else raw
+            suffix = next((name[len(p):] for p in reward_prefixes if name.startswith(p)), None)
+            if suffix is not None and suffix.isascii() and suffix.isdigit() and int(suffix) > documents_seen:
+                abandoned.append(name)
+        pipe.multi()
+        pipe.hset(key, mapping={
+            c.PROGRESS_STEP: step,
+            c.PROGRESS_DOCUMENTS_SEEN: documents_seen,
+            c.PROGRESS_MODEL_VERSION: documents_seen,
+            c.PROGRESS_RESTORED_FROM_STEP: step,
+            c.PROGRESS_CHECKPOINT_DOCUMENTS_SEEN: documents_seen,
+        })
+        if lost is None:
+            pipe.hdel(key, c.PROGRESS_CHECKPOINT_LOST)
+        else:
+            record = {**asdict(lost), "message": lost.message, **({"attempt": attempt} if attempt is not None else {})}
+            pipe.hset(key, c.PROGRESS_CHECKPOINT_LOST, json.dumps(record))
+        if abandoned:
+            pipe.hdel(rollout, *abandoned)
+
+    client.transaction(write, rollout)
 
 
 def gang_attempt() -> Optional[int]:

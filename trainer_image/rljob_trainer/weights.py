@@ -142,8 +142,10 @@ class Event:
     Attributes:
         id: the stream entry id.
         type: ``weights_ready``, ``training_finished`` or anything else (ignored by workers).
-        step: optimizer step of a weights_ready event.
-        documents_seen: the weights' version (documents) of a weights_ready event.
+        step: optimizer step of a weights_ready event, or the final step of a training_finished event (None when
+            that event carries none: an older or upstream trainer).
+        documents_seen: the weights' version (documents) of a weights_ready event, or the final documents_seen of a
+            training_finished event (None when it carries none).
         ticket: the transfer ticket, or None when the event came without one (an upstream trainer).
     """
 
@@ -156,6 +158,9 @@ class Event:
 
 def parse_event(entry_id: str, fields: dict) -> Event:
     """Parse one events-stream entry.
+
+    A training_finished event's ``step`` / ``documents_seen`` are optional: missing or non-integer values parse
+    as None (the event still ends training), so an upstream trainer's bare ``{"type": "training_finished"}`` works.
 
     Raises:
         ValueError: no ``event`` field, invalid JSON, or a weights_ready event without integer ``step`` /
@@ -170,13 +175,20 @@ def parse_event(entry_id: str, fields: dict) -> Event:
         raise ValueError(f"event {entry_id}: not JSON ({error})") from None
     if not isinstance(body, dict) or not isinstance(body.get("type"), str):
         raise ValueError(f"event {entry_id}: expected an object with a string 'type', got {body!r}")
+    step, seen = _integer(body.get("step")), _integer(body.get("documents_seen"))
+    if body["type"] == c.EVENT_TRAINING_FINISHED:
+        return Event(entry_id, body["type"], step, seen)
     if body["type"] != c.EVENT_WEIGHTS_READY:
         return Event(entry_id, body["type"])
-    step, seen = body.get("step"), body.get("documents_seen")
-    if not isinstance(step, int) or not isinstance(seen, int) or isinstance(step, bool) or isinstance(seen, bool):
+    if step is None or seen is None:
         raise ValueError(f"event {entry_id}: weights_ready needs integer step and documents_seen, got {body!r}")
     ticket = TransferTicket.from_json(body[TRANSFER_KEY]) if TRANSFER_KEY in body else None
     return Event(entry_id, body["type"], step, seen, ticket)
+
+
+def _integer(value: Any) -> Optional[int]:
+    """``value`` when it is a JSON integer (not a bool), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 @dataclass(frozen=True)
@@ -564,15 +576,17 @@ class WeightPublisher:
             log.info("weights: version %d sent to late joiners %s (%d received)", seen, sorted(needy), len(received))
             return len(received)
 
-    def finish(self) -> None:
-        """Write ``{"type": "training_finished"}`` to the events stream (rollout workers exit 0 on it).
+    def finish(self, *, step: int, documents_seen: int) -> None:
+        """Write ``{"type": "training_finished", "step", "documents_seen"}`` to the events stream (rollout workers
+        exit 0 on it). ``step`` / ``documents_seen`` are the final ones (optimizer steps, documents); they are extra
+        JSON fields that upstream consumers ignore, and let a rollout worker that starts later tell a finished job
+        from an earlier attempt's end (:class:`rljob_trainer.rollout.worker.RolloutWorker`).
 
         Raises:
             redis.RedisError: Redis unreachable (after the client's own retries).
         """
-        self._client.xadd(
-            self._keys.events, {EVENT_FIELD: json.dumps({"type": c.EVENT_TRAINING_FINISHED})}, maxlen=EVENTS_MAXLEN, approximate=True
-        )
+        event = {"type": c.EVENT_TRAINING_FINISHED, "step": step, "documents_seen": documents_seen}
+        self._client.xadd(self._keys.events, {EVENT_FIELD: json.dumps(event)}, maxlen=EVENTS_MAXLEN, approximate=True)
 
     def close(self) -> None:
         """Stop the late-joiner thread and the store server."""
@@ -695,7 +709,8 @@ class WeightSubscriber:
     def follow_from_now(self) -> Optional[Event]:
         """Start following the events stream after its current last entry; return that entry (or None).
 
-        A worker that starts after ``training_finished`` sees it here. Raises redis.RedisError.
+        A worker that starts after ``training_finished`` sees it here (possibly an earlier attempt's: compare its
+        ``step`` with ``maxSteps``). Raises redis.RedisError.
         """
         last = self.client.xrevrange(self.config.keys.events, count=1)
         if not last:

@@ -159,7 +159,7 @@ class Agent:
         cfg = self.config
         for sub in ("logs", "pods", "pv", "control"):
             (self.state_dir / sub).mkdir(parents=True, exist_ok=True)
-        self._clean_stale()
+        self.clean_leftovers()
         try:
             self._start(cfg)
         except BaseException:
@@ -394,15 +394,22 @@ class Agent:
                   "kubeconfig": self.config.kubeconfig, **extra}
         self.record_path.write_text(json.dumps(record))
 
-    def _clean_stale(self) -> None:
-        """Remove what a previous agent with this state dir left after dying hard (SIGKILL)."""
+    def clean_leftovers(self) -> None:
+        """Remove what a previous agent with this state dir left after dying hard (SIGKILL): pod network
+        namespaces and veths, tmpfs mounts, pod dirs, mount points, its bridge and /etc/hosts block. Also
+        used before the state dir is deleted (``python -m rljob_localcluster down``).
+
+        Raises:
+            AgentError: a live agent uses the state dir.
+        """
         try:
             previous = json.loads(self.record_path.read_text())
         except (OSError, ValueError):
             previous = None
         if previous and previous.get("pid") != os.getpid() and pid_running(previous["pid"]):
             raise AgentError(f"another agent (pid {previous['pid']}) uses state dir {self.state_dir}")
-        for record_file in (self.state_dir / "pods").glob("*/sandbox.json"):
+        pods = self.state_dir / "pods"
+        for record_file in pods.glob("*/sandbox.json"):
             try:
                 sandbox = json.loads(record_file.read_text())
             except (OSError, ValueError):
@@ -411,7 +418,7 @@ class Agent:
                 unmount(point)
             if sandbox.get("netns"):
                 PodSandboxNet(sandbox["netns"], sandbox["veth"], "").delete()
-        for pod_dir in (self.state_dir / "pods").iterdir():
+        for pod_dir in pods.iterdir() if pods.is_dir() else ():
             shutil.rmtree(pod_dir, ignore_errors=True)
         MountPoints(self.state_dir / "mountpoints.json").cleanup()
         if previous:

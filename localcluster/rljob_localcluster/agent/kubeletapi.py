@@ -5,11 +5,13 @@ The API server proxies ``pods/log`` to ``https://<node InternalIP>:<kubeletEndpo
 (the bridge), so one HTTPS server answers for all of them. Its certificate is self-signed; the
 local API server runs without ``--kubelet-certificate-authority`` and so does not verify it. Test
 use only: requests are not authenticated. Query parameters honoured: ``follow``, ``tailLines``,
-``limitBytes``; ``previous`` is not (logs of all runs are appended in one file).
+``limitBytes``; ``previous`` is not (the runs of a pod's container are appended in one file; earlier pods
+of the same name are in ``logs/previous/``, which this endpoint does not serve).
 """
 
 from __future__ import annotations
 
+import os
 import ssl
 import tempfile
 import threading
@@ -34,6 +36,14 @@ def tail_bytes(data: bytes, lines: int | None, limit: int | None) -> bytes:
     if limit is not None:
         data = data[:limit]
     return data
+
+
+def _replaced(path: Path, f) -> bool:
+    """Whether ``path`` no longer names the open file ``f`` (moved to ``logs/previous/`` for a new pod)."""
+    try:
+        return path.stat().st_ino != os.fstat(f.fileno()).st_ino
+    except FileNotFoundError:
+        return True
 
 
 class LogServer:
@@ -110,8 +120,8 @@ class LogServer:
                             if data:
                                 self.wfile.write(data)
                                 self.wfile.flush()
-                            elif not server.is_running(ns, pod, container):
-                                break
+                            elif not server.is_running(ns, pod, container) or _replaced(path, f):
+                                break  # the container ended, or a new pod of that name took the file over
                             else:
                                 time.sleep(FOLLOW_POLL_SECONDS)
                             data = f.read()

@@ -1,8 +1,16 @@
 """Container logs: ``<state-dir>/logs/<namespace>_<pod>_<container>.log``.
 
-Each file holds the container's raw stdout and stderr, appended across restarts of the container
-and across pods that reuse the name. ``kubectl logs`` reads the same files through the agent's
-log endpoint (``kubeletapi.py``).
+Each file holds the raw stdout and stderr of one container of one pod (one pod UID), appended across
+restarts of the container (kubelet's ``--previous`` is not served) and across agent restarts that take
+the pod over again. ``kubectl logs`` reads the same files through the agent's log endpoint
+(``kubeletapi.py``), as :func:`logs` does.
+
+A new pod that reuses the name (a gang restart's ``job-trainer-0``) starts its log afresh: the earlier
+pod's file moves to ``<state-dir>/logs/previous/<namespace>_<pod>_<container>.<uid>.log`` (``<uid>``: the
+first 8 characters of that pod's UID; ``unknown-<mtime>`` when no owner was recorded), where neither
+``kubectl logs`` nor :func:`logs` looks, but post-mortems can (sort by modification time for the order
+of the attempts). The owner of each current file is recorded in ``logs/.owners/``. Everything stays until
+the state dir is removed (``python -m rljob_localcluster down``).
 """
 
 from __future__ import annotations
@@ -10,9 +18,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["STATE_DIR_ENV", "default_state_dir", "log_path", "logs"]
+__all__ = ["PREVIOUS_DIR", "STATE_DIR_ENV", "claim_log", "default_state_dir", "log_path", "logs"]
 
 STATE_DIR_ENV = "RLJOB_AGENT_STATE_DIR"
+PREVIOUS_DIR = "previous"
+"""Sub-folder of ``logs/`` that holds the logs of earlier pods of the same name."""
+OWNERS_DIR = ".owners"
 
 
 def default_state_dir() -> Path:
@@ -26,8 +37,36 @@ def log_path(state_dir: Path, namespace: str, pod: str, container: str) -> Path:
     return Path(state_dir) / "logs" / f"{namespace}_{pod}_{container}.log"
 
 
+def claim_log(state_dir: Path, namespace: str, pod: str, container: str, uid: str) -> Path:
+    """The log file of container ``container`` of pod ``namespace/pod`` with UID ``uid``, to append to.
+
+    A file another pod of that name left (another UID, or no recorded owner) is first moved to
+    ``logs/previous/`` (see the module doc), so the pod's log starts empty; the same pod's file (a container
+    restart, or the pod taken over by a restarted agent) is kept.
+
+    Raises:
+        OSError: the logs folder cannot be written.
+    """
+    path = log_path(state_dir, namespace, pod, container)
+    owner_file = path.parent / OWNERS_DIR / path.stem
+    try:
+        owner = owner_file.read_text().strip()
+    except FileNotFoundError:
+        owner = None
+    if owner == uid:
+        return path
+    if path.exists():
+        tag = owner[:8] if owner else f"unknown-{int(path.stat().st_mtime)}"
+        previous = path.parent / PREVIOUS_DIR / f"{path.stem}.{tag}.log"
+        previous.parent.mkdir(parents=True, exist_ok=True)
+        path.rename(previous)
+    owner_file.parent.mkdir(parents=True, exist_ok=True)
+    owner_file.write_text(uid + "\n")
+    return path
+
+
 def logs(namespace: str, pod: str, container: str | None = None, state_dir: str | os.PathLike | None = None) -> str:
-    """The log text of one container of a pod run by the local node agent.
+    """The log text of one container of a pod run by the local node agent (the latest pod of that name).
 
     Args:
         namespace, pod: the pod.

@@ -6,7 +6,9 @@ first address (10.244.0.1/16); it is every pod's default gateway and the nodes' 
 nodes are this one host). Node ``i`` gets podCIDR number ``i + 1`` of size /24 (10.244.1.0/24, ...)
 and its pods take addresses from it. Every pod namespace gets ``lo`` up, ``eth0`` with the pod IP
 and a default route via the bridge, so the host reaches every pod IP, pods reach each other, and
-each pod has its own port space (servers may bind 0.0.0.0).
+each pod has its own port space (servers may bind 0.0.0.0). ``eth0``'s MAC is derived from the pod IP
+(:func:`pod_mac`), so a new pod that reuses a released address is reachable at once from neighbour
+caches that still hold the old pod's entry.
 
 Everything goes through ``ip`` (iproute2); failures raise :class:`NetworkError` with its stderr.
 """
@@ -19,7 +21,7 @@ import subprocess
 import threading
 from dataclasses import dataclass
 
-__all__ = ["Bridge", "IPAllocator", "NetworkError", "PodSandboxNet", "bridge_address", "node_pod_cidrs"]
+__all__ = ["Bridge", "IPAllocator", "NetworkError", "PodSandboxNet", "bridge_address", "node_pod_cidrs", "pod_mac"]
 
 
 class NetworkError(RuntimeError):
@@ -38,6 +40,22 @@ def bridge_address(cluster_cidr: str) -> ipaddress.IPv4Interface:
     """The bridge's address: the first host of ``cluster_cidr`` with its prefix (10.244.0.1/16)."""
     net = ipaddress.ip_network(cluster_cidr)
     return ipaddress.ip_interface(f"{next(net.hosts())}/{net.prefixlen}")
+
+
+def pod_mac(ip: str) -> str:
+    """The MAC of the pod interface that holds IPv4 address ``ip``: ``0a:58:`` + the address's four bytes
+    (locally administered; the scheme of ovn-kubernetes and of the CNI plugins' former ``hwaddr`` package).
+
+    The allocator hands a released address to the next pod. With a random MAC per pod, the host (probes, the
+    log server) and the other pods keep sending to the old pod's MAC from their neighbour caches until the
+    entry is re-validated — measured here as 10–25 s in which a managed Redis pod's readiness probe and its
+    clients time out. With the MAC a function of the address the cached entry stays right.
+
+    Raises:
+        ValueError: ``ip`` is not an IPv4 address.
+    """
+    packed = ipaddress.IPv4Address(ip).packed
+    return "0a:58:" + ":".join(f"{b:02x}" for b in packed)
 
 
 def node_pod_cidrs(cluster_cidr: str, count: int, prefixlen: int = 24) -> list[str]:
@@ -150,7 +168,8 @@ class PodSandboxNet:
         return f"/run/netns/{self.netns}"
 
     def create(self, bridge: Bridge) -> None:
-        """Namespace + veth pair (``eth0`` inside) + address + default route via the bridge.
+        """Namespace + veth pair (``eth0`` inside, its MAC :func:`pod_mac` of the pod IP) + address + default
+        route via the bridge.
 
         Raises:
             NetworkError: an ``ip`` step failed (what was made is removed again).
@@ -161,7 +180,7 @@ class PodSandboxNet:
             _ip("netns", "add", self.netns)
             _ip("link", "add", self.veth, "type", "veth", "peer", "name", peer)
             _ip("link", "set", peer, "netns", self.netns)
-            _ip("-n", self.netns, "link", "set", peer, "name", "eth0")
+            _ip("-n", self.netns, "link", "set", peer, "name", "eth0", "address", pod_mac(self.ip))
             _ip("-n", self.netns, "addr", "add", f"{self.ip}/{prefix}", "dev", "eth0")
             _ip("-n", self.netns, "link", "set", "lo", "up")
             _ip("-n", self.netns, "link", "set", "eth0", "up")

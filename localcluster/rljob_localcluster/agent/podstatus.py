@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-__all__ = ["ContainerRecord", "exit_reason", "pod_conditions", "pod_phase", "pod_status", "rfc3339"]
+__all__ = ["ContainerRecord", "exit_reason", "pod_conditions", "pod_phase", "pod_status", "rfc3339", "status_patch"]
 
 
 def rfc3339(t: float | None = None) -> str:
@@ -203,3 +203,19 @@ def pod_status(
     if init:
         status["initContainerStatuses"] = [c.status() for c in init]
     return status
+
+
+def status_patch(status: dict) -> dict:
+    """The strategic merge patch that makes the pod's status ``status`` (as :func:`pod_status` builds it).
+
+    A strategic merge patch keeps what it does not mention: lists merged by key keep entries' old fields, so
+    a condition that turned True would keep its ``reason`` and ``message`` ("containers with unready status")
+    unless they are deleted with null, as kubelet's patch (a diff of old and new status) does; podIPs/hostIPs
+    merge by ``ip``, so a new address must replace the list.
+    """
+    out = dict(status)
+    out["conditions"] = [{"reason": None, "message": None, **c} for c in status.get("conditions") or []]
+    for key in ("podIPs", "hostIPs"):
+        if key in out:
+            out[key] = [{"$patch": "replace"}, *out[key]]
+    return {"status": out}

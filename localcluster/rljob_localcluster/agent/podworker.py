@@ -19,12 +19,12 @@ from pathlib import Path
 from .dns import resolv_conf
 from .hosts import HostsManager
 from .kube import ApiException, Kube, pod_path
-from .logs import log_path
+from .logs import claim_log, log_path
 from .mountpoints import MountPointError, MountPoints
 from .network import Bridge, IPAllocator, NetworkError, PodSandboxNet
 from .node import NodeSpec
 from .podenv import ContainerConfigError, container_argv, container_env, expand
-from .podstatus import ContainerRecord, exit_reason, pod_status, rfc3339
+from .podstatus import ContainerRecord, exit_reason, pod_status, rfc3339, status_patch
 from .podvolumes import PodVolumes
 from .probes import ProbeTracker, run_probe
 from .process import ContainerProcess, LaunchSpec
@@ -99,15 +99,6 @@ def _hostname(pod: dict) -> str:
     """spec.hostname, else the pod name cut to 63 characters (kubelet's GeneratePodHostNameAndDomain)."""
     name = (pod.get("spec") or {}).get("hostname") or pod["metadata"]["name"]
     return name[:63].rstrip("-.")
-
-
-def _replace_ip_lists(status: dict) -> dict:
-    """Strategic merge patches merge podIPs/hostIPs by ``ip``; a new address must replace the old."""
-    out = dict(status)
-    for key in ("podIPs", "hostIPs"):
-        if key in out:
-            out[key] = [{"$patch": "replace"}, *out[key]]
-    return out
 
 
 def emit_event(kube: Kube, pod: dict, node: str, reason: str, message: str, *, warning: bool = False,
@@ -295,7 +286,8 @@ class PodWorker:
                     rec.state, rec.exit_code, rec.reason = "terminated", 137, "ContainerStatusUnknown"
                     rec.started_at, rec.finished_at = state["running"].get("startedAt"), rfc3339()
                     rec.message = "The container could not be located when the pod was terminated"
-                else:
+                else:  # waiting: to start, or to restart after the run in lastState
+                    rec.last_terminated = (prev.get("lastState") or {}).get("terminated")
                     continue
                 is_init = records is self.init_records
                 if self._should_restart(rec, is_init, policy):
@@ -447,6 +439,7 @@ class PodWorker:
             mounts = self._mounts(pod, cdef, env, run_dir)
             for m in mounts:
                 self.ctx.mountpoints.ensure(m.target, os.path.isdir(m.source))
+            log_file = claim_log(self.ctx.state_dir, self.namespace, self.name, rec.name, self.uid)
         except (ContainerConfigError, VolumeError, MountPointError, OSError) as e:
             self._start_failed(pod, rec, str(e))
             return
@@ -457,7 +450,7 @@ class PodWorker:
         )
         if rec.last_terminated is not None:  # a previous run exists: this start is a restart
             rec.restart_count += 1
-        proc = ContainerProcess(launch, run_dir, log_path(self.ctx.state_dir, self.namespace, self.name, rec.name))
+        proc = ContainerProcess(launch, run_dir, log_file)
         self.procs[rec.name] = proc
         self.envs[rec.name] = full_env
         rec.state, rec.reason, rec.message, rec.exit_code = "running", "", "", None
@@ -531,7 +524,7 @@ class PodWorker:
         )
         if status != self.last_status and not self.node.lost and not self._abandon:
             try:
-                self.ctx.kube.patch(pod_path(self.namespace, self.name, "status"), {"status": _replace_ip_lists(status)})
+                self.ctx.kube.patch(pod_path(self.namespace, self.name, "status"), status_patch(status))
                 self.last_status = status
             except ApiException as e:
                 if e.status == 404:

@@ -1,6 +1,6 @@
 """One run of one container: the shim process (see ``shim.py``) and the files it leaves.
 
-The container's stdout and stderr go, unmodified, to its log file (appended across restarts).
+The container's stdout and stderr go, unmodified, to its log file (appended; see ``logs.claim_log``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,16 @@
 """The rollout loop: follow the trainer's weights, generate, score, compute advantages, write documents.
 
+At start the worker follows the events stream from its last entry. When that entry is a ``training_finished``
+whose ``step`` is at least this config's ``spec.trainer.maxSteps`` (or carries no step: an older trainer), the job
+is done and the worker exits 0. One with a lower step is an earlier attempt's end — ``maxSteps`` was raised and
+the operator restarted the gang — so the worker stays and waits for the new attempt's weights.
+
 One iteration (:meth:`RolloutWorker.step`):
 
-1. Read new events. ``training_finished`` → the worker exits 0. The newest ``weights_ready`` that invites one of
-   this pod's transfer ranks → join that transfer and load the weights; on success the local version becomes the
-   event's ``documents_seen``, even when lower than before (a trainer resumed from an older checkpoint).
+1. Read new events. A live ``training_finished`` → the worker exits 0, whatever its step. The newest
+   ``weights_ready`` that invites one of this pod's transfer ranks → join that transfer and load the weights; on
+   success the local version becomes the event's ``documents_seen``, even when lower than before (a trainer
+   resumed from an older checkpoint).
 2. Before the first successful update, generate nothing (DESIGN §2): wait for events.
 3. If back-pressure or max lag says wait (:mod:`.writer`), wait for events a little and go round again.
 4. Generate ``promptsPerBatch`` × ``samplesPerPrompt`` completions, score them, compute group advantages,
@@ -55,6 +61,12 @@ WAIT_FOR_ROOM_MS = 250
 """Wait for events while back-pressure holds the worker (milliseconds)."""
 BACKOFF_INITIAL_S = 0.5
 BACKOFF_MAX_S = 30.0
+
+
+def finished_for(event: Event, max_steps: int) -> bool:
+    """Whether a ``training_finished`` event found in the stream at start means a job with ``max_steps`` (optimizer
+    steps) is done: its final step is >= ``max_steps``, or it carries no step (an older or upstream trainer)."""
+    return event.step is None or event.step >= max_steps
 
 
 class RolloutWorker:
@@ -127,6 +139,9 @@ class RolloutWorker:
     def run(self) -> int:
         """Loop until ``training_finished`` (returns 0) or :meth:`stop` (returns 0). Redis outages are waited out.
 
+        A ``training_finished`` already in the stream at start ends the loop only when it finished this config's
+        ``maxSteps`` (:func:`finished_for`; module docstring).
+
         Raises:
             redis.AuthenticationError: the Redis password is wrong (never retried).
             RedisTLSError: the server's certificate does not verify against the CA bundle (never retried).
@@ -138,8 +153,12 @@ class RolloutWorker:
                     if not self._heartbeats_started:
                         last = self.subscriber.follow_from_now()
                         if last is not None and last.type == c.EVENT_TRAINING_FINISHED:
-                            log.info("rollout: training already finished; exiting")
-                            return 0
+                            max_steps = self.config.spec.trainer.max_steps
+                            if finished_for(last, max_steps):
+                                log.info("rollout: training already finished (step %s); exiting", last.step)
+                                return 0
+                            log.info("rollout: ignoring an earlier attempt's training_finished "
+                                     "(step %d < maxSteps %d)", last.step, max_steps)
                         self.subscriber.start_heartbeats()
                         self._heartbeats_started = True
                     if self.step():
