@@ -10,7 +10,7 @@ import pytest
 
 from rollout_harness import make_config
 from rljob_api import constants as c
-from rljob_operator.progress import parse
+from rljob_operator.progress import REWARD_DECIMALS, parse
 from rljob_trainer.rollout.writer import BatchReport, DocumentWriter, rollout_rewards, stale_reward_fields
 
 STEP = 512
@@ -52,9 +52,11 @@ def test_hash_keeps_exactly_the_newest_versions_with_their_values(redis_server):
     b_reports = len(range(0, total_versions, 3))
     assert int(client.hget(key, "samples_generated")) == 2 * total_versions + b_reports
 
-    # the operator's reader (rljob_operator.progress) reports the newest version's mean
+    # the operator's reader (rljob_operator.progress) reports the newest version's mean, rounded for status
     progress = parse({}, client.hgetall(key))
-    assert (progress.rollout_reward, progress.rollout_model_version) == (expected(total_versions - 1)[0], newest[-1])
+    step = total_versions - 1
+    mean = round((step / 1000 + 1.0) / (3 if step % 3 == 0 else 2), REWARD_DECIMALS)
+    assert (progress.rollout_reward, progress.rollout_model_version) == (mean, newest[-1])
 
 
 def test_out_of_order_versions_keep_the_largest(redis_server):

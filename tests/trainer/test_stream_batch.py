@@ -83,7 +83,7 @@ def test_bad_documents_are_refused_with_their_index():
 def test_flat_logprobs_of_a_padded_batch_equal_each_document_alone():
     """Rows never see each other: packed, padded and flattened log-probabilities equal per-document ones,
     and their gradient flows back through flat_from_padded."""
-    spec = ModelSpec.model_validate({"tiny": {"layers": 1, "hiddenSize": 16, "heads": 2, "intermediateSize": 32}})
+    spec = ModelSpec.model_validate({"source": "tiny", "tiny": {"layers": 1, "hiddenSize": 16, "heads": 2, "intermediateSize": 32}})
     model = build_model(spec, vocab_size=40, seed=0)
     docs = [document(9, 1), document(4, 2), document(7, 3)]
     (batch,) = pack_documents(docs, micro_batch_tokens=32)
