@@ -309,12 +309,13 @@ async def reconcile(
         fetched = await _read_progress(job, config, runtime, ctx)
         redis_health = _redis_health(spec, redis_deployment, runtime, pods, now)
     lifecycle = gang.require_redis(plan.lifecycle, *_known_redis(redis_health, previous))
+    secrets = status.secret_fields(spec)
     common = dict(
         generation=generation, problems=problems, data_parallel_size=data_parallel_size(spec), redis=redis_health,
         nodes=spec.trainer.nodes, replicas=spec.rollout.replicas, progress=fetched, now=now,
         checkpoint_volume=spec.trainer.checkpoint.volume, kept=kept_note,
     )
-    new = status.build_status(previous, lifecycle=lifecycle, pods=pods, **common)
+    new = status.build_status(previous, lifecycle=lifecycle, pods=status.name_secret_fields(pods, secrets), **common)
     resource_version = await _save(body, previous, new, runtime, ctx)
     if plan.lifecycle.restarts > before.restarts:
         ctx.on_restart(plan.lifecycle.restarts - before.restarts)
@@ -340,7 +341,8 @@ async def reconcile(
         return 0.0 if kept is None else ctx.active_interval_s  # the next pass reports it as Valid=False
     if plan.after_create is not None:
         pods = observed_pods(indexed_pods, runtime, time.monotonic())
-        after = status.build_status(new, lifecycle=plan.after_create, pods=pods, **{**common, "progress": None})
+        after = status.build_status(new, lifecycle=plan.after_create, pods=status.name_secret_fields(pods, secrets),
+                                    **{**common, "progress": None})
         await _save(body, new, after, runtime, ctx, resource_version)
     if plan.lifecycle.phase in status.IDLE_PHASES:
         return min(ctx.idle_interval_s, plan.requeue_after if plan.requeue_after is not None else float("inf"))

@@ -36,11 +36,13 @@ Succeeded / Failed      terminal; appear once. Succeeded's message says where th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from rljob_api.constants import ConditionType, Phase, Reason
+from rljob_api.spec import RLTrainingJobSpec
 from rljob_api.status import Condition, RLTrainingJobStatus
 from rljob_api.validation import SpecProblem
 
@@ -144,6 +146,26 @@ def _grouped(details: Iterable[tuple[str, str]]) -> str:
 
 _LABELS = {Reason.UNSCHEDULABLE: "cannot be scheduled", Reason.CONTAINER_CANNOT_START: "cannot start",
            Reason.CONTAINER_FAILING: "failing"}
+
+
+def secret_fields(spec: RLTrainingJobSpec) -> dict[str, str]:
+    """Secret name → the spec field that names it (hfTokenSecretRef, redis.passwordSecretRef, redis.caSecretRef)."""
+    refs = (("spec.hfTokenSecretRef", spec.hf_token_secret_ref), ("spec.redis.passwordSecretRef",
+            spec.redis.password_secret_ref), ("spec.redis.caSecretRef", spec.redis.ca_secret_ref))
+    return {ref.name: field for field, ref in refs if ref is not None}
+
+
+def name_secret_fields(pods: Iterable[PodView], fields: Mapping[str, str]) -> list[PodView]:
+    """``pods`` with the spec field added to a kubelet waiting message about a Secret of ``fields``
+    (:func:`secret_fields`), e.g. 'secret "hf" not found' → 'secret "hf" not found (spec.hfTokenSecretRef)', or
+    "couldn't find key token in Secret ns/hf" likewise."""
+    named = []
+    for pod in pods:
+        message = pod.waiting_message
+        field = next((f for name, f in fields.items() if f'secret "{name}" not found' in message
+                      or re.search(rf"in Secret [^/\s]+/{re.escape(name)}(?![-.\w])", message)), None)
+        named.append(replace(pod, waiting_message=f"{message} ({field})") if field and field not in message else pod)
+    return named
 
 
 def pod_trouble(pod: PodView, now: datetime) -> Optional[tuple[Reason, str]]:

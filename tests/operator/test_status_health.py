@@ -286,3 +286,26 @@ def test_a_gang_restart_says_where_the_next_attempt_starts(checkpoint, resumes):
     note = ("(from step 0: the checkpoints were on an emptyDir; set spec.trainer.checkpoint.volume to a "
             "PersistentVolumeClaim to keep them)")
     assert (note in suspended.message) == ("volume" not in checkpoint)
+
+
+def test_a_missing_secret_the_spec_names_is_told_with_its_field():
+    spec = make_spec(hfTokenSecretRef={"name": "hf", "key": "token"},
+                     redis={"mode": "external", "url": "redis://r:6379", "passwordSecretRef": {"name": "pw", "key": "p"}})
+    fields = status.secret_fields(spec)
+    assert fields == {"hf": "spec.hfTokenSecretRef", "pw": "spec.redis.passwordSecretRef"}
+    waiting = dict(phase="Pending", waiting_reason="CreateContainerConfigError", container="trainer")
+    pods = [trainer(0, 0, waiting_message='secret "hf" not found', **waiting),
+            trainer(1, 0, waiting_message="couldn't find key p in Secret ns/pw", **waiting),
+            trainer(2, 0, waiting_message="couldn't find key p in Secret ns/pw-other", **waiting)]
+    named = status.name_secret_fields(pods, fields)
+    assert [p.waiting_message for p in named] == [
+        'secret "hf" not found (spec.hfTokenSecretRef)',
+        "couldn't find key p in Secret ns/pw (spec.redis.passwordSecretRef)",
+        "couldn't find key p in Secret ns/pw-other",  # another Secret: not the spec's
+    ]
+    assert status.name_secret_fields(named, fields) == named  # told once
+    built = build(RLTrainingJobStatus(), named[:2], replace(RUNNING, phase=Phase.STARTING))
+    assert cond(built, ConditionType.TRAINER_READY).message == (
+        '0/2 trainer pods ready; cannot start: demo-trainer-0: container trainer CreateContainerConfigError: secret '
+        '"hf" not found (spec.hfTokenSecretRef); demo-trainer-1: container trainer CreateContainerConfigError: '
+        "couldn't find key p in Secret ns/pw (spec.redis.passwordSecretRef)")
