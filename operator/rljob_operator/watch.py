@@ -47,7 +47,8 @@ def render(job: dict[str, Any]) -> Group:
 
     metrics = status.get("lastMetrics") or {}
     figures = Table(show_header=True, header_style="bold")
-    for column in ("attempt", "DP", "documents", "modelVersion", "rollout reward", "train reward", "staleness (mean/max)"):
+    for column in ("attempt", "DP", "documents", "modelVersion", "rollout reward", "train reward",
+                   "staleness (mean/max, documents)"):
         figures.add_column(column)
     figures.add_row(
         _fmt(status.get("attempt")),
