@@ -69,6 +69,13 @@ def check_spec(spec: RLTrainingJobSpec) -> list[SpecProblem]:
         problems.append(
             SpecProblem("spec.trainer.pipelineParallel", "pipeline parallelism > 1 is not supported yet", False)
         )
+    resources = t.resources or {}
+    if c.GPU_RESOURCE in (resources.get("requests") or {}) and c.GPU_RESOURCE not in (resources.get("limits") or {}):
+        problems.append(SpecProblem(
+            "spec.trainer.resources.limits",
+            f"{c.GPU_RESOURCE} is requested but has no limit: GPUs are asked for through limits (the API server "
+            "refuses a pod with only a request); move it to limits",
+        ))
     gpus = trainer_gpus(spec)
     if gpus and t.processes_per_node > gpus:
         problems.append(SpecProblem(

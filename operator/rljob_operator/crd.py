@@ -92,8 +92,8 @@ RULE_TOPOLOGY_IMMUTABLE = {
     "rule": "self.runPolicy.suspend || oldSelf.runPolicy.suspend || ("
     + " && ".join(f"self.trainer.{f} == oldSelf.trainer.{f}" for f in TOPOLOGY_FIELDS)
     + ")",
-    "message": "trainer topology (nodes, processesPerNode, tensorParallel, pipelineParallel) is immutable while "
-    "the job runs: set runPolicy.suspend to true first, then change it and resume",
+    "message": "trainer topology (nodes, processesPerNode, tensorParallel, pipelineParallel) is immutable unless "
+    "the job is suspended: set runPolicy.suspend to true first, then change it and resume",
     "fieldPath": ".trainer",
     "reason": "FieldValueForbidden",
 }

@@ -4,10 +4,10 @@ Everything decided here comes from the pure modules (:mod:`.render`, :mod:`.gang
 module only sequences their results with the API calls of :mod:`.apply`:
 
 1. parse and check the spec; a problem (or an earlier 422 from the API server for this generation) makes the
-   job Invalid: status says which field, no child is created, nothing retries until the spec changes. An edit
-   that makes the spec of a job with pods invalid (Pending, Starting, Running, Restarting) does not orphan them: the
-   job goes on with its last valid spec (:func:`kept_spec`; runPolicy edits still act, so suspend works), Valid=False
-   says so, and the fixed spec is applied like any edit;
+   job Invalid: status says which field, no pod runs, nothing retries until the spec changes. An edit that makes
+   the spec of a job with pods (Pending, Starting, Running, Restarting) or of a suspended job invalid does not
+   orphan or forget them: the job goes on with its last valid spec (:func:`kept_spec`; runPolicy edits still act,
+   so suspend and resume work), Valid=False says so, and the fixed spec is applied like any edit;
 2. apply the Redis Secret (create-only), the ConfigMap, Services and the Redis Deployment, concurrently — only when
    their rendering changed since this process last applied them; a job this process meets for the first time has
    its children read back first, and only those not as rendered are applied (:mod:`.applied`);
@@ -167,7 +167,7 @@ def observed_pods(indexed: Iterable[PodView], runtime: JobRuntime, now: float) -
 
 
 #: Phases whose pods an invalid edit leaves running on the last valid spec (:func:`kept_spec`).
-KEEP_PHASES = (Phase.PENDING, Phase.STARTING, Phase.RUNNING, Phase.RESTARTING)
+KEEP_PHASES = (Phase.PENDING, Phase.STARTING, Phase.RUNNING, Phase.RESTARTING, Phase.SUSPENDED)
 
 
 async def kept_spec(
@@ -274,7 +274,10 @@ async def reconcile(
     if runtime.rejected:
         problems = [*problems, SpecProblem("spec", f"the API server refused a child object: {runtime.rejected[1]}")]
     kept = None
-    if (spec is None or problems) and before.phase in KEEP_PHASES and any(not p.deleting for p in pods):
+    if (spec is None or problems) and before.phase in KEEP_PHASES and (
+        before.phase == Phase.SUSPENDED
+        or any(p.role in (c.Role.TRAINER, c.Role.ROLLOUT) and not p.deleting for p in pods)
+    ):
         kept = await kept_spec(name, namespace, body.get("spec") or {}, runtime, ctx.api)
     if kept is not None and spec is not None and kept[1].model_copy(update={"run_policy": spec.run_policy}) == spec:
         kept = None  # the last valid spec is this one, refused by the API server: nothing valid to go on with
@@ -285,18 +288,23 @@ async def reconcile(
         kept_note = ("the job goes on with its last valid spec"
                      + (f" (generation {kept_generation})" if kept_generation is not None else "") + " until then")
     elif spec is None or problems:
-        valid = status.valid_condition(problems)
+        finished = before.phase in gang.FINISHED
+        note = f"the job has {before.phase.value}: a spec edit changes nothing" if finished else None
+        valid = status.valid_condition(problems, note)
         # a finished job stays finished (its Valid condition still reports the problem)
-        invalid = before if before.phase in gang.FINISHED else replace(
-            before, phase=Phase.INVALID, reason=valid.reason, message=valid.message
-        )
+        invalid = before if finished else replace(before, phase=Phase.INVALID, reason=valid.reason,
+                                                  message=valid.message)
         new = status.build_status(
             previous, generation=generation, lifecycle=invalid, problems=problems, data_parallel_size=None,
             redis=_invalid_redis_health(spec, redis_deployment, runtime, pods, now), pods=pods, nodes=0, replicas=0,
-            progress=None, now=now,
+            progress=None, now=now, kept=note,
         )
         await _save(body, previous, new, runtime, ctx)
         await release_redis(runtime, ctx, namespace, name)
+        if not finished:  # nothing of an invalid job runs (e.g. the rollout pods made before a refused trainer pod)
+            stray = [p for p in pods if p.role in (c.Role.TRAINER, c.Role.ROLLOUT) and not p.deleting]
+            gone = await _all(ctx.api.delete("v1", "Pod", namespace, p.name, uid=p.uid or None) for p in stray)
+            runtime.deleted.update({p.name: p.uid for p, deleted in zip(stray, gone) if deleted})
         return ctx.idle_interval_s
     else:
         kept_note = None

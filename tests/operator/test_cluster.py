@@ -215,7 +215,7 @@ def test_schema_and_cel_rules_are_enforced_with_messages_that_name_the_field(kub
     result = kube.run(*patch, json.dumps({"spec": {"trainer": {"nodes": 4}}}), check=False)
     assert result.returncode != 0 and (
         "spec.trainer: Forbidden: trainer topology (nodes, processesPerNode, tensorParallel, pipelineParallel) "
-        "is immutable while the job runs: set runPolicy.suspend to true first, then change it and resume"
+        "is immutable unless the job is suspended: set runPolicy.suspend to true first, then change it and resume"
     ) in result.stderr
     kube.run(*patch, json.dumps({"spec": {"runPolicy": {"suspend": True}, "trainer": {"nodes": 4}}}))
     kube.run(*patch, json.dumps({"spec": {"runPolicy": {"suspend": False}, "trainer": {"processesPerNode": 2}}}))
@@ -362,10 +362,17 @@ def test_an_invalid_edit_keeps_the_running_pods_on_the_last_valid_spec_until_fix
     assert generation is None and spec.model.tiny.heads == 4 and spec.rollout.replicas == 1
     assert spec.run_policy.backoff_limit == 7
 
-    # runPolicy edits still act on the kept spec: suspend deletes the pods; the fixed spec resumes.
+    # runPolicy edits still act on the kept spec: suspend deletes the pods and the job stays Suspended; a resume
+    # while still invalid comes back on the last valid spec (1 rollout pod); the fixed spec then applies.
     kube.run(*patch, json.dumps({"spec": {"runPolicy": {"suspend": True}}}))
     wait_for(lambda: not uids(), "pods deleted on suspend")
-    kube.run(*patch, json.dumps({"spec": {"model": {"tiny": {"heads": 4}}, "runPolicy": {"suspend": False}}}))
+    time.sleep(2)
+    assert kube.job(namespace, "edit")["status"]["phase"] == "Suspended"
+    assert kube.condition(namespace, "edit", "Suspended")["status"] == "True"
+    kube.run(*patch, json.dumps({"spec": {"runPolicy": {"suspend": False}}}))
+    wait_for(lambda: len(uids()) == 3, "the gang and 1 rollout pod of the last valid spec after the resume")
+    assert kube.condition(namespace, "edit", "Valid")["status"] == "False"
+    kube.run(*patch, json.dumps({"spec": {"model": {"tiny": {"heads": 4}}}}))
     wait_for(lambda: len(uids()) == 4, "the gang and 2 rollout pods of the fixed spec")
     assert wait_for(lambda: kube.condition(namespace, "edit", "Valid").get("status") == "True", "Valid=True")
 
@@ -615,6 +622,9 @@ def test_a_child_the_api_server_refuses_makes_the_job_invalid_and_redis_ready_sa
     assert redis["status"] == "False" and redis["message"].startswith(
         "managed Redis badres-redis: 0/1 replicas available")
     assert kube.job(namespace, "badres")["status"]["phase"] == "Invalid"
+    # nothing of an invalid job runs: a rollout pod created beside the refused trainer pods is deleted
+    wait_for(lambda: not [p for p in kube.pods(namespace, "rollout") if not p["metadata"].get("deletionTimestamp")],
+             "no rollout pod of the invalid job")
 
 
 def test_watch_of_a_job_that_does_not_exist_says_so_in_one_line(kube, installed, namespace):

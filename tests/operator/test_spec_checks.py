@@ -76,6 +76,11 @@ CASES = {
         "spec.trainer.processesPerNode: 3 ranks per pod but spec.trainer.resources.limits nvidia.com/gpu = 2: each "
         "rank needs a GPU of its own (NCCL); set processesPerNode <= 2 or raise the GPU limit",
     ),
+    "gpu-request-only": (
+        {"trainer": {"resources": {"requests": {"nvidia.com/gpu": 2}}}},
+        "spec.trainer.resources.limits: nvidia.com/gpu is requested but has no limit: GPUs are asked for through "
+        "limits (the API server refuses a pod with only a request); move it to limits",
+    ),
     "vllm-gpus": ({"rollout": {"backend": "vllm"}}, "spec.rollout.gpusPerReplica: must be >= 1 with backend 'vllm'"),
     "cpu-gpus": (
         {"rollout": {"backend": "cpu", "gpusPerReplica": 2}},
