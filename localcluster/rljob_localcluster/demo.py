@@ -121,6 +121,19 @@ def _progress_hash(job: dict[str, Any], pod_ip: str | None, password: str | None
         return {}
 
 
+def condition_lines(conditions: list[dict[str, Any]]) -> list[str]:
+    """One line per condition: type, status, reason, message — a message an earlier condition already showed (a
+    finished job's conditions echo the finish) is shown as "(as <that condition's type>)"."""
+    told: dict[str, str] = {}
+    lines = []
+    for cond in conditions:
+        message = cond.get("message", "")
+        shown = f"(as {told[message]})" if message in told else message
+        told.setdefault(message, cond["type"])
+        lines.append(f"  {cond['type']:<13} {cond['status']:<6} {cond['reason']:<18} {shown}")
+    return lines
+
+
 def report(job: dict[str, Any], env: dict[str, str], bin_dir: Path, d: Path, *, kept: bool = True) -> None:
     """Print the final status and where the metrics, the progress hash and the logs are (``kept``: the cluster
     stays up afterwards, so its endpoints can be visited)."""
@@ -132,8 +145,8 @@ def report(job: dict[str, Any], env: dict[str, str], bin_dir: Path, d: Path, *, 
     print(_run([*kubectl, "get", "rljob", name], env, "kubectl get rljob"), end="")
     print()
     _say("conditions")
-    for cond in status.get("conditions") or []:
-        print(f"  {cond['type']:<13} {cond['status']:<6} {cond['reason']:<18} {cond.get('message', '')}")
+    for line in condition_lines(status.get("conditions") or []):
+        print(line)
     print()
     _say(f"status.lastMetrics (step {status.get('step')}, documentsSeen {status.get('documentsSeen')}, "
          f"modelVersion {status.get('modelVersion')}, rolloutReward {status.get('rolloutReward')})")
