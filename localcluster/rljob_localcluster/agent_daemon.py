@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from .agent.shim import mount_points_under
 from .pids import pid_running, terminate
 
 AGENT_MODULE = "rljob_localcluster.agent"
@@ -82,18 +83,6 @@ def stop_agent(d: Path, timeout: float = 60.0) -> bool:
     return True
 
 
-def _mounts_under(path: Path) -> list[str]:
-    """Mount points at or below ``path`` in this mount namespace (from /proc/self/mounts)."""
-    root = str(path.resolve())
-    found = []
-    with open("/proc/self/mounts") as mounts:
-        for line in mounts:
-            point = line.split()[1].encode().decode("unicode_escape")  # spaces etc. are written as \\040
-            if point == root or point.startswith(root + "/"):
-                found.append(point)
-    return found
-
-
 def remove_state(d: Path) -> Path | None:
     """Delete the agent's state dir of cluster dir ``d`` (container logs, pod dirs, PV data) once no agent
     runs, after removing what an agent that died hard left on the host (:meth:`.agent.Agent.clean_leftovers`).
@@ -118,7 +107,7 @@ def remove_state(d: Path) -> Path | None:
                 recorded.update(json.loads(record.read_text()).get("tmpfs") or [])
             except (OSError, ValueError):
                 pass
-        return [p for p in _mounts_under(sd) if p not in recorded]
+        return [p for p in mount_points_under([str(sd.resolve())]) if p not in recorded]
 
     if mounts := foreign_mounts():
         raise RuntimeError(f"still mounted below {sd}: {', '.join(mounts)}; not removed")
@@ -126,7 +115,7 @@ def remove_state(d: Path) -> Path | None:
         Agent(AgentConfig(kubeconfig="", state_dir=sd)).clean_leftovers()
     except AgentError as err:
         raise RuntimeError(f"{err}; {sd} not removed") from err
-    if mounts := _mounts_under(sd):
+    if mounts := mount_points_under([str(sd.resolve())]):
         raise RuntimeError(f"still mounted below {sd}: {', '.join(mounts)}; not removed")
     shutil.rmtree(sd)
     return sd

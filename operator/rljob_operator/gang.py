@@ -182,7 +182,7 @@ def require_redis(lc: Lifecycle, redis_ready: Optional[bool], why: str) -> Lifec
                    message=f"{lc.message}, but no step can be made while Redis is not ready: {why}")
 
 
-def _count(n: int, noun: str) -> str:
+def plural(n: int, noun: str) -> str:
     """"1 trainer pod", "2 trainer pods"."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
@@ -288,7 +288,7 @@ def _active(
 
     common = dict(delete=delete_old + delete_rollouts, create_rollouts=create_rollouts, requeue_after=requeue)
     if obs.old:
-        waiting = f"waiting for {_count(len(obs.old), 'trainer pod')} of earlier attempts to terminate"
+        waiting = f"waiting for {plural(len(obs.old), 'trainer pod')} of earlier attempts to terminate"
         if lc.phase == Phase.RESTARTING:
             return Plan(lc, **common)
         return Plan(replace(lc, phase=Phase.PENDING, reason=Reason.TEARING_DOWN, message=waiting), **common)
@@ -302,7 +302,7 @@ def _active(
             phase=Phase.STARTING,
             gang_created=True,
             reason=Reason.GANG_CREATED,
-            message=f"created attempt {lc.attempt}: {_count(spec.trainer.nodes, 'trainer pod')}",
+            message=f"created attempt {lc.attempt}: {plural(spec.trainer.nodes, 'trainer pod')}",
         )
         return Plan(before, create_trainers=missing, after_create=after, **common)
     # A rank that exited 0 finished its share (at maxSteps): the gang is not "starting" again while pod 0 exits.

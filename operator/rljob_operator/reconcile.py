@@ -188,7 +188,7 @@ async def kept_spec(
     else:
         stored = await api.get("v1", "ConfigMap", namespace, names.config_map(name))
         try:
-            spec = JobConfig.model_validate_json(stored["data"][c.CONFIG_FILE_NAME]).spec if stored else None
+            spec = JobConfig.from_json(stored["data"][c.CONFIG_FILE_NAME]).spec if stored else None
         except (KeyError, TypeError, ValidationError):
             spec = None  # edited by hand: nothing to go on with
         if spec is None:
@@ -199,6 +199,11 @@ async def kept_spec(
     except ValidationError:
         return generation, spec
     return generation, spec.model_copy(update={"run_policy": run_policy})
+
+
+def _live_workers(pods: Iterable[PodView]) -> list[PodView]:
+    """The trainer and rollout pods of ``pods`` that are not being deleted (the managed Redis pod is not one)."""
+    return [p for p in pods if p.role in (c.Role.TRAINER, c.Role.ROLLOUT) and not p.deleting]
 
 
 def foreign_children(uid: Optional[str], pods: Iterable[PodView], redis: Optional[DeploymentView]) -> list[str]:
@@ -275,8 +280,7 @@ async def reconcile(
         problems = [*problems, SpecProblem("spec", f"the API server refused a child object: {runtime.rejected[1]}")]
     kept = None
     if (spec is None or problems) and before.phase in KEEP_PHASES and (
-        before.phase == Phase.SUSPENDED
-        or any(p.role in (c.Role.TRAINER, c.Role.ROLLOUT) and not p.deleting for p in pods)
+        before.phase == Phase.SUSPENDED or _live_workers(pods)
     ):
         kept = await kept_spec(name, namespace, body.get("spec") or {}, runtime, ctx.api)
     if kept is not None and spec is not None and kept[1].model_copy(update={"run_policy": spec.run_policy}) == spec:
@@ -302,7 +306,7 @@ async def reconcile(
         await _save(body, previous, new, runtime, ctx)
         await release_redis(runtime, ctx, namespace, name)
         if not finished:  # nothing of an invalid job runs (e.g. the rollout pods made before a refused trainer pod)
-            stray = [p for p in pods if p.role in (c.Role.TRAINER, c.Role.ROLLOUT) and not p.deleting]
+            stray = _live_workers(pods)
             gone = await _all(ctx.api.delete("v1", "Pod", namespace, p.name, uid=p.uid or None) for p in stray)
             runtime.deleted.update({p.name: p.uid for p, deleted in zip(stray, gone) if deleted})
         return ctx.idle_interval_s

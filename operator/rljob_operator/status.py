@@ -46,7 +46,7 @@ from rljob_api.spec import RLTrainingJobSpec
 from rljob_api.status import Condition, RLTrainingJobStatus
 from rljob_api.validation import SpecProblem
 
-from rljob_operator.gang import Lifecycle
+from rljob_operator.gang import Lifecycle, plural
 from rljob_operator.observe import RESTART_REASONS, PodView
 from rljob_operator.progress import Progress, lost_checkpoint_message
 
@@ -131,7 +131,7 @@ def _failing_detail(pod: PodView) -> str:
     """e.g. "container rollout CrashLoopBackOff, 3 restarts; last run: exit code 2 (Error): <termination message's
     last line>"."""
     state = pod.waiting_reason or ("running again" if pod.running_since else "exited")
-    restarts = f", {pod.restarts} restart{'' if pod.restarts == 1 else 's'}" if pod.restarts else ""
+    restarts = f", {plural(pod.restarts, 'restart')}" if pod.restarts else ""
     return f"container {pod.container} {state}{restarts}" + (f"; last run: {pod.last_failure}" if pod.last_failure
                                                             else "")
 

@@ -54,6 +54,7 @@ from rljob_trainer.loss_metrics import StepMetrics, token_entropy
 from rljob_trainer.model import build_model, build_tokenizer, sequence_logprobs
 from rljob_trainer.parallel import Distributed, init_distributed, shutdown_distributed, wrap_model
 from rljob_trainer.progress import Progress, StepRecord, build_progress
+from rljob_trainer.rollout.writer import reward_field_versions
 from rljob_trainer.stream.batch import MicroBatch, flat_from_padded, pack_documents
 from rljob_trainer.stream.connection import connect, retry_with_backoff
 from rljob_trainer.stream.reader import StreamReader, redistribute_pending
@@ -372,15 +373,10 @@ def publish_start(
         redis.RedisError: Redis unreachable beyond the client's retries (the attempt fails and is restarted).
     """
     key, rollout = config.keys.progress, config.keys.rollout
-    reward_prefixes = (c.ROLLOUT_REWARD_SUM_PREFIX, c.ROLLOUT_REWARD_COUNT_PREFIX)
 
     def write(pipe: redis.client.Pipeline) -> None:
-        abandoned = []
-        for raw in pipe.hkeys(rollout):
-            name = raw.decode() if isinstance(raw, bytes) else raw
-            suffix = next((name[len(p):] for p in reward_prefixes if name.startswith(p)), None)
-            if suffix is not None and suffix.isascii() and suffix.isdigit() and int(suffix) > documents_seen:
-                abandoned.append(name)
+        versions = reward_field_versions(pipe.hkeys(rollout))
+        abandoned = [name for name, version in versions.items() if version > documents_seen]
         pipe.multi()
         pipe.hset(key, mapping={
             c.PROGRESS_STEP: step,

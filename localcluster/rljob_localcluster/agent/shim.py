@@ -123,7 +123,7 @@ def _ensure_target(target, source_fd):
         os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
 
 
-def _mount_points_under(prefixes):
+def mount_points_under(prefixes):
     """Mount points (deepest first) at or below any of ``prefixes``, from /proc/self/mountinfo."""
     found = []
     with open("/proc/self/mountinfo") as f:
@@ -160,7 +160,7 @@ def setup_sandbox(spec):
     finally:
         for fd in sources:
             os.close(fd)
-    for point in _mount_points_under(spec.get("detach") or []):
+    for point in mount_points_under(spec.get("detach") or []):
         _libc.umount2(point.encode(), MNT_DETACH)  # best effort: a failure only keeps a reference
     if spec.get("hostname"):
         socket.sethostname(spec["hostname"])

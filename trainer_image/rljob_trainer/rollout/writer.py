@@ -268,17 +268,10 @@ class DocumentWriter:
         self._client.hset(key, mapping=mapping)
 
 
-def stale_reward_fields(fields: Iterable[bytes | str], adding: int, keep: int) -> list[str]:
-    """The ``reward_sum:{v}`` / ``reward_count:{v}`` fields to delete once version ``adding`` is written to a hash
-    holding ``fields``: those whose v is not one of the ``keep`` largest versions present (``adding`` included),
-    and ``adding``'s own pair when it is not one of them.
-
-    Fields whose suffix is not an integer are never returned (rljob writes none).
-    """
-    versions: dict[str, int] = {
-        f"{c.ROLLOUT_REWARD_SUM_PREFIX}{adding}": adding,
-        f"{c.ROLLOUT_REWARD_COUNT_PREFIX}{adding}": adding,
-    }
+def reward_field_versions(fields: Iterable[bytes | str]) -> dict[str, int]:
+    """The ``reward_sum:{v}`` / ``reward_count:{v}`` names among the rollout hash's ``fields``, with their version v
+    (documents); fields with another prefix or a suffix that is not an integer are left out."""
+    versions: dict[str, int] = {}
     for raw in fields:
         name = raw.decode() if isinstance(raw, bytes) else raw
         for prefix in (c.ROLLOUT_REWARD_SUM_PREFIX, c.ROLLOUT_REWARD_COUNT_PREFIX):
@@ -287,6 +280,21 @@ def stale_reward_fields(fields: Iterable[bytes | str], adding: int, keep: int) -
                     versions[name] = int(name[len(prefix):])
                 except ValueError:
                     pass
+    return versions
+
+
+def stale_reward_fields(fields: Iterable[bytes | str], adding: int, keep: int) -> list[str]:
+    """The ``reward_sum:{v}`` / ``reward_count:{v}`` fields to delete once version ``adding`` is written to a hash
+    holding ``fields``: those whose v is not one of the ``keep`` largest versions present (``adding`` included),
+    and ``adding``'s own pair when it is not one of them.
+
+    Fields whose suffix is not an integer are never returned (rljob writes none).
+    """
+    versions = {
+        f"{c.ROLLOUT_REWARD_SUM_PREFIX}{adding}": adding,
+        f"{c.ROLLOUT_REWARD_COUNT_PREFIX}{adding}": adding,
+        **reward_field_versions(fields),
+    }
     kept = set(sorted(set(versions.values()), reverse=True)[:keep])
     return sorted(name for name, version in versions.items() if version not in kept)
 
