@@ -4,18 +4,29 @@
 #
 #   docker build -t rljob/operator:0.1.0 .
 #   docker run --rm rljob/operator:0.1.0 --help
+#
+# Build argument: PYTHON_IMAGE, the Python base (default the upstream slim image; the local cluster's
+# localcluster/build-images.sh passes a locally made Debian bookworm base instead).
 
 ARG PYTHON_IMAGE=python:3.11.7-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
 WORKDIR /src
-COPY pyproject.toml README.md ./
+# Wheels of the pinned base dependencies first (the `trainer` and `vllm` extras are not installed), from
+# pyproject.toml alone, so that a source change rebuilds only the small wheel of the package itself. The
+# pip cache is a build cache mount: it never lands in a layer.
+COPY pyproject.toml ./
+RUN --mount=type=cache,target=/root/.cache/pip \
+    python -c "import tomllib; print('\\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+        > /tmp/requirements.txt \
+    && pip wheel --wheel-dir /wheels -r /tmp/requirements.txt
+COPY README.md ./
 COPY api ./api
 COPY operator ./operator
 COPY trainer_image ./trainer_image
 COPY localcluster ./localcluster
-# Wheels of the package and its pinned base dependencies (the `trainer` and `vllm` extras are not installed).
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip wheel --no-deps --wheel-dir /wheels .
 
 FROM ${PYTHON_IMAGE}
 ENV PYTHONDONTWRITEBYTECODE=1 \

@@ -23,7 +23,7 @@ Phases and figures:
    and which conditions changed; the new process's reads (GET, from its ``rljob_operator_api_requests_total``)
    and how long it took to make one pass per job.
 4. ``--active-jobs`` unsuspended tiny jobs (managed Redis: 2 trainer pods, 1 rollout pod, 1 Redis pod made by
-   the Deployment controller): create → every pod created (no node agent, so pods stay Pending), and create →
+   the Deployment controller): create → every pod created (no nodes, so pods stay Pending), and create →
    the operator's own pods (trainer and rollout).
 
 Operator memory: VmRSS of its process from /proc (MB = 10^6 bytes), with no jobs, the highest during the

@@ -2,10 +2,13 @@
 # build-go-tools.sh — the project's one build script for every Go tool the local
 # test cluster needs:
 #
-#   kubernetes  kube-apiserver, kube-controller-manager, kube-scheduler, kubectl
+#   kubernetes  kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kubelet, kube-proxy
 #               (k8s.io/kubernetes, wrapper module localcluster/gotools/kubernetes)
 #   etcd        etcd server (go.etcd.io/etcd/server/v3, wrapper module localcluster/gotools/etcd)
 #   helm        helm v3 (helm.sh/helm/v3/cmd/helm, wrapper module localcluster/gotools/helm)
+#   coredns     CoreDNS, the cluster DNS of the local nodes (github.com/coredns/coredns with the
+#               plugins the local Corefile uses; wrapper module localcluster/gotools/coredns,
+#               whose main.go is the command)
 #
 # Versions are pinned by the committed go.mod/go.sum of each wrapper module (the
 # only place to change them). Binaries are cached OUTSIDE the repository, keyed
@@ -24,7 +27,7 @@
 # works. With the cache present a run returns in well under a second. A cold
 # build takes tens of minutes on 2 cores (kube-apiserver dominates).
 #
-# Usage: build-go-tools.sh [--versions] [TOOL...]     (TOOL: kubernetes etcd helm; default all)
+# Usage: build-go-tools.sh [--versions] [TOOL...]     (TOOL: kubernetes etcd helm coredns; default all)
 #   --versions   print "tool version" lines for the pinned set and exit
 # Env:
 #   RLJOB_TOOLS_DIR         cache root (default $HOME/.cache/rljob/tools)
@@ -51,18 +54,21 @@ modver() { # <go.mod> <module path>
 K8S_VERSION="$(modver "$GOTOOLS/kubernetes/go.mod" k8s.io/kubernetes)"
 ETCD_VERSION="$(modver "$GOTOOLS/etcd/go.mod" go.etcd.io/etcd/server/v3)"
 HELM_VERSION="$(modver "$GOTOOLS/helm/go.mod" helm.sh/helm/v3)"
-[[ -n "$K8S_VERSION" && -n "$ETCD_VERSION" && -n "$HELM_VERSION" ]] ||
+COREDNS_VERSION="$(modver "$GOTOOLS/coredns/go.mod" github.com/coredns/coredns)"
+[[ -n "$K8S_VERSION" && -n "$ETCD_VERSION" && -n "$HELM_VERSION" && -n "$COREDNS_VERSION" ]] ||
   die "could not read pinned versions from $GOTOOLS/*/go.mod"
 
 if [[ "${1:-}" == "--versions" ]]; then
-  printf 'kubernetes %s\netcd %s\nhelm %s\n' "$K8S_VERSION" "$ETCD_VERSION" "$HELM_VERSION"
+  printf 'kubernetes %s\netcd %s\nhelm %s\ncoredns %s\n' "$K8S_VERSION" "$ETCD_VERSION" "$HELM_VERSION" \
+    "$COREDNS_VERSION"
   exit 0
 fi
 
 K8S_DIR="$TOOLS_DIR/kubernetes-$K8S_VERSION"
 ETCD_DIR="$TOOLS_DIR/etcd-$ETCD_VERSION"
 HELM_DIR="$TOOLS_DIR/helm-$HELM_VERSION"
-K8S_BINS=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
+COREDNS_DIR="$TOOLS_DIR/coredns-$COREDNS_VERSION"
+K8S_BINS=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy)
 
 have_all() { # <dir> <bin>...
   local d="$1"; shift
@@ -149,9 +155,16 @@ build_helm() {
   build_into "$GOTOOLS/helm" "$HELM_DIR" "$ld" helm.sh/helm/v3/cmd/helm
 }
 
-want=("$@"); [[ ${#want[@]} -gt 0 ]] || want=(kubernetes etcd helm)
+build_coredns() {
+  # The command is the wrapper's own main package (a plugin subset); its binary is named "coredns".
+  local ld="-s -w -X github.com/coredns/coredns/coremain.GitCommit=module-$COREDNS_VERSION"
+  build_into "$GOTOOLS/coredns" "$COREDNS_DIR" "$ld" rljob.local/gotools/coredns
+  [[ -x "$COREDNS_DIR/coredns" ]] || die "coredns binary missing after build"
+}
+
+want=("$@"); [[ ${#want[@]} -gt 0 ]] || want=(kubernetes etcd helm coredns)
 for t in "${want[@]}"; do
-  case "$t" in kubernetes|etcd|helm) ;; *) die "unknown tool '$t' (kubernetes, etcd, helm)";; esac
+  case "$t" in kubernetes|etcd|helm|coredns) ;; *) die "unknown tool '$t' (kubernetes, etcd, helm, coredns)";; esac
 done
 
 mkdir -p "$TOOLS_DIR"
@@ -170,6 +183,7 @@ for t in "${want[@]}"; do
     kubernetes) d="$K8S_DIR"; bins=("${K8S_BINS[@]}");;
     etcd)       d="$ETCD_DIR"; bins=(etcd);;
     helm)       d="$HELM_DIR"; bins=(helm);;
+    coredns)    d="$COREDNS_DIR"; bins=(coredns);;
   esac
   if [[ "${RLJOB_FORCE_REBUILD:-0}" != "1" ]] && have_all "$d" "${bins[@]}"; then
     quiet_log "cached: $d"
@@ -180,14 +194,16 @@ for t in "${want[@]}"; do
 done
 
 # A bin dir of symlinks for exactly this pinned set.
-set_key="$(printf 'kubernetes-%s etcd-%s helm-%s' "$K8S_VERSION" "$ETCD_VERSION" "$HELM_VERSION" |
-  sha256sum | cut -c1-12)"
+set_key="$(printf 'kubernetes-%s etcd-%s helm-%s coredns-%s' "$K8S_VERSION" "$ETCD_VERSION" \
+  "$HELM_VERSION" "$COREDNS_VERSION" | sha256sum | cut -c1-12)"
 BIN_DIR="$TOOLS_DIR/bin-$set_key"
 mkdir -p "$BIN_DIR"
 link() { [[ -x "$1/$2" ]] && ln -sfn "$1/$2" "$BIN_DIR/$2"; return 0; }
 for b in "${K8S_BINS[@]}"; do link "$K8S_DIR" "$b"; done
 link "$ETCD_DIR" etcd
 link "$HELM_DIR" helm
-printf 'kubernetes %s\netcd %s\nhelm %s\n' "$K8S_VERSION" "$ETCD_VERSION" "$HELM_VERSION" > "$BIN_DIR/VERSIONS"
-quiet_log "bin dir (kubernetes $K8S_VERSION, etcd $ETCD_VERSION, helm $HELM_VERSION):"
+link "$COREDNS_DIR" coredns
+printf 'kubernetes %s\netcd %s\nhelm %s\ncoredns %s\n' "$K8S_VERSION" "$ETCD_VERSION" "$HELM_VERSION" \
+  "$COREDNS_VERSION" > "$BIN_DIR/VERSIONS"
+quiet_log "bin dir (kubernetes $K8S_VERSION, etcd $ETCD_VERSION, helm $HELM_VERSION, coredns $COREDNS_VERSION):"
 echo "$BIN_DIR"

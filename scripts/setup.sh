@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Installs everything rljob's tests and demo need on a fresh Debian machine (idempotent):
-# Debian packages (redis-server, iproute2, util-linux), the Python package with its trainer and test
-# extras, and the Go-built control plane + helm (cached under ~/.cache/rljob/tools by version).
+# Debian packages (redis-server, iproute2, util-linux; containerd, runc, the CNI plugins, iptables and
+# conntrack for the local cluster's nodes; buildah and debootstrap for its images), the Python package with
+# its trainer and test extras, the Go-built control plane, node components and helm (cached under
+# ~/.cache/rljob/tools by version), and the images built from the project's Dockerfiles (cached under
+# ~/.cache/rljob/images by a hash of their inputs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,6 +13,17 @@ command -v redis-server >/dev/null || need_apt+=(redis-server)
 command -v ip >/dev/null || need_apt+=(iproute2)
 command -v unshare >/dev/null || need_apt+=(util-linux)
 command -v openssl >/dev/null || need_apt+=(openssl)
+command -v containerd >/dev/null || need_apt+=(containerd)
+command -v runc >/dev/null || need_apt+=(runc)
+[ -x /usr/lib/cni/bridge ] || need_apt+=(containernetworking-plugins)
+command -v iptables >/dev/null || need_apt+=(iptables)
+command -v conntrack >/dev/null || need_apt+=(conntrack)
+command -v buildah >/dev/null || need_apt+=(buildah)
+command -v debootstrap >/dev/null || need_apt+=(debootstrap)
+[ -x /bin/busybox ] || need_apt+=(busybox-static)
+command -v gcc >/dev/null || need_apt+=(gcc)
+[ -f /usr/lib/x86_64-linux-gnu/libc.a ] || need_apt+=(libc6-dev)
+command -v git >/dev/null || need_apt+=(git)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: apt-get install ${need_apt[*]}"
   apt-get update -qq
@@ -22,4 +36,9 @@ python3 -m pip install -q --disable-pip-version-check -e '.[trainer,test]'
 if [ -x localcluster/build-go-tools.sh ]; then
   echo "setup: Go tools (control plane, kubectl, helm)"
   localcluster/build-go-tools.sh
+fi
+
+if [ -x localcluster/build-images.sh ]; then
+  echo "setup: images (operator, CPU trainer, Redis, pause) from the project's Dockerfiles"
+  localcluster/build-images.sh >/dev/null
 fi

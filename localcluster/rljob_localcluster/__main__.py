@@ -1,17 +1,18 @@
-"""CLI for the local control plane.
+"""CLI for the local cluster: a control plane and real nodes (kubelet + containerd, see nodes.py).
 
-    python -m rljob_localcluster up       # build tools if missing, start in the background
-    python -m rljob_localcluster up --agent   # ... plus the node agent, so that pods run
+    python -m rljob_localcluster up       # build tools if missing; control plane + 2 nodes in the background
+    python -m rljob_localcluster up --no-nodes   # the control plane alone (on 127.0.0.1)
     eval "$(python -m rljob_localcluster env)"
-    kubectl get ns
-    python -m rljob_localcluster status
-    python -m rljob_localcluster down     # stop it (and the node agent) and remove their data
-    python -m rljob_localcluster demo     # the README's main job: cluster + agent, helm install, CPU example
+    kubectl get nodes -o wide
+    python -m rljob_localcluster status   # state JSON and the nodes; exit 1 when down
+    python -m rljob_localcluster down     # stop everything (pods first), clean the host, remove the data
+    python -m rljob_localcluster demo     # the README's main job: cluster + nodes, helm install, CPU example
 
 State lives in ``--dir`` (default ``${RLJOB_CLUSTER_DIR:-$HOME/.cache/rljob/cluster}``):
-``kubeconfig``, ``state.json``, ``daemon.pid``, ``daemon.log`` and ``data/`` (certs, etcd, logs); with the node
-agent also ``agent.pid``, ``agent.log`` and ``agent/`` (container logs, pod dirs, PV data). ``down`` removes
-everything but the two ``.log`` files.
+``kubeconfig``, ``state.json``, ``daemon.pid``, ``daemon.log``, ``data/`` (certs, etcd, control-plane logs) and
+``nodes/`` (the nodes' configs and state, PV data, their logs in ``nodes/logs/``). ``down`` removes everything
+but ``daemon.log`` and ``nodes/logs/``; the nodes' containerd roots (unpacked images) stay in
+``${RLJOB_CONTAINERD_DIR:-$HOME/.cache/rljob/containerd}``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from . import agent_daemon, demo
+from . import demo
 from .controlplane import ControlPlane
 from .pids import pid_running, terminate
 from .tools import tools_bin_dir
@@ -68,20 +69,6 @@ def _read_state(d: Path) -> dict | None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    rc = _up(args)
-    if rc == 0 and args.agent and not args.foreground:
-        d = args.dir.resolve()
-        try:
-            pid = agent_daemon.start_agent(d, str(d / "kubeconfig"))
-        except RuntimeError as err:
-            print(f"node agent failed to start: {err}", file=sys.stderr)
-            return 1
-        print(f"# node agent up (pid {pid}; 2 nodes, 4 fake nvidia.com/gpu each; log {d / 'agent.log'})",
-              file=sys.stderr)
-    return rc
-
-
-def _up(args: argparse.Namespace) -> int:
     d: Path = args.dir.resolve()
     if _daemon_pid(d) and _read_state(d):
         st = _read_state(d)
@@ -94,10 +81,12 @@ def _up(args: argparse.Namespace) -> int:
     d.mkdir(parents=True, exist_ok=True)
     bin_dir = str(args.bin_dir or tools_bin_dir())  # may build for tens of minutes, in the foreground
     if args.foreground:
-        return _serve(d, bin_dir, args.bind_address, args.timeout)
+        return _serve(d, bin_dir, args.bind_address, args.timeout, args.nodes, args.gpus_per_node,
+                      args.nodes_timeout)
     cmd = [
         sys.executable, "-m", "rljob_localcluster", "_serve", "--dir", str(d), "--bin-dir", bin_dir,
-        "--bind-address", args.bind_address, "--timeout", str(args.timeout),
+        "--bind-address", args.bind_address or "", "--timeout", str(args.timeout), "--nodes", str(args.nodes),
+        "--gpus-per-node", str(args.gpus_per_node), "--nodes-timeout", str(args.nodes_timeout),
     ]
     env = dict(os.environ)
     # Make the package importable for the daemon even when it is not installed.
@@ -108,10 +97,10 @@ def _up(args: argparse.Namespace) -> int:
             cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, env=env, cwd=str(d),
         )
-    deadline = time.monotonic() + args.timeout + 30
+    deadline = time.monotonic() + args.timeout + 30 + (args.nodes_timeout if args.nodes else 0)
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            print(f"control plane failed to start (exit {proc.returncode}); {d / 'daemon.log'}:",
+            print(f"the local cluster failed to start (exit {proc.returncode}); {d / 'daemon.log'}:",
                   file=sys.stderr)
             print((d / "daemon.log").read_text(errors="replace")[-6000:], file=sys.stderr)
             return 1
@@ -119,48 +108,81 @@ def _up(args: argparse.Namespace) -> int:
         if st and st.get("daemon_pid") == proc.pid:
             print(f"# control plane up: {st['server']} (daemon pid {proc.pid}; "
                   f"'python -m rljob_localcluster down' stops it)", file=sys.stderr)
+            if st.get("nodes"):
+                print(f"# nodes Ready: {', '.join(st['nodes']['nodes'])} ({args.gpus_per_node} nvidia.com/gpu each; "
+                      f"DNS {st['nodes']['dns']}; logs {d / 'nodes' / 'logs'})", file=sys.stderr)
             print(_exports(d, bin_dir))
             return 0
         time.sleep(0.5)
-    print("timed out waiting for the control plane; stopping it", file=sys.stderr)
+    print("timed out waiting for the local cluster; stopping it", file=sys.stderr)
     proc.terminate()
     try:
-        proc.wait(30)
+        proc.wait(120)
     except subprocess.TimeoutExpired:
         proc.kill()
+    _down(d, quiet=True)
     return 1
 
 
-def _serve(d: Path, bin_dir: str, bind_address: str, timeout: float) -> int:
+def _serve(d: Path, bin_dir: str, bind_address: str | None, timeout: float, nodes: int = 0,
+           gpus_per_node: int = 4, nodes_timeout: float = 900.0) -> int:
+    """The daemon: the control plane and (``nodes`` > 0) the local nodes, until SIGTERM; then the nodes stop
+    (pods first, host cleaned) before the control plane."""
+    from .nodes import LocalNodes, node_control_plane_options
+
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
     (d / "daemon.pid").write_text(str(os.getpid()))
-    cp = ControlPlane(d / "data", bin_dir=bin_dir, bind_address=bind_address, start_timeout=timeout)
     rc = 0
+    cp = local_nodes = None
     try:
+        if nodes:
+            opts = node_control_plane_options()
+            if bind_address:
+                opts["bind_address"] = bind_address
+        else:
+            opts = {"bind_address": bind_address or "127.0.0.1"}
+        cp = ControlPlane(d / "data", bin_dir=bin_dir, start_timeout=timeout, **opts)
         cp.start()
         shutil.copyfile(cp.kubeconfig, d / "kubeconfig")
         (d / "kubeconfig").chmod(0o600)
         st = cp.state() | {"daemon_pid": os.getpid(), "kubeconfig": str(d / "kubeconfig")}
+        if nodes:
+            print(f"control plane up ({cp.server}); starting {nodes} nodes", flush=True)
+            local_nodes = LocalNodes(cp, d / "nodes", nodes=nodes, gpus_per_node=gpus_per_node,
+                                     start_timeout=nodes_timeout, log=lambda m: print(m, flush=True))
+            local_nodes.start()
+            st["nodes"] = local_nodes.state()
         tmp = d / "state.json.tmp"
         tmp.write_text(json.dumps(st, indent=2))
         tmp.replace(d / "state.json")
-        print(f"control plane up: {json.dumps(st)}", flush=True)
+        print(f"local cluster up: {json.dumps(st)}", flush=True)
         while not stop.wait(2.0):
             dead = cp.dead_components()
-            if dead:
-                print(f"component(s) exited: {dead}; stopping", flush=True)
+            dead_nodes = local_nodes.dead() if local_nodes else {}
+            if dead or dead_nodes:
+                print(f"component(s) exited: {dead | dead_nodes}; stopping", flush=True)
                 for name in dead:
                     print(f"--- tail of {name} log", flush=True)
                     print((cp.log_dir / f"{name}.log").read_text(errors="replace")[-3000:], flush=True)
+                for name in dead_nodes:
+                    print(f"--- tail of {name} log", flush=True)
+                    print((local_nodes.log_dir / f"{name}.log").read_text(errors="replace")[-3000:], flush=True)
                 rc = 1
                 break
     except Exception as e:  # noqa: BLE001
-        print(f"control plane failed: {e}", flush=True)
+        print(f"local cluster failed: {e}", flush=True)
         rc = 1
     finally:
-        cp.stop()
+        if local_nodes is not None:
+            try:
+                for line in local_nodes.stop():
+                    print(f"nodes: {line}", flush=True)
+            except Exception as e:  # noqa: BLE001 - 'down' cleans the host from nodes/state.json
+                print(f"stopping the nodes failed: {e}", flush=True)
+        if cp is not None:
+            cp.stop()
         for name in ("state.json", "kubeconfig", "daemon.pid"):
             (d / name).unlink(missing_ok=True)
         print("control plane stopped", flush=True)
@@ -168,41 +190,54 @@ def _serve(d: Path, bin_dir: str, bind_address: str, timeout: float) -> int:
 
 
 def _down(d: Path, quiet: bool = False) -> int:
-    """Stop the node agent (its pods first, while the API server still answers), then the control plane,
-    and delete their data: ``data/`` and the agent's state dir ``agent/``. ``daemon.log`` and ``agent.log``
-    are kept. Exit status 1 when the agent's state dir could not be removed."""
+    """Stop the daemon (it stops the nodes, pods first while the API server still answers, then the control
+    plane); after a daemon that died hard, end its recorded processes and clean what its nodes left on the host
+    (:func:`clean_host`, from ``nodes/state.json``); then delete the data: ``data/`` and ``nodes/`` but
+    ``nodes/logs/``. ``daemon.log`` and ``nodes/logs/`` are kept. Exit status 1 when the nodes could not be
+    cleaned: local nodes still run on this host (then nothing is removed) or something of theirs is left
+    (a ``WARNING`` line says what)."""
     def say(text: str) -> None:
         if not quiet:
             print(text, file=sys.stderr)
 
-    if agent_daemon.stop_agent(d):
-        say("node agent stopped")
+    from .nodes import clean_host
+
     pid = _daemon_pid(d)
     st = _read_state(d) or {}
     had_data = (d / "data").exists()  # the daemon removes it itself when it stops
     if pid:
-        terminate(pid, 60, *_daemon_marks(d))
+        # the daemon stops the nodes (pods first, through the API) before the control plane
+        terminate(pid, 180, *_daemon_marks(d))
     # Components of a daemon that died hard: end exactly those recorded pids whose command line
     # still names this cluster's data dir (so a recycled pid is never touched).
     for cpid in (st.get("pids") or {}).values():
         terminate(cpid, 10, str(d / "data"))
     say("control plane stopped" if pid else "control plane was not running")
+    log = d / "daemon.log"
+    if pid and log.exists():  # what the daemon's own stop removed
+        for line in log.read_text(errors="replace").splitlines()[-40:]:
+            if line.startswith("nodes: "):
+                say(line)
+    # A daemon that died hard left its nodes' processes and host changes: clean from nodes/state.json.
+    try:
+        cleaned = clean_host(d / "nodes")
+    except RuntimeError as err:
+        print(f"nodes not cleaned: {err}", file=sys.stderr)
+        return 1
+    warnings = [line for line in cleaned if line.startswith("WARNING")]
+    for line in cleaned:
+        if line in warnings:
+            print(f"nodes: {line}", file=sys.stderr)  # also when quiet
+        else:
+            say(f"nodes: {line}")
     for name in ("state.json", "state.json.tmp", "kubeconfig", "daemon.pid"):
         (d / name).unlink(missing_ok=True)
-    rc = 0
     shutil.rmtree(d / "data", ignore_errors=True)
     if had_data:
         say(f"removed {d / 'data'} (etcd data, certificates, control-plane logs)")
-    try:
-        if removed := agent_daemon.remove_state(d):
-            say(f"removed {removed} (container logs, pod dirs, persistent volume data)")
-    except RuntimeError as err:
-        print(f"node agent state not removed: {err}", file=sys.stderr)
-        rc = 1
-    kept = [str(d / name) for name in ("daemon.log", "agent.log") if (d / name).exists()]
-    if kept:
+    if kept := [str(p) for p in (d / "daemon.log", d / "nodes" / "logs") if p.exists()]:
         say(f"kept {' and '.join(kept)}")
-    return rc
+    return 1 if warnings else 0
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -214,6 +249,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     pid, st = _daemon_pid(d), _read_state(d)
     if pid and st:
         print(json.dumps(st, indent=2))
+        if st.get("nodes"):
+            cols = ("NAME:.metadata.name,READY:.status.conditions[?(@.type=='Ready')].status,"
+                    "GPUS:.status.capacity.nvidia\\.com/gpu,POD-CIDR:.spec.podCIDR,"
+                    "INTERNAL-IP:.status.addresses[0].address,RUNTIME:.status.nodeInfo.containerRuntimeVersion,"
+                    "KUBELET:.status.nodeInfo.kubeletVersion")
+            out = subprocess.run([str(Path(st["bin_dir"]) / "kubectl"), "--kubeconfig", str(d / "kubeconfig"),
+                                  "get", "nodes", "-o", f"custom-columns={cols}"],
+                                 capture_output=True, text=True, check=False, timeout=30)
+            print(out.stdout or out.stderr, end="", file=sys.stderr)
         return 0
     print("not running", file=sys.stderr)
     return 1
@@ -245,26 +289,35 @@ def main(argv: list[str] | None = None) -> int:
         sp.set_defaults(fn=fn)
         return sp
 
-    up = add("up", cmd_up, "start the control plane in the background; prints export lines")
+    up = add("up", cmd_up, "start the control plane and the nodes in the background; prints export lines")
     up.add_argument("--foreground", action="store_true", help="run in this process until Ctrl-C")
-    up.add_argument("--bind-address", default="127.0.0.1", help="API server bind address")
+    up.add_argument("--bind-address", default=None,
+                    help="API server bind address (default: 0.0.0.0 with nodes, else 127.0.0.1)")
+    up.add_argument("--nodes", type=int, default=2, help="number of real nodes (kubelet + containerd; root)")
+    up.add_argument("--no-nodes", dest="nodes", action="store_const", const=0, help="the control plane alone")
+    up.add_argument("--gpus-per-node", type=int, default=4, help="fake nvidia.com/gpu per node")
+    up.add_argument("--nodes-timeout", type=float, default=900.0,
+                    help="seconds for the nodes to be Ready (the first image import takes minutes)")
     up.add_argument("--bin-dir", default=None, help="tools dir (default: build-go-tools.sh)")
     up.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for readiness")
-    up.add_argument("--agent", action="store_true",
-                    help="also start the test node agent (pods run; needs root), as the demo does")
-    add("down", cmd_down, "stop the node agent and the control plane; remove their data (data/, agent/)")
+    add("down", cmd_down, "stop the nodes (pods first) and the control plane; clean the host; "
+                          "remove their data")
     add("status", cmd_status, "print the state JSON; exit 1 when not running")
     add("env", cmd_env, "print export lines for KUBECONFIG and PATH")
     add("tools", cmd_tools, "build the Go tools if missing and print their bin dir")
     demo.add_parser(sub, default_dir())
-    serve = add("_serve", None, "internal: run the control plane in this process (used by up)")
+    serve = add("_serve", None, "internal: run the control plane and the nodes in this process (used by up)")
     serve.add_argument("--bin-dir", required=True)
-    serve.add_argument("--bind-address", default="127.0.0.1")
+    serve.add_argument("--bind-address", default="")
     serve.add_argument("--timeout", type=float, default=180.0)
+    serve.add_argument("--nodes", type=int, default=0)
+    serve.add_argument("--gpus-per-node", type=int, default=4)
+    serve.add_argument("--nodes-timeout", type=float, default=900.0)
 
     args = p.parse_args(argv)
     if args.cmd == "_serve":
-        return _serve(args.dir.resolve(), args.bin_dir, args.bind_address, args.timeout)
+        return _serve(args.dir.resolve(), args.bin_dir, args.bind_address or None, args.timeout, args.nodes,
+                      args.gpus_per_node, args.nodes_timeout)
     return args.fn(args)
 
 

@@ -45,11 +45,21 @@ from typing import IO, Self
 from .pki import CertificateAuthority, KeyPair, service_account_keypair
 from .tools import tools_bin_dir
 
-__all__ = ["ControlPlane", "ControlPlaneError"]
+__all__ = ["NODE_TIMINGS", "ControlPlane", "ControlPlaneError"]
 
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 ADMIN_USER = "rljob-admin"
 _PR_SET_PDEATHSIG = 1
+
+#: Short node timings for a cluster with real kubelets (``ControlPlane(**NODE_TIMINGS)``): a node
+#: that stops renewing its lease is NotReady after 16 s, and its pods are evicted 10 s later. The
+#: kubelets renew every 4 s (nodeLeaseDurationSeconds 16, see rljob_localcluster.nodes).
+NODE_TIMINGS: dict = {
+    "node_monitor_grace_period": "16s",
+    "node_monitor_period": "2s",
+    "default_not_ready_toleration_seconds": 10,
+    "default_unreachable_toleration_seconds": 10,
+}
 
 
 class ControlPlaneError(RuntimeError):
@@ -113,6 +123,13 @@ class ControlPlane:
         cluster_cidr: pod CIDR from which the node IPAM controller gives each Node a
             ``spec.podCIDR`` (``node_cidr_mask_size`` bits); None turns node CIDR allocation off.
         controllers: kube-controller-manager ``--controllers`` value.
+        node_monitor_grace_period: kube-controller-manager ``--node-monitor-grace-period`` (how long
+            a node may miss its lease before it turns NotReady/Unknown, e.g. "16s"); None keeps
+            the default (50s). ``NODE_TIMINGS`` holds the values the local nodes use.
+        node_monitor_period: kube-controller-manager ``--node-monitor-period`` (e.g. "2s").
+        default_not_ready_toleration_seconds / default_unreachable_toleration_seconds:
+            kube-apiserver's default tolerations of the not-ready / unreachable NoExecute taints
+            (seconds until pods are evicted from a failed node; default 300).
         extra_args: per-component extra flags, e.g. ``{"kube-apiserver": ["--v=2"]}``.
         die_with_parent: children get SIGTERM if the thread that started them dies (Linux
             PDEATHSIG; applied only when start() runs on the main thread).
@@ -130,6 +147,10 @@ class ControlPlane:
         cluster_cidr: str | None = "10.244.0.0/16",
         node_cidr_mask_size: int = 24,
         controllers: str = "*",
+        node_monitor_grace_period: str | None = None,
+        node_monitor_period: str | None = None,
+        default_not_ready_toleration_seconds: int | None = None,
+        default_unreachable_toleration_seconds: int | None = None,
         extra_args: Mapping[str, Sequence[str]] | None = None,
         keep_data: bool = False,
         die_with_parent: bool = True,
@@ -146,6 +167,10 @@ class ControlPlane:
         self.cluster_cidr = cluster_cidr
         self.node_cidr_mask_size = node_cidr_mask_size
         self.controllers = controllers
+        self.node_monitor_grace_period = node_monitor_grace_period
+        self.node_monitor_period = node_monitor_period
+        self.default_not_ready_toleration_seconds = default_not_ready_toleration_seconds
+        self.default_unreachable_toleration_seconds = default_unreachable_toleration_seconds
         self.extra_args = {k: list(v) for k, v in (extra_args or {}).items()}
         self.keep_data = keep_data
         self.die_with_parent = die_with_parent
@@ -357,10 +382,20 @@ class ControlPlane:
             "preferences": {},
         }
 
+    def write_serving_cert(
+        self, cert_path: str | os.PathLike, key_path: str | os.PathLike, common_name: str,
+        dns_names: Iterable[str] = (), ips: Iterable[str] = (),
+    ) -> None:
+        """Write a TLS serving certificate signed by the cluster CA (e.g. a kubelet's)."""
+        if self._ca is None:
+            raise ControlPlaneError("control plane has no CA yet; call start() first")
+        Path(cert_path).parent.mkdir(parents=True, exist_ok=True)
+        self._ca.serving_cert(common_name, dns_names, ips).write(Path(cert_path), Path(key_path))
+
     def write_kubeconfig(
         self, path: str | os.PathLike, user: str, groups: Sequence[str] = (), server: str | None = None
     ) -> str:
-        """Write a kubeconfig for a client-cert identity ``user`` in ``groups`` (e.g. a node agent:
+        """Write a kubeconfig for a client-cert identity ``user`` in ``groups`` (e.g. a kubelet:
         user ``system:node:<name>``, groups ``["system:nodes"]``). Returns the path."""
         if self._ca is None:
             raise ControlPlaneError("control plane has no CA yet; call start() first")
@@ -504,9 +539,18 @@ class ControlPlane:
                 f"--proxy-client-cert-file={pki / 'front-proxy-client.crt'}",
                 f"--proxy-client-key-file={pki / 'front-proxy-client.key'}",
                 "--profiling=false",
-                # Endpoints may not hold loopback addresses, so with a loopback advertise address
-                # the "kubernetes" Service gets no endpoints (pods reach the API server through
-                # KUBERNETES_SERVICE_HOST/PORT, which the node agent points at the real address).
+                *(
+                    [f"--default-not-ready-toleration-seconds={self.default_not_ready_toleration_seconds}"]
+                    if self.default_not_ready_toleration_seconds is not None else []
+                ),
+                *(
+                    [f"--default-unreachable-toleration-seconds={self.default_unreachable_toleration_seconds}"]
+                    if self.default_unreachable_toleration_seconds is not None else []
+                ),
+                # Endpoints may not hold loopback addresses, so with a loopback advertise address (a
+                # control plane without nodes, where no pod runs) the "kubernetes" Service gets no
+                # endpoints; with nodes the advertise address is the host's (node_control_plane_options)
+                # and kube-proxy routes the Service to it.
                 "--endpoint-reconciler-type="
                 + ("none" if ipaddress.ip_address(self.advertise_address).is_loopback else "lease"),
             ],
@@ -560,6 +604,10 @@ class ControlPlane:
             "--leader-elect=false",
             "--profiling=false",
         ]
+        if self.node_monitor_grace_period:
+            kcm_args.append(f"--node-monitor-grace-period={self.node_monitor_grace_period}")
+        if self.node_monitor_period:
+            kcm_args.append(f"--node-monitor-period={self.node_monitor_period}")
         if self.cluster_cidr:
             kcm_args += [
                 "--allocate-node-cidrs=true",
@@ -636,6 +684,7 @@ class ControlPlane:
             "etcd_url": self.etcd_url,
             "ca_cert": self.ca_cert_path,
             "pids": self.pids,
+            "advertise_address": self.advertise_address,
             "ports": {
                 "etcd": self.etcd_port,
                 "kube-apiserver": self.api_port,

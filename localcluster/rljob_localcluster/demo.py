@@ -1,7 +1,7 @@
 """The README's main job: ``python -m rljob_localcluster demo`` (``scripts/demo.sh`` after ``scripts/setup.sh``).
 
-1. starts the local cluster, or reuses the one that runs: the control plane (``up``) and the node agent (two
-   nodes with four fake GPUs each, :mod:`.agent_daemon`);
+1. starts the local cluster, or reuses the one that runs (``up``): the control plane and two real nodes
+   (kubelet + containerd, four fake GPUs each) with the images built from the project's Dockerfiles;
 2. ``helm upgrade --install rljob-operator helm/rljob-operator -n rljob-system --create-namespace --wait``
    (the operator runs as a pod under its own ServiceAccount);
 3. ``kubectl apply -f examples/rljob-cpu.yaml`` (a finished job of the same name is deleted first);
@@ -10,7 +10,7 @@
 5. prints the final status (``kubectl get rljob -o wide``, the conditions) and where the metrics are;
 6. leaves the cluster running (``--down`` stops it; ``python -m rljob_localcluster down`` later).
 
-Exit status: 0 when the job Succeeded, 1 otherwise. Needs root (network namespaces).
+Exit status: 0 when the job Succeeded, 1 otherwise. Needs root (containerd, kubelet, CNI).
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from . import agent_daemon
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "rljob-operator"
@@ -51,12 +49,13 @@ def _run(cmd: list[str], env: dict[str, str], what: str, *, timeout: float = 600
 
 
 def ensure_cluster(d: Path) -> tuple[str, Path]:
-    """Start (or reuse) the control plane and the node agent of cluster dir ``d``; (kubeconfig, bin dir)."""
+    """Start (or reuse) the control plane and the nodes of cluster dir ``d``; (kubeconfig, bin dir)."""
     from . import __main__ as cli
 
     state = cli._read_state(d) if cli._daemon_pid(d) else None
     if state is None:
-        _say("starting the local control plane (kube-apiserver, etcd, controller-manager, scheduler)")
+        _say("starting the local cluster: control plane (kube-apiserver, etcd, controller-manager, scheduler) and "
+             "two nodes (kubelet + containerd, 4 fake nvidia.com/gpu each)")
         proc = subprocess.run([sys.executable, "-m", "rljob_localcluster", "up", "--dir", str(d)],
                               stdout=subprocess.PIPE, text=True, check=False)
         state = cli._read_state(d)
@@ -64,11 +63,7 @@ def ensure_cluster(d: Path) -> tuple[str, Path]:
             raise DemoError(f"the control plane did not start; see {d / 'daemon.log'}")
     else:
         _say(f"reusing the local control plane at {state['server']}")
-    kubeconfig = str(d / "kubeconfig")
-    if agent_daemon.agent_pid(d) is None:
-        _say("starting the node agent (2 nodes, 4 fake nvidia.com/gpu each)")
-    agent_daemon.start_agent(d, kubeconfig)
-    return kubeconfig, Path(state["bin_dir"])
+    return str(d / "kubeconfig"), Path(state["bin_dir"])
 
 
 def install_operator(env: dict[str, str], bin_dir: Path) -> None:
@@ -169,9 +164,7 @@ def report(job: dict[str, Any], env: dict[str, str], bin_dir: Path, d: Path, *, 
                 print(f"  {key:<18} {progress[key]}")
     print()
     _say("where to look next")
-    agent_logs = agent_daemon.state_dir(d) / "logs"
-    # The local cluster has no kube-proxy and the host does not resolve cluster DNS names, but pod IPs on the
-    # agent's bridge are reachable from the host: point at those.
+    # The host does not resolve cluster DNS names, but pod IPs on the nodes' bridges are reachable from it.
     operator_pods = json.loads(_run([str(bin_dir / "kubectl"), "-n", OPERATOR_NAMESPACE, "get", "pods", "-l",
                                      f"app.kubernetes.io/instance={RELEASE}", "-o", "json"], env,
                                     "listing the operator pods"))["items"]
@@ -186,15 +179,15 @@ def report(job: dict[str, Any], env: dict[str, str], bin_dir: Path, d: Path, *, 
     ]
     if kept:
         lines += [
-            f"container logs (kept after the pods are gone, until 'down'): {agent_logs}/{namespace}_{name}-*.log; "
-            f"those of earlier pods of the same name (gang restarts): {agent_logs / 'previous'}/",
-            f"control-plane logs: {d / 'data' / 'logs'}; agent log: {d / 'agent.log'}",
+            f"pod logs: kubectl logs -n {namespace} {name}-trainer-0 (--previous after a container restart; a "
+            f"deleted pod's logs go with it)",
+            f"control-plane logs: {d / 'data' / 'logs'}; kubelet, containerd, kube-proxy and CoreDNS logs: "
+            f"{d / 'nodes' / 'logs'}",
             'use this cluster: eval "$(python -m rljob_localcluster env)"; '
             'stop it (removes those logs): python -m rljob_localcluster down',
         ]
     else:
-        lines.append(f"container and control-plane logs: removed with the cluster (--down); agent log: "
-                     f"{d / 'agent.log'}")
+        lines.append(f"control-plane logs: removed with the cluster (--down); node logs: {d / 'nodes' / 'logs'}")
     for line in lines:
         print(f"  {line}")
     try:
@@ -211,7 +204,7 @@ def report(job: dict[str, Any], env: dict[str, str], bin_dir: Path, d: Path, *, 
 def run(args: argparse.Namespace) -> int:
     """The demo (see the module docstring); returns the exit status."""
     if os.geteuid() != 0:
-        print("the local cluster needs root (network namespaces, bind mounts)", file=sys.stderr)
+        print("the local cluster needs root (containerd, kubelet, CNI)", file=sys.stderr)
         return 2
     d: Path = args.dir.resolve()
     d.mkdir(parents=True, exist_ok=True)

@@ -24,12 +24,24 @@ _shared: ControlPlane | None = None
 _users = 0
 
 
+def _options() -> dict:
+    """The shared control plane can take real nodes (rljob_localcluster.nodes.LocalNodes): it listens on every
+    address, advertises the host's default-route address and has the short node timings. Without a default
+    route it stays on loopback (nodes cannot start then)."""
+    from .nodes import node_control_plane_options
+
+    try:
+        return node_control_plane_options()
+    except (RuntimeError, OSError):
+        return {}
+
+
 def acquire_control_plane() -> ControlPlane:
     """Start (once) and return the shared control plane; pair with release_control_plane()."""
     global _shared, _users
     with _lock:
         if _shared is None:
-            cp = ControlPlane()
+            cp = ControlPlane(**_options())
             cp.start()
             _shared = cp
         _users += 1

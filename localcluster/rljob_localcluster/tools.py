@@ -1,4 +1,4 @@
-"""Locating (and if needed building) the Go tools: kube-*, kubectl, etcd, helm.
+"""Locating (and if needed building) the Go tools: kube-*, kubectl, kubelet, etcd, helm, coredns.
 
 All of them come from ``localcluster/build-go-tools.sh``, which caches binaries outside the
 repository keyed by version and prints a bin dir of symlinks for the pinned set. With the cache
@@ -13,8 +13,9 @@ import sys
 from functools import cache
 from pathlib import Path
 
-#: Binaries the bin dir holds.
-TOOLS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "helm")
+#: Binaries the bin dir holds (kubelet, kube-proxy and coredns run the local nodes).
+TOOLS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "helm", "kubelet",
+         "kube-proxy", "coredns")
 
 _LOCALCLUSTER_DIR = Path(__file__).resolve().parent.parent
 
@@ -28,11 +29,30 @@ def build_script() -> Path:
 
 
 def pinned_versions() -> dict[str, str]:
-    """{"kubernetes": "v1.34.4", "etcd": "v3.6.16", "helm": "v3.19.5"} as pinned in gotools/."""
+    """{"kubernetes": "v1.34.4", "etcd": "v3.6.16", "helm": "v3.19.5", "coredns": "v1.14.1"} as pinned in
+    gotools/."""
     out = subprocess.run(
         ["bash", str(build_script()), "--versions"], check=True, capture_output=True, text=True
     ).stdout
     return dict(line.split(None, 1) for line in out.splitlines() if line.strip())
+
+
+def run_build_script(cmd: list[str], env: dict[str, str], what: str) -> Path:
+    """Run one of localcluster's build scripts (``bash cmd...`` with ``env`` added; its progress goes to this
+    process's stderr) and return the path it prints on its last stdout line (``what``: the bin dir, the index).
+
+    Raises:
+        RuntimeError: the script failed or printed nothing.
+    """
+    cmd = ["bash", *cmd]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, check=False,
+                          env={**os.environ, **env})
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed with exit code {proc.returncode}")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    if not lines:
+        raise RuntimeError(f"{' '.join(cmd)} printed no {what}")
+    return Path(lines[-1].strip())
 
 
 @cache
@@ -53,15 +73,8 @@ def tools_bin_dir() -> Path:
     script = build_script()
     if not script.exists():
         raise FileNotFoundError(f"{script} not found; set RLJOB_TOOLS_BIN_DIR or RLJOB_REPO_ROOT")
-    cmd = ["bash", str(script)]
-    env = {**os.environ, "RLJOB_TOOLS_QUIET": "1"}  # the cached-tools lines are setup.sh's to print
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, check=False, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed with exit code {proc.returncode}")
-    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
-    if not lines:
-        raise RuntimeError(f"{' '.join(cmd)} printed no bin dir")
-    d = Path(lines[-1].strip())
+    # The cached-tools lines are setup.sh's to print.
+    d = run_build_script([str(script)], {"RLJOB_TOOLS_QUIET": "1"}, "bin dir")
     missing = [t for t in TOOLS if not (d / t).exists()]
     if missing:
         raise RuntimeError(f"bin dir {d} lacks {', '.join(missing)}")

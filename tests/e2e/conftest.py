@@ -1,10 +1,11 @@
 """Fixtures of the end-to-end suite: a cluster, the operator installed with helm, and helpers to drive it.
 
 ``--cluster=local`` (default): the project's real control plane (``rljob_localcluster.ControlPlane``:
-kube-apiserver, etcd, kube-controller-manager, kube-scheduler built from source) plus the test node agent
-(two nodes with four fake ``nvidia.com/gpu`` each; pods run as process trees, images map to this Python
-environment). Both are stopped when the suite ends, also on failure. Needs root and the cached Go tools
-(``localcluster/build-go-tools.sh``, first build tens of minutes).
+kube-apiserver, etcd, kube-controller-manager, kube-scheduler built from source) and two real nodes
+(``rljob_localcluster.nodes.LocalNodes``: upstream kubelet + containerd + runc + CNI, kube-proxy, CoreDNS, four
+fake ``nvidia.com/gpu`` each) running the images built from the project's Dockerfiles
+(``localcluster/build-images.sh``). Both are stopped when the suite ends, also on failure. Needs root, the cached
+Go tools and the images (``scripts/setup.sh`` builds both).
 
 ``--cluster=existing``: whatever cluster ``KUBECONFIG`` points at (kind: ``tests/e2e/kind/run.sh``), with the
 operator image given by ``--operator-image``.
@@ -45,12 +46,6 @@ CHART = ROOT / "helm" / "rljob-operator"
 EXAMPLES = ROOT / "examples"
 RELEASE = "rljob-operator"
 OPERATOR_NAMESPACE = "rljob-system"
-AGENT_BRIDGE = "rljobe2e"
-AGENT_CLUSTER_CIDR = "10.244.192.0/18"
-"""The e2e agent's pod network: its own bridge, and a /18 that neither the demo cluster's nodes (10.244.1-2.0/24)
-nor the agent's own tests use."""
-SERVICE_IP = "10.96.0.1"
-"""The ``kubernetes`` Service address every local node agent relays to its API server (one agent per host)."""
 GPUS_PER_NODE = 4
 LOG_TAIL = 60
 """Lines of each log a failure message carries."""
@@ -59,24 +54,20 @@ LOG_TAIL = 60
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("rljob e2e")
     group.addoption("--cluster", choices=("local", "existing"), default="local",
-                    help="e2e cluster: 'local' starts the local control plane + node agent (default); "
+                    help="e2e cluster: 'local' starts the local control plane + two kubelet nodes (default); "
                     "'existing' uses KUBECONFIG (e.g. kind)")
     group.addoption("--operator-image", default=None,
-                    help="operator image REPOSITORY:TAG for --cluster=existing (the local agent ignores images)")
+                    help="operator image REPOSITORY:TAG (default: the chart's, which the local nodes have imported)")
 
 
 # --- the cluster ------------------------------------------------------------------------------------------------
 @dataclass
 class Cluster:
-    """One cluster the suite drives with the pinned kubectl and helm.
-
-    ``agent_state_dir`` is set on the local cluster (container logs of deleted pods live there).
-    """
+    """One cluster the suite drives with the pinned kubectl and helm."""
 
     kubeconfig: str
     bin_dir: Path | None
     mode: str
-    agent_state_dir: Path | None = None
     helm_home: Path = field(default_factory=lambda: Path("/tmp/rljob-e2e-helm"))
 
     def _tool(self, name: str) -> str:
@@ -129,62 +120,38 @@ class Cluster:
         return kube_config.new_client_from_config(config_file=self.kubeconfig)
 
     def pod_log(self, namespace: str, pod: str, tail: int = LOG_TAIL) -> str:
-        """The last ``tail`` lines of every container of a pod: the agent's files on the local cluster
-        (they outlive deleted pods; earlier pods of the name first, from ``logs/previous/``), ``kubectl logs``
-        elsewhere."""
-        if self.agent_state_dir is not None:
-            text = ""
-            logs = self.agent_state_dir / "logs"
-            paths = [*logs.glob(f"{namespace}_{pod}_*.log"), *(logs / "previous").glob(f"{namespace}_{pod}_*.log")]
-            for path in sorted(paths, key=lambda p: (p.stat().st_mtime, p.name)):
-                lines = path.read_text(errors="replace").splitlines()[-tail:]
-                text += f"--- {path.name}\n" + "\n".join(lines) + "\n"
-            return text or f"(no log files for {namespace}/{pod})\n"
-        proc = self.kubectl("logs", "-n", namespace, pod, "--all-containers", f"--tail={tail}", check=False)
-        return proc.stdout + proc.stderr
+        """The last ``tail`` lines of every container of a pod (``kubectl logs``), the previous container's first
+        when it restarted (``kubectl logs --previous``)."""
+        text = ""
+        for previous in (True, False):
+            args = ["logs", "-n", namespace, pod, "--all-containers", f"--tail={tail}"] + (["--previous"] if previous else [])
+            proc = self.kubectl(*args, check=False)
+            if previous and proc.returncode != 0:
+                continue
+            text += ("--- previous container\n" if previous else "") + proc.stdout + proc.stderr
+        return text
 
     def logged_pods(self, namespace: str, prefix: str = "") -> list[str]:
-        """Pods of ``namespace`` with logs: the agent's files (deleted pods too) or the live pods."""
-        if self.agent_state_dir is not None:
-            logs = self.agent_state_dir / "logs"
-            names = {p.name[len(namespace) + 1:].rsplit("_", 1)[0]
-                     for folder in (logs, logs / "previous") for p in folder.glob(f"{namespace}_{prefix}*.log")}
-            return sorted(names)
+        """Pods of ``namespace`` whose names start with ``prefix`` (their logs go with them when deleted)."""
         return sorted(p["metadata"]["name"] for p in self.items("pods", namespace)
                       if p["metadata"]["name"].startswith(prefix))
 
 
 def _start_local(request: pytest.FixtureRequest, stack) -> Cluster:
-    if os.geteuid() != 0:
-        pytest.skip("the local node agent needs root (network namespaces, bind mounts)")
     if os.environ.get("RLJOB_SKIP_CLUSTER") == "1":
-        pytest.skip("RLJOB_SKIP_CLUSTER=1")
+        pytest.skip("RLJOB_SKIP_CLUSTER=1: the end-to-end suite does NOT run")
+    if os.geteuid() != 0:
+        pytest.fail("the local nodes need root (containerd, kubelet, CNI); run as root or set RLJOB_SKIP_CLUSTER=1")
     from conftest_cluster import acquire_control_plane, release_control_plane
-    from rljob_localcluster.agent import Agent, AgentConfig
-    from rljob_localcluster.agent.agent import default_image_env
+    from rljob_localcluster.nodes import LocalNodes
 
-    def other_agent() -> str:
-        return subprocess.run(["ip", "-o", "addr", "show", "to", f"{SERVICE_IP}/32"], capture_output=True,
-                              text=True, check=False).stdout.strip()
-
-    if other_agent():
-        time.sleep(5)  # an agent that is stopping removes its bridge within seconds
-        if other_agent():
-            pytest.fail(f"another local node agent serves {SERVICE_IP} on this host ({other_agent()}); pods would reach "
-                        "its API server. Stop it first (the demo cluster: python -m rljob_localcluster down)")
     cp = acquire_control_plane()
     stack.append(release_control_plane)
-    state_dir = Path(os.environ.get("RLJOB_E2E_AGENT_DIR", "/tmp/rljob-e2e-agent"))
-    shutil.rmtree(state_dir / "logs", ignore_errors=True)  # this run's container logs only (kept after it ends)
-    agent = Agent(AgentConfig(
-        kubeconfig=cp.kubeconfig, state_dir=state_dir, nodes=2, gpus_per_node=GPUS_PER_NODE,
-        bridge=AGENT_BRIDGE, cluster_cidr=AGENT_CLUSTER_CIDR,
-        # The CPU trainer image sets OMP_NUM_THREADS=1 (trainer_image/Dockerfile.cpu); so does this "image".
-        image_env={**default_image_env(), "OMP_NUM_THREADS": "1"},
-    ))
-    agent.start()
-    stack.append(agent.stop)
-    return Cluster(kubeconfig=cp.kubeconfig, bin_dir=Path(cp.bin_dir), mode="local", agent_state_dir=agent.state_dir)
+    nodes = LocalNodes(cp, Path(os.environ.get("RLJOB_E2E_NODES_DIR", "/tmp/rljob-e2e-nodes")), nodes=2,
+                       gpus_per_node=GPUS_PER_NODE)
+    nodes.start()
+    stack.append(nodes.stop)
+    return Cluster(kubeconfig=cp.kubeconfig, bin_dir=Path(cp.bin_dir), mode="local")
 
 
 @pytest.fixture(scope="package")
@@ -542,7 +509,8 @@ def phase(job: dict[str, Any]) -> str | None:
 
 
 def pvc(name: str, size: str = "1Gi") -> dict[str, Any]:
-    """A ReadWriteOnce claim of the cluster's default StorageClass (the local agent's ``rljob-local``)."""
+    """A ReadWriteOnce claim of the cluster's default StorageClass: ``rljob-local`` on the local nodes (the
+    provisioner of their node controller), ``standard`` on kind."""
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name},
             "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": size}}}}
 

@@ -51,11 +51,15 @@ def test_suspend_keeps_redis_and_resume_continues(cluster, operator, namespace, 
     wait_for(lambda: phase(get_job(cluster, namespace, name)) == "Running", 180, "the job to run again", diagnostics)
     trainers = cluster.items("pods", namespace, f"{c.LABEL_ROLE}=trainer")
     assert {p["metadata"]["labels"][c.LABEL_ATTEMPT] for p in trainers} == {str(attempt_suspended)}, trainers
-    wait_for(lambda: (_status(cluster, namespace, name).get("step") or 0) > step_suspended, 300,
-             f"training to go past step {step_suspended} after the resume", diagnostics)
+    # The new trainer's own log says where it started; the status step alone could still be the suspended
+    # attempt's last progress write.
+    loaded = f"checkpoint: loaded /var/lib/rljob/checkpoints/step-{checkpoint_step:08d}"
+    wait_for(lambda: loaded in cluster.kubectl("logs", "-n", namespace, f"{name}-trainer-0", check=False).stdout, 180,
+             f"the resumed trainer to log '{loaded}'", diagnostics)
+    progress_step = int(snapshot["progress"]["step"])
+    wait_for(lambda: (_status(cluster, namespace, name).get("step") or 0) > progress_step, 300,
+             f"training to go past step {progress_step} after the resume", diagnostics)
     job = get_job(cluster, namespace, name)
     assert condition(job, c.ConditionType.SUSPENDED).get("status") == "False"
     assert job["status"]["restarts"] == 0 and job["status"]["failedAttempts"] == 0
     assert job["status"]["startTime"]
-    resumed = cluster.kubectl("logs", "-n", namespace, f"{name}-trainer-0").stdout
-    assert f"checkpoint: loaded /var/lib/rljob/checkpoints/step-{checkpoint_step:08d}" in resumed, resumed[-3000:]

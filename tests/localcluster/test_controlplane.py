@@ -259,7 +259,7 @@ def test_cli_up_status_down(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO / "localcluster"), os.environ.get("PYTHONPATH", "")]))
     cli = [sys.executable, "-m", "rljob_localcluster"]
-    up = subprocess.run([*cli, "up", "--dir", str(d)], capture_output=True, text=True, env=env,
+    up = subprocess.run([*cli, "up", "--dir", str(d), "--no-nodes"], capture_output=True, text=True, env=env,
                         timeout=300, check=False)
     try:
         assert up.returncode == 0, up.stderr
@@ -272,7 +272,7 @@ def test_cli_up_status_down(tmp_path):
                              capture_output=True, text=True, check=True)
         assert out.stdout.strip() == "namespace/default"
         # a second 'up' reuses the running cluster
-        again = subprocess.run([*cli, "up", "--dir", str(d)], capture_output=True, text=True,
+        again = subprocess.run([*cli, "up", "--dir", str(d), "--no-nodes"], capture_output=True, text=True,
                                env=env, timeout=60, check=False)
         assert again.returncode == 0 and "already running" in again.stderr
     finally:

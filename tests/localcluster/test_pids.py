@@ -1,12 +1,14 @@
-"""Processes known by pid (``rljob_localcluster.pids``, the CLI's ``agent.pid``) with real child processes: a
-zombie and a process whose command line lacks the expected parts are not "ours"; terminate() escalates to
-SIGKILL and leaves a foreign process alone.
+"""Processes known by pid (``rljob_localcluster.pids``; the CLI's ``daemon.pid`` and ``state.json``, the nodes'
+``nodes/state.json``) with real child processes: a zombie and a process whose command line lacks the expected
+parts are not "ours"; terminate() escalates to SIGKILL and leaves a foreign process alone; ``down`` and the nodes'
+cleanup signal only the processes their files name whose command lines still name what was started.
 
 Run: ``python -m pytest tests/localcluster/test_pids.py -q`` (no root, no cluster).
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -14,10 +16,12 @@ import time
 import uuid
 from pathlib import Path
 
-from rljob_localcluster import agent_daemon
+from rljob_localcluster import __main__ as cli
+from rljob_localcluster.node import host
 from rljob_localcluster.pids import cmdline, pid_running, terminate
 from waiting import wait_until
 
+SLEEPER = "import time; print('ready', flush=True); time.sleep(60)"
 IGNORES_SIGTERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); " \
                   "time.sleep(60)"
 
@@ -36,7 +40,7 @@ def _state(pid: int) -> str:
 
 def test_running_checks_liveness_zombies_and_the_command_line():
     tag = f"pids-test-{uuid.uuid4().hex}"
-    proc = _child("import time; print('ready', flush=True); time.sleep(60)", tag)
+    proc = _child(SLEEPER, tag)
     try:
         assert tag in cmdline(proc.pid)
         assert pid_running(proc.pid) and pid_running(proc.pid, tag, "-c")
@@ -66,7 +70,7 @@ def test_terminate_escalates_to_sigkill_after_the_timeout():
 
 def test_terminate_stops_at_sigterm_and_leaves_a_foreign_process_alone():
     tag = f"pids-test-{uuid.uuid4().hex}"
-    polite = _child("import time; print('ready', flush=True); time.sleep(60)", tag)
+    polite = _child(SLEEPER, tag)
     foreign = _child(IGNORES_SIGTERM, tag)
     try:
         terminate(foreign.pid, 1.0, tag, "not-in-its-command-line")
@@ -79,21 +83,49 @@ def test_terminate_stops_at_sigterm_and_leaves_a_foreign_process_alone():
             proc.wait()
 
 
-def test_stop_agent_stops_only_the_agent_its_pid_file_names(tmp_path):
-    """``agent_daemon.stop_agent`` reads ``agent.pid``: a process whose command line does not name the agent
-    module and this dir's state dir (a recycled pid) is left alone; the real one is stopped and the file removed."""
-    sleeper = "import time; print('ready', flush=True); time.sleep(60)"
-    stranger = _child(sleeper, "not-the-agent")
-    agent = _child(sleeper, f"{agent_daemon.AGENT_MODULE} --state-dir {agent_daemon.state_dir(tmp_path)}")
+def test_down_signals_only_the_processes_its_files_name(tmp_path, capsys):
+    """``down`` reads ``daemon.pid`` and the control-plane pids of ``state.json``: a pid whose command line does
+    not name this cluster's dir (a recycled pid) is left alone; the daemon and the components that are still
+    ours are stopped, and the files removed."""
+    d = tmp_path / "cluster"
+    d.mkdir()
+    stranger = _child(SLEEPER, "not-this-cluster")
+    daemon = _child(SLEEPER, f"-m rljob_localcluster _serve --dir {d}")
+    etcd = _child(SLEEPER, f"etcd --data-dir {d / 'data' / 'etcd'}")
     try:
-        (tmp_path / "agent.pid").write_text(str(stranger.pid))
-        assert agent_daemon.agent_pid(tmp_path) is None
-        assert agent_daemon.stop_agent(tmp_path) is False and stranger.poll() is None
-        (tmp_path / "agent.pid").write_text(str(agent.pid))
-        assert agent_daemon.agent_pid(tmp_path) == agent.pid
-        assert agent_daemon.stop_agent(tmp_path, timeout=10) is True
-        assert agent.wait(5) == -signal.SIGTERM and not (tmp_path / "agent.pid").exists()
+        (d / "daemon.pid").write_text(str(stranger.pid))
+        (d / "state.json").write_text(json.dumps({"pids": {"etcd": stranger.pid}}))
+        assert cli._daemon_pid(d) is None
+        assert cli._down(d) == 0 and stranger.poll() is None
+        assert "control plane was not running" in capsys.readouterr().err
+        assert not (d / "daemon.pid").exists() and not (d / "state.json").exists()
+        (d / "daemon.pid").write_text(str(daemon.pid))
+        (d / "state.json").write_text(json.dumps({"pids": {"etcd": etcd.pid, "kube-apiserver": stranger.pid}}))
+        assert cli._daemon_pid(d) == daemon.pid
+        assert cli._down(d) == 0
+        assert daemon.wait(5) == -signal.SIGTERM and etcd.wait(5) == -signal.SIGTERM
+        assert stranger.poll() is None and not (d / "daemon.pid").exists()
     finally:
-        for proc in (stranger, agent):
+        for proc in (stranger, daemon, etcd):
+            proc.kill()
+            proc.wait()
+
+
+def test_the_node_cleanup_ends_only_recorded_pids_that_still_carry_their_marks():
+    """``host.terminate_pids`` (clean_host with the pids of ``nodes/state.json``): only the processes whose
+    command line still has their recorded marks are signalled, and only they are reported as ended."""
+    tag = f"pids-test-{uuid.uuid4().hex}"
+    recycled = _child(SLEEPER, "some-other-process")
+    kubelet = _child(SLEEPER, f"kubelet --config /nodes/{tag}/kubelet.yaml")
+    stubborn = _child(IGNORES_SIGTERM, f"containerd --config /nodes/{tag}/containerd.toml")
+    try:
+        ended = host.terminate_pids([(recycled.pid, [f"/nodes/{tag}/kubelet.yaml"]),
+                                     (kubelet.pid, [f"/nodes/{tag}/kubelet.yaml"]),
+                                     (stubborn.pid, [f"/nodes/{tag}/containerd.toml"])], timeout=1.0)
+        assert sorted(ended) == sorted([kubelet.pid, stubborn.pid])
+        assert kubelet.wait(5) == -signal.SIGTERM and stubborn.wait(5) == -signal.SIGKILL
+        assert recycled.poll() is None
+    finally:
+        for proc in (recycled, kubelet, stubborn):
             proc.kill()
             proc.wait()

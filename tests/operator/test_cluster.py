@@ -1,4 +1,4 @@
-"""Against the real API server of the local control plane (no node agent: pods stay Pending).
+"""Against the real API server of the local control plane (no nodes: pods stay Pending).
 
 The chart's CRDs, ServiceAccount, RBAC and peering object are installed with the objects ``helm template``
 renders; the operator runs as a process with a token of that ServiceAccount, so a missing RBAC rule fails
@@ -112,7 +112,7 @@ def installed(kube, tmp_path_factory) -> Path:
              "crd/clusterkopfpeerings.kopf.dev")
     kube.run("create", "namespace", SYSTEM_NS, check=False)
     for obj in render(release=RELEASE, namespace=SYSTEM_NS):
-        if obj["kind"] not in ("Deployment", "Service"):  # no node agent here: the operator runs as a process
+        if obj["kind"] not in ("Deployment", "Service"):  # no nodes here: the operator runs as a process
             kube.apply(obj)
     token = kube.run("create", "token", SERVICE_ACCOUNT, "-n", SYSTEM_NS, "--duration=2h").stdout.strip()
     config = yaml.safe_load(Path(kube.cp.kubeconfig).read_text())
@@ -516,7 +516,7 @@ def test_metrics_and_liveness_endpoints(kube, operator, namespace):
 
 
 def kubelet_status(kube: Kube, namespace: str, pod: str, phase: str, container: dict, scheduled: bool = True) -> None:
-    """Write pod status the way a kubelet would (there is no node agent here): phase, conditions, one container."""
+    """Write pod status the way a kubelet would (there are no nodes here): phase, conditions, one container."""
     ready = "running" in container["state"]
     conditions = [{"type": "Ready", "status": "True" if ready else "False"}]
     if scheduled:
