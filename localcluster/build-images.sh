@@ -449,6 +449,15 @@ main() {
     compute_hashes   # the tree may have changed while we waited; the other build may have done our work
   fi
 
+  # ... and one builder per buildah dir (two image dirs may share it): its ctx/, work/ and containers are ours.
+  exec 8>"$BUILDAH_DIR/.lock"
+  if ! flock -n 8; then
+    log "another build uses $BUILDAH_DIR; waiting for it"
+    flock 8
+  fi
+  # Working containers a failed build left (build_base mounts one between `from` and `commit`): the storage
+  # root is this script's own and both locks are held, so every container in it is a dead build's.
+  bah rm --all >/dev/null 2>&1 || true
   rm -rf "$BUILDAH_DIR"/ctx "$BUILDAH_DIR"/work "$IMAGES_DIR"/*.tmp.* 2>/dev/null || true
   find "$BUILDAH_DIR/tmp" -mindepth 1 -maxdepth 1 -not -name 'buildah-cache*' -exec rm -rf {} + 2>/dev/null || true
   setup_pip_cache

@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from . import demo
+from . import demo, statefile
 from .controlplane import ControlPlane
 from .pids import pid_running, terminate
 from .tools import tools_bin_dir
@@ -62,10 +62,8 @@ def _exports(d: Path, bin_dir: str | None) -> str:
 
 
 def _read_state(d: Path) -> dict | None:
-    try:
-        return json.loads((d / "state.json").read_text())
-    except (OSError, ValueError):
-        return None
+    """The daemon's state.json in ``d`` (None when missing or unreadable)."""
+    return statefile.read(d / "state.json")
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -154,9 +152,7 @@ def _serve(d: Path, bin_dir: str, bind_address: str | None, timeout: float, node
                                      start_timeout=nodes_timeout, log=lambda m: print(m, flush=True))
             local_nodes.start()
             st["nodes"] = local_nodes.state()
-        tmp = d / "state.json.tmp"
-        tmp.write_text(json.dumps(st, indent=2))
-        tmp.replace(d / "state.json")
+        statefile.write(d / "state.json", st)
         print(f"local cluster up: {json.dumps(st)}", flush=True)
         while not stop.wait(2.0):
             dead = cp.dead_components()

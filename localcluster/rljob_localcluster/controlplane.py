@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import atexit
 import base64
-import ctypes
 import http.client
 import ipaddress
 import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -42,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Self
 
+from .pids import free_port, set_pdeathsig
 from .pki import CertificateAuthority, KeyPair, service_account_keypair
 from .tools import tools_bin_dir
 
@@ -49,10 +48,9 @@ __all__ = ["NODE_TIMINGS", "ControlPlane", "ControlPlaneError"]
 
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 ADMIN_USER = "rljob-admin"
-_PR_SET_PDEATHSIG = 1
 
 #: Short node timings for a cluster with real kubelets (``ControlPlane(**NODE_TIMINGS)``): a node
-#: that stops renewing its lease is NotReady after 16 s, and its pods are evicted 10 s later. The
+#: that stops renewing its lease is Ready=Unknown after 16 s, and its pods are evicted 10 s later. The
 #: kubelets renew every 4 s (nodeLeaseDurationSeconds 16, see rljob_localcluster.nodes).
 NODE_TIMINGS: dict = {
     "node_monitor_grace_period": "16s",
@@ -83,20 +81,6 @@ class _Component:
         except OSError:
             return "(no log)"
         return "\n".join(lines[-n:])
-
-
-def _free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except Exception:  # noqa: BLE001,S110  # pragma: no cover - best-effort safety net only
-        pass
 
 
 def _b64(data: bytes) -> str:
@@ -423,7 +407,7 @@ class ControlPlane:
             stderr=subprocess.STDOUT,
             cwd=self.data_dir,
             start_new_session=True,  # a terminal's Ctrl-C goes to us; stop() ends them in order
-            preexec_fn=_set_pdeathsig if use_pdeathsig else None,  # noqa: PLW1509 - one prctl call
+            preexec_fn=set_pdeathsig if use_pdeathsig else None,  # noqa: PLW1509 - one prctl call
         )
         comp = _Component(name, proc, log_path, log_file)
         self._components.append(comp)
@@ -472,9 +456,9 @@ class ControlPlane:
         deadline = time.monotonic() + self.start_timeout
         pki = self._pki
         host = "127.0.0.1"
-        self.etcd_port, self.etcd_peer_port = _free_port(host), _free_port(host)
-        self.api_port = _free_port(self.bind_address if self.bind_address not in ("::",) else "::")
-        self.kcm_port, self.scheduler_port = _free_port(host), _free_port(host)
+        self.etcd_port, self.etcd_peer_port = free_port(host), free_port(host)
+        self.api_port = free_port(self.bind_address if self.bind_address not in ("::",) else "::")
+        self.kcm_port, self.scheduler_port = free_port(host), free_port(host)
 
         # ---- etcd
         client_url = f"http://{host}:{self.etcd_port}"

@@ -17,15 +17,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tarfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .tools import run_build_script
-
-_LOCALCLUSTER_DIR = Path(__file__).resolve().parent.parent
+from .tools import run_build_script, script
 
 #: The sandbox image the images are built for: containerd's ``sandbox_image`` must name exactly this one
 #: (kubelet v1.34 takes the sandbox image from the CRI runtime; kubeadm v1.34 pins pause 3.10.1).
@@ -46,7 +45,10 @@ class Image:
     unpacked_bytes: int  # sum of the uncompressed layers (0 if unknown)
 
     def manifest_digest(self) -> str:
-        """Digest of the image's manifest (what `ctr images ls` shows as DIGEST once imported)."""
+        """Digest of the image's manifest (what `ctr images ls` shows as DIGEST once imported).
+
+        Raises ValueError when the archive is not an OCI archive or its index lists no manifest.
+        """
         with tarfile.open(self.archive) as tar:
             member = tar.extractfile("index.json")
             if member is None:
@@ -58,14 +60,6 @@ class Image:
         return manifests[0]["digest"]
 
 
-def build_script() -> Path:
-    """Path of ``localcluster/build-images.sh`` (override the repo with RLJOB_REPO_ROOT)."""
-    root = os.environ.get("RLJOB_REPO_ROOT")
-    if root:
-        return Path(root) / "localcluster" / "build-images.sh"
-    return _LOCALCLUSTER_DIR / "build-images.sh"
-
-
 def images_dir() -> Path:
     """Where the archives and index.json live (``RLJOB_IMAGES_DIR``, default ~/.cache/rljob/images)."""
     override = os.environ.get("RLJOB_IMAGES_DIR")
@@ -75,6 +69,7 @@ def images_dir() -> Path:
 
 
 def index_path() -> Path:
+    """``index.json`` in :func:`images_dir` (build-images.sh writes it; it may not exist yet)."""
     return images_dir() / "index.json"
 
 
@@ -83,10 +78,10 @@ def build(only: Sequence[str] = (), force: bool = False, quiet: bool = True) -> 
 
     Its progress goes to this process's stderr. Raises RuntimeError when the build fails.
     """
-    script = build_script()
-    if not script.exists():
-        raise FileNotFoundError(f"{script} not found; set RLJOB_REPO_ROOT")
-    cmd = [str(script)]
+    path = script("build-images.sh")
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found; set RLJOB_REPO_ROOT")
+    cmd = [str(path)]
     for key in only:
         cmd += ["--only", key]
     if force:
@@ -114,14 +109,21 @@ def load_index(path: Optional[os.PathLike[str] | str] = None) -> list[Image]:
     return images
 
 
-def _ctr(socket: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def ctr(socket: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``ctr --address <socket> --namespace k8s.io <args>`` (output captured as text, exit status unchecked).
+
+    Raises subprocess.TimeoutExpired after ``timeout`` seconds (the ctr process is killed first).
+    """
     return subprocess.run(["ctr", "--address", socket, "--namespace", K8S_NAMESPACE, *args],
                           capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def present(socket: str) -> dict[str, str]:
-    """{image name: manifest digest} of the images in a containerd's k8s.io namespace."""
-    proc = _ctr(socket, "images", "ls")
+def present(socket: str, timeout: float = 60) -> dict[str, str]:
+    """{image name: manifest digest} of the images in a containerd's k8s.io namespace.
+
+    Raises RuntimeError when ``ctr images ls`` fails, subprocess.TimeoutExpired after ``timeout`` seconds.
+    """
+    proc = ctr(socket, "images", "ls", timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"ctr images ls at {socket}: {proc.stderr.strip()}")
     out: dict[str, str] = {}
@@ -133,27 +135,51 @@ def present(socket: str) -> dict[str, str]:
 
 
 def import_into(ctr_socket: str, images: Optional[Sequence[Image]] = None, *, timeout: float = 1800,
-                log=None) -> list[str]:
+                snapshotter: str = "", log: Callable[[str], None] | None = None) -> list[str]:
     """Import the images (default: every image of index.json) into the containerd at ``ctr_socket``
-    (namespace k8s.io, unpacked for its default snapshotter), skipping those already there with the same
-    manifest digest. Returns the names imported. Raises RuntimeError naming the image that failed."""
+    (namespace k8s.io, unpacked for ``snapshotter``; "": containerd's default, overlayfs), skipping those
+    already there with the same manifest digest. Returns the names imported.
+
+    Args:
+        timeout: seconds for the whole call; a ``ctr`` still running then is killed.
+        snapshotter: must be the snapshotter of the node's CRI plugin, or its pods cannot use the images.
+        log: called with one line before each import.
+
+    Raises:
+        RuntimeError: an import failed or did not register the image (the message names it), or
+            ``timeout`` ran out.
+        FileNotFoundError: ``images`` is None and index.json or one of its archives is missing.
+    """
+    deadline = time.monotonic() + timeout
+
+    def left(what: str) -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RuntimeError(f"image import into {ctr_socket} timed out after {timeout:.0f}s ({what})")
+        return remaining
+
     if images is None:
         images = load_index()
-    have = present(ctr_socket)
-    imported = []
-    for image in images:
-        digest = image.manifest_digest()
-        if have.get(image.name) == digest:
-            continue
-        if log:
-            log(f"importing {image.name} ({image.bytes / 2**20:.0f} MiB archive) into {ctr_socket}")
-        proc = _ctr(ctr_socket, "images", "import", str(image.archive), timeout=timeout)
-        if proc.returncode != 0:
-            raise RuntimeError(f"ctr images import {image.archive} at {ctr_socket}: "
-                               f"{(proc.stderr or proc.stdout).strip()[-2000:]}")
-        got = present(ctr_socket).get(image.name)
-        if got != digest:
-            raise RuntimeError(f"after importing {image.archive} at {ctr_socket}, {image.name} is "
-                               f"{got or 'missing'} (expected {digest}); ctr said: {proc.stdout.strip()[-500:]}")
-        imported.append(image.name)
+    try:
+        have = present(ctr_socket, timeout=min(60.0, left("listing images")))
+        imported = []
+        for image in images:
+            digest = image.manifest_digest()
+            if have.get(image.name) == digest:
+                continue
+            if log:
+                log(f"importing {image.name} ({image.bytes / 2**20:.0f} MiB archive) into {ctr_socket}")
+            extra = ["--snapshotter", snapshotter] if snapshotter else []
+            proc = ctr(ctr_socket, "images", "import", *extra, str(image.archive), timeout=left(image.name))
+            if proc.returncode != 0:
+                raise RuntimeError(f"ctr images import {image.archive} at {ctr_socket}: "
+                                   f"{(proc.stderr or proc.stdout).strip()[-2000:]}")
+            got = present(ctr_socket, timeout=min(60.0, left(image.name))).get(image.name)
+            if got != digest:
+                raise RuntimeError(f"after importing {image.archive} at {ctr_socket}, {image.name} is "
+                                   f"{got or 'missing'} (expected {digest}); ctr said: {proc.stdout.strip()[-500:]}")
+            imported.append(image.name)
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"image import into {ctr_socket} timed out after {timeout:.0f}s "
+                           f"({' '.join(map(str, e.cmd[-2:]))} killed)") from None
     return imported

@@ -20,19 +20,18 @@ TOOLS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", 
 _LOCALCLUSTER_DIR = Path(__file__).resolve().parent.parent
 
 
-def build_script() -> Path:
-    """Path of ``localcluster/build-go-tools.sh`` (override the repo with RLJOB_REPO_ROOT)."""
+def script(name: str) -> Path:
+    """Path of ``localcluster/<name>`` (a build script: build-go-tools.sh, build-images.sh); RLJOB_REPO_ROOT
+    overrides the repository it is looked up in."""
     root = os.environ.get("RLJOB_REPO_ROOT")
-    if root:
-        return Path(root) / "localcluster" / "build-go-tools.sh"
-    return _LOCALCLUSTER_DIR / "build-go-tools.sh"
+    return (Path(root) / "localcluster" if root else _LOCALCLUSTER_DIR) / name
 
 
 def pinned_versions() -> dict[str, str]:
     """{"kubernetes": "v1.34.4", "etcd": "v3.6.16", "helm": "v3.19.5", "coredns": "v1.14.1"} as pinned in
     gotools/."""
     out = subprocess.run(
-        ["bash", str(build_script()), "--versions"], check=True, capture_output=True, text=True
+        ["bash", str(script("build-go-tools.sh")), "--versions"], check=True, capture_output=True, text=True
     ).stdout
     return dict(line.split(None, 1) for line in out.splitlines() if line.strip())
 
@@ -70,11 +69,11 @@ def tools_bin_dir() -> Path:
         if missing:
             raise FileNotFoundError(f"RLJOB_TOOLS_BIN_DIR={d} lacks {', '.join(missing)}")
         return d
-    script = build_script()
-    if not script.exists():
-        raise FileNotFoundError(f"{script} not found; set RLJOB_TOOLS_BIN_DIR or RLJOB_REPO_ROOT")
+    path = script("build-go-tools.sh")
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found; set RLJOB_TOOLS_BIN_DIR or RLJOB_REPO_ROOT")
     # The cached-tools lines are setup.sh's to print.
-    d = run_build_script([str(script)], {"RLJOB_TOOLS_QUIET": "1"}, "bin dir")
+    d = run_build_script([str(path)], {"RLJOB_TOOLS_QUIET": "1"}, "bin dir")
     missing = [t for t in TOOLS if not (d / t).exists()]
     if missing:
         raise RuntimeError(f"bin dir {d} lacks {', '.join(missing)}")

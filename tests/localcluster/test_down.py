@@ -31,7 +31,7 @@ def iptables_cleanups(tmp_path: Path, monkeypatch) -> list[str]:
     calls: list[str] = []
     monkeypatch.setattr(cleanup, "HOST_LOCK", tmp_path / "host.lock")
     monkeypatch.setattr(cleanup.configs, "RUN_DIR", tmp_path / "run")
-    monkeypatch.setattr(cleanup.host, "remove_iptables_chains", lambda *a: calls.append("iptables") or [])
+    monkeypatch.setattr(cleanup.host, "remove_iptables_chains", lambda *a, **k: calls.append("iptables") or [])
     return calls
 
 

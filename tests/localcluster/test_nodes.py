@@ -19,14 +19,16 @@ import shutil
 import signal
 import subprocess
 import tarfile
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 from rljob_localcluster import images
 from rljob_localcluster.images import PAUSE_IMAGE, Image
-from rljob_localcluster.node import host
-from rljob_localcluster.nodes import LocalNodes, clean_host, host_leftovers
+from rljob_localcluster.node import cleanup, host
+from rljob_localcluster.node.configs import CNI_BIN_DIR
+from rljob_localcluster.nodes import CNI_PLUGINS, REQUIRED_HOST_BINARIES, LocalNodes, clean_host, host_leftovers
 from rljob_localcluster.pids import pid_running
 from waiting import wait_until
 
@@ -105,7 +107,7 @@ def index_pause() -> list[Image]:
         return []
 
 
-def test_images(tmp: Path) -> list[Image]:
+def make_test_images(tmp: Path) -> list[Image]:
     """The busybox test image, and a busybox "pause" unless build-images.sh made the real one."""
     out = [_image(BUSYBOX, busybox_image(tmp / "busybox.tar", BUSYBOX))]
     if not index_pause():
@@ -115,20 +117,13 @@ def test_images(tmp: Path) -> list[Image]:
     return out
 
 
-test_images.__test__ = False  # a helper, not a test
-
-
 # ---------------------------------------------------------------------------------------------------- fixtures
 def _requirements() -> list[str]:
     missing = []
     if os.geteuid() != 0:
         missing.append("root")
-    for b in ("containerd", "containerd-shim-runc-v2", "runc", "ctr", "iptables", "conntrack"):
-        if not shutil.which(b):
-            missing.append(b)
-    for p in ("bridge", "host-local", "portmap", "loopback"):
-        if not os.access(f"/usr/lib/cni/{p}", os.X_OK):
-            missing.append(f"/usr/lib/cni/{p}")
+    missing += [b for b in REQUIRED_HOST_BINARIES if not shutil.which(b)]
+    missing += [f"{CNI_BIN_DIR}/{p}" for p in CNI_PLUGINS if not os.access(f"{CNI_BIN_DIR}/{p}", os.X_OK)]
     if not os.access("/bin/busybox", os.X_OK):
         missing.append("/bin/busybox (busybox-static)")
     return missing
@@ -142,7 +137,7 @@ def nodes(control_plane, tmp_path_factory):
         pytest.fail(f"the local nodes need {', '.join(missing)} (scripts/setup.sh installs them; "
                     "RLJOB_SKIP_CLUSTER=1 skips these tests)")
     tmp = tmp_path_factory.mktemp("nodes")
-    ln = LocalNodes(control_plane, tmp / "state", nodes=2, gpus_per_node=GPUS, extra_images=test_images(tmp),
+    ln = LocalNodes(control_plane, tmp / "state", nodes=2, gpus_per_node=GPUS, extra_images=make_test_images(tmp),
                     images=index_pause())
     ln.start()
     try:
@@ -358,39 +353,83 @@ def test_default_storage_class_volume_shared_between_nodes(control_plane, nodes,
     assert not (nodes.pv_root / pv).exists()
 
 
-def _host_state_is_clean(state_dir: Path, sysctls: dict[str, str]) -> None:
-    left = host_leftovers(NODES, state_dir)
+def test_a_stopped_kubelet_shows_in_seconds_and_its_pods_are_evicted(control_plane, nodes, ns):
+    """A node fault shows in seconds (controlplane.NODE_TIMINGS): with rljob-node-1's kubelet stopped (SIGSTOP by
+    its pid), the Node's Ready condition leaves True within 20 s and a pod bound to the node is deleted (the
+    unreachable taint's eviction, after the pod's default 10 s toleration) within 40 s of the stop. SIGCONT
+    brings the node back Ready, and its kubelet then removes the pod."""
+    cp = control_plane
+    node = NODES[1]
+    create(cp, ns, pod("bound", node, "exec sleep 600"))
+    wait_phase(cp, ns, "bound")
+    kubelet = nodes.pids[f"kubelet-{node}"]
+
+    def not_ready() -> str | None:
+        conds = kget(cp, "node", node)["status"]["conditions"]
+        return next((f"{c['status']} ({c.get('reason')})" for c in conds if c["type"] == "Ready" and c["status"] != "True"),
+                    None)
+
+    def deleted() -> bool:
+        r = cp.kubectl("get", "pod", "bound", "-n", ns, "-o", "jsonpath={.metadata.deletionTimestamp}", check=False)
+        return r.returncode != 0 or bool(r.stdout.strip())
+
+    def status() -> str:
+        return cp.kubectl("get", "node", node, "-o", "yaml", check=False).stdout[-3000:] + describe(cp, ns)
+
+    os.kill(kubelet, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        ready = wait_until(not_ready, 20, f"{node}'s Ready condition leaving True", status, interval=0.5)
+        t_ready = time.monotonic() - t0
+        wait_until(deleted, 40 - t_ready, "the pod on the stopped node deleted", status, interval=0.5)
+        print(f"kubelet of {node} stopped: Ready {ready} after {t_ready:.1f}s, pod deleted after "
+              f"{time.monotonic() - t0:.1f}s")
+    finally:
+        os.kill(kubelet, signal.SIGCONT)
+    wait_until(lambda: nodes._node_ready(node), 60, f"{node} Ready again", status, interval=0.5)
+    wait_until(lambda: cp.kubectl("get", "pod", "bound", "-n", ns, check=False).returncode != 0, 60,
+               "the evicted pod removed by its kubelet", lambda: describe(cp, ns), interval=0.5)
+
+
+def _host_state_is_clean(state_dir: Path, st: dict) -> None:
+    """Nothing of the nodes on the host: what ``host_leftovers`` looks for (chains there before start, as
+    ``st``, the nodes' state.json, recorded them, do not count), no host path that was not there before, and
+    the sysctls as ``st`` recorded them."""
+    left = host_leftovers(NODES, state_dir, chains_before=st["chains_before"])
+    left += [f"path {p}" for p in cleanup.HOST_PATHS if os.path.lexists(p) and p not in st["host_paths_before"]]
     assert not left, left
-    assert host.read_sysctls(sysctls) == sysctls
+    assert host.read_sysctls(st["sysctls"]) == st["sysctls"]
 
 
 def test_crash_then_clean_host_and_stop_leave_nothing(control_plane, nodes, ns, tmp_path_factory):
     """Last: SIGKILL every process of the module's nodes while a pod runs, then clean_host (what 'down' runs after
     a crash); then a fresh single node, stopped cleanly. Neither leaves a bridge, chain, mount, cgroup, process,
-    or a changed sysctl."""
+    shim socket, host path that was not there before, or a changed sysctl."""
     cp = control_plane
     st = json.loads((nodes.state_dir / "state.json").read_text())
-    sysctls = st["sysctls"]
     create(cp, ns, pod("victim", NODES[0], "exec sleep 600"))
     wait_phase(cp, ns, "victim")
     pids = [v["pid"] for v in st["pids"].values()]
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
-    for p in nodes._procs.values():  # reap them (this process is their parent)
+    for p in nodes._processes.procs.values():  # reap them (this process is their parent)
         p.wait(10)
-    nodes._procs.clear()
+    nodes._processes.procs.clear()
     nodes._started = False
     assert host.cgroup_dirs("rljob-node-0")[0].exists()  # the pod's processes outlive the kubelet
+    shim_sockets = cleanup._shim_sockets(nodes.state_dir, NODES)  # those of the killed shims
     report = clean_host(nodes.state_dir, control_plane=cp, locked=True)
     nodes._lock.release()
+    assert not [str(s) for s in shim_sockets if s.exists()], report
+    assert not [line for line in report if line.startswith(("WARNING", "kept "))], report
     assert any("cgroup" in line for line in report), report
-    _host_state_is_clean(nodes.state_dir, sysctls)
+    _host_state_is_clean(nodes.state_dir, st)
     assert not any(pid_running(p) for p in pids)
 
     # a clean start/stop of one node: pods deleted through the API first, everything undone
     tmp_path = tmp_path_factory.mktemp("one")
     one = LocalNodes(cp, tmp_path / "one", nodes=1, gpus_per_node=1, images=[],
-                     extra_images=test_images(tmp_path))
+                     extra_images=make_test_images(tmp_path))
     one.start()
     try:
         create(cp, ns, pod("short", NODES[0], "exec sleep 600"))
@@ -398,7 +437,8 @@ def test_crash_then_clean_host_and_stop_leave_nothing(control_plane, nodes, ns, 
     finally:
         report = one.stop()
     assert any("pods through the API" in line for line in report), report
-    _host_state_is_clean(tmp_path / "one", sysctls)
+    assert not [line for line in report if line.startswith(("WARNING", "kept "))], report
+    _host_state_is_clean(tmp_path / "one", st)
     assert (tmp_path / "one" / "logs" / "kubelet-rljob-node-0.log").exists()
     assert sorted(p.name for p in (tmp_path / "one").iterdir()) == ["logs"]
     assert cp.kubectl("get", "node", NODES[0], check=False).returncode != 0

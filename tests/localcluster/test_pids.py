@@ -17,8 +17,7 @@ import uuid
 from pathlib import Path
 
 from rljob_localcluster import __main__ as cli
-from rljob_localcluster.node import host
-from rljob_localcluster.pids import cmdline, pid_running, terminate
+from rljob_localcluster.pids import cmdline, pid_running, terminate, terminate_all
 from waiting import wait_until
 
 SLEEPER = "import time; print('ready', flush=True); time.sleep(60)"
@@ -112,16 +111,16 @@ def test_down_signals_only_the_processes_its_files_name(tmp_path, capsys):
 
 
 def test_the_node_cleanup_ends_only_recorded_pids_that_still_carry_their_marks():
-    """``host.terminate_pids`` (clean_host with the pids of ``nodes/state.json``): only the processes whose
+    """``pids.terminate_all`` (clean_host with the pids of ``nodes/state.json``): only the processes whose
     command line still has their recorded marks are signalled, and only they are reported as ended."""
     tag = f"pids-test-{uuid.uuid4().hex}"
     recycled = _child(SLEEPER, "some-other-process")
     kubelet = _child(SLEEPER, f"kubelet --config /nodes/{tag}/kubelet.yaml")
     stubborn = _child(IGNORES_SIGTERM, f"containerd --config /nodes/{tag}/containerd.toml")
     try:
-        ended = host.terminate_pids([(recycled.pid, [f"/nodes/{tag}/kubelet.yaml"]),
-                                     (kubelet.pid, [f"/nodes/{tag}/kubelet.yaml"]),
-                                     (stubborn.pid, [f"/nodes/{tag}/containerd.toml"])], timeout=1.0)
+        ended = terminate_all([(recycled.pid, [f"/nodes/{tag}/kubelet.yaml"]),
+                               (kubelet.pid, [f"/nodes/{tag}/kubelet.yaml"]),
+                               (stubborn.pid, [f"/nodes/{tag}/containerd.toml"])], timeout=1.0)
         assert sorted(ended) == sorted([kubelet.pid, stubborn.pid])
         assert kubelet.wait(5) == -signal.SIGTERM and stubborn.wait(5) == -signal.SIGKILL
         assert recycled.poll() is None

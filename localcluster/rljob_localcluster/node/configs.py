@@ -15,7 +15,9 @@ from .. import images as _images
 __all__ = [
     "CLUSTER_CIDR",
     "CLUSTER_DOMAIN",
+    "CNI_BIN_DIR",
     "DNS_SERVICE_IP",
+    "GPU",
     "PAUSE_IMAGE",
     "RUN_DIR",
     "NodeLayout",
@@ -31,6 +33,13 @@ __all__ = [
 #: The sandbox ("pause") image containerd's CRI plugin runs for every pod: the tag kubelet/kubeadm v1.34
 #: use (kubeadm's PauseVersion 3.10.1); localcluster/build-images.sh builds and tags it.
 PAUSE_IMAGE = _images.PAUSE_IMAGE
+#: The extended resource the nodes advertise (fake GPUs; node/controller.py patches it into node status).
+GPU = "nvidia.com/gpu"
+#: The default StorageClass's provisioner (node/controller.py) and the annotation on the volumes it made.
+PROVISIONER = "rljob.dev/local-hostpath"
+PROVISIONED_BY = "pv.kubernetes.io/provisioned-by"
+#: Where Debian's containernetworking-plugins puts the CNI plugins.
+CNI_BIN_DIR = "/usr/lib/cni"
 CLUSTER_CIDR = "10.244.0.0/16"
 SERVICE_CIDR = "10.96.0.0/16"
 CLUSTER_DOMAIN = "cluster.local"
@@ -48,6 +57,7 @@ RUN_DIR = Path("/run/rljob-nodes")
 
 
 def containerd_socket(name: str) -> Path:
+    """The containerd socket of node ``name``: ``/run/rljob-nodes/<name>/containerd.sock``."""
     return RUN_DIR / name / "containerd.sock"
 
 
@@ -59,7 +69,30 @@ def pod_cidr(index: int) -> str:
 
 @dataclass(frozen=True)
 class NodeLayout:
-    """Where one node's files live and which ports it uses."""
+    """Where one node's files live and which ports it uses.
+
+    Fields: ``index`` (0..), ``name`` (``rljob-node-<index>``), ``dir`` (``<state dir>/<name>``),
+    ``containerd_root`` (kept across runs: a cache of unpacked images), ``host_ip`` (what the kubelet serves
+    and registers on), ``kubelet_port`` / ``kubelet_healthz_port`` (TCP).
+
+    Derived (properties):
+
+    ==================== ==========================================================================
+    bridge               ``rljob-cni<index>``: the node's CNI bridge, gateway 10.244.<index>.1
+    cgroup_root          ``/<name>``: kubelet's cgroupRoot in every hierarchy
+    pod_cidr             ``10.244.<index>.0/24``
+    containerd_state     ``<dir>/containerd-state`` (runc state, netns mounts, shim bundles)
+    containerd_socket    ``/run/rljob-nodes/<name>/containerd.sock`` (:func:`containerd_socket`)
+    containerd_config    ``<dir>/containerd.toml``
+    cni_conf_dir         ``<dir>/cni/net.d`` (the conflist the CRI plugin reads)
+    cni_ipam_dir         ``<dir>/cni/ipam`` (host-local's leases)
+    kubelet_root         ``<dir>/kubelet`` (``--root-dir``: pods' volumes, plugins, checkpoints)
+    kubelet_config       ``<dir>/kubelet.yaml``
+    kubeconfig           ``<dir>/kubelet.kubeconfig`` (user ``system:node:<name>``)
+    pki                  ``<dir>/pki`` (the kubelet's serving certificate)
+    pod_logs             ``<dir>/pod-logs`` (kubelet's podLogsDir)
+    ==================== ==========================================================================
+    """
 
     index: int
     name: str
@@ -127,7 +160,7 @@ def _toml_str(s: str | Path) -> str:
 
 
 def containerd_config(node: NodeLayout, *, snapshotter: str = "overlayfs", sandbox_image: str = PAUSE_IMAGE,
-                      cni_bin_dir: str = "/usr/lib/cni") -> str:
+                      cni_bin_dir: str = CNI_BIN_DIR) -> str:
     """containerd 1.6 config (version 2) for one node: own root, state, sockets; CRI with the node's CNI
     conf dir; runc via the v2 shim with cgroupfs; ``restrict_oom_score_adj`` because root here lacks
     CAP_SYS_RESOURCE (runc could not lower the pause container's oom_score_adj)."""
@@ -284,6 +317,8 @@ def kubelet_config(node: NodeLayout, *, ca_file: str, tls_cert: str, tls_key: st
 
 
 def kubelet_args(node: NodeLayout, kubelet_bin: str) -> list[str]:
+    """The kubelet's command line for ``node`` (``kubelet_bin`` first): its config, kubeconfig, root and
+    cert dirs, node name and IP; the rest is in :func:`kubelet_config`."""
     return [
         kubelet_bin,
         f"--config={node.kubelet_config}",

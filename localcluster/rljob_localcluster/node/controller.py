@@ -29,11 +29,10 @@ from pathlib import Path
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
+from .configs import GPU, PROVISIONED_BY, PROVISIONER
+
 STORAGE_CLASS = "rljob-local"
-PROVISIONER = "rljob.dev/local-hostpath"
 DEFAULT_CLASS_ANNOTATION = "storageclass.kubernetes.io/is-default-class"
-PROVISIONED_BY = "pv.kubernetes.io/provisioned-by"
-GPU = "nvidia.com/gpu"
 
 log = logging.getLogger("rljob-node-controller")
 
@@ -93,6 +92,16 @@ def gpu_patch(node: dict, gpus: int) -> list[dict]:
 
 
 class Controller:
+    """The provisioner and the GPU advertiser over one API client.
+
+    Args:
+        api: a client of the cluster (admin: it creates PersistentVolumes and patches node status).
+        root: host dir of the volumes it provisions (``<nodes state dir>/pv``); it removes a released
+            volume's directory only when it lies under ``root``.
+        nodes: the nodes to give fake GPUs.
+        gpus: ``nvidia.com/gpu`` capacity per node.
+    """
+
     def __init__(self, api: client.ApiClient, root: Path, nodes: list[str], gpus: int) -> None:
         self.api = api
         self.core = client.CoreV1Api(api)
@@ -105,6 +114,9 @@ class Controller:
         return self.api.sanitize_for_serialization(obj)
 
     def provision(self) -> None:
+        """One pass: a directory and a PersistentVolume for each Pending claim of ``rljob-local``; released
+        volumes of this provisioner deleted with their directory. Raises ApiException on API errors but
+        409 (already made) and 404 (already gone)."""
         for c in self.core.list_persistent_volume_claim_for_all_namespaces().items:
             claim = self._dict(c)
             spec, status = claim.get("spec") or {}, claim.get("status") or {}
@@ -128,7 +140,9 @@ class Controller:
                 continue
             if (pv.get("status") or {}).get("phase") != "Released" or spec.get("persistentVolumeReclaimPolicy") != "Delete":
                 continue
-            shutil.rmtree(self.root / meta["name"], ignore_errors=True)
+            path = Path((spec.get("hostPath") or {}).get("path") or "/")
+            if path.resolve().is_relative_to(self.root.resolve()) and path.resolve() != self.root.resolve():
+                shutil.rmtree(path, ignore_errors=True)  # not another run's dir: clean_host deleted that one
             try:
                 self.core.delete_persistent_volume(meta["name"])
                 log.info("deleted released %s", meta["name"])
@@ -137,6 +151,8 @@ class Controller:
                     raise
 
     def advertise_gpus(self) -> None:
+        """One pass: patch ``nvidia.com/gpu`` capacity and allocatable into the status of each registered node
+        that lacks them. Raises ApiException on API errors but 404 (node not registered yet)."""
         for name in self.nodes:
             try:
                 node = self._dict(self.core.read_node_status(name))
@@ -150,6 +166,8 @@ class Controller:
                 log.info("node %s: %s=%d", name, GPU, self.gpus)
 
     def run(self, stop: threading.Event, interval: float = 1.0) -> None:
+        """Create the StorageClass (retrying each second), print "controller ready", then run both passes every
+        ``interval`` seconds until ``stop`` is set; API errors are logged and retried, never raised."""
         self.root.mkdir(parents=True, exist_ok=True)
         while not stop.is_set():
             try:
@@ -169,6 +187,7 @@ class Controller:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The controller's command line (see ``--help``); runs until SIGTERM or SIGINT, then returns 0."""
     p = argparse.ArgumentParser(prog="python -m rljob_localcluster.node.controller", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kubeconfig", required=True)

@@ -75,7 +75,9 @@ def coredns_objects(host_ip: str, port: int) -> dict:
 
 
 def query_a(name: str, server: str = DNS_SERVICE_IP, port: int = 53, timeout: float = 2.0) -> list[str]:
-    """IPv4 addresses of ``name`` from ``server`` over UDP ([] for NXDOMAIN / no answer)."""
+    """IPv4 addresses of ``name`` from ``server``:``port`` over UDP ([] for NXDOMAIN / no answer), waiting up to
+    ``timeout`` seconds for the answer. Raises OSError (socket.timeout included) when none comes or it is not
+    the answer to this query."""
     qid = random.randrange(65536)
     q = struct.pack(">HHHHHH", qid, 0x0100, 1, 0, 0, 0)
     q += b"".join(bytes([len(p)]) + p.encode() for p in name.rstrip(".").split(".")) + b"\0"

@@ -8,8 +8,10 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import shlex
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -19,15 +21,18 @@ from ..pids import pid_running
 __all__ = [
     "CGROUP_ROOT",
     "SYSCTLS",
+    "default_route_interface",
     "default_route_ip",
     "delete_links",
+    "iptables_chains",
     "kill_cgroup_tree",
     "lazy_umount_under",
     "mount_points_under",
+    "overlay_mount_works",
     "read_sysctls",
     "remove_iptables_chains",
     "restore_sysctls",
-    "terminate_pids",
+    "routes_over",
 ]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -55,13 +60,16 @@ _MNT_DETACH = 2
 
 
 def run(cmd: list[str], check: bool = False, timeout: float = 60, input: str | None = None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` with text output captured (``input`` on its stdin). Raises CalledProcessError when
+    ``check`` and it fails, subprocess.TimeoutExpired after ``timeout`` seconds."""
     return subprocess.run(cmd, capture_output=True, text=True, check=check, timeout=timeout, input=input)
 
 
 # ---------------------------------------------------------------------------------------------------- addresses
 def default_route_ip() -> str:
     """The IPv4 address of the interface that holds the default route (what pods and kubelets reach the
-    API server and CoreDNS on)."""
+    API server and CoreDNS on). Raises RuntimeError when there is no IPv4 default route or its interface
+    has no IPv4 address."""
     try:
         dev = default_route_interface()
     except RuntimeError:
@@ -105,30 +113,6 @@ def restore_sysctls(values: dict[str, str]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------- processes
-def terminate_pids(procs: Iterable[tuple[int, Iterable[str]]], timeout: float = 15.0) -> list[int]:
-    """SIGTERM each (pid, command-line marks) that still is that process, SIGKILL after ``timeout``; returns
-    the pids that were running. A recycled pid (command line without the marks) is never touched."""
-    live = [(pid, tuple(marks)) for pid, marks in procs if pid and pid_running(pid, *marks)]
-    for pid, _ in live:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(pid_running(p, *m) for p, m in live):
-        time.sleep(0.2)
-    for pid, marks in live:
-        if pid_running(pid, *marks):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(pid_running(p, *m) for p, m in live):
-        time.sleep(0.1)
-    return [p for p, _ in live]
-
-
 def pids_with_cmdline(*parts: str) -> list[int]:
     """Pids whose command line contains every one of ``parts`` (e.g. a containerd shim's ``-address <sock>``)."""
     found = []
@@ -165,7 +149,8 @@ def make_cgroup(name: str) -> list[Path]:
 
 def kill_cgroup_tree(name: str, timeout: float = 20.0, remove: bool = True) -> list[str]:
     """SIGKILL every process in the ``/<name>`` cgroups of every hierarchy, then (``remove``) remove those
-    cgroups deepest first. Returns the cgroup dirs removed."""
+    cgroups deepest first, retrying for up to ``timeout`` seconds while processes die. Returns the cgroup dirs
+    removed. Raises RuntimeError naming the cgroups still there after ``timeout``."""
     removed: list[str] = []
     deadline = time.monotonic() + timeout
     while True:
@@ -208,6 +193,20 @@ def kill_cgroup_tree(name: str, timeout: float = 20.0, remove: bool = True) -> l
 
 
 # ---------------------------------------------------------------------------------------------------- mounts
+def overlay_mount_works(parent: str | os.PathLike) -> bool:
+    """Whether an overlay mount works in a temporary dir under ``parent`` (containerd's overlayfs snapshotter
+    needs that of its root's filesystem)."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    with tempfile.TemporaryDirectory(dir=parent, prefix=".overlay-check-") as t:
+        for d in ("lower", "upper", "work", "merged"):
+            os.mkdir(os.path.join(t, d))
+        opts = f"lowerdir={t}/lower,upperdir={t}/upper,workdir={t}/work".encode()
+        if libc.mount(b"overlay", f"{t}/merged".encode(), b"overlay", 0, opts) == 0:
+            libc.umount2(f"{t}/merged".encode(), _MNT_DETACH)
+            return True
+    return False
+
+
 def _unescape(path: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), path)
 
@@ -256,8 +255,19 @@ def add_route_sink(link: str, cidrs: Iterable[str]) -> None:
     if not Path(f"/sys/class/net/{link}").exists():
         run(["ip", "link", "add", link, "type", "bridge"], check=True)
     run(["ip", "link", "set", link, "up"], check=True)
-    for c in cidrs:
-        run(["ip", "route", "replace", c, "dev", link], check=True)
+    for c in cidrs:  # add, not replace: routes_over() checked that no route of the host is there
+        run(["ip", "route", "add", c, "dev", link], check=True)
+
+
+def routes_over(cidr: str) -> list[str]:
+    """Routes of the main table, but the default route, that cover ``cidr`` or lie inside it (a VPN's or a
+    container network's): each one as ``ip route`` prints it."""
+    out = []
+    for sel in ("match", "root"):
+        for line in run(["ip", "-4", "route", "show", sel, cidr], check=True).stdout.splitlines():
+            if (line := line.strip()) and not line.startswith("default") and line not in out:
+                out.append(line)
+    return out
 
 
 def reject_forwarding_out(chain: str, source: str, out_interface: str) -> None:
@@ -272,6 +282,7 @@ def reject_forwarding_out(chain: str, source: str, out_interface: str) -> None:
 
 
 def default_route_interface() -> str:
+    """The interface of the IPv4 default route (from /proc/net/route). Raises RuntimeError when there is none."""
     for line in Path("/proc/net/route").read_text().splitlines()[1:]:
         f = line.split()
         if len(f) > 3 and f[1] == "00000000" and int(f[3], 16) & 2:
@@ -279,15 +290,12 @@ def default_route_interface() -> str:
     raise RuntimeError("no IPv4 default route")
 
 
-def veths_on_bridge(bridge: str) -> list[str]:
-    d = Path(f"/sys/class/net/{bridge}/brif")
-    return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
-
-
-def remove_iptables_chains(prefixes: Iterable[str] = ("CNI-", "KUBE-")) -> list[str]:
-    """Remove every iptables/ip6tables chain whose name starts with one of ``prefixes`` in every table, with the
-    rules of other chains that jump to them. Returns "<cmd> <table> <chain>" of each chain removed."""
-    prefixes = tuple(prefixes)
+def remove_iptables_chains(prefixes: Iterable[str] = ("CNI-", "KUBE-"), keep: Iterable[str] = ()) -> list[str]:
+    """Remove the iptables/ip6tables chains whose name starts with one of ``prefixes`` in every table, but those
+    in ``keep`` ("<cmd> <table> <chain>" as :func:`iptables_chains` gives them: the chains that were there
+    before the nodes started), with the rules of other chains that jump to a removed one. Returns
+    "<cmd> <table> <chain>" of each chain removed."""
+    prefixes, keep = tuple(prefixes), set(keep)
     removed = []
     for binary in ("iptables", "ip6tables"):
         save = run([f"{binary}-save"])
@@ -295,30 +303,30 @@ def remove_iptables_chains(prefixes: Iterable[str] = ("CNI-", "KUBE-")) -> list[
             continue
         table = None
         chains: dict[str, list[str]] = {}
-        jumps: dict[str, list[str]] = {}
+        rules: dict[str, list[tuple[str, str, str]]] = {}  # (owner, target, "-A ..." line)
         for line in save.stdout.splitlines():
             if line.startswith("*"):
                 table = line[1:]
                 chains.setdefault(table, [])
-                jumps.setdefault(table, [])
+                rules.setdefault(table, [])
             elif line.startswith(":") and table:
                 name = line[1:].split()[0]
-                if name.startswith(prefixes):
+                if name.startswith(prefixes) and f"{binary} {table} {name}" not in keep:
                     chains[table].append(name)
             elif line.startswith("-A ") and table:
-                f = line.split()
-                owner = f[1]
+                f = shlex.split(line)  # a --comment "with spaces" is one word
                 target = f[f.index("-j") + 1] if "-j" in f else (f[f.index("-g") + 1] if "-g" in f else "")
-                if target.startswith(prefixes) and not owner.startswith(prefixes):
-                    jumps[table].append("-D" + line[2:])
+                rules[table].append((f[1], target, line))
         for t, names in chains.items():
-            if not names and not jumps.get(t):
+            gone = set(names)
+            jumps = ["-D" + line[2:] for owner, target, line in rules.get(t, []) if target in gone and owner not in gone]
+            if not names:
                 continue
-            script = [f"*{t}", *jumps.get(t, []), *[f"-F {c}" for c in names], *[f"-X {c}" for c in names], "COMMIT", ""]
+            script = [f"*{t}", *jumps, *[f"-F {c}" for c in names], *[f"-X {c}" for c in names], "COMMIT", ""]
             r = run([f"{binary}-restore", "--noflush"], input="\n".join(script))
             if r.returncode != 0:  # one rule at a time, so that one odd rule does not keep the rest
-                for rule in jumps.get(t, []):
-                    run([binary, "-t", t, *rule.split()])
+                for rule in jumps:
+                    run([binary, "-t", t, *shlex.split(rule)])
                 for c in names:
                     run([binary, "-t", t, "-F", c])
                 for c in names:
@@ -329,7 +337,7 @@ def remove_iptables_chains(prefixes: Iterable[str] = ("CNI-", "KUBE-")) -> list[
 
 
 def iptables_chains(prefixes: Iterable[str] = ("CNI-", "KUBE-")) -> list[str]:
-    """Chains with those prefixes now present ("<cmd> <table> <chain>")."""
+    """Chains with those prefixes now present in iptables and ip6tables ("<cmd> <table> <chain>")."""
     prefixes = tuple(prefixes)
     out = []
     for binary in ("iptables", "ip6tables"):
