@@ -122,7 +122,9 @@ class LocalNodes:
         log: Callable[[str], None] | None = None,
     ) -> None:
         if nodes < 1 or nodes > 200:
-            raise ValueError("nodes must be 1..200")
+            raise ValueError(f"nodes must be 1..200, got {nodes}")
+        if gpus_per_node < 0:
+            raise ValueError(f"gpus_per_node must be >= 0 (fake nvidia.com/gpu per node), got {gpus_per_node}")
         self.cp = control_plane
         self.state_dir = Path(state_dir).resolve()
         self.count = nodes
