@@ -7,7 +7,7 @@
 3. ``kubectl apply -f examples/rljob-cpu.yaml`` (a finished job of the same name is deleted first);
 4. shows live progress (:func:`rljob_operator.watch.watch`: step bar, reward, staleness, phase, conditions)
    until the job is Succeeded or Failed;
-5. prints the final status (``kubectl get rljob -o wide``, the conditions) and where the metrics are;
+5. prints the final status (``kubectl get rljob``, the conditions) and where the metrics are;
 6. leaves the cluster running (``--down`` stops it; ``python -m rljob_localcluster down`` later).
 
 Exit status: 0 when the job Succeeded, 1 otherwise. Needs root (containerd, kubelet, CNI).
@@ -184,7 +184,7 @@ def report(job: dict[str, Any], env: dict[str, str], bin_dir: Path, d: Path, *, 
             f"control-plane logs: {d / 'data' / 'logs'}; kubelet, containerd, kube-proxy and CoreDNS logs: "
             f"{d / 'nodes' / 'logs'}",
             'use this cluster: eval "$(python -m rljob_localcluster env)"; '
-            'stop it (removes those logs): python -m rljob_localcluster down',
+            'stop it (removes the control-plane logs, keeps the node logs): python -m rljob_localcluster down',
         ]
     else:
         lines.append(f"control-plane logs: removed with the cluster (--down); node logs: {d / 'nodes' / 'logs'}")
