@@ -4,7 +4,8 @@
     python -m rljob_localcluster up --no-nodes   # the control plane alone (on 127.0.0.1)
     eval "$(python -m rljob_localcluster env)"
     kubectl get nodes -o wide
-    python -m rljob_localcluster status   # state JSON and the nodes; exit 1 when down
+    python -m rljob_localcluster status   # state JSON and the nodes; exit 1 when down or starting,
+                                          # 3 when a node process exited (the rest runs on)
     python -m rljob_localcluster down     # stop everything (pods first), clean the host, remove the data
     python -m rljob_localcluster demo     # the README's main job: cluster + nodes, helm install, CPU example
 
@@ -68,8 +69,23 @@ def _read_state(d: Path) -> dict | None:
 
 def cmd_up(args: argparse.Namespace) -> int:
     d: Path = args.dir.resolve()
-    if _daemon_pid(d) and _read_state(d):
-        st = _read_state(d)
+    if not 0 <= args.nodes <= 200:
+        print(f"--nodes must be 0..200 (0: the control plane alone), got {args.nodes}", file=sys.stderr)
+        return 2
+    if args.gpus_per_node < 0:
+        print(f"--gpus-per-node must be >= 0, got {args.gpus_per_node}", file=sys.stderr)
+        return 2
+    if _daemon_pid(d) and (st := _read_state(d)):
+        running = st.get("requested") or {}
+        asked = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node}
+        if running and running != asked:
+            print(f"a local cluster already runs in {d} with {running}, not {asked}: "
+                  "'python -m rljob_localcluster down' first", file=sys.stderr)
+            return 1
+        if st.get("phase") != "ready":
+            print(f"# the local cluster in {d} is still starting (daemon pid {st['daemon_pid']}; "
+                  f"{d / 'daemon.log'})", file=sys.stderr)
+            return 1
         print(f"# control plane already running ({st['server']})", file=sys.stderr)
         print(_exports(d, st.get("bin_dir")))
         return 0
@@ -103,7 +119,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             print((d / "daemon.log").read_text(errors="replace")[-6000:], file=sys.stderr)
             return 1
         st = _read_state(d)
-        if st and st.get("daemon_pid") == proc.pid:
+        if st and st.get("daemon_pid") == proc.pid and st.get("phase") == "ready":
             print(f"# control plane up: {st['server']} (daemon pid {proc.pid}; "
                   f"'python -m rljob_localcluster down' stops it)", file=sys.stderr)
             if st.get("nodes"):
@@ -122,15 +138,34 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 1
 
 
+class _Stopped(BaseException):
+    """SIGTERM/SIGINT/SIGHUP while the daemon starts: unwinds start() (which stops what it started)."""
+
+
 def _serve(d: Path, bin_dir: str, bind_address: str | None, timeout: float, nodes: int = 0,
            gpus_per_node: int = 4, nodes_timeout: float = 900.0) -> int:
     """The daemon: the control plane and (``nodes`` > 0) the local nodes, until SIGTERM; then the nodes stop
-    (pods first, host cleaned) before the control plane."""
+    (pods first, host cleaned) before the control plane.
+
+    ``state.json`` is written as soon as the control plane runs (``phase: starting``, its pids) and again when
+    the nodes are Ready (``phase: ready``), so ``down`` can end the processes of a daemon killed at any
+    point. A signal while starting interrupts the start (what was started is stopped). A control-plane
+    component that exits stops the daemon; a node process that exits (a kubelet, a containerd, kube-proxy,
+    CoreDNS, the node controller) is logged and recorded under ``exited`` in state.json, and the rest keeps
+    running (nodes fail on real clusters too; ``status`` shows it)."""
     from .nodes import LocalNodes, node_control_plane_options
 
     stop = threading.Event()
+    starting = [True]
+
+    def on_signal(*_: object) -> None:
+        stop.set()
+        if starting[0]:
+            starting[0] = False  # raise once; a second signal must not cut the clean-up short
+            raise _Stopped
+
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     (d / "daemon.pid").write_text(str(os.getpid()))
     rc = 0
     cp = local_nodes = None
@@ -145,32 +180,30 @@ def _serve(d: Path, bin_dir: str, bind_address: str | None, timeout: float, node
         cp.start()
         shutil.copyfile(cp.kubeconfig, d / "kubeconfig")
         (d / "kubeconfig").chmod(0o600)
-        st = cp.state() | {"daemon_pid": os.getpid(), "kubeconfig": str(d / "kubeconfig")}
+        st = cp.state() | {"daemon_pid": os.getpid(), "kubeconfig": str(d / "kubeconfig"), "phase": "starting",
+                           "requested": {"nodes": nodes, "gpus_per_node": gpus_per_node}}
+        statefile.write(d / "state.json", st)
         if nodes:
             print(f"control plane up ({cp.server}); starting {nodes} nodes", flush=True)
             local_nodes = LocalNodes(cp, d / "nodes", nodes=nodes, gpus_per_node=gpus_per_node,
                                      start_timeout=nodes_timeout, log=lambda m: print(m, flush=True))
             local_nodes.start()
             st["nodes"] = local_nodes.state()
+        starting[0] = False
+        if stop.is_set():  # a signal between the end of start() and here
+            raise _Stopped
+        st["phase"] = "ready"
         statefile.write(d / "state.json", st)
         print(f"local cluster up: {json.dumps(st)}", flush=True)
-        while not stop.wait(2.0):
-            dead = cp.dead_components()
-            dead_nodes = local_nodes.dead() if local_nodes else {}
-            if dead or dead_nodes:
-                print(f"component(s) exited: {dead | dead_nodes}; stopping", flush=True)
-                for name in dead:
-                    print(f"--- tail of {name} log", flush=True)
-                    print((cp.log_dir / f"{name}.log").read_text(errors="replace")[-3000:], flush=True)
-                for name in dead_nodes:
-                    print(f"--- tail of {name} log", flush=True)
-                    print((local_nodes.log_dir / f"{name}.log").read_text(errors="replace")[-3000:], flush=True)
-                rc = 1
-                break
+        rc = _watch(d, st, cp, local_nodes, stop)
+    except _Stopped:
+        print("stopped while starting", flush=True)
+        rc = 1
     except Exception as e:  # noqa: BLE001
         print(f"local cluster failed: {e}", flush=True)
         rc = 1
     finally:
+        starting[0] = False
         if local_nodes is not None:
             try:
                 for line in local_nodes.stop():
@@ -183,6 +216,29 @@ def _serve(d: Path, bin_dir: str, bind_address: str | None, timeout: float, node
             (d / name).unlink(missing_ok=True)
         print("control plane stopped", flush=True)
     return rc
+
+
+def _watch(d: Path, st: dict, cp: ControlPlane, local_nodes, stop: threading.Event) -> int:
+    """Until ``stop``: every 2 s, a control-plane component that exited ends the watch (return 1); a node
+    process that exited is logged once and added to ``st["exited"]`` (state.json rewritten); returns 0."""
+    reported: set[str] = set()
+    while not stop.wait(2.0):
+        if dead := cp.dead_components():
+            print(f"control-plane component(s) exited: {dead}; stopping", flush=True)
+            for name in dead:
+                print(f"--- tail of {name} log", flush=True)
+                print((cp.log_dir / f"{name}.log").read_text(errors="replace")[-3000:], flush=True)
+            return 1
+        new = {n: c for n, c in (local_nodes.dead() if local_nodes else {}).items() if n not in reported}
+        if new:
+            reported |= set(new)
+            print(f"node process(es) exited: {new}; the rest keeps running ('down' stops it)", flush=True)
+            for name in new:
+                print(f"--- tail of {name} log", flush=True)
+                print((local_nodes.log_dir / f"{name}.log").read_text(errors="replace")[-3000:], flush=True)
+            st["exited"] = {**st.get("exited", {}), **new}
+            statefile.write(d / "state.json", st)
+    return 0
 
 
 def _down(d: Path, quiet: bool = False) -> int:
@@ -201,6 +257,8 @@ def _down(d: Path, quiet: bool = False) -> int:
     pid = _daemon_pid(d)
     st = _read_state(d) or {}
     had_data = (d / "data").exists()  # the daemon removes it itself when it stops
+    log = d / "daemon.log"
+    log_start = log.stat().st_size if log.exists() else 0
     if pid:
         # the daemon stops the nodes (pods first, through the API) before the control plane
         terminate(pid, 180, *_daemon_marks(d))
@@ -208,12 +266,14 @@ def _down(d: Path, quiet: bool = False) -> int:
     # still names this cluster's data dir (so a recycled pid is never touched).
     for cpid in (st.get("pids") or {}).values():
         terminate(cpid, 10, str(d / "data"))
-    say("control plane stopped" if pid else "control plane was not running")
-    log = d / "daemon.log"
-    if pid and log.exists():  # what the daemon's own stop removed
-        for line in log.read_text(errors="replace").splitlines()[-40:]:
-            if line.startswith("nodes: "):
-                say(line)
+    say("control plane stopped" if pid else
+        "the daemon had died; ended what was left of its control plane" if st else "control plane was not running")
+    if pid and log.exists():  # what the daemon's own stop removed (its lines written during this stop)
+        with open(log, "rb") as f:
+            f.seek(log_start)
+            for line in f.read().decode(errors="replace").splitlines():
+                if line.startswith("nodes: "):
+                    say(line)
     # A daemon that died hard left its nodes' processes and host changes: clean from nodes/state.json.
     try:
         cleaned = clean_host(d / "nodes")
@@ -243,8 +303,15 @@ def cmd_down(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     d = args.dir.resolve()
     pid, st = _daemon_pid(d), _read_state(d)
+    if pid and st and st.get("phase") != "ready":
+        print(json.dumps(st, indent=2))
+        print(f"starting (daemon pid {pid}; {d / 'daemon.log'})", file=sys.stderr)
+        return 1
     if pid and st:
         print(json.dumps(st, indent=2))
+        if exited := st.get("exited"):
+            print(f"DEGRADED: node process(es) exited {exited}; the logs are in {d / 'nodes' / 'logs'}",
+                  file=sys.stderr)
         if st.get("nodes"):
             cols = ("NAME:.metadata.name,READY:.status.conditions[?(@.type=='Ready')].status,"
                     "GPUS:.status.capacity.nvidia\\.com/gpu,POD-CIDR:.spec.podCIDR,"
@@ -254,7 +321,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                                   "get", "nodes", "-o", f"custom-columns={cols}"],
                                  capture_output=True, text=True, check=False, timeout=30)
             print(out.stdout or out.stderr, end="", file=sys.stderr)
-        return 0
+        return 3 if st.get("exited") else 0
     print("not running", file=sys.stderr)
     return 1
 
@@ -262,8 +329,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_env(args: argparse.Namespace) -> int:
     d = args.dir.resolve()
     st = _read_state(d)
-    if not (st and _daemon_pid(d)):
-        print("not running; start it with 'python -m rljob_localcluster up'", file=sys.stderr)
+    if not (st and _daemon_pid(d) and st.get("phase") == "ready"):
+        print("not running (or still starting); start it with 'python -m rljob_localcluster up'", file=sys.stderr)
         return 1
     print(_exports(d, st.get("bin_dir")))
     return 0
@@ -298,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for readiness")
     add("down", cmd_down, "stop the nodes (pods first) and the control plane; clean the host; "
                           "remove their data")
-    add("status", cmd_status, "print the state JSON; exit 1 when not running")
+    add("status", cmd_status, "print the state JSON; exit 1 when not running or starting, 3 when a node "
+                              "process exited")
     add("env", cmd_env, "print export lines for KUBECONFIG and PATH")
     add("tools", cmd_tools, "build the Go tools if missing and print their bin dir")
     demo.add_parser(sub, default_dir())

@@ -266,6 +266,7 @@ def test_cli_up_status_down(tmp_path):
         assert f"export KUBECONFIG={shlex.quote(str(d / 'kubeconfig'))}" in up.stdout
         st = json.loads(subprocess.run([*cli, "status", "--dir", str(d)], capture_output=True,
                                        text=True, env=env, check=True).stdout)
+        assert st["phase"] == "ready" and st["requested"] == {"nodes": 0, "gpus_per_node": 4}
         assert all(pid_running(p) for p in st["pids"].values())
         # the exported environment works for a plain shell
         out = subprocess.run(["bash", "-c", up.stdout + "\nkubectl get ns default -o name"],
@@ -275,6 +276,11 @@ def test_cli_up_status_down(tmp_path):
         again = subprocess.run([*cli, "up", "--dir", str(d), "--no-nodes"], capture_output=True, text=True,
                                env=env, timeout=60, check=False)
         assert again.returncode == 0 and "already running" in again.stderr
+        # ... but not one asked for nodes it does not have
+        other = subprocess.run([*cli, "up", "--dir", str(d), "--nodes", "1"], capture_output=True, text=True,
+                               env=env, timeout=60, check=False)
+        assert other.returncode == 1
+        assert "already runs in" in other.stderr and "{'nodes': 0, 'gpus_per_node': 4}, not {'nodes': 1" in other.stderr
     finally:
         down = subprocess.run([*cli, "down", "--dir", str(d)], capture_output=True, text=True,
                               env=env, timeout=120, check=False)
@@ -284,3 +290,42 @@ def test_cli_up_status_down(tmp_path):
     assert not (d / "data").exists() and not (d / "kubeconfig").exists()
     assert subprocess.run([*cli, "status", "--dir", str(d)], env=env, capture_output=True,
                           check=False).returncode == 1
+
+
+def test_cli_down_while_the_control_plane_starts_stops_it_at_once(tmp_path):
+    """SIGTERM (what ``down`` sends) interrupts the daemon's start: the processes it started end and ``down``
+    returns in seconds, not after its 180 s SIGKILL timeout."""
+    d = tmp_path / "cluster"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(REPO / "localcluster"), os.environ.get("PYTHONPATH", "")]))
+    cli = [sys.executable, "-m", "rljob_localcluster"]
+    up = subprocess.Popen([*cli, "up", "--dir", str(d), "--no-nodes"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        def etcd_runs() -> bool:
+            return bool(subprocess.run(["pgrep", "-f", f"etcd.*{d / 'data'}"], capture_output=True,
+                                       check=False).stdout.strip())
+        wait_until(etcd_runs, timeout=60, what="the daemon's etcd started")
+        daemon = int((d / "daemon.pid").read_text())
+        t0 = time.monotonic()
+        down = subprocess.run([*cli, "down", "--dir", str(d)], capture_output=True, text=True, env=env,
+                              timeout=120, check=False)
+        took = time.monotonic() - t0
+        assert down.returncode == 0, down.stderr
+        assert took < 60, f"down took {took:.0f}s"
+        _, err = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    assert up.returncode == 1 and "stopped while starting" in err
+    assert not pid_running(daemon)
+    assert subprocess.run(["pgrep", "-f", str(d / "data")], capture_output=True, check=False).stdout == b""
+    assert not (d / "data").exists() and not (d / "daemon.pid").exists()
+
+
+def test_cli_up_refuses_bad_counts_before_starting_anything(tmp_path):
+    from rljob_localcluster import __main__ as cli
+
+    assert cli.main(["up", "--dir", str(tmp_path / "c"), "--nodes", "-1"]) == 2
+    assert cli.main(["up", "--dir", str(tmp_path / "c"), "--gpus-per-node", "-2"]) == 2
+    assert not (tmp_path / "c").exists()
