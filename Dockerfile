@@ -20,11 +20,12 @@ RUN --mount=type=cache,target=/root/.cache/pip \
     python -c "import tomllib; print('\\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
         > /tmp/requirements.txt \
     && pip wheel --wheel-dir /wheels -r /tmp/requirements.txt
+# Only the shared API and the operator: the wheel holds exactly the rljob_* packages present (setuptools finds
+# them under pyproject's `where` folders; absent folders give none), so the trainer, rollout and local-cluster
+# packages never reach this image.
 COPY README.md ./
 COPY api ./api
 COPY operator ./operator
-COPY trainer_image ./trainer_image
-COPY localcluster ./localcluster
 RUN --mount=type=cache,target=/root/.cache/pip \
     pip wheel --no-deps --wheel-dir /wheels .
 

@@ -4,7 +4,7 @@
 
 It needs no Redis and no trainer; it takes about 2 minutes (vLLM start-up dominates) and must stay under 5.
 
-1. Builds :class:`~rljob_trainer.rollout.backends.vllm.VllmBackend` (the real class, real vLLM, eager mode) for a
+1. Builds :class:`~rljob_rollout.backends.vllm.VllmBackend` (the real class, real vLLM, eager mode) for a
    small random Llama (2 layers, width 256, the digit tokenizer's 45 tokens), tensor parallel 1.
 2. Generation: 8 prompts x 4 samples at temperature 0.7 — shapes, stop/length reasons, finite log-probs <= 0.
 3. Log-probabilities: each completion's vLLM log-probabilities against ``sequence_logprobs`` of transformers on
@@ -30,9 +30,10 @@ import torch
 from rljob_api.config import RedisConnection, resolve
 from rljob_api.spec import RLTrainingJobSpec, SamplingSpec
 from rljob_trainer.model import DigitTokenizer, build_model, sequence_logprobs
-from rljob_trainer.rollout.backends.base import UpdateOutcome
-from rljob_trainer.rollout.backends.vllm import VllmBackend
-from rljob_trainer.weights import StoreAddress, TransferTicket, send_update
+from rljob_rollout.backends.base import UpdateOutcome
+from rljob_rollout.backends.vllm import VllmBackend
+from rljob_api.protocol import TransferTicket
+from rljob_trainer.transfer import StoreAddress, send_update
 
 TINY = {"layers": 2, "hiddenSize": 256, "heads": 4, "intermediateSize": 512, "maxPositionEmbeddings": 128}
 TEMPERATURE = 0.7

@@ -15,6 +15,7 @@ from typing import Optional
 from pydantic import Field
 
 from rljob_api import constants as c
+from rljob_api import protocol
 from rljob_api.spec import ApiModel, RLTrainingJobSpec
 
 
@@ -42,7 +43,7 @@ class RedisKeys(ApiModel):
 
     @classmethod
     def build(cls, namespace: str, job: str, spec: RLTrainingJobSpec) -> "RedisKeys":
-        prefix = c.key_prefix(namespace, job)
+        prefix = protocol.key_prefix(namespace, job)
         upstream = "" if spec.redis.mode == "managed" else prefix
         return cls(
             prefix=prefix,
@@ -50,11 +51,11 @@ class RedisKeys(ApiModel):
             group=spec.redis.group_name,
             consumer_prefix=spec.redis.consumer_prefix,
             events=upstream + spec.redis.events_key,
-            progress=prefix + c.KEY_PROGRESS,
-            rollout=prefix + c.KEY_ROLLOUT,
-            members=prefix + c.KEY_MEMBERS,
-            dead_letter=prefix + c.KEY_DEAD_LETTER,
-            checkpoint=prefix + c.KEY_CHECKPOINT,
+            progress=prefix + protocol.KEY_PROGRESS,
+            rollout=prefix + protocol.KEY_ROLLOUT,
+            members=prefix + protocol.KEY_MEMBERS,
+            dead_letter=prefix + protocol.KEY_DEAD_LETTER,
+            checkpoint=prefix + protocol.KEY_CHECKPOINT,
         )
 
 

@@ -1,5 +1,5 @@
-"""Every name that two roles must agree on: API group, labels, annotations, env, ports, Redis keys,
-condition types and reasons.
+"""Every name that two roles must agree on: API group, labels, annotations, env, ports, condition types and reasons
+(Redis keys and fields: :mod:`rljob_api.protocol`).
 
 Who writes and who reads each key is said next to it. Nothing else in the project spells these strings.
 """
@@ -93,73 +93,6 @@ PORT_WEIGHTS = 29600
 PORT_METRICS = 9400
 """Prometheus endpoint of trainer rank 0 and of rollout workers."""
 PORT_REDIS = 6379
-
-# --- Redis keys (DESIGN §2, §3) --------------------------------------------------------------
-DEFAULT_STREAM_KEY = "fast_llm_streaming"
-DEFAULT_GROUP_NAME = "fast_llm_group"
-DEFAULT_CONSUMER_PREFIX = "fast_llm_consumer_"
-DEFAULT_EVENTS_KEY = "fast_llm_events"
-KEY_PROGRESS = "progress"
-"""Hash written by trainer rank 0 after each step; read by the operator."""
-KEY_ROLLOUT = "rollout"
-"""Hash written by rollout workers; read by the operator."""
-KEY_MEMBERS = "members"
-"""Hash of rollout worker heartbeats (field = transfer rank, value = JSON {"time": Redis TIME seconds, "version":
-loaded model_version or null, "instance": worker process id}; a bare unix time is accepted too). Written by rollout
-workers, read by trainer rank 0 (rljob_trainer.weights)."""
-KEY_DEAD_LETTER = "dead_letter"
-"""Stream of malformed entries with their reason (written by trainer ranks)."""
-KEY_CHECKPOINT = "checkpoint"
-"""Hash: last committed checkpoint (step, documents_seen, path); written by trainer rank 0."""
-
-# Fields of the progress hash (trainer global rank 0 writes them after each step; the operator reads them).
-PROGRESS_STEP = "step"
-PROGRESS_DOCUMENTS_SEEN = "documents_seen"
-PROGRESS_MODEL_VERSION = "model_version"
-PROGRESS_TOKENS_PER_SECOND = "tokens_per_second"
-PROGRESS_METRICS = "metrics"
-"""JSON object {metric name: number} of the last step (DESIGN §4 names)."""
-PROGRESS_CHECKPOINT_DOCUMENTS_SEEN = "checkpoint_documents_seen"
-"""documents_seen of the checkpoint the trainer's attempt last committed or started from (0 from scratch): the
-documents trained since then (documents_seen − this) are still pending in the stream's group, acked by the next
-checkpoint. Written by trainer rank 0 at every start and before each checkpoint's acks; rollout workers read it
-(rljob_trainer.rollout.writer: max lag)."""
-PROGRESS_RESTORED_FROM_STEP = "restored_from_step"
-"""Step of the checkpoint the trainer's current attempt started from (0 from scratch); written at every start."""
-PROGRESS_CHECKPOINT_LOST = "checkpoint_lost"
-"""Present (JSON {step, path, restored_from_step, message}) while the trainer's current attempt started below the
-checkpoint the Redis checkpoint hash records, because that checkpoint is gone from the checkpoint volume (an
-emptyDir does not survive a gang restart or suspend); deleted by a start that loses none. Trainer rank 0 writes it;
-the operator may report it."""
-
-# Fields of the rollout hash. Rollout workers add to them (HINCRBYFLOAT / HINCRBY), so several workers sum up;
-# the operator reports sum / count of the newest model version as status.rolloutReward.
-ROLLOUT_REWARD_SUM_PREFIX = "reward_sum:"
-"""``reward_sum:{model_version}``: sum of raw rewards of every document generated with that weights version."""
-ROLLOUT_REWARD_COUNT_PREFIX = "reward_count:"
-"""``reward_count:{model_version}``: number of documents generated with that weights version."""
-ROLLOUT_REWARD_VERSIONS_KEPT = 128
-"""The rollout hash keeps ``reward_sum:{v}`` / ``reward_count:{v}`` of the newest this many weights versions (by v);
-rollout workers delete older pairs in the transaction that adds a batch, so the hash stays bounded over a long run.
-128 versions = 128 optimizer steps of reward history, enough for a learning curve; the operator reads only the newest."""
-ROLLOUT_REWARD = "reward"
-"""Mean reward of ``reward_version`` (sum / count over every worker), set by the worker that wrote last."""
-ROLLOUT_REWARD_VERSION = "reward_version"
-ROLLOUT_ALL_REWARDS_FAILED = "all_rewards_failed"
-"""Present (JSON {version, samples, errors: {kind: count}, message}) while a worker's last batch had no sample
-whose reward function returned; deleted by the next batch that has one. The operator reports it
-(Reason.ALL_REWARDS_FAILED) instead of letting the job train on nothing."""
-ROLLOUT_REWARD_ERRORS_PREFIX = "reward_errors:"
-"""``reward_errors:{exception class}``: samples dropped because the reward function raised that (count)."""
-
-EVENT_WEIGHTS_READY = "weights_ready"
-EVENT_TRAINING_FINISHED = "training_finished"
-
-
-def key_prefix(namespace: str, job: str) -> str:
-    """Prefix of every rljob key for one job: ``rljob:{namespace}:{job}:``."""
-    return f"rljob:{namespace}:{job}:"
-
 
 # --- Conditions (metav1.Condition shaped; written by the operator) ----------------------------
 class ConditionType(str, Enum):

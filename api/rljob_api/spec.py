@@ -12,7 +12,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from rljob_api import constants as c
+from rljob_api import protocol
 
 
 class ApiModel(BaseModel):
@@ -272,12 +272,12 @@ class RedisSpec(ApiModel):
         "trainer and rollout pods (env REDIS_TLS_CA_FILE) and used by the operator to verify the server, host name "
         "included. Unset: the system CAs.",
     )
-    stream_key: str = Field(c.DEFAULT_STREAM_KEY, min_length=1, description="streamKey: data stream key.")
-    group_name: str = Field(c.DEFAULT_GROUP_NAME, min_length=1, description="groupName: consumer group of trainer ranks.")
+    stream_key: str = Field(protocol.DEFAULT_STREAM_KEY, min_length=1, description="streamKey: data stream key.")
+    group_name: str = Field(protocol.DEFAULT_GROUP_NAME, min_length=1, description="groupName: consumer group of trainer ranks.")
     consumer_prefix: str = Field(
-        c.DEFAULT_CONSUMER_PREFIX, min_length=1, description="consumerPrefix: consumer name = prefix + DP rank."
+        protocol.DEFAULT_CONSUMER_PREFIX, min_length=1, description="consumerPrefix: consumer name = prefix + DP rank."
     )
-    events_key: str = Field(c.DEFAULT_EVENTS_KEY, min_length=1, description="eventsKey: event stream key.")
+    events_key: str = Field(protocol.DEFAULT_EVENTS_KEY, min_length=1, description="eventsKey: event stream key.")
     max_pending: int = Field(
         4096, ge=1, description="maxPending: rollout workers wait while the group's lag exceeds this (documents)."
     )

@@ -10,7 +10,7 @@ Children of a job ``J`` in namespace ``N`` (names from :mod:`rljob_api.names`, a
 - headless Service ``J-trainer`` (publishNotReadyAddresses, every port declared) so that
   ``J-trainer-0.J-trainer.N.svc.cluster.local`` resolves before the gang is ready.
 - trainer pods ``J-trainer-<i>``: ``torchrun`` with a fixed node count and static rendezvous at pod 0.
-- rollout pods ``J-rollout-<i>``: ``python -m rljob_trainer.rollout``.
+- rollout pods ``J-rollout-<i>``: ``python -m rljob_rollout``.
 
 With ``spec.redis.caSecretRef`` (a private CA for a ``rediss://`` Redis), trainer and rollout pods mount that one
 Secret key read-only at ``/etc/rljob-redis-ca/ca.crt`` and get env ``REDIS_TLS_CA_FILE`` naming it.
@@ -42,7 +42,7 @@ REDIS_PASSWORD_KEY = "password"
 MANAGED_BY = {"app.kubernetes.io/managed-by": c.FIELD_MANAGER}
 TRAINER_COMMAND = ("torchrun",)
 TRAINER_MODULE = "rljob_trainer.train"
-ROLLOUT_COMMAND = ("python", "-m", "rljob_trainer.rollout")
+ROLLOUT_COMMAND = ("python", "-m", "rljob_rollout")
 TERMINATION_MESSAGE_POLICY = "FallbackToLogsOnError"
 """Of trainer and rollout containers: a container that fails without writing /dev/termination-log gets the tail of
 its log as termination message, which the job's conditions and Events quote (its last line: the entrypoint's

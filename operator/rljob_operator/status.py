@@ -48,7 +48,7 @@ from rljob_api.validation import SpecProblem
 
 from rljob_operator.gang import Lifecycle, plural
 from rljob_operator.observe import RESTART_REASONS, PodView
-from rljob_operator.progress import Progress, lost_checkpoint_message
+from rljob_operator.progress import Progress, lost_checkpoint_message, status_fields
 
 #: Conditions set from the first pass on; the others appear when they first become True.
 ALWAYS = (ConditionType.VALID, ConditionType.REDIS_READY, ConditionType.ROLLOUT_READY, ConditionType.TRAINER_READY,
@@ -358,7 +358,7 @@ def build_status(
         conditions=conditions,
     )
     if progress is not None:
-        fields.update(progress.status_fields())
+        fields.update(status_fields(progress))
     return previous.model_copy(update=fields)
 
 

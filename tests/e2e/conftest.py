@@ -39,6 +39,7 @@ from kubernetes import client as kube_client
 from kubernetes import config as kube_config
 from kubernetes import watch as kube_watch
 from rljob_api import constants as c
+from rljob_api import protocol
 from waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -467,12 +468,7 @@ def redis_snapshot(cluster: Cluster, namespace: str, job: dict[str, Any], diagno
 
 def rollout_rewards(rollout_hash: dict[str, str]) -> dict[int, tuple[float, int]]:
     """Per weights version: (mean raw reward, documents) from the rollout hash's reward_sum/reward_count fields."""
-    out = {}
-    for key, count in rollout_hash.items():
-        if key.startswith(c.ROLLOUT_REWARD_COUNT_PREFIX) and float(count) > 0:
-            version = key[len(c.ROLLOUT_REWARD_COUNT_PREFIX):]
-            out[int(version)] = (float(rollout_hash[c.ROLLOUT_REWARD_SUM_PREFIX + version]) / float(count), int(float(count)))
-    return dict(sorted(out.items()))
+    return protocol.rewards_by_version(rollout_hash)
 
 
 def children(cluster: Cluster, namespace: str, job: str) -> dict[str, list[tuple[str, str]]]:

@@ -59,7 +59,7 @@ def test_cpu_example_trains_to_succeeded_through_an_operator_restart(cluster, op
         (redis_pod,) = cluster.items("pods", namespace, f"{c.LABEL_ROLE}=redis")
         assert redis_pod["spec"]["containers"][0]["command"][0] == "redis-server"
         (rollout_pod,) = cluster.items("pods", namespace, f"{c.LABEL_ROLE}=rollout")
-        assert rollout_pod["spec"]["containers"][0]["command"] == ["python", "-m", "rljob_trainer.rollout"]
+        assert rollout_pod["spec"]["containers"][0]["command"] == ["python", "-m", "rljob_rollout"]
         before_restart = children(cluster, namespace, name)
 
         # (f) restart the operator while the job runs: the new operator pod finishes the job.

@@ -246,9 +246,25 @@ def test_operator_runs_as_its_user_on_a_read_only_root(containerd):
     assert no_torch.stdout.strip() == "True", no_torch.stdout + no_torch.stderr
 
 
+PACKAGES = ("rljob_api", "rljob_operator", "rljob_trainer", "rljob_rollout", "rljob_localcluster")
+FIND_PACKAGES = ("import importlib.util as u; "
+                 f"print(' '.join(p for p in {PACKAGES!r} if u.find_spec(p) is not None))")
+
+
+def test_each_image_installs_only_its_own_packages(containerd):
+    """The operator image holds the shared API and the operator only; the trainer image the shared API, the
+    trainer and the rollout: neither carries the other's code or the local cluster's."""
+    operator = containerd.run(OPERATOR, "python", "-c", FIND_PACKAGES)
+    assert operator.returncode == 0, operator.stdout + operator.stderr
+    assert operator.stdout.split() == ["rljob_api", "rljob_operator"]
+    trainer = containerd.run(TRAINER, "python", "-c", FIND_PACKAGES, timeout=600)
+    assert trainer.returncode == 0, trainer.stdout + trainer.stderr
+    assert trainer.stdout.split() == ["rljob_api", "rljob_trainer", "rljob_rollout"]
+
+
 def test_trainer_image_imports_torch_and_the_trainer(containerd):
     res = containerd.run(TRAINER, "python", "-c",
-                         "import os, rljob_trainer.train, rljob_trainer.rollout.worker, torch; "
+                         "import os, rljob_trainer.train, rljob_rollout.worker, torch; "
                          "print(os.getuid(), torch.__version__, torch.cuda.is_available())",
                          flags=("--net-host",), timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -261,7 +277,7 @@ def test_trainer_image_imports_torch_and_the_trainer(containerd):
 def test_trainer_entrypoints_start(containerd):
     """The operator's two commands for this image: without a job config both say so and exit non-zero (the
     entrypoints exist, import everything and read RLJOB_CONFIG); `torchrun` is on PATH."""
-    rollout = containerd.run(TRAINER, "python", "-m", "rljob_trainer.rollout", timeout=600)
+    rollout = containerd.run(TRAINER, "python", "-m", "rljob_rollout", timeout=600)
     assert rollout.returncode == 2, rollout.stdout + rollout.stderr
     assert "cannot start" in rollout.stdout + rollout.stderr
     train = containerd.run(TRAINER, "torchrun", "--nnodes=1", "--nproc-per-node=1", "-m", "rljob_trainer.train",

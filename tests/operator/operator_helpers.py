@@ -61,8 +61,8 @@ def kubelet_rollout_pod(**container: Any) -> dict:
     return kubelet_pod("rollout", 0, "Running", **container)
 
 
-NO_DATASET = ("2026-01-01 12:00:03,120 INFO rljob_trainer.rollout: loading the tiny model\n"
-              "2026-01-01 12:00:03,512 ERROR rljob_trainer.rollout.__main__: rollout: cannot start: "
+NO_DATASET = ("2026-01-01 12:00:03,120 INFO rljob_rollout: loading the tiny model\n"
+              "2026-01-01 12:00:03,512 ERROR rljob_rollout.__main__: rollout: cannot start: "
               "spec.rollout.task.datasetPath: no file at '/data/nope.jsonl'\n")
 CRASHED = {"terminated": {"exitCode": 2, "reason": "Error", "message": NO_DATASET,
                           "startedAt": "2026-01-01T12:00:02Z", "finishedAt": "2026-01-01T12:00:04Z"}}

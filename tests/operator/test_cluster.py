@@ -553,7 +553,7 @@ def test_crash_looping_and_unstartable_containers_are_named_on_the_job(kube, ope
              and (kube.job(namespace, "loop").get("status") or {}).get("gangCreated"), "the gang and a rollout pod")
     for pod in ("loop-rollout-0", "loop-trainer-0", "loop-trainer-1"):
         bind(kube, namespace, pod, ghost_node)
-    log_tail = ("2026-01-01 12:00:03,512 ERROR rljob_trainer.rollout.__main__: rollout: cannot start: "
+    log_tail = ("2026-01-01 12:00:03,512 ERROR rljob_rollout.__main__: rollout: cannot start: "
                 "spec.rollout.task.datasetPath: no file at '/data/nope.jsonl'\n")
     kubelet_status(kube, namespace, "loop-rollout-0", "Running", {
         "name": "rollout", "restartCount": 4,

@@ -93,7 +93,7 @@ def test_a_crash_looping_container_gives_its_reason_restarts_and_last_terminatio
                            "message": "back-off 40s restarting failed container=rollout pod=math-rollout-0_default(r0)"}}))
     assert (view.phase, view.ready, view.container, view.waiting_reason, view.restarts) == (
         "Running", False, "rollout", "CrashLoopBackOff", 3)
-    assert view.last_failure == ("exit code 2 (Error): 2026-01-01 12:00:03,512 ERROR rljob_trainer.rollout.__main__: "
+    assert view.last_failure == ("exit code 2 (Error): 2026-01-01 12:00:03,512 ERROR rljob_rollout.__main__: "
                                  "rollout: cannot start: spec.rollout.task.datasetPath: no file at '/data/nope.jsonl'")
     assert view.running_since is None and view.failure == ""  # a restarting container does not fail the pod
 

@@ -8,6 +8,7 @@ import json
 import pytest
 import redis
 
+from rljob_api import protocol
 from rljob_api.config import RedisConnection
 from rljob_api.constants import ConditionType, Phase, Reason
 from rljob_api.status import RLTrainingJobStatus
@@ -18,7 +19,7 @@ from operator_helpers import T0, make_job, rollout, trainer
 
 
 def test_parse_reads_trainer_fields_and_the_newest_rollout_version():
-    parsed = progress.parse(
+    parsed = protocol.parse_progress(
         {b"step": b"7", b"documents_seen": b"448", b"model_version": b"448", b"tokens_per_second": b"812.5",
          b"metrics": json.dumps({"train_samples_reward": 0.25, "staleness": 64, "bad": "x", "nan": float("nan")}).encode(),
          b"updated_at": b"1700000000.0"},
@@ -32,23 +33,23 @@ def test_parse_reads_trainer_fields_and_the_newest_rollout_version():
 
 
 def test_reward_and_throughput_are_rounded_for_the_printer_columns():
-    parsed = progress.parse({"tokens_per_second": "812.4567"}, {"reward_sum:64": "2.0", "reward_count:64": "3"})
+    parsed = protocol.parse_progress({"tokens_per_second": "812.4567"}, {"reward_sum:64": "2.0", "reward_count:64": "3"})
     assert (parsed.rollout_reward, parsed.tokens_per_second) == (0.6667, 812.5)
 
 
 def test_a_reward_above_the_trainers_version_is_an_abandoned_timeline():
     rollout = {"reward_sum:64": "1.0", "reward_count:64": "4", "reward_sum:512": "3.0", "reward_count:512": "4"}
-    restarted = progress.parse({"model_version": "128"}, rollout)  # started over below 512
+    restarted = protocol.parse_progress({"model_version": "128"}, rollout)  # started over below 512
     assert (restarted.rollout_reward, restarted.rollout_model_version) == (0.25, 64)
-    assert progress.parse({}, rollout).rollout_model_version == 512  # the trainer's version not known yet
+    assert protocol.parse_progress({}, rollout).rollout_model_version == 512  # the trainer's version not known yet
 
 
 def test_parse_skips_what_it_cannot_read_and_keeps_big_integers_exact():
-    parsed = progress.parse({"step": "abc", "documents_seen": str(2**60 + 1), "metrics": "{not json"},
+    parsed = protocol.parse_progress({"step": "abc", "documents_seen": str(2**60 + 1), "metrics": "{not json"},
                             {"reward_count:x": "3", "reward_sum:1": "inf", "reward_count:1": "2"})
     assert parsed.step is None and parsed.documents_seen == 2**60 + 1
     assert parsed.metrics == {} and parsed.rollout_reward is None
-    assert progress.parse({}, {}).status_fields() == {}
+    assert progress.status_fields(protocol.parse_progress({}, {})) == {}
 
 
 def test_fetch_from_a_real_redis(redis_server):
@@ -74,7 +75,7 @@ def test_fetch_from_a_real_redis(redis_server):
         return fetched
 
     fetched = asyncio.run(go())
-    assert fetched.status_fields() == {
+    assert progress.status_fields(fetched) == {
         "step": 3, "documents_seen": 192, "model_version": 192, "rollout_reward": 0.625,
         "rollout_model_version": 128, "last_metrics": {"kl_new_old": 0.01},
     }
@@ -120,7 +121,7 @@ def test_all_rewards_failed_becomes_a_warning_condition_and_clears_when_rewards_
     clears it (one Normal Event) once a batch scores again."""
     from collections import Counter
 
-    from rljob_trainer.rollout.writer import BatchReport, DocumentWriter
+    from rljob_rollout.writer import BatchReport, DocumentWriter
 
     config = render.job_config(make_job(redis={"mode": "external", "url": redis_server.url}))
     worker = DocumentWriter(redis_server.client(), config, 0)
@@ -178,9 +179,9 @@ def test_all_rewards_failed_becomes_a_warning_condition_and_clears_when_rewards_
      "A ×1, B ×1, C ×1;"),
 ])
 def test_unreadable_failure_details_still_give_a_message(raw, start):
-    parsed = progress.parse({}, {"all_rewards_failed": raw})
+    parsed = protocol.parse_progress({}, {"all_rewards_failed": raw})
     assert parsed.rewards_failure.startswith(start)
-    assert progress.parse({}, {}).rewards_failure is None
+    assert protocol.parse_progress({}, {}).rewards_failure is None
 
 
 @pytest.mark.parametrize(("before", "after", "managed", "ready", "reads"), [

@@ -126,7 +126,7 @@ def test_rollout_pod_command_env_gpus_and_restart_policy():
     pod = render.rollout_pod(job, render.job_config(job), 2)
     container = pod["spec"]["containers"][0]
     assert pod["metadata"]["name"] == "demo-rollout-2"
-    assert container["command"] == ["python", "-m", "rljob_trainer.rollout"]
+    assert container["command"] == ["python", "-m", "rljob_rollout"]
     assert _env(container)[c.ENV_REPLICA_INDEX] == "2"
     assert c.ENV_ATTEMPT not in _env(container)
     assert container["resources"] == {"requests": {"cpu": "4"}, "limits": {"nvidia.com/gpu": 2}}

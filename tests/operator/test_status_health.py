@@ -10,6 +10,7 @@ from datetime import timedelta
 
 import pytest
 
+from rljob_api import protocol
 from rljob_api.constants import ConditionType, Phase, Reason
 from rljob_api.status import RLTrainingJobStatus
 
@@ -21,7 +22,7 @@ from operator_helpers import CRASHED, T0, kubelet_pod, kubelet_rollout_pod, make
 READY = status.RedisHealth(True, "managed Redis demo-redis: 1/1 replicas available")
 RUNNING = gang.Lifecycle(phase=Phase.RUNNING, gang_created=True, start_time=T0, reason=Reason.TRAINING,
                          message="attempt 0: all 2 trainer pods running")
-LAST_LINE = ("2026-01-01 12:00:03,512 ERROR rljob_trainer.rollout.__main__: rollout: cannot start: "
+LAST_LINE = ("2026-01-01 12:00:03,512 ERROR rljob_rollout.__main__: rollout: cannot start: "
              "spec.rollout.task.datasetPath: no file at '/data/nope.jsonl'")
 
 
@@ -166,7 +167,7 @@ def lost_progress(step: int = 3, lost: dict | None = LOST) -> progress.Progress:
     fields = {"step": str(step), "restored_from_step": "0", "documents_seen": str(step * 64)}
     if lost is not None:
         fields["checkpoint_lost"] = json.dumps(lost)
-    return progress.parse({k.encode(): v.encode() for k, v in fields.items()}, {})
+    return protocol.parse_progress({k.encode(): v.encode() for k, v in fields.items()}, {})
 
 
 def test_a_lost_checkpoint_is_told_once_per_attempt_in_running_and_a_warning():
@@ -217,9 +218,9 @@ def test_a_lost_checkpoint_is_told_once_per_attempt_in_running_and_a_warning():
     (json.dumps({"step": 7, "restored_from_step": 5}), "attempt 1 started over at step 5: checkpoint step 7 was lost"),
 ])
 def test_an_unreadable_lost_checkpoint_record_still_gives_a_message(raw, told):
-    parsed = progress.parse({"checkpoint_lost": raw}, {})
+    parsed = protocol.parse_progress({"checkpoint_lost": raw}, {})
     assert progress.lost_checkpoint_message(parsed.checkpoint_lost, 1, None).startswith(told)
-    assert progress.parse({}, {}).checkpoint_lost is None
+    assert protocol.parse_progress({}, {}).checkpoint_lost is None
 
 
 @pytest.mark.parametrize(("trainer_spec", "export"), [

@@ -9,12 +9,13 @@ from typing import Any, Iterator, Optional
 import torch
 
 from portutil import free_port
+from rljob_api import protocol
 from rljob_api.config import JobConfig, RedisConnection, resolve
 from rljob_api.spec import RLTrainingJobSpec
 from rljob_trainer.model import build_model, build_tokenizer
-from rljob_trainer.rollout.backends.cpu import CpuBackend
-from rljob_trainer.rollout.tasks import build_task
-from rljob_trainer.rollout.worker import RolloutWorker
+from rljob_rollout.backends.cpu import CpuBackend
+from rljob_rollout.tasks import build_task
+from rljob_rollout.worker import RolloutWorker
 from rljob_trainer.stream.connection import connect
 from waiting import wait_until  # noqa: F401 - re-exported for the rollout tests
 
@@ -81,3 +82,8 @@ def running(worker: RolloutWorker) -> Iterator[dict]:
         worker.stop()
         thread.join(timeout=60)
         assert not thread.is_alive(), "the rollout worker did not stop within 60 s"
+
+
+def rollout_rewards(client: Any, key: str) -> dict[int, tuple[float, int]]:
+    """Per weights version: (mean reward, number of scored samples), from the rollout hash ``key``."""
+    return protocol.rewards_by_version(client.hgetall(key))

@@ -4,7 +4,7 @@ transfer, loss — has the right sign, and does so while training on stale docum
 ``MAX_LAG`` documents ahead; the trainer's staleness metric must show it did).
 
 Processes: ``torchrun --nproc-per-node=2 -m rljob_trainer.train`` (2 gloo ranks) and
-``python -m rljob_trainer.rollout`` (the pod entry point), both reading one config file, fixed seeds.
+``python -m rljob_rollout`` (the pod entry point), both reading one config file, fixed seeds.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 
 from portutil import free_port
 from rollout_harness import TOY, make_config
-from rljob_trainer.rollout.writer import rollout_rewards
+from rollout_harness import rollout_rewards
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
 from train_harness import REPO, Torchrun, json_lines  # noqa: E402 - the trainer tests' torchrun launcher
@@ -29,7 +29,7 @@ PROMPTS, SAMPLES = 32, 16
 DOCUMENTS_PER_STEP = PROMPTS * SAMPLES  # 512: one rollout batch per optimizer step
 MAX_LAG = 2 * DOCUMENTS_PER_STEP  # the worker may run two steps ahead, so documents are stale (off-policy)
 STEPS = 80
-"""The settings of :class:`rljob_trainer.rollout.tasks.DigitsTask`'s docstring: measured here, rollout reward 0.07
+"""The settings of :class:`rljob_rollout.tasks.DigitsTask`'s docstring: measured here, rollout reward 0.07
 at step 0, 0.15 at step 20, 0.30 at step 40, ~0.6 at step 60, > 0.85 at step 70, 0.98 at step 80 (30-60 s on 2
 cores), so the asserted rise of 0.4 has a wide margin."""
 
@@ -39,7 +39,7 @@ def _rollout_process(config_path: Path, password: str, log_path: Path) -> subpro
                OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "api"), str(REPO / "trainer_image"), env.get("PYTHONPATH", "")])
     log = open(log_path, "w")
-    return subprocess.Popen([sys.executable, "-m", "rljob_trainer.rollout"], env=env, stdout=log, stderr=subprocess.STDOUT,
+    return subprocess.Popen([sys.executable, "-m", "rljob_rollout"], env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from rljob_trainer.rollout.advantages import filter_zero_variance, group_advantages, has_zero_variance
+from rljob_rollout.advantages import filter_zero_variance, group_advantages, has_zero_variance
 
 
 def test_standardised_advantages_match_hand_computation():

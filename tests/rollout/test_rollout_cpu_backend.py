@@ -7,8 +7,8 @@ import torch
 
 from rljob_api.spec import ModelSpec, SamplingSpec, TinyModelSpec
 from rljob_trainer.model import DigitTokenizer, build_model, sequence_logprobs
-from rljob_trainer.rollout.backends.cpu import CpuBackend
-from rljob_trainer.rollout.writer import make_document
+from rljob_rollout.backends.cpu import CpuBackend
+from rljob_rollout.writer import make_document
 
 TOK = DigitTokenizer()
 SPEC = ModelSpec(source="tiny", tiny=TinyModelSpec(layers=2, hidden_size=32, heads=2, intermediate_size=64, max_position_embeddings=64))

@@ -9,9 +9,9 @@ from collections import Counter
 import pytest
 
 from rollout_harness import make_config
-from rljob_api import constants as c
-from rljob_operator.progress import REWARD_DECIMALS, parse
-from rljob_trainer.rollout.writer import BatchReport, DocumentWriter, rollout_rewards, stale_reward_fields
+from rljob_api import protocol
+from rljob_rollout.writer import BatchReport, DocumentWriter
+from rollout_harness import rollout_rewards
 
 STEP = 512
 """Documents per optimizer step: consecutive weights versions differ by this."""
@@ -26,14 +26,14 @@ def reward_fields(client, key: str) -> dict[str, list[int]]:
     names = [k.decode() for k in client.hkeys(key)]
     return {
         prefix: sorted(int(n[len(prefix):]) for n in names if n.startswith(prefix))
-        for prefix in (c.ROLLOUT_REWARD_SUM_PREFIX, c.ROLLOUT_REWARD_COUNT_PREFIX)
+        for prefix in (protocol.ROLLOUT_REWARD_SUM_PREFIX, protocol.ROLLOUT_REWARD_COUNT_PREFIX)
     }
 
 
 def test_hash_keeps_exactly_the_newest_versions_with_their_values(redis_server):
     config = make_config(redis_server)
     client = redis_server.client()
-    key, kept = config.keys.rollout, c.ROLLOUT_REWARD_VERSIONS_KEPT
+    key, kept = config.keys.rollout, protocol.ROLLOUT_REWARD_VERSIONS_KEPT
     a, b = DocumentWriter(client, config, 0), DocumentWriter(client, config, 1)
     total_versions = kept + 20
     for step in range(total_versions):
@@ -42,7 +42,7 @@ def test_hash_keeps_exactly_the_newest_versions_with_their_values(redis_server):
             b.report(batch(step * STEP, [0.0]))  # a second worker adds a third sample to every third version
 
     newest = [step * STEP for step in range(total_versions - kept, total_versions)]
-    assert reward_fields(client, key) == {c.ROLLOUT_REWARD_SUM_PREFIX: newest, c.ROLLOUT_REWARD_COUNT_PREFIX: newest}
+    assert reward_fields(client, key) == {protocol.ROLLOUT_REWARD_SUM_PREFIX: newest, protocol.ROLLOUT_REWARD_COUNT_PREFIX: newest}
     def expected(step: int) -> tuple[float, int]:
         count = 3 if step % 3 == 0 else 2
         return pytest.approx((step / 1000 + 1.0) / count, abs=1e-12), count
@@ -53,9 +53,9 @@ def test_hash_keeps_exactly_the_newest_versions_with_their_values(redis_server):
     assert int(client.hget(key, "samples_generated")) == 2 * total_versions + b_reports
 
     # the operator's reader (rljob_operator.progress) reports the newest version's mean, rounded for status
-    progress = parse({}, client.hgetall(key))
+    progress = protocol.parse_progress({}, client.hgetall(key))
     step = total_versions - 1
-    mean = round((step / 1000 + 1.0) / (3 if step % 3 == 0 else 2), REWARD_DECIMALS)
+    mean = round((step / 1000 + 1.0) / (3 if step % 3 == 0 else 2), protocol.REWARD_DECIMALS)
     assert (progress.rollout_reward, progress.rollout_model_version) == (mean, newest[-1])
 
 
@@ -69,11 +69,11 @@ def test_out_of_order_versions_keep_the_largest(redis_server):
     assert sorted(rollout_rewards(client, key)) == [1024, 2048, 4096]
     writer.report(batch(512, [0.5]))  # older than every kept version: added and pruned in the same transaction
     assert rollout_rewards(client, key) == {1024: (1.0, 1), 2048: (1.0, 1), 4096: (1.0, 1)}
-    assert client.hget(key, c.ROLLOUT_REWARD_VERSION) == b"2048"  # the pruned version is not reported as newest
+    assert client.hget(key, protocol.ROLLOUT_REWARD_VERSION) == b"2048"  # the pruned version is not reported as newest
     assert int(client.hget(key, "samples_generated")) == 5
     writer.report(batch(8192, [0.25, 0.75]))
     assert rollout_rewards(client, key) == {2048: (1.0, 1), 4096: (1.0, 1), 8192: (0.5, 2)}
-    assert client.hget(key, c.ROLLOUT_REWARD_VERSION) == b"8192"
+    assert client.hget(key, protocol.ROLLOUT_REWARD_VERSION) == b"8192"
     with pytest.raises(ValueError, match="reward_versions_kept=0"):
         DocumentWriter(client, config, 0, reward_versions_kept=0)
 
@@ -110,7 +110,7 @@ def test_concurrent_workers_lose_no_sample_of_kept_versions(redis_server):
 def test_stale_reward_fields_counts_the_version_being_added():
     fields = [b"reward_sum:10", b"reward_count:10", "reward_sum:30", "reward_count:30", b"reward_sum:20",
               b"reward_count:20", b"reward_count:x", b"reward", b"reward_version", b"samples_generated"]
-    assert stale_reward_fields(fields, 40, keep=2) == ["reward_count:10", "reward_count:20", "reward_sum:10", "reward_sum:20"]
-    assert stale_reward_fields(fields, 30, keep=2) == ["reward_count:10", "reward_sum:10"]
-    assert stale_reward_fields(fields, 5, keep=3) == ["reward_count:5", "reward_sum:5"]  # only the one being added
-    assert stale_reward_fields(fields, 5, keep=4) == []
+    assert protocol.stale_reward_fields(fields, 40, keep=2) == ["reward_count:10", "reward_count:20", "reward_sum:10", "reward_sum:20"]
+    assert protocol.stale_reward_fields(fields, 30, keep=2) == ["reward_count:10", "reward_sum:10"]
+    assert protocol.stale_reward_fields(fields, 5, keep=3) == ["reward_count:5", "reward_sum:5"]  # only the one being added
+    assert protocol.stale_reward_fields(fields, 5, keep=4) == []

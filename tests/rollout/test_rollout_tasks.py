@@ -9,7 +9,7 @@ import pytest
 
 from rljob_api.spec import ModelSpec, TaskSpec
 from rljob_trainer.model import TEXT_ALPHABET, DigitTokenizer, build_tokenizer
-from rljob_trainer.rollout.tasks import InvalidReward, Prompt, build_task, extract_number, load_reward_function
+from rljob_rollout.tasks import InvalidReward, Prompt, build_task, extract_number, load_reward_function
 
 TOK = DigitTokenizer()
 TEXT = DigitTokenizer(alphabet=TEXT_ALPHABET)

@@ -2,7 +2,7 @@
 
 vLLM cannot run on these machines (no GPU). The stand-in records what the backend asks of the engine and
 answers like vLLM does; its ``collective_rpc`` runs the real worker extension
-(:class:`~rljob_trainer.rollout.backends.vllm_worker.WeightReceiverExtension`) in one thread per
+(:class:`~rljob_rollout.backends.vllm_worker.WeightReceiverExtension`) in one thread per
 tensor-parallel worker, each receiving a real gloo weight transfer from a real publisher. The GPU path itself is
 exercised by trainer_image/device_check_vllm.py on a GPU machine.
 """
@@ -21,9 +21,10 @@ import torch
 from rollout_harness import make_config, tiny_model
 from rljob_api.spec import SamplingSpec
 from rljob_trainer.model import DigitTokenizer
-from rljob_trainer.rollout.backends.base import UpdateOutcome
-from rljob_trainer.rollout.backends.vllm import EXTENSION, VllmBackend, logprobs_mode
-from rljob_trainer.weights import WeightPublisher, WeightSubscriber
+from rljob_rollout.backends.base import UpdateOutcome
+from rljob_rollout.backends.vllm import EXTENSION, VllmBackend, logprobs_mode
+from rljob_rollout.weights import WeightSubscriber
+from rljob_trainer.weights import WeightPublisher
 
 
 @dataclass

@@ -16,17 +16,11 @@ import pytest
 import torch
 
 from rollout_harness import make_config, tiny_model, wait_until
-from rljob_api import constants as c
-from rljob_trainer.weights import (
-    TransferTicket,
-    WeightPublisher,
-    WeightSubscriber,
-    _AllowListUnpickler,
-    parse_event,
-    parse_member,
-    receive_update,
-    unwrapped_name,
-)
+from rljob_api import protocol
+from rljob_api.protocol import TransferTicket, parse_event, parse_member
+from rljob_rollout.weights import WeightSubscriber
+from rljob_trainer.transfer import _AllowListUnpickler, receive_update, unwrapped_name
+from rljob_trainer.weights import WeightPublisher
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -95,7 +89,7 @@ def test_two_receiver_processes_get_equal_tensors_and_a_dead_one_costs_one_join_
         assert not (tmp_path / "1-20.pt").exists()
 
         events = [parse_event(i.decode(), f) for i, f in client.xrange(config.keys.events)]
-        ready = [e for e in events if e.type == c.EVENT_WEIGHTS_READY]
+        ready = [e for e in events if e.type == protocol.EVENT_WEIGHTS_READY]
         assert [(e.step, e.documents_seen) for e in ready][:2] == [(1, 10), (2, 20)]
         assert ready[1].ticket.members == (1, 2)
 

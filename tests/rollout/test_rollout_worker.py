@@ -15,10 +15,10 @@ import redis
 import torch
 
 from rollout_harness import make_config, make_worker, running, tiny_model, wait_until
-from rljob_api import constants as c
+from rljob_api import protocol
 from rljob_trainer.model import sequence_logprobs
-from rljob_trainer.rollout.__main__ import replica_index
-from rljob_trainer.rollout.writer import rollout_rewards
+from rljob_rollout.__main__ import replica_index
+from rollout_harness import rollout_rewards
 from rljob_trainer.stream.codec import decode_entry
 from rljob_trainer.weights import WeightPublisher
 
@@ -187,20 +187,20 @@ def test_a_raising_reward_function_drops_only_its_samples(redis_server, publishe
     client = redis_server.client()
     publisher = publisher_for(config)
     worker = make_worker(config, redis_server.password)
-    with caplog.at_level(logging.WARNING, logger="rljob_trainer.rollout.worker"), running(worker) as result:
+    with caplog.at_level(logging.WARNING, logger="rljob_rollout.worker"), running(worker) as result:
         publisher.publish(tiny_model(config, 1).named_parameters(), step=0, documents_seen=0)
         wait_until(lambda: worker.batches >= 3, 30, "three batches")
     assert "error" not in result
     stored = {k.decode(): v.decode() for k, v in client.hgetall(config.keys.rollout).items()}
     generated = int(stored["samples_generated"])
-    failed = int(stored[f"{c.ROLLOUT_REWARD_ERRORS_PREFIX}ValueError"])
+    failed = int(stored[f"{protocol.ROLLOUT_REWARD_ERRORS_PREFIX}ValueError"])
     assert generated == 16 * worker.batches and 0 < failed < generated
     assert int(stored["documents_written"]) == generated - failed == client.xlen(config.keys.stream)
     assert sum(n for _, n in rollout_rewards(client, config.keys.rollout).values()) == generated - failed
     ok_prompt = worker.tokenizer.encode("ok 1")
     for doc in _documents(client, config):
         assert doc.tokens[: len(ok_prompt)].tolist() == ok_prompt  # only the unflagged prompt's samples
-    assert c.ROLLOUT_ALL_REWARDS_FAILED not in stored
+    assert protocol.ROLLOUT_ALL_REWARDS_FAILED not in stored
     assert sum("raised ValueError" in r.getMessage() for r in caplog.records) == 1  # logged once per kind
     registry = worker.metrics.registry  # the Prometheus view counts the same
     assert registry.get_sample_value("rljob_rollout_samples_total") == generated
@@ -219,7 +219,7 @@ def test_a_job_where_every_reward_fails_says_so_and_writes_nothing(redis_server,
         publisher.publish(tiny_model(config, 1).named_parameters(), step=0, documents_seen=0)
         wait_until(lambda: worker.batches >= 2, 30, "two batches")
         assert result["thread"].is_alive()
-    failed = json.loads(client.hget(config.keys.rollout, c.ROLLOUT_ALL_REWARDS_FAILED))
+    failed = json.loads(client.hget(config.keys.rollout, protocol.ROLLOUT_ALL_REWARDS_FAILED))
     assert failed["errors"] == {"KeyError": 16} and failed["version"] == 0
     assert client.xlen(config.keys.stream) == 0
 
@@ -268,6 +268,6 @@ def test_the_entry_point_refuses_a_bad_replica_index_with_exit_2(redis_server, t
     path = tmp_path / "config.json"
     path.write_text(config.to_json())
     env = dict(os.environ, RLJOB_CONFIG=str(path), RLJOB_REPLICA_INDEX="5", REDIS_PASSWORD=redis_server.password)
-    done = subprocess.run([sys.executable, "-m", "rljob_trainer.rollout"], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "rljob_rollout"], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "RLJOB_REPLICA_INDEX: 5 is outside [0, spec.rollout.replicas = 2)" in done.stderr

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 from rollout_harness import make_config
-from rljob_api import constants as c
-from rljob_trainer.rollout.writer import BatchReport, DocumentWriter, StreamBacklog, make_document, rollout_rewards
+from rljob_api import protocol
+from rljob_rollout.writer import BatchReport, DocumentWriter, StreamBacklog, make_document
+from rollout_harness import rollout_rewards
 from rljob_trainer.stream.codec import decode_entry
 from rljob_trainer.stream.reader import StreamReader
-from rljob_trainer.train import publish_checkpointed, publish_start
+from rljob_trainer.progress import publish_checkpointed, publish_start
 
 
 def _docs(n: int, version: int = 0):
@@ -63,7 +64,7 @@ def _reader(client, config):
 def _train_step(client, config, reader, documents_seen, n):
     """One trainer step as the rollout sees it: ``n`` documents handed out, then the progress hash's documents_seen."""
     assert len(reader.next_documents(n)) == n
-    client.hset(config.keys.progress, c.PROGRESS_DOCUMENTS_SEEN, documents_seen + n)
+    client.hset(config.keys.progress, protocol.PROGRESS_DOCUMENTS_SEEN, documents_seen + n)
     return documents_seen + n
 
 
@@ -159,17 +160,17 @@ def test_rollout_hash_sums_rewards_per_version_over_workers_and_reports_all_fail
     b.report(BatchReport(16, [1.0, 1.0], 2, Counter(), 0, 0, 0.1))
     assert rollout_rewards(client, key) == {0: (0.5, 3), 16: (1.0, 2)}
     stored = {k.decode(): v.decode() for k, v in client.hgetall(key).items()}
-    assert (float(stored[c.ROLLOUT_REWARD]), stored[c.ROLLOUT_REWARD_VERSION]) == (1.0, "16")
+    assert (float(stored[protocol.ROLLOUT_REWARD]), stored[protocol.ROLLOUT_REWARD_VERSION]) == (1.0, "16")
     assert stored["samples_generated"] == "6"
-    assert (stored[f"{c.ROLLOUT_REWARD_ERRORS_PREFIX}ValueError"], stored["reward_errors"]) == ("1", "1")
+    assert (stored[f"{protocol.ROLLOUT_REWARD_ERRORS_PREFIX}ValueError"], stored["reward_errors"]) == ("1", "1")
     assert (stored["groups_filtered"], stored["samples_filtered"]) == ("1", "4")
     assert json.loads(stored["worker:1"])["samples_per_second"] == 20.0
-    assert c.ROLLOUT_ALL_REWARDS_FAILED not in stored
+    assert protocol.ROLLOUT_ALL_REWARDS_FAILED not in stored
 
     a.report(BatchReport(16, [], 4, Counter(KeyError=4), 0, 0, 0.1))
-    failed = json.loads(client.hget(key, c.ROLLOUT_ALL_REWARDS_FAILED))
+    failed = json.loads(client.hget(key, protocol.ROLLOUT_ALL_REWARDS_FAILED))
     assert failed["errors"] == {"KeyError": 4} and failed["samples"] == 4 and "KeyError" in failed["message"]
     assert rollout_rewards(client, key)[16] == (1.0, 2)  # a failed batch adds no reward sample
     a.report(BatchReport(16, [0.0], 1, Counter(), 0, 0, 0.1))
-    assert client.hget(key, c.ROLLOUT_ALL_REWARDS_FAILED) is None
+    assert client.hget(key, protocol.ROLLOUT_ALL_REWARDS_FAILED) is None
     np.testing.assert_allclose(rollout_rewards(client, key)[16][0], 2 / 3)

@@ -16,7 +16,8 @@ import torch
 
 from rljob_api.config import JobConfig
 from rljob_trainer.stream.connection import connect
-from rljob_trainer.weights import TransferFailed, WeightSubscriber, receive_update
+from rljob_rollout.weights import WeightSubscriber
+from rljob_trainer.transfer import TransferFailed, receive_update
 
 
 def main() -> int:

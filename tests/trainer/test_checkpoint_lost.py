@@ -14,16 +14,19 @@ import pytest
 import torch
 
 from rljob_api import constants as c
-from rljob_trainer.checkpoint import COMMIT_FILE, LostCheckpoint, find_lost_checkpoint, step_dir
-from rljob_trainer.rollout.writer import DocumentWriter
+from rljob_api import protocol
+from rljob_api.protocol import LostCheckpoint, lost_checkpoint_message
+from rljob_trainer.checkpoint import COMMIT_FILE, find_lost_checkpoint, step_dir
+from rljob_rollout.writer import DocumentWriter
 from rljob_trainer.stream.reader import DataTimeout
-from rljob_trainer.train import gang_attempt, publish_start, run
+from rljob_trainer.progress import gang_attempt, publish_start
+from rljob_trainer.train import run
 from train_harness import make_config, make_documents
 
 torch.set_num_threads(1)
 
-GONE = ("is gone (an emptyDir checkpoint volume does not survive a gang restart or suspend; set "
-        "spec.trainer.checkpoint.volume to a PersistentVolumeClaim)")
+GONE = ("was lost: an emptyDir checkpoint volume does not survive a gang restart or suspend (set "
+        "spec.trainer.checkpoint.volume to a PersistentVolumeClaim), and a claim's data can be replaced or cleaned")
 
 
 @pytest.fixture(autouse=True)
@@ -40,8 +43,9 @@ def test_find_lost_checkpoint_compares_the_redis_record_with_the_volume(redis_se
     client.hset(config.keys.checkpoint, mapping={"step": 5, "documents_seen": 20, "path": str(path)})
     lost = find_lost_checkpoint(client, config, 0)
     assert lost == LostCheckpoint(step=5, path=str(path), restored_from_step=0)
-    assert lost.message == f"checkpoint step 5 at {path} {GONE}: starting from step 0"
-    assert find_lost_checkpoint(client, config, 2).message.endswith("starting from step 2")  # an older one survived
+    assert lost_checkpoint_message(lost) == f"the trainer started over at step 0: checkpoint step 5 ({path}) {GONE}"
+    older = find_lost_checkpoint(client, config, 2)  # an older one survived
+    assert lost_checkpoint_message(older).startswith("the trainer started over at step 2: checkpoint step 5")
     assert find_lost_checkpoint(client, config, 5) is None  # the start is not behind the record
     path.mkdir(parents=True)
     (path / COMMIT_FILE).write_text("{}")
@@ -83,7 +87,7 @@ def test_a_lost_checkpoint_is_reported_and_the_restart_trains_through_without_st
     def rollout(replica: int) -> None:
         try:
             writer = DocumentWriter(redis_server.client(), config, replica)
-            while not stop.is_set() and client.hget(keys.progress, c.PROGRESS_CHECKPOINT_LOST) is None:
+            while not stop.is_set() and client.hget(keys.progress, protocol.PROGRESS_CHECKPOINT_LOST) is None:
                 stop.wait(0.01)
             while not stop.is_set():
                 if writer.wait_reason() is None:
@@ -112,14 +116,14 @@ def test_a_lost_checkpoint_is_reported_and_the_restart_trains_through_without_st
     assert [(x["step"], x["documents_seen"]) for x in lines] == [(s, 4 * s) for s in range(1, 11)]  # from step 0
     assert {x["stream"]["redeliveries"] for x in lines} == {12}  # the 12 pending entries trained again
     path = step_dir(tmp_path / "ckpt", 5)
-    message = f"checkpoint step 5 at {path} {GONE}: starting from step 0"
-    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [f"checkpoint: {message}"]
+    message = f"started over at step 0: checkpoint step 5 ({path}) {GONE}"
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [f"checkpoint: the trainer {message}"]
     progress = {k.decode(): v.decode() for k, v in client.hgetall(keys.progress).items()}
-    assert json.loads(progress[c.PROGRESS_CHECKPOINT_LOST]) == {
-        "step": 5, "path": str(path), "restored_from_step": 0, "message": message, "attempt": 1,
+    assert json.loads(progress[protocol.PROGRESS_CHECKPOINT_LOST]) == {
+        "step": 5, "path": str(path), "restored_from_step": 0, "message": f"attempt 1 {message}", "attempt": 1,
     }
-    assert progress[c.PROGRESS_RESTORED_FROM_STEP] == "0"
-    assert progress[c.PROGRESS_CHECKPOINT_DOCUMENTS_SEEN] == "40"  # the final checkpoint's
+    assert progress[protocol.PROGRESS_RESTORED_FROM_STEP] == "0"
+    assert progress[protocol.PROGRESS_CHECKPOINT_DOCUMENTS_SEEN] == "40"  # the final checkpoint's
     assert client.hget(keys.checkpoint, "step") == b"10"
     rewards = {k: v for k, v in client.hgetall(keys.rollout).items() if k.startswith(b"reward_")}
     assert rewards == {b"reward_sum:0": b"1.5", b"reward_count:0": b"2"}  # attempt 0's version 32 went at the start
@@ -150,12 +154,12 @@ def test_a_start_drops_the_rollout_rewards_of_an_abandoned_timeline(redis_server
     assert rollout == {**kept, **others}
     progress = {k.decode(): v.decode() for k, v in client.hgetall(keys.progress).items()}
     assert (progress["step"], progress["documents_seen"], progress["model_version"]) == ("4", "16", "16")
-    assert (progress[c.PROGRESS_RESTORED_FROM_STEP], progress[c.PROGRESS_CHECKPOINT_DOCUMENTS_SEEN]) == ("4", "16")
-    assert json.loads(progress[c.PROGRESS_CHECKPOINT_LOST])["attempt"] == 2 and progress["metrics"] == "{}"
+    assert (progress[protocol.PROGRESS_RESTORED_FROM_STEP], progress[protocol.PROGRESS_CHECKPOINT_DOCUMENTS_SEEN]) == ("4", "16")
+    assert json.loads(progress[protocol.PROGRESS_CHECKPOINT_LOST])["attempt"] == 2 and progress["metrics"] == "{}"
 
     publish_start(client, config, 0, 0, None)  # a start over: only version 0 stays; an empty hash is no error
     assert sorted(k.decode() for k in client.hkeys(keys.rollout)) == sorted(["reward_sum:0", "reward_count:0", *others])
-    assert not client.hexists(keys.progress, c.PROGRESS_CHECKPOINT_LOST)
+    assert not client.hexists(keys.progress, protocol.PROGRESS_CHECKPOINT_LOST)
     client.delete(keys.rollout)
     publish_start(client, config, 0, 0, None)
     assert not client.exists(keys.rollout)

@@ -5,7 +5,7 @@ redelivered and counted (DESIGN §6); the progress hash says what the rollout's 
 
 from __future__ import annotations
 
-from rljob_api.constants import (
+from rljob_api.protocol import (
     PROGRESS_CHECKPOINT_DOCUMENTS_SEEN,
     PROGRESS_CHECKPOINT_LOST,
     PROGRESS_DOCUMENTS_SEEN,

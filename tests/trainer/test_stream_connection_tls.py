@@ -12,7 +12,7 @@ import pytest
 from rljob_api import RLTrainingJobSpec, resolve
 from rljob_api import constants as c
 from rljob_api.config import RedisConnection
-from rljob_trainer.rollout.writer import DocumentWriter, make_document
+from rljob_rollout.writer import DocumentWriter, make_document
 from rljob_trainer.stream.connection import RedisTLSError, connect, retry_with_backoff
 from rljob_trainer.stream.reader import StreamReader
 

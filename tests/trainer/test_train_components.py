@@ -16,7 +16,7 @@ from rljob_trainer.progress import (
     StepRecord,
     build_progress,
 )
-from rljob_trainer.train import learning_rate
+from rljob_trainer.optim import learning_rate
 from train_harness import make_config
 
 

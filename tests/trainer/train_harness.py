@@ -205,7 +205,7 @@ class WeightReceiver:
     """
 
     def __init__(self, config: JobConfig, client: Any):
-        from rljob_trainer.weights import WeightSubscriber
+        from rljob_rollout.weights import WeightSubscriber
 
         self.subscriber = WeightSubscriber(config, client, replica_index=0)
         self.subscriber.follow_from_now()
@@ -220,7 +220,7 @@ class WeightReceiver:
     def _loop(self) -> None:
         import torch
 
-        from rljob_trainer.weights import receive_update
+        from rljob_trainer.transfer import receive_update
 
         try:
             while not self._stop.is_set() and not self.finished:

@@ -41,6 +41,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from rljob_api import constants as c
+from rljob_api import protocol
 from rljob_api.config import JobConfig
 from rljob_trainer.parallel import Distributed
 
@@ -285,36 +286,15 @@ class CheckpointManager:
         return out
 
 
-@dataclass(frozen=True)
-class LostCheckpoint:
-    """A committed checkpoint that the Redis checkpoint hash records but the checkpoint volume no longer holds.
-
-    ``step`` / ``path``: the recorded checkpoint; ``restored_from_step``: the step the trainer starts from instead
-    (0 from scratch).
-    """
-
-    step: int
-    path: str
-    restored_from_step: int
-
-    @property
-    def message(self) -> str:
-        """The warning the trainer logs and publishes (progress hash ``checkpoint_lost``)."""
-        return (
-            f"checkpoint step {self.step} at {self.path} is gone (an emptyDir checkpoint volume does not survive a "
-            "gang restart or suspend; set spec.trainer.checkpoint.volume to a PersistentVolumeClaim): starting from "
-            f"step {self.restored_from_step}"
-        )
-
-
-def find_lost_checkpoint(client: redis.Redis, config: JobConfig, restored_from_step: int) -> Optional[LostCheckpoint]:
+def find_lost_checkpoint(client: redis.Redis, config: JobConfig,
+                         restored_from_step: int) -> Optional[protocol.LostCheckpoint]:
     """The checkpoint recorded in the Redis hash ``keys.checkpoint`` if it is gone and newer than the start.
 
     Args:
         restored_from_step: the step of the checkpoint being loaded (own or ``initFrom``), 0 without one.
 
     Returns:
-        A :class:`LostCheckpoint` when the hash records a step above ``restored_from_step`` whose directory holds no
+        A LostCheckpoint (no attempt stamped) when the hash records a step above ``restored_from_step`` whose directory holds no
         commit file, else None (no record, or nothing newer is missing: a record that a Redis error left behind an
         own checkpoint is not a loss).
 
@@ -322,7 +302,7 @@ def find_lost_checkpoint(client: redis.Redis, config: JobConfig, restored_from_s
         redis.RedisError: Redis unreachable beyond the client's retries.
         ValueError: the hash's ``step`` is not an integer.
     """
-    record = {_text(k): _text(v) for k, v in client.hgetall(config.keys.checkpoint).items()}
+    record = {protocol.text(k): protocol.text(v) for k, v in client.hgetall(config.keys.checkpoint).items()}
     if "step" not in record or "path" not in record:
         return None
     try:
@@ -331,7 +311,7 @@ def find_lost_checkpoint(client: redis.Redis, config: JobConfig, restored_from_s
         raise ValueError(f"Redis hash {config.keys.checkpoint}: step {record['step']!r} is not an integer") from err
     if step <= restored_from_step or (Path(record["path"]) / COMMIT_FILE).is_file():
         return None
-    return LostCheckpoint(step=step, path=record["path"], restored_from_step=restored_from_step)
+    return protocol.LostCheckpoint(step=step, path=record["path"], restored_from_step=restored_from_step)
 
 
 def acknowledge_covered(client: redis.Redis, config: JobConfig, committed: CommittedCheckpoint) -> int:
@@ -346,15 +326,15 @@ def acknowledge_covered(client: redis.Redis, config: JobConfig, committed: Commi
     keys = config.keys
     if not covered or not _group_exists(client, keys.stream, keys.group):
         return 0
-    low = min(covered, key=_entry_key)
-    high = max(covered, key=_entry_key)
+    low = min(covered, key=protocol.entry_order)
+    high = max(covered, key=protocol.entry_order)
     still_pending: list[str] = []
     start = low
     while True:
         page = client.xpending_range(keys.stream, keys.group, min=start, max=high, count=1000)
         if not page:
             break
-        ids = [_text(row["message_id"]) for row in page]
+        ids = [protocol.text(row["message_id"]) for row in page]
         still_pending.extend(entry for entry in ids if entry in covered)
         if len(page) < 1000:
             break
@@ -370,16 +350,7 @@ def _group_exists(client: redis.Redis, stream: str, group: str) -> bool:
         groups = client.xinfo_groups(stream)
     except redis.ResponseError:  # no such stream
         return False
-    return any(_text(g["name"]) == group for g in groups)
-
-
-def _entry_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    return any(protocol.text(g["name"]) == group for g in groups)
 
 
 def _durable_write_text(path: Path, text: str) -> None:

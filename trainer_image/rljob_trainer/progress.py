@@ -1,4 +1,5 @@
-"""Progress reporting of the trainer: the Redis progress hash, JSON lines on stdout and Prometheus.
+"""Progress reporting of the trainer: the Redis progress hash (after each step, at every start and at each
+checkpoint: :func:`publish_start`, :func:`publish_checkpointed`), JSON lines on stdout and Prometheus.
 
 Only global rank 0 reports (:class:`RankZeroProgress`); every other rank gets :class:`NoOpProgress`, so the
 training loop calls ``report`` unconditionally. The progress hash is the operator's view of the trainer
@@ -7,6 +8,7 @@ training loop calls ``report`` unconditionally. The progress hash is the operato
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -19,6 +21,7 @@ import redis
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from rljob_api import constants as c
+from rljob_api import protocol
 from rljob_api.config import JobConfig
 
 log = logging.getLogger(__name__)
@@ -123,15 +126,8 @@ class RankZeroProgress:
         line = {"event": "step", **asdict(record)}
         self._stdout.write(json.dumps(line, allow_nan=True) + "\n")
         self._stdout.flush()
-        mapping = {
-            "step": record.step,
-            "documents_seen": record.documents_seen,
-            "model_version": record.model_version,
-            "tokens_per_second": repr(float(record.tokens_per_second)),
-            "metrics": json.dumps(record.metrics),
-            "stream": json.dumps(record.stream),
-            "updated_at": repr(time.time()),
-        }
+        mapping = protocol.step_fields(record.step, record.documents_seen, record.model_version,
+                                       record.tokens_per_second, record.metrics, record.stream, time.time())
         try:
             self._client.hset(self._key, mapping=mapping)
         except redis.RedisError as err:
@@ -147,3 +143,70 @@ class RankZeroProgress:
 def build_progress(config: JobConfig, client: redis.Redis, rank: int, *, stdout: TextIO = sys.stdout) -> Progress:
     """:class:`RankZeroProgress` on global rank 0 (JSON lines to ``stdout``), :class:`NoOpProgress` elsewhere."""
     return RankZeroProgress(config, client, stdout=stdout) if rank == 0 else NoOpProgress()
+
+
+def publish_start(
+    client: redis.Redis,
+    config: JobConfig,
+    step: int,
+    documents_seen: int,
+    lost: Optional[protocol.LostCheckpoint],
+    attempt: Optional[int] = None,
+) -> None:
+    """Rank 0 at every start: where this attempt starts, in the progress hash, and the rollout hash's rewards of an
+    abandoned timeline dropped, in one MULTI/EXEC.
+
+    Sets ``step``, ``documents_seen``, ``model_version`` (= documents_seen), ``restored_from_step`` (= step) and
+    ``checkpoint_documents_seen`` (= documents_seen: nothing trained yet is unacked) to the loaded checkpoint's values
+    (0 from scratch), and sets ``checkpoint_lost`` (JSON {step, path, restored_from_step, message, attempt}) or deletes
+    it. ``attempt``: the gang attempt (env ``RLJOB_ATTEMPT``, :func:`gang_attempt`), so the operator never shows the
+    record of an earlier attempt as this one's.
+    The rollout's max lag needs this before the first step (:mod:`rljob_rollout.writer`): an earlier attempt's
+    documents_seen would otherwise count this attempt's redelivered documents as trained.
+
+    In the rollout hash it deletes the ``reward_sum:{v}`` / ``reward_count:{v}`` fields with v > ``documents_seen``:
+    versions of a timeline this start abandoned (it started over, or from an older checkpoint), which the operator
+    would otherwise keep showing as the newest reward (status.rolloutReward). Versions <= ``documents_seen`` and the
+    hash's other fields stay. The field names are read with HKEYS under WATCH, so a field a rollout worker adds
+    meanwhile reruns the transaction (redis-py :meth:`redis.Redis.transaction`). Not covered: a rollout worker still
+    holding the abandoned weights tags its batches with the old version until it loads this start's weights (published
+    right after), so such a field can come back for that short while; the operator ignores reward versions above
+    the progress hash's model_version.
+
+    Raises:
+        redis.RedisError: Redis unreachable beyond the client's retries (the attempt fails and is restarted).
+    """
+    key, rollout = config.keys.progress, config.keys.rollout
+
+    def write(pipe: redis.client.Pipeline) -> None:
+        versions = protocol.reward_field_versions(pipe.hkeys(rollout))
+        abandoned = [name for name, version in versions.items() if version > documents_seen]
+        pipe.multi()
+        pipe.hset(key, mapping=protocol.start_fields(step, documents_seen))
+        if lost is None:
+            pipe.hdel(key, protocol.PROGRESS_CHECKPOINT_LOST)
+        else:
+            pipe.hset(key, protocol.PROGRESS_CHECKPOINT_LOST, dataclasses.replace(lost, attempt=attempt).to_field())
+        if abandoned:
+            pipe.hdel(rollout, *abandoned)
+
+    client.transaction(write, rollout)
+
+
+def gang_attempt() -> Optional[int]:
+    """The gang attempt the operator stamped on this pod (env ``RLJOB_ATTEMPT``, status.attempt), or None outside the
+    operator (tests, a manual torchrun) or when the value is not an integer."""
+    try:
+        return int(os.environ[c.ENV_ATTEMPT])
+    except (KeyError, ValueError):
+        return None
+
+
+def publish_checkpointed(client: redis.Redis, config: JobConfig, documents_seen: int) -> None:
+    """Rank 0 once a checkpoint is durable and before its entries are acked: ``checkpoint_documents_seen`` =
+    ``documents_seen`` in the progress hash (the documents it covers leave the rollout's trained-unacked count).
+
+    Raises:
+        redis.RedisError: Redis unreachable beyond the client's retries (the acks that follow would fail as well).
+    """
+    client.hset(config.keys.progress, protocol.PROGRESS_CHECKPOINT_DOCUMENTS_SEEN, documents_seen)

@@ -17,7 +17,7 @@ One optimizer step on every data-parallel rank (DESIGN §4, §6):
 
 At every start (resumes included) the latest checkpoint (or ``initFrom``) is loaded; rank 0 warns when the
 checkpoint Redis records is gone from the volume (``checkpoint_lost``), writes the start's step and documents_seen
-to the progress hash (:func:`publish_start`), spreads the stream's pending entries over the current ranks before any
+to the progress hash (:func:`rljob_trainer.progress.publish_start`), spreads the stream's pending entries over the current ranks before any
 rank reads (:func:`start_reading`; the world size may have changed) and publishes the full weights with the
 checkpoint's documents_seen.
 At ``maxSteps``: final checkpoint, safetensors export, ``training_finished``, exit 0. Logs go to stderr, one JSON
@@ -27,12 +27,11 @@ line per step to stdout.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, TextIO
 
@@ -40,24 +39,24 @@ import redis
 import torch
 import torch.distributed as dist
 
-from rljob_api import constants as c
+from rljob_api import protocol
 from rljob_api.config import JobConfig
 from rljob_trainer import loss as losses
 from rljob_trainer.checkpoint import (
     CheckpointManager,
     CommittedCheckpoint,
-    LostCheckpoint,
     acknowledge_covered,
     find_lost_checkpoint,
 )
 from rljob_trainer.loss_metrics import StepMetrics, token_entropy
 from rljob_trainer.model import build_model, build_tokenizer, sequence_logprobs
 from rljob_trainer.parallel import Distributed, init_distributed, shutdown_distributed, wrap_model
-from rljob_trainer.progress import Progress, StepRecord, build_progress
-from rljob_trainer.rollout.writer import reward_field_versions
+from rljob_trainer.optim import build_optimizer, learning_rate
+from rljob_trainer.progress import Progress, StepRecord, build_progress, gang_attempt, publish_checkpointed, publish_start
 from rljob_trainer.stream.batch import MicroBatch, flat_from_padded, pack_documents
 from rljob_trainer.stream.connection import connect, retry_with_backoff
-from rljob_trainer.stream.reader import StreamReader, redistribute_pending
+from rljob_trainer.stream.reader import StreamReader
+from rljob_trainer.stream.redistribute import redistribute_pending
 from rljob_trainer.weights import WeightPublisher
 
 log = logging.getLogger("rljob_trainer.train")
@@ -70,16 +69,6 @@ class RunResult:
     step: int
     documents_seen: int
     export_dir: Optional[Path]
-
-
-def learning_rate(step: int, base: float, warmup_steps: int) -> float:
-    """Linear warm-up: ``base * (step + 1) / warmup_steps`` for the first ``warmup_steps`` updates, then ``base``.
-
-    ``step`` is the number of updates already done (0 for the first one).
-    """
-    if step < warmup_steps:
-        return base * (step + 1) / warmup_steps
-    return base
 
 
 class _LogitsTap:
@@ -123,10 +112,7 @@ class Trainer:
         vocab_size = len(self.tokenizer) if hasattr(self.tokenizer, "__len__") else self.tokenizer.vocab_size
         # float32 master weights (a Hub model loads in bf16); bf16 only inside autocast on GPU.
         self.model = build_model(spec.model, vocab_size, spec.trainer.seed).to(where.device, torch.float32)
-        opt = spec.trainer.optimizer
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=opt.learning_rate, betas=(opt.beta1, opt.beta2), weight_decay=opt.weight_decay
-        )
+        self.optimizer = build_optimizer(self.model, spec.trainer.optimizer)
         self.checkpoints = CheckpointManager(config, where, client)
         self.step = 0
         self.documents_seen = 0
@@ -160,7 +146,7 @@ class Trainer:
         if self.where.is_rank_zero:
             lost = find_lost_checkpoint(self.client, self.config, self.step)
             if lost is not None:
-                log.warning("checkpoint: %s", lost.message)
+                log.warning("checkpoint: %s", protocol.lost_checkpoint_message(lost))
             publish_start(self.client, self.config, self.step, self.documents_seen, lost, attempt=gang_attempt())
         start_reading(self.reader, self.where)  # after the acks and publish_start above: it begins with a barrier
         self.ddp = wrap_model(self.model, self.where)
@@ -339,80 +325,6 @@ def start_reading(reader: StreamReader, where: Distributed) -> None:
         reader.counters.lost_pending += result.lost
     dist.barrier()
     reader.start()
-
-
-def publish_start(
-    client: redis.Redis,
-    config: JobConfig,
-    step: int,
-    documents_seen: int,
-    lost: Optional[LostCheckpoint],
-    attempt: Optional[int] = None,
-) -> None:
-    """Rank 0 at every start: where this attempt starts, in the progress hash, and the rollout hash's rewards of an
-    abandoned timeline dropped, in one MULTI/EXEC.
-
-    Sets ``step``, ``documents_seen``, ``model_version`` (= documents_seen), ``restored_from_step`` (= step) and
-    ``checkpoint_documents_seen`` (= documents_seen: nothing trained yet is unacked) to the loaded checkpoint's values
-    (0 from scratch), and sets ``checkpoint_lost`` (JSON {step, path, restored_from_step, message, attempt}) or deletes
-    it. ``attempt``: the gang attempt (env ``RLJOB_ATTEMPT``, :func:`gang_attempt`), so the operator never shows the
-    record of an earlier attempt as this one's.
-    The rollout's max lag needs this before the first step (:mod:`rljob_trainer.rollout.writer`): an earlier attempt's
-    documents_seen would otherwise count this attempt's redelivered documents as trained.
-
-    In the rollout hash it deletes the ``reward_sum:{v}`` / ``reward_count:{v}`` fields with v > ``documents_seen``:
-    versions of a timeline this start abandoned (it started over, or from an older checkpoint), which the operator
-    would otherwise keep showing as the newest reward (status.rolloutReward). Versions <= ``documents_seen`` and the
-    hash's other fields stay. The field names are read with HKEYS under WATCH, so a field a rollout worker adds
-    meanwhile reruns the transaction (redis-py :meth:`redis.Redis.transaction`). Not covered: a rollout worker still
-    holding the abandoned weights tags its batches with the old version until it loads this start's weights (published
-    right after), so such a field can come back for that short while; the operator ignores reward versions above
-    the progress hash's model_version.
-
-    Raises:
-        redis.RedisError: Redis unreachable beyond the client's retries (the attempt fails and is restarted).
-    """
-    key, rollout = config.keys.progress, config.keys.rollout
-
-    def write(pipe: redis.client.Pipeline) -> None:
-        versions = reward_field_versions(pipe.hkeys(rollout))
-        abandoned = [name for name, version in versions.items() if version > documents_seen]
-        pipe.multi()
-        pipe.hset(key, mapping={
-            c.PROGRESS_STEP: step,
-            c.PROGRESS_DOCUMENTS_SEEN: documents_seen,
-            c.PROGRESS_MODEL_VERSION: documents_seen,
-            c.PROGRESS_RESTORED_FROM_STEP: step,
-            c.PROGRESS_CHECKPOINT_DOCUMENTS_SEEN: documents_seen,
-        })
-        if lost is None:
-            pipe.hdel(key, c.PROGRESS_CHECKPOINT_LOST)
-        else:
-            record = {**asdict(lost), "message": lost.message, **({"attempt": attempt} if attempt is not None else {})}
-            pipe.hset(key, c.PROGRESS_CHECKPOINT_LOST, json.dumps(record))
-        if abandoned:
-            pipe.hdel(rollout, *abandoned)
-
-    client.transaction(write, rollout)
-
-
-def gang_attempt() -> Optional[int]:
-    """The gang attempt the operator stamped on this pod (env ``RLJOB_ATTEMPT``, status.attempt), or None outside the
-    operator (tests, a manual torchrun) or when the value is not an integer."""
-    try:
-        return int(os.environ[c.ENV_ATTEMPT])
-    except (KeyError, ValueError):
-        return None
-
-
-def publish_checkpointed(client: redis.Redis, config: JobConfig, documents_seen: int) -> None:
-    """Rank 0 once a checkpoint is durable and before its entries are acked: ``checkpoint_documents_seen`` =
-    ``documents_seen`` in the progress hash (the documents it covers leave the rollout's trained-unacked count).
-
-    Raises:
-        redis.RedisError: Redis unreachable beyond the client's retries (the acks that follow would fail as well).
-    """
-    client.hset(config.keys.progress, c.PROGRESS_CHECKPOINT_DOCUMENTS_SEEN, documents_seen)
 
 
 def run(config: JobConfig, *, client: Optional[redis.Redis] = None, stdout: TextIO = sys.stdout) -> RunResult:

@@ -1,4 +1,4 @@
-"""Prometheus metrics of one rollout worker (served by ``python -m rljob_trainer.rollout`` on ``config.metrics_port``).
+"""Prometheus metrics of one rollout worker (served by ``python -m rljob_rollout`` on ``config.metrics_port``).
 
 Names: ``rljob_rollout_samples_total`` (completions generated), ``rljob_rollout_documents_total`` (documents
 written), ``rljob_rollout_reward_errors_total{kind}`` (samples dropped because the reward function raised),
@@ -14,7 +14,7 @@ from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from rljob_trainer.rollout.writer import BatchReport
+from rljob_rollout.writer import BatchReport
 
 
 class RolloutMetrics:

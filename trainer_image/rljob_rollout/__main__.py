@@ -1,9 +1,9 @@
-"""``python -m rljob_trainer.rollout``: the rollout pod's entry point (DESIGN §2).
+"""``python -m rljob_rollout``: the rollout pod's entry point (DESIGN §2).
 
 Reads the resolved config (env ``RLJOB_CONFIG``), the replica index (env ``RLJOB_REPLICA_INDEX``, required when
 ``spec.rollout.replicas`` > 1) and the Redis password (env ``REDIS_PASSWORD``), serves Prometheus metrics
 (:mod:`.metrics`) on ``config.metrics_port`` at env ``POD_IP``, then runs
-:class:`~rljob_trainer.rollout.worker.RolloutWorker` until ``training_finished`` (exit 0) or SIGTERM (exit 0).
+:class:`~rljob_rollout.worker.RolloutWorker` until ``training_finished`` (exit 0) or SIGTERM (exit 0).
 Exit 2: bad config or replica index (the message names the field).
 """
 
@@ -18,7 +18,7 @@ from typing import Optional
 from rljob_api import constants as c
 from rljob_api.config import JobConfig
 
-log = logging.getLogger("rljob_trainer.rollout")
+log = logging.getLogger("rljob_rollout")
 
 
 def replica_index(config: JobConfig, environ: Optional[dict[str, str]] = None) -> int:
@@ -48,7 +48,7 @@ def main() -> int:
     try:
         config = JobConfig.load()
         index = replica_index(config)
-        from rljob_trainer.rollout.worker import RolloutWorker
+        from rljob_rollout.worker import RolloutWorker
 
         worker = RolloutWorker.from_config(config, index)
     except (OSError, ValueError, ImportError) as error:

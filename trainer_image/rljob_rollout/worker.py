@@ -43,15 +43,16 @@ from typing import Any, Optional
 
 import redis
 
-from rljob_api import constants as c
+from rljob_api import protocol
 from rljob_api.config import JobConfig
-from rljob_trainer.rollout.advantages import filter_zero_variance, group_advantages
-from rljob_trainer.rollout.backends.base import Completion, GenerationBackend, UpdateOutcome
-from rljob_trainer.rollout.metrics import RolloutMetrics
-from rljob_trainer.rollout.tasks import InvalidReward, Prompt, Task
-from rljob_trainer.rollout.writer import BatchReport, DocumentWriter, make_document
+from rljob_rollout.advantages import filter_zero_variance, group_advantages
+from rljob_rollout.backends.base import Completion, GenerationBackend, UpdateOutcome
+from rljob_rollout.metrics import RolloutMetrics
+from rljob_rollout.tasks import InvalidReward, Prompt, Task
+from rljob_rollout.writer import BatchReport, DocumentWriter, make_document
 from rljob_trainer.stream.connection import RedisTLSError
-from rljob_trainer.weights import Event, WeightSubscriber
+from rljob_api.protocol import Event
+from rljob_rollout.weights import WeightSubscriber
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +118,8 @@ class RolloutWorker:
             ValueError / FileNotFoundError / OSError: a bad task, dataset, reward function or model (names the field).
         """
         from rljob_trainer.model import build_tokenizer
-        from rljob_trainer.rollout.backends import build_backend
-        from rljob_trainer.rollout.tasks import build_task
+        from rljob_rollout.backends import build_backend
+        from rljob_rollout.tasks import build_task
         from rljob_trainer.stream.connection import connect
 
         seed = config.spec.rollout.seed + replica_index
@@ -152,7 +153,7 @@ class RolloutWorker:
                 try:
                     if not self._heartbeats_started:
                         last = self.subscriber.follow_from_now()
-                        if last is not None and last.type == c.EVENT_TRAINING_FINISHED:
+                        if last is not None and last.type == protocol.EVENT_TRAINING_FINISHED:
                             max_steps = self.config.spec.trainer.max_steps
                             if finished_for(last, max_steps):
                                 log.info("rollout: training already finished (step %s); exiting", last.step)
@@ -204,9 +205,9 @@ class RolloutWorker:
         invitation: Optional[Event] = None
         mine = set(self.subscriber.transfer_ranks)
         for event in events:
-            if event.type == c.EVENT_TRAINING_FINISHED:
+            if event.type == protocol.EVENT_TRAINING_FINISHED:
                 return True
-            if event.type != c.EVENT_WEIGHTS_READY:
+            if event.type != protocol.EVENT_WEIGHTS_READY:
                 continue
             if event.ticket is None:
                 log.warning("rollout: weights_ready %s carries no transfer ticket (not an rljob trainer?); ignored", event.id)

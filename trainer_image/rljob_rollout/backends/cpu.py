@@ -23,8 +23,9 @@ from transformers import GenerationConfig
 from rljob_api.config import JobConfig
 from rljob_api.spec import SamplingSpec
 from rljob_trainer.model import build_model
-from rljob_trainer.rollout.backends.base import Completion, GenerationBackend, UpdateOutcome
-from rljob_trainer.weights import StoreAddress, TransferFailed, TransferTicket, receive_update
+from rljob_rollout.backends.base import Completion, GenerationBackend, UpdateOutcome
+from rljob_api.protocol import TransferTicket
+from rljob_trainer.transfer import StoreAddress, TransferFailed, receive_update
 
 log = logging.getLogger(__name__)
 

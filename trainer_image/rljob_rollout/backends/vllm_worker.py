@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from rljob_trainer.weights import StoreAddress, TransferFailed, TransferTicket, receive_update
+from rljob_api.protocol import TransferTicket
+from rljob_trainer.transfer import StoreAddress, TransferFailed, receive_update
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,8 @@ from typing import Iterable, Sequence
 import torch
 
 from rljob_api.spec import SamplingSpec
-from rljob_trainer.weights import StoreAddress, TransferTicket
+from rljob_api.protocol import TransferTicket
+from rljob_trainer.transfer import StoreAddress
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ Between the end of one trainer attempt and the start of the next, the progress h
 attempt: the rollout may then run ahead by up to one checkpoint interval more, until the new attempt's start resets
 ``checkpoint_documents_seen``.
 
-Rollout hash (``keys.rollout``; every worker adds to the same fields, see :mod:`rljob_api.constants`):
+Rollout hash (``keys.rollout``; every worker adds to the same fields, see :mod:`rljob_api.protocol`):
 ``reward_sum:{v}`` / ``reward_count:{v}`` over every scored sample generated with weights version v, before
 filtering, for the newest ``ROLLOUT_REWARD_VERSIONS_KEPT`` versions present (each report deletes older pairs in its
 own WATCH/MULTI/EXEC transaction, so the hash stays bounded); ``reward`` / ``reward_version`` = that mean for the
@@ -46,25 +46,16 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import redis
 
-from rljob_api import constants as c
+from rljob_api import protocol
 from rljob_api.config import JobConfig
 from rljob_trainer.stream.codec import Document, encode_document
 
 log = logging.getLogger(__name__)
-
-DOCUMENTS_WRITTEN = "documents_written"
-SAMPLES_GENERATED = "samples_generated"
-REWARD_ERRORS = "reward_errors"
-GROUPS_FILTERED = "groups_filtered"
-SAMPLES_FILTERED = "samples_filtered"
-UPDATED_AT = "updated_at"
-WORKER_PREFIX = "worker:"
-
 
 def make_document(prompt_ids: Sequence[int], completion_ids: Sequence[int], completion_logprobs: Sequence[float],
                   *, reward: float, advantage: float, model_version: int) -> Document:
@@ -148,7 +139,7 @@ class DocumentWriter:
     """
 
     def __init__(self, client: redis.Redis, config: JobConfig, replica_index: int,
-                 reward_versions_kept: int = c.ROLLOUT_REWARD_VERSIONS_KEPT) -> None:
+                 reward_versions_kept: int = protocol.ROLLOUT_REWARD_VERSIONS_KEPT) -> None:
         if reward_versions_kept < 1:
             raise ValueError(f"reward_versions_kept={reward_versions_kept}: keep at least the newest version")
         self.reward_versions_kept = reward_versions_kept
@@ -156,7 +147,7 @@ class DocumentWriter:
         self._keys = config.keys
         self.max_pending = config.spec.redis.max_pending
         self.max_ahead = max(config.spec.rollout.max_lag, config.spec.trainer.batch.documents_per_step)
-        self._worker_field = f"{WORKER_PREFIX}{replica_index}"
+        self._worker_field = f"{protocol.ROLLOUT_WORKER_PREFIX}{replica_index}"
 
     def snapshot(self) -> StreamBacklog:
         """The group's undelivered and pending entries and the trainer's trained-unacked documents, read in one
@@ -164,7 +155,7 @@ class DocumentWriter:
         pipe = self._client.pipeline(transaction=True)
         pipe.xinfo_groups(self._keys.stream)
         pipe.xlen(self._keys.stream)
-        pipe.hmget(self._keys.progress, [c.PROGRESS_DOCUMENTS_SEEN, c.PROGRESS_CHECKPOINT_DOCUMENTS_SEEN])
+        pipe.hmget(self._keys.progress, [protocol.PROGRESS_DOCUMENTS_SEEN, protocol.PROGRESS_CHECKPOINT_DOCUMENTS_SEEN])
         groups, length, (seen, checkpointed) = pipe.execute(raise_on_error=False)
         if isinstance(length, Exception) or isinstance(seen, Exception):
             raise length if isinstance(length, Exception) else seen
@@ -175,7 +166,7 @@ class DocumentWriter:
             raise groups
         for group in groups:
             name = group.get("name")
-            if (name.decode() if isinstance(name, bytes) else name) == self._keys.group:
+            if protocol.text(name) == self._keys.group:
                 lag = group.get("lag")
                 if lag is None:  # Redis cannot tell after deletions: assume every entry is undelivered
                     lag = length
@@ -214,7 +205,7 @@ class DocumentWriter:
         pipe = self._client.pipeline(transaction=True)
         for doc in documents:
             pipe.xadd(self._keys.stream, encode_document(doc))
-        pipe.hincrby(self._keys.rollout, DOCUMENTS_WRITTEN, len(documents))
+        pipe.hincrby(self._keys.rollout, protocol.ROLLOUT_DOCUMENTS_WRITTEN, len(documents))
         pipe.execute()
 
     def report(self, batch: BatchReport) -> None:
@@ -226,18 +217,18 @@ class DocumentWriter:
         def add(pipe: redis.client.Pipeline) -> None:
             # WATCH (by client.transaction) makes the pruning see the fields it deletes: a concurrent write to the
             # hash aborts the EXEC, and redis-py reruns this function.
-            stale[:] = stale_reward_fields(pipe.hkeys(key), version, self.reward_versions_kept)
+            stale[:] = protocol.stale_reward_fields(pipe.hkeys(key), version, self.reward_versions_kept)
             pipe.multi()
-            pipe.hincrbyfloat(key, f"{c.ROLLOUT_REWARD_SUM_PREFIX}{version}", float(sum(batch.rewards)))
-            pipe.hincrby(key, f"{c.ROLLOUT_REWARD_COUNT_PREFIX}{version}", len(batch.rewards))
-            pipe.hincrby(key, SAMPLES_GENERATED, batch.samples_generated)
+            pipe.hincrbyfloat(key, f"{protocol.ROLLOUT_REWARD_SUM_PREFIX}{version}", float(sum(batch.rewards)))
+            pipe.hincrby(key, f"{protocol.ROLLOUT_REWARD_COUNT_PREFIX}{version}", len(batch.rewards))
+            pipe.hincrby(key, protocol.ROLLOUT_SAMPLES_GENERATED, batch.samples_generated)
             for kind, count in batch.reward_errors.items():
-                pipe.hincrby(key, f"{c.ROLLOUT_REWARD_ERRORS_PREFIX}{kind}", count)
+                pipe.hincrby(key, f"{protocol.ROLLOUT_REWARD_ERRORS_PREFIX}{kind}", count)
             if batch.reward_errors:
-                pipe.hincrby(key, REWARD_ERRORS, sum(batch.reward_errors.values()))
+                pipe.hincrby(key, protocol.ROLLOUT_REWARD_ERRORS, sum(batch.reward_errors.values()))
             if batch.groups_filtered:
-                pipe.hincrby(key, GROUPS_FILTERED, batch.groups_filtered)
-                pipe.hincrby(key, SAMPLES_FILTERED, batch.samples_filtered)
+                pipe.hincrby(key, protocol.ROLLOUT_GROUPS_FILTERED, batch.groups_filtered)
+                pipe.hincrby(key, protocol.ROLLOUT_SAMPLES_FILTERED, batch.samples_filtered)
             if stale:
                 pipe.hdel(key, *stale)
 
@@ -247,67 +238,15 @@ class DocumentWriter:
             self._worker_field: json.dumps(
                 {"version": version, "samples_per_second": batch.samples_generated / max(batch.seconds, 1e-9), "updated_at": now}
             ),
-            UPDATED_AT: repr(now),
+            protocol.ROLLOUT_UPDATED_AT: repr(now),
         }
-        if count and f"{c.ROLLOUT_REWARD_COUNT_PREFIX}{version}" not in stale:
-            mapping[c.ROLLOUT_REWARD] = repr(float(total) / int(count))
-            mapping[c.ROLLOUT_REWARD_VERSION] = str(version)
+        if count and f"{protocol.ROLLOUT_REWARD_COUNT_PREFIX}{version}" not in stale:
+            mapping[protocol.ROLLOUT_REWARD] = repr(float(total) / int(count))
+            mapping[protocol.ROLLOUT_REWARD_VERSION] = str(version)
         if batch.rewards:
             self._client.hset(key, mapping=mapping)
-            self._client.hdel(key, c.ROLLOUT_ALL_REWARDS_FAILED)
+            self._client.hdel(key, protocol.ROLLOUT_ALL_REWARDS_FAILED)
             return
-        errors = dict(batch.reward_errors)
-        mapping[c.ROLLOUT_ALL_REWARDS_FAILED] = json.dumps(
-            {
-                "version": version,
-                "samples": batch.samples_generated,
-                "errors": errors,
-                "message": f"every one of {batch.samples_generated} samples failed its reward function: {errors}",
-            }
-        )
+        mapping[protocol.ROLLOUT_ALL_REWARDS_FAILED] = protocol.all_rewards_failed_field(
+            version, batch.samples_generated, batch.reward_errors)
         self._client.hset(key, mapping=mapping)
-
-
-def reward_field_versions(fields: Iterable[bytes | str]) -> dict[str, int]:
-    """The ``reward_sum:{v}`` / ``reward_count:{v}`` names among the rollout hash's ``fields``, with their version v
-    (documents); fields with another prefix or a suffix that is not an integer are left out."""
-    versions: dict[str, int] = {}
-    for raw in fields:
-        name = raw.decode() if isinstance(raw, bytes) else raw
-        for prefix in (c.ROLLOUT_REWARD_SUM_PREFIX, c.ROLLOUT_REWARD_COUNT_PREFIX):
-            if name.startswith(prefix):
-                try:
-                    versions[name] = int(name[len(prefix):])
-                except ValueError:
-                    pass
-    return versions
-
-
-def stale_reward_fields(fields: Iterable[bytes | str], adding: int, keep: int) -> list[str]:
-    """The ``reward_sum:{v}`` / ``reward_count:{v}`` fields to delete once version ``adding`` is written to a hash
-    holding ``fields``: those whose v is not one of the ``keep`` largest versions present (``adding`` included),
-    and ``adding``'s own pair when it is not one of them.
-
-    Fields whose suffix is not an integer are never returned (rljob writes none).
-    """
-    versions = {
-        f"{c.ROLLOUT_REWARD_SUM_PREFIX}{adding}": adding,
-        f"{c.ROLLOUT_REWARD_COUNT_PREFIX}{adding}": adding,
-        **reward_field_versions(fields),
-    }
-    kept = set(sorted(set(versions.values()), reverse=True)[:keep])
-    return sorted(name for name, version in versions.items() if version not in kept)
-
-
-def rollout_rewards(client: redis.Redis, key: str) -> dict[int, tuple[float, int]]:
-    """Per weights version: (mean reward, number of scored samples), from the rollout hash ``key`` (which holds
-    the newest ``ROLLOUT_REWARD_VERSIONS_KEPT`` versions only)."""
-    raw = {(k.decode() if isinstance(k, bytes) else k): v for k, v in client.hgetall(key).items()}
-    out = {}
-    for name, value in raw.items():
-        if name.startswith(c.ROLLOUT_REWARD_SUM_PREFIX):
-            version = name[len(c.ROLLOUT_REWARD_SUM_PREFIX):]
-            count = int(raw.get(f"{c.ROLLOUT_REWARD_COUNT_PREFIX}{version}", 0))
-            if count:
-                out[int(version)] = (float(value) / count, count)
-    return dict(sorted(out.items()))

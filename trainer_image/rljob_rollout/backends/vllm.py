@@ -32,12 +32,13 @@ import torch
 
 from rljob_api.config import JobConfig
 from rljob_api.spec import SamplingSpec
-from rljob_trainer.rollout.backends.base import Completion, GenerationBackend, UpdateOutcome
-from rljob_trainer.weights import StoreAddress, TransferTicket
+from rljob_rollout.backends.base import Completion, GenerationBackend, UpdateOutcome
+from rljob_api.protocol import TransferTicket
+from rljob_trainer.transfer import StoreAddress
 
 log = logging.getLogger(__name__)
 
-EXTENSION = "rljob_trainer.rollout.backends.vllm_worker.WeightReceiverExtension"
+EXTENSION = "rljob_rollout.backends.vllm_worker.WeightReceiverExtension"
 RECEIVE_METHOD = "rljob_receive_weights"
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rljob_api.config import JobConfig
-from rljob_trainer.rollout.backends.base import Completion, GenerationBackend, UpdateOutcome
+from rljob_rollout.backends.base import Completion, GenerationBackend, UpdateOutcome
 
 
 def build_backend(config: JobConfig, tokenizer: Any, seed: int) -> GenerationBackend:
@@ -16,10 +16,10 @@ def build_backend(config: JobConfig, tokenizer: Any, seed: int) -> GenerationBac
         ValueError: sampling settings the backend cannot serve exactly (names the field).
     """
     if config.spec.rollout.backend == "vllm":
-        from rljob_trainer.rollout.backends.vllm import VllmBackend
+        from rljob_rollout.backends.vllm import VllmBackend
 
         return VllmBackend(config, tokenizer, seed)
-    from rljob_trainer.rollout.backends.cpu import CpuBackend
+    from rljob_rollout.backends.cpu import CpuBackend
 
     return CpuBackend.from_config(config, tokenizer, seed)
 

@@ -14,7 +14,7 @@ Three tasks (``spec.rollout.task.name``):
   must be importable in the rollout image, e.g. installed or on ``PYTHONPATH``). It is called as
   ``function(prompt: str, completion: str, record: dict) -> float`` with the prompt text, the decoded
   completion (special tokens skipped) and the JSONL record. It may raise: the worker drops that sample and
-  counts the exception's class name (:mod:`rljob_trainer.rollout.worker`).
+  counts the exception's class name (:mod:`rljob_rollout.worker`).
 
 Prompt text of ``math`` and ``custom`` goes through the tokenizer's chat template when it has one (a user
 turn, generation prompt added), else it is encoded as is with the tokenizer's special tokens.
