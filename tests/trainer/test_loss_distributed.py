@@ -84,9 +84,9 @@ def step_gradient(model, micro_batches, loss_name: str, num_labels, num_document
             batch["document_index"],
         )
         if loss_name == "grpo":
-            loss = grpo_loss(*inputs, num_labels_in_batch=num_labels)
+            loss = grpo_loss(*inputs, num_labels_in_batch=num_labels).loss
         else:
-            loss = gspo_loss(*inputs, epsilon_low=0.05, epsilon_high=0.05, num_documents_in_batch=num_documents)
+            loss = gspo_loss(*inputs, epsilon_low=0.05, epsilon_high=0.05, num_documents_in_batch=num_documents).loss
         if sync is None:
             scale_for_ddp_mean(loss, world_size).backward()
         else:
