@@ -21,8 +21,9 @@ mask, the segments), which :class:`~rljob_trainer.loss_metrics.StepMetrics` read
 
 Where a new loss term goes (reference KL, off-policy corrections, ...): compute it inside the loss function, add the
 scalar to ``loss``, and if a metric should show it, return its detached per-token value as a new
-:class:`PolicyLossOutput` field; then declare the metric in ``loss_metrics.METRICS`` and map it to that field in
-``StepMetrics._per_token``. Its cross-rank reduction is then the metrics module's (never a separate all-reduce).
+:class:`PolicyLossOutput` field; then declare the metric in ``metrics_registry.METRICS`` and map it to that field
+in ``StepMetrics._per_token`` (loss_metrics.py). Its cross-rank reduction is then the metrics module's (never a
+separate all-reduce).
 
 Sources: GRPO, Shao et al., "DeepSeekMath", arXiv:2402.03300, eq. 3 (here without the KL-to-reference term);
 GSPO, Zheng et al., "Group Sequence Policy Optimization", arXiv:2507.18071, eq. 5-7; ServiceNow Fast-LLM,
@@ -75,6 +76,10 @@ class PolicyLossOutput(NamedTuple):
     ``ratio``: [T] detached, ``exp(log_ratio)``, the ratio the loss used (r, or R_d for GSPO).
     ``clipped``: [T] bool, ``ratio`` outside [1 - epsilon_low, 1 + epsilon_high] (whatever the advantage's sign).
     ``segments``: the :class:`DocumentSegments` the loss used (passed in, or computed once by the loss).
+
+    As Fast-LLM's policy-gradient loss returns its metrics with the loss
+    (``fast_llm/layers/language_model/loss/policy_gradient.py``); the clipping is PPO's (Schulman et al.,
+    arXiv:1707.06347, eq. 7).
     """
 
     loss: torch.Tensor
@@ -273,8 +278,10 @@ def gspo_loss(
     weight = segments.labelled_tokens if form == "fast-llm" else segments.has_labels
     total = (per_sequence * weight.to(per_sequence.dtype)).sum()
     loss = total / _normaliser(num_documents_in_batch, segments.num_documents, "num_documents_in_batch")
-    index = segments.index
-    return _output(loss, sequence_log_ratio[index], sequence_ratio[index], segments, epsilon_low, epsilon_high)
+    index = segments.index  # the metrics read R_d on every token of d
+    return _output(
+        loss, sequence_log_ratio.detach()[index], sequence_ratio.detach()[index], segments, epsilon_low, epsilon_high
+    )
 
 
 def _clipped_objective(

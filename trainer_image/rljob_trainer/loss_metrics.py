@@ -20,7 +20,9 @@ Units and weighting:
   the step's global document count (documents with at least one labelled token) after the all-reduce.
 - ``max_*`` / ``min_*`` run over labelled tokens (advantage, staleness) or documents (reward).
 - ``num_tokens`` is the step's labelled-token count over all ranks.
-- GRPO's ratio metrics are token-level; GSPO's use the sequence ratio R_d (as Fast-LLM logs them).
+- GRPO's ratio metrics are token-level; GSPO's use the sequence ratio R_d (as Fast-LLM logs them). Both are
+  the loss's own ratio and clipping decision (in its compute dtype, float32 in training); ``kl_new_old`` is
+  evaluated in float64 from the loss's log-ratio, where r - log r - 1 does not cancel.
 - ``train_samples_reward`` averages the raw reward over the documents that reached the loss, i.e. over the
   sample-filtered training batch (zero-variance groups dropped, stale or malformed entries dead-lettered):
   it is biased and is *not* a policy-performance metric. The rollout reward (everything generated per model
