@@ -85,7 +85,7 @@ def train_step(model, batches, metrics: StepMetrics, temperature: float) -> tupl
         new_logprobs = log_probs.gather(-1, next_tokens[..., None]).squeeze(-1).reshape(-1)
         old_logprobs = new_logprobs.detach() + batch["noise"].reshape(-1)
         flat = {k: batch[k].reshape(-1) for k in ("advantages", "label_mask", "document_index")}
-        loss = grpo_loss(
+        output = grpo_loss(
             new_logprobs,
             old_logprobs,
             flat["advantages"],
@@ -93,7 +93,7 @@ def train_step(model, batches, metrics: StepMetrics, temperature: float) -> tupl
             flat["document_index"],
             num_labels_in_batch=num_labels,
         )
-        loss.backward()
+        output.loss.backward()
         if metrics.enabled:
             synchronize(metrics.device)
             start = time.perf_counter()
@@ -101,9 +101,8 @@ def train_step(model, batches, metrics: StepMetrics, temperature: float) -> tupl
                 new_logprobs=new_logprobs,
                 old_logprobs=old_logprobs,
                 advantages=flat["advantages"],
-                label_mask=flat["label_mask"],
-                document_index=flat["document_index"],
                 documents_seen=1000,
+                loss_output=output,
                 reward=batch["reward"].reshape(-1),
                 model_version=batch["model_version"].reshape(-1),
                 logits=logits if metrics.level == "full" else None,

@@ -214,7 +214,7 @@ def loss_on(device: torch.device, loss_fn: Any, inputs: dict[str, torch.Tensor],
     """(loss value, gradient [T] w.r.t. new_logprobs, on CPU) of ``loss_fn`` computed on ``device``."""
     moved = {k: v.to(device, copy=True) for k, v in inputs.items()}  # copies: the inputs never get a gradient
     moved["new_logprobs"].requires_grad_(True)
-    loss = loss_fn(**moved, **kwargs)
+    loss = loss_fn(**moved, **kwargs).loss
     loss.backward()
     return loss.item(), moved["new_logprobs"].grad.to("cpu", copy=True)
 

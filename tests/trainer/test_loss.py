@@ -47,7 +47,7 @@ def grpo_inputs():
 
 def test_grpo_by_hand_both_clip_sides_and_signs():
     new, old, adv, mask, docs = grpo_inputs()
-    loss = grpo_loss(new, old, adv, mask, docs)
+    loss = grpo_loss(new, old, adv, mask, docs).loss
     assert loss.item() == pytest.approx(0.36, abs=1e-12)
     loss.backward()
     # d loss / d lp_new_t = -r_t*A_t / 5 where the unclipped term is the minimum, else 0.
@@ -56,11 +56,12 @@ def test_grpo_by_hand_both_clip_sides_and_signs():
 
 def test_grpo_explicit_normaliser_and_epsilons():
     new, old, adv, mask, docs = grpo_inputs()
-    assert grpo_loss(new, old, adv, mask, docs, num_labels_in_batch=10).item() == pytest.approx(0.18, abs=1e-12)
-    assert grpo_loss(new, old, adv, mask, docs, num_labels_in_batch=torch.tensor(10.0)).item() == pytest.approx(0.18)
+    assert grpo_loss(new, old, adv, mask, docs, num_labels_in_batch=10).loss.item() == pytest.approx(0.18, abs=1e-12)
+    tensor_normaliser = grpo_loss(new, old, adv, mask, docs, num_labels_in_batch=torch.tensor(10.0)).loss
+    assert tensor_normaliser.item() == pytest.approx(0.18)
     # clip range [0.6, 1.6]: a: min(1.5, 1.5) -> -1.5; b: min(0.5, 0.6) -> -0.5; c: min(-1.0, -1.2) -> +1.2;
     # d: min(-3.0, -3.0) -> +3.0; e -> -1.1.  sum = 1.1 -> /5 = 0.22
-    loss = grpo_loss(new, old, adv, mask, docs, epsilon_low=0.4, epsilon_high=0.6)
+    loss = grpo_loss(new, old, adv, mask, docs, epsilon_low=0.4, epsilon_high=0.6).loss
     assert loss.item() == pytest.approx(0.22, abs=1e-12)
 
 
@@ -91,7 +92,7 @@ def gspo_inputs():
 )
 def test_gspo_by_hand(form, expected, doc2_grad):
     new, old, adv, mask, docs = gspo_inputs()
-    loss = gspo_loss(new, old, adv, mask, docs, epsilon_low=0.2, epsilon_high=0.2, form=form)
+    loss = gspo_loss(new, old, adv, mask, docs, epsilon_low=0.2, epsilon_high=0.2, form=form).loss
     assert loss.item() == pytest.approx(expected, abs=1e-12)
     loss.backward()
     assert new.grad.tolist() == pytest.approx([0.0] * 6 + [doc2_grad] * 2 + [0.0, 0.0], abs=1e-12)
@@ -103,12 +104,12 @@ def test_gspo_default_clip_range_is_the_papers():
     # A = -1: min(-R, -1.0004) = -R -> loss = 2 * exp(1e-3) = 2.002001 (the upper clip never binds for A<0).
     lp = torch.tensor([-1.0, -1.0], dtype=F64)
     mask, docs = torch.tensor([True, True]), torch.tensor([0, 0])
-    up = gspo_loss(lp + 1e-3, lp, torch.tensor([1.0, 1.0], dtype=F64), mask, docs)
+    up = gspo_loss(lp + 1e-3, lp, torch.tensor([1.0, 1.0], dtype=F64), mask, docs).loss
     assert up.item() == pytest.approx(-2.0008, abs=1e-12)
-    down = gspo_loss(lp + 1e-3, lp, torch.tensor([-1.0, -1.0], dtype=F64), mask, docs)
+    down = gspo_loss(lp + 1e-3, lp, torch.tensor([-1.0, -1.0], dtype=F64), mask, docs).loss
     assert down.item() == pytest.approx(2 * math.exp(1e-3), abs=1e-12)
     # Lower side: log-ratio -1e-3 -> R = 0.9990005 < 1 - 3e-4 = 0.9997, A = -1 -> -min(-R, -0.9997) = 0.9997*2.
-    low = gspo_loss(lp - 1e-3, lp, torch.tensor([-1.0, -1.0], dtype=F64), mask, docs)
+    low = gspo_loss(lp - 1e-3, lp, torch.tensor([-1.0, -1.0], dtype=F64), mask, docs).loss
     assert low.item() == pytest.approx(2 * 0.9997, abs=1e-12)
 
 
@@ -153,7 +154,7 @@ def test_grpo_matches_reference_loss_and_gradient(seed):
     new, old, adv, mask, docs = random_micro_batch(seed, noise=0.5)
     ratio = (new - old).exp()[mask]
     assert (ratio > 1.2).any() and (ratio < 0.8).any() and ((ratio > 0.8) & (ratio < 1.2)).any()
-    loss = grpo_loss(new, old, adv, mask, docs)
+    loss = grpo_loss(new, old, adv, mask, docs).loss
     (grad,) = torch.autograd.grad(loss, new)
     ref_new = new.detach().clone().requires_grad_()
     ref = reference_grpo(ref_new, old, adv, mask, 0.2, 0.2, int(mask.sum()))
@@ -168,7 +169,7 @@ def test_grpo_matches_reference_loss_and_gradient(seed):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_gspo_matches_reference_loss_and_gradient(form, eps, seed):
     new, old, adv, mask, docs = random_micro_batch(seed, noise=0.05)
-    loss = gspo_loss(new, old, adv, mask, docs, epsilon_low=eps[0], epsilon_high=eps[1], form=form)
+    loss = gspo_loss(new, old, adv, mask, docs, epsilon_low=eps[0], epsilon_high=eps[1], form=form).loss
     (grad,) = torch.autograd.grad(loss, new)
     ref_new = new.detach().clone().requires_grad_()
     num_docs = len(set(docs[mask].tolist()))
@@ -184,8 +185,8 @@ def test_gspo_fast_llm_form_weights_documents_by_length():
     # form times the mean labelled length (2) when every document has the same per-sequence term.
     new, old = tokens([-1.0] * 4, [1.1] * 4)
     adv, mask, docs = torch.full((4,), 0.5, dtype=F64), torch.ones(4, dtype=torch.bool), torch.tensor([0, 1, 1, 1])
-    fast = gspo_loss(new, old, adv, mask, docs, epsilon_low=0.2, epsilon_high=0.2)
-    paper = gspo_loss(new, old, adv, mask, docs, epsilon_low=0.2, epsilon_high=0.2, form="paper")
+    fast = gspo_loss(new, old, adv, mask, docs, epsilon_low=0.2, epsilon_high=0.2).loss
+    paper = gspo_loss(new, old, adv, mask, docs, epsilon_low=0.2, epsilon_high=0.2, form="paper").loss
     assert paper.item() == pytest.approx(-0.55, abs=1e-12)
     assert fast.item() == pytest.approx(-0.55 * 4 / 2, abs=1e-12)
 
@@ -204,13 +205,13 @@ def test_micro_batches_with_step_normaliser_equal_one_batch(loss_name):
     labels = sum(c[0] for c in counts)
     documents = sum(c[1] for c in counts)
     if loss_name == "grpo":
-        whole = grpo_loss(new, old, adv, mask, docs)
-        pieces = sum(grpo_loss(*p, num_labels_in_batch=labels) for p in parts)
+        whole = grpo_loss(new, old, adv, mask, docs).loss
+        pieces = sum(grpo_loss(*p, num_labels_in_batch=labels).loss for p in parts)
         assert labels.item() == int(mask.sum())
     else:
-        whole = gspo_loss(new, old, adv, mask, docs, epsilon_low=0.05, epsilon_high=0.05)
+        whole = gspo_loss(new, old, adv, mask, docs, epsilon_low=0.05, epsilon_high=0.05).loss
         pieces = sum(
-            gspo_loss(*p, epsilon_low=0.05, epsilon_high=0.05, num_documents_in_batch=documents) for p in parts
+            gspo_loss(*p, epsilon_low=0.05, epsilon_high=0.05, num_documents_in_batch=documents).loss for p in parts
         )
         assert documents.item() == 6  # 7 documents, the last has no labelled token
     torch.testing.assert_close(pieces, whole)
@@ -220,10 +221,11 @@ def test_micro_batches_with_step_normaliser_equal_one_batch(loss_name):
 def test_default_normaliser_is_the_micro_batch_count():
     new, old, adv, mask, docs = random_micro_batch(4)
     torch.testing.assert_close(
-        grpo_loss(new, old, adv, mask, docs), grpo_loss(new, old, adv, mask, docs, num_labels_in_batch=int(mask.sum()))
+        grpo_loss(new, old, adv, mask, docs).loss,
+        grpo_loss(new, old, adv, mask, docs, num_labels_in_batch=int(mask.sum())).loss,
     )
     torch.testing.assert_close(
-        gspo_loss(new, old, adv, mask, docs), gspo_loss(new, old, adv, mask, docs, num_documents_in_batch=6)
+        gspo_loss(new, old, adv, mask, docs).loss, gspo_loss(new, old, adv, mask, docs, num_documents_in_batch=6).loss
     )
 
 
@@ -232,7 +234,7 @@ def test_all_masked_micro_batch_gives_zero_loss_and_finite_zero_gradient(loss_fn
     new, old, adv, _, docs = random_micro_batch(5)
     old = old.clone()
     old[0] = -1e4  # a huge ratio on a masked token must not leak inf/NaN into the gradient
-    loss = loss_fn(new, old, adv, torch.zeros_like(docs, dtype=torch.bool), docs)
+    loss = loss_fn(new, old, adv, torch.zeros_like(docs, dtype=torch.bool), docs).loss
     (grad,) = torch.autograd.grad(loss, new)
     assert loss.item() == 0.0
     assert torch.equal(grad, torch.zeros_like(grad))

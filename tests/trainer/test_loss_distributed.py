@@ -84,9 +84,9 @@ def step_gradient(model, micro_batches, loss_name: str, num_labels, num_document
             batch["document_index"],
         )
         if loss_name == "grpo":
-            loss = grpo_loss(*inputs, num_labels_in_batch=num_labels)
+            loss = grpo_loss(*inputs, num_labels_in_batch=num_labels).loss
         else:
-            loss = gspo_loss(*inputs, epsilon_low=0.05, epsilon_high=0.05, num_documents_in_batch=num_documents)
+            loss = gspo_loss(*inputs, epsilon_low=0.05, epsilon_high=0.05, num_documents_in_batch=num_documents).loss
         if sync is None:
             scale_for_ddp_mean(loss, world_size).backward()
         else:
@@ -212,3 +212,23 @@ def test_mixed_presence_raises_the_same_error_on_every_rank(tmp_path):
     assert "`reward` missing in 1 micro-batch(es) on rank(s) [1]" in outcomes[0]
     assert outcomes[0].endswith("|2.0")
     assert time.monotonic() - started < JOIN_TIMEOUT_S
+
+
+def totals_worker(rank: int, world_size: int, tmp_dir: str) -> None:
+    init_gloo(rank, world_size, tmp_dir)
+    totals = {"loss": 0.25 * (rank + 1), "redeliveries": rank, "dropped_too_long": 1, "dead_lettered": 0,
+              "lost_pending": 2 * rank}
+    results = [StepMetrics(level).reduce(totals=totals) for level in ("none", "basic")]
+    Path(f"{tmp_dir}/totals_{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def test_step_totals_are_summed_over_ranks_at_every_level(tmp_path):
+    # Level none still reduces the loss and the stream counters: every rank joins the SUM every step.
+    run_ranks(totals_worker, 2, tmp_path)
+    per_rank = [json.loads((tmp_path / f"totals_{r}.json").read_text()) for r in range(2)]
+    expected = {"loss": 0.75, "redeliveries": 1, "dropped_too_long": 2, "dead_lettered": 0, "lost_pending": 2}
+    assert per_rank[0] == per_rank[1]
+    none, basic = per_rank[0]
+    assert none == expected
+    assert {k: basic[k] for k in expected} == expected and basic["num_tokens"] == 0.0

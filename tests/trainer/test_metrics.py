@@ -8,15 +8,8 @@ import pytest
 import torch
 from rljob_api.config import RedisConnection, resolve
 from rljob_api.spec import RLTrainingJobSpec
-from rljob_trainer.loss_metrics import (
-    METRICS,
-    MetricsInputError,
-    StepMetrics,
-    metric_definitions,
-    metrics_level,
-    resolve_metrics_level,
-    token_entropy,
-)
+from rljob_trainer.loss_metrics import MetricsInputError, StepMetrics, token_entropy
+from rljob_trainer.metrics_registry import METRICS, metric_definitions, metrics_level, resolve_metrics_level
 
 torch.set_num_threads(1)
 F64 = torch.float64
@@ -273,3 +266,95 @@ def test_level_none_is_a_no_op():
     del batch["reward"], batch["model_version"]
     metrics.update(**batch, documents_seen=0)
     assert metrics.reduce() == {}
+
+
+# --- one pass with the loss: values against the formulas of DESIGN §4 -------------------------------------
+def random_batch(seed: int, num_docs: int, noise: float) -> dict[str, torch.Tensor]:
+    """One packed micro-batch in float64: 1-3 masked prompt tokens per document, the last document unlabelled."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 8, (num_docs,), generator=g)
+    docs = torch.repeat_interleave(torch.arange(num_docs), lengths)
+    mask = torch.cat([torch.arange(n) >= torch.randint(1, 3, (1,), generator=g) for n in lengths.tolist()])
+    mask[docs == num_docs - 1] = False
+    old = -torch.rand(len(docs), generator=g, dtype=F64) * 4
+    return {
+        "new_logprobs": old + torch.randn(len(docs), generator=g, dtype=F64) * noise,
+        "old_logprobs": old,
+        "advantages": torch.randn(num_docs, generator=g, dtype=F64)[docs],
+        "label_mask": mask,
+        "document_index": docs,
+        "reward": torch.rand(num_docs, generator=g, dtype=F64)[docs],
+        "model_version": 2**40 - torch.randint(0, 50, (len(docs),), generator=g),
+    }
+
+
+def reference_metrics(batches, loss: str, eps_low: float, eps_high: float, documents_seen: int) -> dict[str, float]:
+    """The step's basic metrics from DESIGN §4, one labelled document at a time (no rljob code): r_t =
+    exp(lp_new - lp_old) (GRPO) or R_d = exp(mean_d(lp_new - lp_old)) (GSPO); means over each document's labelled
+    tokens, then over documents; extremes over labelled tokens (reward: over documents)."""
+    per_doc, advantages, staleness, rewards, num_tokens = [], [], [], [], 0
+    for b in batches:
+        for d in b["document_index"].unique().tolist():
+            sel = (b["document_index"] == d) & b["label_mask"]
+            if not sel.any():
+                continue
+            log_r = b["new_logprobs"][sel] - b["old_logprobs"][sel]
+            r = log_r.exp() if loss == "grpo" else log_r.mean().exp().expand(log_r.shape)
+            stale = (documents_seen - b["model_version"][sel]).double()
+            per_doc.append({
+                "new_logprobs": b["new_logprobs"][sel].mean(),
+                "old_logprobs": b["old_logprobs"][sel].mean(),
+                "ratio_new_old": r.mean(),
+                "kl_new_old": (r - r.log() - 1).mean(),
+                "clipped_ratio_fraction": ((r < 1 - eps_low) | (r > 1 + eps_high)).double().mean(),
+                "advantage": b["advantages"][sel].mean(),
+                "train_samples_reward": b["reward"][sel].mean(),
+                "staleness": stale.mean(),
+            })
+            advantages += b["advantages"][sel].tolist()
+            staleness += stale.tolist()
+            rewards.append(b["reward"][sel].mean().item())
+            num_tokens += int(sel.sum())
+    out = {name: sum(float(doc[name]) for doc in per_doc) / len(per_doc) for name in per_doc[0]}
+    out.update(num_tokens=float(num_tokens), max_advantage=max(advantages), min_advantage=min(advantages))
+    out.update(max_staleness=max(staleness), min_staleness=min(staleness))
+    out.update(max_train_samples_reward=max(rewards), min_train_samples_reward=min(rewards))
+    return out
+
+
+@pytest.mark.parametrize("loss, eps, noise", [("grpo", (0.2, 0.2), 0.5), ("gspo", (0.05, 0.08), 0.1)])
+def test_one_pass_metrics_equal_the_formulas_and_segment_once(monkeypatch, loss, eps, noise):
+    from rljob_trainer import loss as losses
+
+    original, calls = losses.segment_documents, []
+    monkeypatch.setattr(losses, "segment_documents", lambda *a: calls.append(1) or original(*a))
+    batches = [random_batch(seed, num_docs=4 + seed, noise=noise) for seed in range(3)]
+    metrics = StepMetrics("basic", loss=loss, epsilon_low=eps[0], epsilon_high=eps[1])
+    loss_fn = losses.grpo_loss if loss == "grpo" else losses.gspo_loss
+    loss_sum = 0.0
+    for i, b in enumerate(batches):
+        segments = losses.segment_documents(b["label_mask"], b["document_index"])
+        output = loss_fn(
+            b["new_logprobs"], b["old_logprobs"], b["advantages"], b["label_mask"], b["document_index"],
+            epsilon_low=eps[0], epsilon_high=eps[1], segments=segments,
+        )
+        metrics.update(
+            new_logprobs=b["new_logprobs"], old_logprobs=b["old_logprobs"], advantages=b["advantages"],
+            documents_seen=2**40, loss_output=output, reward=b["reward"], model_version=b["model_version"],
+        )
+        assert len(calls) == i + 1  # neither the loss nor the metrics segmented the micro-batch again
+        loss_sum += output.loss.item()
+    expected = reference_metrics(batches, loss, *eps, documents_seen=2**40)
+    assert 0 < expected["clipped_ratio_fraction"] < 1  # both clipped and unclipped ratios are exercised
+    counters = {"redeliveries": 3, "dropped_too_long": 1, "dead_lettered": 0, "lost_pending": 2}
+    out = metrics.reduce(totals={"loss": torch.tensor(loss_sum, dtype=F64), **counters})
+    assert list(out) == BASIC_NAMES + ["loss", *counters]
+    assert {k: out[k] for k in BASIC_NAMES} == pytest.approx(expected, rel=1e-12, abs=1e-12)
+    assert out["loss"] == pytest.approx(loss_sum, rel=1e-15) and {k: out[k] for k in counters} == counters
+
+
+def test_step_totals_are_reduced_at_every_level_and_must_be_complete():
+    totals = {"loss": 0.5, "redeliveries": 1, "dropped_too_long": 2, "dead_lettered": 3, "lost_pending": 4}
+    assert StepMetrics("none").reduce(totals=totals) == totals
+    with pytest.raises(ValueError, match=r"totals must name exactly the step totals .* got \['loss'\]"):
+        StepMetrics("none").reduce(totals={"loss": 0.5})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -160,6 +161,42 @@ def test_gspo_with_full_metrics_in_process(redis_server, tmp_path):
     reference = reference_first_step(config, docs)
     for name in ("loss", "new_logprobs", "entropy"):
         assert line["metrics"][name] == pytest.approx(reference[name], rel=1e-4), name
+
+
+@pytest.mark.parametrize("loss, metrics", [("grpo", "basic"), ("gspo", "full")])
+def test_each_micro_batch_is_segmented_once(redis_server, tmp_path, monkeypatch, loss, metrics):
+    # The normaliser counts, the loss and the metrics of a micro-batch share one segment_documents (one device
+    # sync). Every caller reaches it through the module attribute: no trainer module holds its own reference.
+    import rljob_trainer.loss as losses
+    from rljob_trainer.train import Trainer
+
+    original, segmented, trained = losses.segment_documents, [], []
+    holders = [n for n, m in sys.modules.items() if n.startswith("rljob_trainer") and m is not losses
+               and getattr(m, "segment_documents", None) is original]
+    assert holders == []
+
+    def counting_segments(label_mask, document_index):
+        segmented.append(label_mask.numel())
+        return original(label_mask, document_index)
+
+    def counting_loss(self, mb, *args):
+        trained.append(mb.label_mask.numel())
+        return micro_batch_loss(self, mb, *args)
+
+    micro_batch_loss = Trainer._micro_batch_loss
+    monkeypatch.setattr(losses, "segment_documents", counting_segments)
+    monkeypatch.setattr(Trainer, "_micro_batch_loss", counting_loss)
+    config = make_config(
+        redis_server, tmp_path / "ckpt", processes=1, documents_per_step=4, max_steps=1, loss=loss, metrics=metrics
+    )
+    client = redis_server.client()
+    write_documents(client, config, make_documents(4, seed=6))
+    out = io.StringIO()
+    run(config, client=client, stdout=out)
+    assert len(trained) == 2  # 4 documents of 10 tokens in micro-batches of at most 24 tokens
+    assert segmented == trained  # once per micro-batch, in training order
+    (line,) = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert line["metrics"]["num_tokens"] == 4 * 4 and line["stream"]["redeliveries"] == 0
 
 
 def test_world_size_mismatch_exits_non_zero_with_the_numbers(redis_server, tmp_path):

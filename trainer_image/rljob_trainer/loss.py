@@ -14,6 +14,17 @@ optimizer step (all micro-batches, all ranks; see :func:`count_labels_and_docume
 by the data-parallel size (:func:`scale_for_ddp_mean`) to undo DDP's gradient mean, so the gradient equals the
 single-process gradient on the same documents.
 
+One pass with the metrics: the trainer segments each micro-batch once (:func:`segment_documents`, the one device
+synchronisation), takes the step's counts from those segments, passes them to the loss, and the loss returns a
+:class:`PolicyLossOutput`: the loss and the per-token quantities it computed on the way (log-ratio, ratio, clipping
+mask, the segments), which :class:`~rljob_trainer.loss_metrics.StepMetrics` reads instead of recomputing them.
+
+Where a new loss term goes (reference KL, off-policy corrections, ...): compute it inside the loss function, add the
+scalar to ``loss``, and if a metric should show it, return its detached per-token value as a new
+:class:`PolicyLossOutput` field; then declare the metric in ``metrics_registry.METRICS`` and map it to that field
+in ``StepMetrics._per_token`` (loss_metrics.py). Its cross-rank reduction is then the metrics module's (never a
+separate all-reduce).
+
 Sources: GRPO, Shao et al., "DeepSeekMath", arXiv:2402.03300, eq. 3 (here without the KL-to-reference term);
 GSPO, Zheng et al., "Group Sequence Policy Optimization", arXiv:2507.18071, eq. 5-7; ServiceNow Fast-LLM,
 ``fast_llm/layers/language_model/loss/policy_gradient.py`` (the length-weighted GSPO form).
@@ -45,9 +56,37 @@ class DocumentSegments(NamedTuple):
     has_labels: torch.Tensor
 
     @property
+    def num_labels(self) -> torch.Tensor:
+        """Labelled tokens: int64 scalar tensor (GRPO's normaliser count)."""
+        return self.label_mask.sum()
+
+    @property
     def num_documents(self) -> torch.Tensor:
-        """Documents with at least one labelled token: int64 scalar tensor."""
+        """Documents with at least one labelled token: int64 scalar tensor (GSPO's normaliser count)."""
         return self.has_labels.sum()
+
+
+class PolicyLossOutput(NamedTuple):
+    """One loss call on a micro-batch of T tokens: the loss and what its metrics read (no recomputation).
+
+    ``loss``: float scalar (float32, or float64 for float64 inputs), differentiable; divided by the normaliser.
+    ``log_ratio``: [T] detached, the loss's compute dtype: the log of the ratio the loss clipped. GRPO:
+    ``lp_new - lp_old`` on labelled tokens, 0 elsewhere; GSPO: ``log R_d`` on every token of document d (0 for
+    a document without labelled tokens).
+    ``ratio``: [T] detached, ``exp(log_ratio)``, the ratio the loss used (r, or R_d for GSPO).
+    ``clipped``: [T] bool, ``ratio`` outside [1 - epsilon_low, 1 + epsilon_high] (whatever the advantage's sign).
+    ``segments``: the :class:`DocumentSegments` the loss used (passed in, or computed once by the loss).
+
+    As Fast-LLM's policy-gradient loss returns its metrics with the loss
+    (``fast_llm/layers/language_model/loss/policy_gradient.py``); the clipping is PPO's (Schulman et al.,
+    arXiv:1707.06347, eq. 7).
+    """
+
+    loss: torch.Tensor
+    log_ratio: torch.Tensor
+    ratio: torch.Tensor
+    clipped: torch.Tensor
+    segments: DocumentSegments
 
 
 def segment_documents(label_mask: torch.Tensor, document_index: torch.Tensor) -> DocumentSegments:
@@ -109,13 +148,15 @@ def count_labels_and_documents(
 
     Returns:
         (labelled tokens, documents with at least one labelled token), both int64 scalar tensors on the
-        inputs' device: the GRPO (``num_labels_in_batch``) and GSPO (``num_documents_in_batch``) counts.
+        inputs' device: the GRPO (``num_labels_in_batch``) and GSPO (``num_documents_in_batch``) counts. A loop
+        that keeps the micro-batch's :class:`DocumentSegments` reads them from its ``num_labels`` and
+        ``num_documents`` instead (one segmentation per micro-batch).
 
     Raises:
         ValueError: as :func:`segment_documents`.
     """
     segments = segment_documents(label_mask, document_index)
-    return segments.label_mask.sum(), segments.num_documents
+    return segments.num_labels, segments.num_documents
 
 
 def scale_for_ddp_mean(loss: torch.Tensor, data_parallel_size: int) -> torch.Tensor:
@@ -142,7 +183,8 @@ def grpo_loss(
     epsilon_low: float = 0.2,
     epsilon_high: float = 0.2,
     num_labels_in_batch: Normaliser = None,
-) -> torch.Tensor:
+    segments: DocumentSegments | None = None,
+) -> PolicyLossOutput:
     """GRPO: token-level clipped importance-ratio loss (DeepSeekMath, arXiv:2402.03300; Fast-LLM GRPO).
 
     ``loss = sum_t m_t * -min(r_t * A_t, clip(r_t) * A_t) / num_labels_in_batch``.
@@ -152,27 +194,34 @@ def grpo_loss(
         old_logprobs: [T] float, log-probabilities under the sampling policy.
         advantages: [T] float, the document's advantage broadcast to its tokens.
         label_mask: [T] bool, True on labelled completion tokens.
-        document_index: [T] integer; unused by GRPO, accepted so both losses share one call signature.
+        document_index: [T] integer, 0-based document id of each token; GRPO's loss does not use it, its
+            metrics do (through ``segments``).
         epsilon_low, epsilon_high: the ratio is clipped to [1 - epsilon_low, 1 + epsilon_high].
         num_labels_in_batch: labelled tokens the sum is divided by; default this micro-batch's count
             (at least 1, so an all-masked micro-batch gives 0). Pass the optimizer step's global count
             (all micro-batches and data-parallel ranks) to get the step's token mean.
+        segments: :func:`segment_documents` of this ``label_mask`` and ``document_index``, when the caller
+            has it already (it saves the segmentation's device synchronisation); computed here otherwise.
 
     Returns:
-        A float scalar (float32, or float64 for float64 inputs).
+        :class:`PolicyLossOutput`: the loss, a float scalar (float32, or float64 for float64 inputs), and the
+        token ratios r_t with their clipping mask.
 
     Raises:
-        ValueError: shapes differ, a mask or index has the wrong dtype, an epsilon is out of range, or a
-            numeric normaliser is not positive.
+        ValueError: shapes differ, a mask or index has the wrong dtype, a negative document id, an epsilon is
+            out of range, a numeric normaliser is not positive, or ``segments`` of another length.
     """
     _check_inputs(new_logprobs, old_logprobs, advantages, label_mask, document_index, epsilon_low, epsilon_high)
-    mask = label_mask.reshape(-1)
+    segments = _segments(segments, label_mask, document_index)
+    mask = segments.label_mask
     dtype = torch.promote_types(new_logprobs.dtype, torch.float32)
     # Masking the log-ratio before exp keeps unlabelled positions from producing inf (and NaN gradients).
     log_ratio = torch.where(mask, (new_logprobs - old_logprobs).reshape(-1).to(dtype), 0.0)
-    per_token = _clipped_objective(log_ratio.exp(), advantages.reshape(-1).to(dtype), epsilon_low, epsilon_high)
+    ratio = log_ratio.exp()
+    per_token = _clipped_objective(ratio, advantages.reshape(-1).to(dtype), epsilon_low, epsilon_high)
     total = torch.where(mask, per_token, 0.0).sum()
-    return total / _normaliser(num_labels_in_batch, mask.sum(), "num_labels_in_batch")
+    loss = total / _normaliser(num_labels_in_batch, segments.num_labels, "num_labels_in_batch")
+    return _output(loss, log_ratio, ratio, segments, epsilon_low, epsilon_high)
 
 
 def gspo_loss(
@@ -186,7 +235,8 @@ def gspo_loss(
     epsilon_high: float = 4e-4,
     num_documents_in_batch: Normaliser = None,
     form: GSPOForm = "fast-llm",
-) -> torch.Tensor:
+    segments: DocumentSegments | None = None,
+) -> PolicyLossOutput:
     """GSPO: sequence-level clipped importance-ratio loss (arXiv:2507.18071; Fast-LLM GSPO).
 
     Per document d with n_d labelled tokens: ``R_d = exp(mean_{t in d, m_t} (lp_new_t - lp_old_t))`` (the
@@ -208,23 +258,30 @@ def gspo_loss(
         num_documents_in_batch: documents the sum is divided by; default this micro-batch's documents with
             at least one labelled token (at least 1). Pass the optimizer step's global count.
         form: ``"fast-llm"`` or ``"paper"``, see above.
+        segments: as :func:`grpo_loss`.
 
     Returns:
-        A float scalar (float32, or float64 for float64 inputs).
+        :class:`PolicyLossOutput`: the loss, a float scalar (float32, or float64 for float64 inputs), and the
+        sequence ratios R_d broadcast to their documents' tokens with their clipping mask.
 
     Raises:
-        ValueError: as :func:`grpo_loss`, a negative document id, or an unknown ``form``.
+        ValueError: as :func:`grpo_loss`, or an unknown ``form``.
     """
     _check_inputs(new_logprobs, old_logprobs, advantages, label_mask, document_index, epsilon_low, epsilon_high)
     if form not in ("fast-llm", "paper"):
         raise ValueError(f"form must be 'fast-llm' or 'paper', got {form!r}")
-    segments = segment_documents(label_mask, document_index)
+    segments = _segments(segments, label_mask, document_index)
     sequence_log_ratio = document_means((new_logprobs - old_logprobs).reshape(-1), segments)  # [D]
     sequence_advantage = document_means(advantages.detach().reshape(-1), segments)  # [D]
-    per_sequence = _clipped_objective(sequence_log_ratio.exp(), sequence_advantage, epsilon_low, epsilon_high)
+    sequence_ratio = sequence_log_ratio.exp()
+    per_sequence = _clipped_objective(sequence_ratio, sequence_advantage, epsilon_low, epsilon_high)
     weight = segments.labelled_tokens if form == "fast-llm" else segments.has_labels
     total = (per_sequence * weight.to(per_sequence.dtype)).sum()
-    return total / _normaliser(num_documents_in_batch, segments.num_documents, "num_documents_in_batch")
+    loss = total / _normaliser(num_documents_in_batch, segments.num_documents, "num_documents_in_batch")
+    index = segments.index  # the metrics read R_d on every token of d
+    return _output(
+        loss, sequence_log_ratio.detach()[index], sequence_ratio.detach()[index], segments, epsilon_low, epsilon_high
+    )
 
 
 def _clipped_objective(
@@ -233,6 +290,31 @@ def _clipped_objective(
     """``-min(ratio * A, clip(ratio) * A)`` elementwise (PPO's pessimistic clipped surrogate, negated)."""
     clipped = ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)
     return -torch.minimum(ratio * advantage, clipped * advantage)
+
+
+def _output(
+    loss: torch.Tensor,
+    log_ratio: torch.Tensor,
+    ratio: torch.Tensor,
+    segments: DocumentSegments,
+    epsilon_low: float,
+    epsilon_high: float,
+) -> PolicyLossOutput:
+    """The :class:`PolicyLossOutput` of a loss whose per-token ratio is ``ratio`` = exp(``log_ratio``), [T]."""
+    ratio = ratio.detach()
+    clipped = (ratio < 1.0 - epsilon_low) | (ratio > 1.0 + epsilon_high)
+    return PolicyLossOutput(loss, log_ratio.detach(), ratio, clipped, segments)
+
+
+def _segments(
+    segments: DocumentSegments | None, label_mask: torch.Tensor, document_index: torch.Tensor
+) -> DocumentSegments:
+    """The caller's segments of this micro-batch (checked for length only: no device synchronisation), or new ones."""
+    if segments is None:
+        return segment_documents(label_mask, document_index)
+    if segments.index.shape[0] != label_mask.numel():
+        raise ValueError(f"segments cover {segments.index.shape[0]} tokens, the micro-batch has {label_mask.numel()}")
+    return segments
 
 
 def _normaliser(value: Normaliser, default: torch.Tensor, name: str) -> torch.Tensor | float:

@@ -1,4 +1,13 @@
-"""Loss metrics of one optimizer step, reduced over the data-parallel ranks (DESIGN §4).
+"""Loss metrics of one optimizer step, and every cross-rank reduction after the loss (DESIGN §4).
+
+One pass: the loss (:mod:`rljob_trainer.loss`) returns a :class:`~rljob_trainer.loss.PolicyLossOutput` with
+the ratio, the clipping mask and the document segments it computed; :meth:`StepMetrics.update` reads them (no
+second segmentation, log-ratio or clipping). What is reduced is declared in :mod:`rljob_trainer.metrics_registry`:
+the loss metrics (``METRICS``) and the step totals that are not loss metrics (``STEP_TOTALS``: the loss value, the
+stream counters), reduced in the same SUM all-reduce. The only all-reduce of a step outside this module is the
+normaliser counts', before the loss (the loss divides by them).
+A new loss term: see the module docstring of :mod:`rljob_trainer.loss`; its metric is a ``MetricDef`` in
+``METRICS`` and a line in ``StepMetrics._per_token``.
 
 Levels: ``none``; ``basic``, every metric below but ``entropy``; ``full``, basic plus ``entropy`` (a second
 pass over the vocabulary); ``auto``, basic when pipeline_parallel = 1 else none. Names follow Fast-LLM's
@@ -11,7 +20,9 @@ Units and weighting:
   the step's global document count (documents with at least one labelled token) after the all-reduce.
 - ``max_*`` / ``min_*`` run over labelled tokens (advantage, staleness) or documents (reward).
 - ``num_tokens`` is the step's labelled-token count over all ranks.
-- GRPO's ratio metrics are token-level; GSPO's use the sequence ratio R_d (as Fast-LLM logs them).
+- GRPO's ratio metrics are token-level; GSPO's use the sequence ratio R_d (as Fast-LLM logs them). Both are
+  the loss's own ratio and clipping decision (in its compute dtype, float32 in training); ``kl_new_old`` is
+  evaluated in float64 from the loss's log-ratio, where r - log r - 1 does not cancel.
 - ``train_samples_reward`` averages the raw reward over the documents that reached the loss, i.e. over the
   sample-filtered training batch (zero-variance groups dropped, stale or malformed entries dead-lettered):
   it is biased and is *not* a policy-performance metric. The rollout reward (everything generated per model
@@ -20,60 +31,27 @@ Units and weighting:
   int64 and only then cast to float64, so counts above 2**24 keep their exact difference.
 
 Every rank builds the same metric list in the same order (it depends on the level only, which comes from the
-one resolved config), and :meth:`StepMetrics.reduce` calls exactly three all-reduces (sum, max, min) on every
-rank, whatever the rank saw. Missing inputs (a micro-batch without ``reward`` or ``model_version`` while
-metrics are on) are counted per rank inside the sum all-reduce, so every rank raises the same
-:class:`MetricsInputError` instead of some ranks hanging.
+one resolved config), and :meth:`StepMetrics.reduce` calls the same all-reduces on every rank, whatever the
+rank saw: one SUM (metric sums and step totals; the trainer calls it every step, whatever the level) and, when
+metrics are on, one MAX (maxima and negated minima). Missing inputs (a micro-batch without ``reward`` or
+``model_version`` while metrics are on) are counted per rank inside the SUM all-reduce, so every rank raises the
+same :class:`MetricsInputError` instead of some ranks hanging.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
 
-from rljob_trainer.loss import document_means, segment_documents
+from rljob_trainer import loss as losses
+from rljob_trainer.loss import DocumentSegments, PolicyLossOutput
+from rljob_trainer.metrics_registry import COUNT_METRICS, STEP_TOTALS, MetricsLevel, metric_definitions, metrics_level
 
 if TYPE_CHECKING:
     from rljob_api.config import JobConfig
-    from rljob_api.spec import RLTrainingJobSpec
-
-MetricsLevel = Literal["none", "basic", "full"]
-Reduction = Literal["sum", "max", "min"]
-
-
-class MetricDef(NamedTuple):
-    """One metric: its name, its cross-rank reduction, the lowest level that logs it, and its meaning."""
-
-    name: str
-    reduction: Reduction
-    level: Literal["basic", "full"]
-    description: str
-
-
-METRICS: tuple[MetricDef, ...] = (
-    MetricDef("new_logprobs", "sum", "basic", "mean log-probability of labelled tokens, trained policy"),
-    MetricDef("old_logprobs", "sum", "basic", "mean log-probability of labelled tokens, sampling policy"),
-    MetricDef("ratio_new_old", "sum", "basic", "mean importance ratio r (GSPO: sequence ratio R_d)"),
-    MetricDef("kl_new_old", "sum", "basic", "mean of r - log r - 1 (Schulman's k3 estimate of KL(old||new))"),
-    MetricDef("clipped_ratio_fraction", "sum", "basic", "mean of [r outside 1-epsilon_low, 1+epsilon_high]"),
-    MetricDef("advantage", "sum", "basic", "mean advantage"),
-    MetricDef("max_advantage", "max", "basic", "largest advantage of a labelled token"),
-    MetricDef("min_advantage", "min", "basic", "smallest advantage of a labelled token"),
-    MetricDef("num_tokens", "sum", "basic", "labelled tokens in the step, all ranks (a count)"),
-    MetricDef("entropy", "sum", "full", "mean entropy (nats) of the temperature-scaled token distribution"),
-    MetricDef("train_samples_reward", "sum", "basic", "mean raw reward over the step's documents (biased)"),
-    MetricDef("max_train_samples_reward", "max", "basic", "largest document reward"),
-    MetricDef("min_train_samples_reward", "min", "basic", "smallest document reward"),
-    MetricDef("staleness", "sum", "basic", "mean documents_seen - model_version (documents)"),
-    MetricDef("max_staleness", "max", "basic", "largest staleness of a labelled token (documents)"),
-    MetricDef("min_staleness", "min", "basic", "smallest staleness of a labelled token (documents)"),
-)
-"""Every metric, in the fixed order of registration and reduction."""
-
-_COUNTS = ("num_tokens",)
-"""Sum metrics reported as totals; every other sum metric is divided by the step's document count."""
 
 
 class MetricsInputError(RuntimeError):
@@ -85,45 +63,6 @@ class MetricsInputError(RuntimeError):
     def __init__(self, message: str, missing: dict[str, list[int]]):
         super().__init__(message)
         self.missing = missing
-
-
-def resolve_metrics_level(level: str, pipeline_parallel: int) -> MetricsLevel:
-    """The effective level: ``auto`` becomes ``basic`` when ``pipeline_parallel == 1``, else ``none``.
-
-    Raises:
-        ValueError: an unknown level, or ``basic``/``full`` with ``pipeline_parallel != 1`` (the metrics need
-            the whole vocabulary on one stage; admission rejects it too).
-    """
-    if level == "auto":
-        return "basic" if pipeline_parallel == 1 else "none"
-    if level not in ("none", "basic", "full"):
-        raise ValueError(f"spec.algorithm.metrics must be one of none, basic, full, auto; got {level!r}")
-    if level != "none" and pipeline_parallel != 1:
-        raise ValueError(
-            f"spec.algorithm.metrics={level} requires spec.trainer.pipelineParallel == 1, got {pipeline_parallel}"
-        )
-    return level  # type: ignore[return-value]
-
-
-def metrics_level(config: JobConfig | RLTrainingJobSpec) -> MetricsLevel:
-    """The effective metrics level of a resolved job config (or a spec). Raises as :func:`resolve_metrics_level`."""
-    spec = getattr(config, "spec", config)
-    return resolve_metrics_level(spec.algorithm.metrics, spec.trainer.pipeline_parallel)
-
-
-def metric_definitions(level: MetricsLevel) -> tuple[MetricDef, ...]:
-    """The metrics a level logs, in registration order: none → (), basic → all but entropy, full → all.
-
-    Raises:
-        ValueError: an unresolved or unknown level.
-    """
-    if level == "none":
-        return ()
-    if level == "basic":
-        return tuple(m for m in METRICS if m.level == "basic")
-    if level == "full":
-        return METRICS
-    raise ValueError(f"metrics level must be none, basic or full (resolve 'auto' first), got {level!r}")
 
 
 @torch.no_grad()
@@ -182,15 +121,18 @@ _REQUIRED_INPUTS = ("reward", "model_version", "logits or entropy")
 
 
 class StepMetrics:
-    """Accumulates the loss metrics of one optimizer step and reduces them over data-parallel ranks.
+    """Accumulates the loss metrics of one optimizer step and does every cross-rank reduction after the loss.
 
-    Use: for each micro-batch, :meth:`update`; after the step, :meth:`reduce` on every rank (it resets the
-    accumulator). With level ``none`` both are no-ops and :meth:`reduce` returns ``{}`` without collectives.
+    Use: for each micro-batch, :meth:`update` with the loss's :class:`~rljob_trainer.loss.PolicyLossOutput`;
+    after the step, :meth:`reduce` on every rank with the step totals (the registry's ``STEP_TOTALS``: the loss
+    value and the stream counters); it resets the accumulator. With level ``none``, :meth:`update` is a no-op and
+    :meth:`reduce` reduces the totals only (``{}`` without totals, and no collective).
 
     Args:
         level: a resolved level (``none``, ``basic``, ``full``); see :func:`metrics_level`.
-        loss: ``grpo`` (token-level ratio metrics) or ``gspo`` (sequence ratio R_d).
-        epsilon_low, epsilon_high: the loss's clip range, for ``clipped_ratio_fraction``.
+        loss: ``grpo`` (token-level ratio metrics) or ``gspo`` (sequence ratio R_d); the loss :meth:`update`
+            runs itself when it is given no loss output.
+        epsilon_low, epsilon_high: that loss's clip range (``clipped_ratio_fraction``).
         temperature: the sampling temperature, for ``entropy`` from logits.
         device: where the accumulators live; must suit the reduction group's backend (CPU for gloo, CUDA
             for NCCL).
@@ -223,11 +165,11 @@ class StepMetrics:
         self.epsilon_high = epsilon_high
         self.temperature = temperature
         self.device = torch.device(device or "cpu")
-        self._mean_names = [m.name for m in self.definitions if m.reduction == "sum" and m.name not in _COUNTS]
-        self._count_names = [m.name for m in self.definitions if m.name in _COUNTS]
+        self._mean_names = [m.name for m in self.definitions if m.reduction == "sum" and m.name not in COUNT_METRICS]
+        self._count_names = [m.name for m in self.definitions if m.name in COUNT_METRICS]
         self._max_names = [m.name for m in self.definitions if m.reduction == "max"]
         self._min_names = [m.name for m in self.definitions if m.reduction == "min"]
-        self._required = _REQUIRED_INPUTS if level == "full" else _REQUIRED_INPUTS[:2]
+        self._required = {"none": (), "basic": _REQUIRED_INPUTS[:2], "full": _REQUIRED_INPUTS}[level]
         self.reset()
 
     @classmethod
@@ -264,9 +206,10 @@ class StepMetrics:
         new_logprobs: torch.Tensor,
         old_logprobs: torch.Tensor,
         advantages: torch.Tensor,
-        label_mask: torch.Tensor,
-        document_index: torch.Tensor,
         documents_seen: int | torch.Tensor,
+        loss_output: PolicyLossOutput | None = None,
+        label_mask: torch.Tensor | None = None,
+        document_index: torch.Tensor | None = None,
         reward: torch.Tensor | None = None,
         model_version: torch.Tensor | None = None,
         logits: torch.Tensor | None = None,
@@ -276,8 +219,10 @@ class StepMetrics:
 
         Args:
             new_logprobs, old_logprobs, advantages: [T] float, as for the loss (``new_logprobs`` is detached).
-            label_mask: [T] bool. document_index: [T] integer, 0-based document id per token.
             documents_seen: documents trained before this step (int or int64 scalar tensor).
+            loss_output: what the loss returned for this micro-batch; its ratio, clipping mask and segments are
+                read, not recomputed. Without it (standalone use) the configured loss is run here once on
+                ``label_mask`` and ``document_index`` ([T] bool and [T] integer, then required).
             reward: [T] float, the document's raw reward broadcast to its tokens.
             model_version: [T] integer, the weights version (documents seen) each token was sampled with.
             logits: [T, V] or [B, L, V], row t scoring token t (full level; see :func:`token_entropy`).
@@ -291,24 +236,13 @@ class StepMetrics:
         """
         if not self.enabled:
             return
-        segments = segment_documents(label_mask, document_index)
-        mask = segments.label_mask
-        n = mask.shape[0]
-        for name, value in (
-            ("new_logprobs", new_logprobs),
-            ("old_logprobs", old_logprobs),
-            ("advantages", advantages),
-            ("reward", reward),
-            ("model_version", model_version),
-            ("entropy", entropy),
-        ):
-            if value is not None and value.numel() != n:
-                raise ValueError(f"{name} has {value.numel()} elements, label_mask has {n}")
-        if model_version is not None and (model_version.dtype.is_floating_point or model_version.dtype == torch.bool):
-            raise ValueError(f"model_version must be an integer tensor, got dtype {model_version.dtype}")
-        if logits is not None and entropy is not None:
-            raise ValueError("pass either logits or entropy, not both")
-
+        if loss_output is None:
+            loss_output = self._run_loss(new_logprobs, old_logprobs, advantages, label_mask, document_index)
+        segments = loss_output.segments
+        _check_update_inputs(
+            segments.index.shape[0], new_logprobs=new_logprobs, old_logprobs=old_logprobs, advantages=advantages,
+            reward=reward, model_version=model_version, entropy=entropy, logits=logits,
+        )
         present = {
             "reward": reward is not None,
             "model_version": model_version is not None,
@@ -316,97 +250,155 @@ class StepMetrics:
         }
         for name in self._required:
             self._missing[name] += not present[name]
-        if n == 0:
+        if segments.index.numel() == 0:
             return
+        per_token = self._per_token(
+            loss_output, new_logprobs, old_logprobs, advantages, documents_seen, reward, model_version, logits, entropy
+        )
+        doc_means = losses.document_means(torch.stack([per_token[name] for name in self._mean_names], 1), segments)
+        counts = torch.stack([segments.num_labels, segments.num_documents]).to(torch.float64)
+        self._sums += torch.cat([doc_means.sum(0), counts]).to(self.device)
+        reward_by_doc = doc_means[:, self._mean_names.index("train_samples_reward")]
+        self._update_extremes(per_token, reward_by_doc, segments, reward is not None, model_version is not None)
 
+    def _run_loss(
+        self,
+        new_logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        label_mask: torch.Tensor | None,
+        document_index: torch.Tensor | None,
+    ) -> PolicyLossOutput:
+        """The configured loss on a micro-batch, for a caller that has no loss output (only its ratios are read)."""
+        if label_mask is None or document_index is None:
+            raise ValueError("StepMetrics.update needs loss_output, or label_mask and document_index")
+        loss_fn = losses.grpo_loss if self.loss == "grpo" else losses.gspo_loss
+        return loss_fn(
+            new_logprobs.detach(), old_logprobs, advantages, label_mask, document_index,
+            epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
+        )
+
+    def _per_token(
+        self,
+        output: PolicyLossOutput,
+        new_logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        documents_seen: int | torch.Tensor,
+        reward: torch.Tensor | None,
+        model_version: torch.Tensor | None,
+        logits: torch.Tensor | None,
+        entropy: torch.Tensor | None,
+    ) -> dict[str, torch.Tensor]:
+        """{sum metric: [T] float64} of one micro-batch, whose document means the step adds up (DESIGN §4)."""
         f64 = torch.float64
         new_lp = new_logprobs.detach().reshape(-1).to(f64)
-        old_lp = old_logprobs.reshape(-1).to(f64)
-        adv = advantages.reshape(-1).to(f64)
-        log_ratio = torch.where(mask, new_lp - old_lp, 0.0)
-        if self.loss == "gspo":
-            log_ratio = document_means(log_ratio, segments)[segments.index]
-        ratio = log_ratio.exp()
-        clipped = (ratio < 1.0 - self.epsilon_low) | (ratio > 1.0 + self.epsilon_high)
+        log_ratio = output.log_ratio.to(f64)
         zeros = torch.zeros_like(new_lp)
-        if model_version is not None:
-            # int64 subtraction first: a float cast before it would round versions above 2**24 (float32).
-            seen = torch.as_tensor(documents_seen, dtype=torch.int64, device=model_version.device)
-            staleness = (seen - model_version.reshape(-1).to(torch.int64)).to(f64).to(new_lp.device)
-        else:
-            staleness = zeros
         per_token = {
             "new_logprobs": new_lp,
-            "old_logprobs": old_lp,
-            "ratio_new_old": ratio,
-            "kl_new_old": ratio - log_ratio - 1.0,
-            "clipped_ratio_fraction": clipped.to(f64),
-            "advantage": adv,
+            "old_logprobs": old_logprobs.reshape(-1).to(f64),
+            "ratio_new_old": output.ratio.to(f64),
+            # k3 = r - log r - 1 written as expm1(log r) - log r, in float64 from the loss's log-ratio: the
+            # difference of the loss's float32 ratio and 1 would cancel for small log-ratios.
+            "kl_new_old": torch.expm1(log_ratio) - log_ratio,
+            "clipped_ratio_fraction": output.clipped.to(f64),
+            "advantage": advantages.reshape(-1).to(f64),
             "train_samples_reward": zeros if reward is None else reward.reshape(-1).to(f64),
-            "staleness": staleness,
+            "staleness": zeros if model_version is None else _staleness(documents_seen, model_version).to(zeros.device),
         }
         if self.level == "full":
             if entropy is None and logits is not None:
-                entropy = token_entropy(logits, temperature=self.temperature, label_mask=mask)
+                entropy = token_entropy(logits, temperature=self.temperature, label_mask=output.segments.label_mask)
             per_token["entropy"] = zeros if entropy is None else entropy.reshape(-1).to(f64)
-        doc_means = document_means(torch.stack([per_token[name] for name in self._mean_names], 1), segments)
-        counts = torch.stack([mask.sum(), segments.num_documents]).to(f64)
-        self._sums += torch.cat([doc_means.sum(0), counts]).to(self.device)
+        return per_token
 
-        reward_by_doc = doc_means[:, self._mean_names.index("train_samples_reward")]
-        unseen = torch.tensor([-torch.inf, torch.inf], dtype=f64, device=new_lp.device)
+    def _update_extremes(
+        self,
+        per_token: dict[str, torch.Tensor],
+        reward_by_doc: torch.Tensor,
+        segments: DocumentSegments,
+        has_reward: bool,
+        has_version: bool,
+    ) -> None:
+        """Fold one micro-batch into the running max/min: tokens for advantage and staleness, documents for reward."""
+        unseen = torch.tensor([-torch.inf, torch.inf], dtype=torch.float64, device=reward_by_doc.device)
+        mask = segments.label_mask
         extremes = {  # source metric -> [max, min]
-            "advantage": _masked_extremes(adv, mask),
-            "train_samples_reward": unseen if reward is None else _masked_extremes(reward_by_doc, segments.has_labels),
-            "staleness": unseen if model_version is None else _masked_extremes(staleness, mask),
+            "advantage": _masked_extremes(per_token["advantage"], mask),
+            "train_samples_reward": _masked_extremes(reward_by_doc, segments.has_labels) if has_reward else unseen,
+            "staleness": _masked_extremes(per_token["staleness"], mask) if has_version else unseen,
         }
         maxes = torch.stack([extremes[name.removeprefix("max_")][0] for name in self._max_names])
         mins = torch.stack([extremes[name.removeprefix("min_")][1] for name in self._min_names])
         self._maxes = torch.maximum(self._maxes, maxes.to(self.device))
         self._mins = torch.minimum(self._mins, mins.to(self.device))
 
-    def reduce(self, group: dist.ProcessGroup | None = None) -> dict[str, float]:
-        """Reduce the step's metrics over ``group`` (default: the world, when torch.distributed is initialised).
+    def reduce(
+        self, group: dist.ProcessGroup | None = None, *, totals: Mapping[str, float | torch.Tensor] | None = None
+    ) -> dict[str, float]:
+        """Reduce the step's metrics and ``totals`` over ``group`` (default: the world, when torch.distributed is
+        initialised), and reset the accumulator.
 
-        Calls exactly three all-reduces (sum, max, min) on every rank when enabled, none when level is
-        ``none``; resets the accumulator.
+        Args:
+            group: the data-parallel process group.
+            totals: this rank's value of every step total of ``STEP_TOTALS`` (float or float scalar tensor
+                on any device), summed over the ranks; exactly those names. The trainer passes them every step.
+
+        Collectives, identical on every rank: one SUM all-reduce (the metric sums, the totals, the per-rank
+        missing-input counts) whenever metrics are on or ``totals`` is given, then one MAX all-reduce (the
+        maxima and the negated minima) when metrics are on.
 
         Returns:
-            {metric name: value} in registration order, identical on every rank. Means are NaN when the step
-            had no document, extremes NaN when nothing was seen.
+            {metric name: value} in registration order, then the totals in ``STEP_TOTALS`` order; identical
+            on every rank. Means are NaN when the step had no document, extremes NaN when nothing was seen.
 
         Raises:
+            ValueError: ``totals`` does not name exactly the step totals (before any collective).
             MetricsInputError: some rank lacked an input in some micro-batch; every rank of the group raises
-                it with the same message (after the sum all-reduce, before the other two).
+                it with the same message (after the SUM all-reduce, before the MAX).
         """
-        if not self.enabled:
+        total_names, total_values = self._totals(totals)
+        if not self.enabled and totals is None:
             return {}
         distributed = dist.is_available() and dist.is_initialized()
         world, rank = (dist.get_world_size(group), dist.get_rank(group)) if distributed else (1, 0)
         missing = torch.zeros(len(self._required), world, dtype=torch.float64, device=self.device)
         missing[:, rank] = torch.tensor([float(self._missing[name]) for name in self._required], dtype=torch.float64)
-        sums = torch.cat([self._sums, missing.reshape(-1)])
-        maxes, mins = self._maxes.clone(), self._mins.clone()
+        sums = torch.cat([self._sums, total_values, missing.reshape(-1)])
+        extremes = torch.cat([self._maxes, -self._mins])  # min(x) = -max(-x): one MAX all-reduce for both
         self.reset()
 
         if distributed:
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-        self._raise_if_missing(sums[-missing.numel() :].reshape(missing.shape))
-        if distributed:
-            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
-            dist.all_reduce(mins, op=dist.ReduceOp.MIN, group=group)
+        self._raise_if_missing(sums[sums.numel() - missing.numel() :].reshape(missing.shape))
+        if distributed and self.enabled:
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+        return self._named(sums.tolist(), extremes.tolist(), total_names)
 
-        values = torch.cat([sums[: -missing.numel()], maxes, mins]).tolist()
-        k = len(self._mean_names)
-        documents = values[k + len(self._count_names)]
-        reduced: dict[str, float] = {}
-        for name, value in zip(self._mean_names, values[:k]):
-            reduced[name] = value / documents if documents > 0 else float("nan")
-        reduced.update(zip(self._count_names, values[k : k + len(self._count_names)]))
-        extremes = values[k + len(self._count_names) + 1 :]
-        for name, value in zip(self._max_names + self._min_names, extremes):
+    def _totals(self, totals: Mapping[str, float | torch.Tensor] | None) -> tuple[tuple[str, ...], torch.Tensor]:
+        """(names in ``STEP_TOTALS`` order, [len(names)] float64 on the metrics' device)."""
+        if totals is None:
+            return (), torch.zeros(0, dtype=torch.float64, device=self.device)
+        names = tuple(m.name for m in STEP_TOTALS)
+        if set(totals) != set(names):
+            raise ValueError(f"totals must name exactly the step totals {list(names)}, got {sorted(totals)}")
+        as_f64 = {"dtype": torch.float64, "device": self.device}
+        return names, torch.stack([torch.as_tensor(totals[name], **as_f64).reshape(()) for name in names])
+
+    def _named(self, sums: list[float], extremes: list[float], total_names: tuple[str, ...]) -> dict[str, float]:
+        """The reduced values by name; ``sums`` as laid out by :meth:`reduce`, ``extremes`` = maxima, -minima."""
+        k, c = len(self._mean_names), len(self._count_names)
+        documents = sums[k + c]
+        nan = float("nan")
+        reduced = {name: total / documents if documents > 0 else nan for name, total in zip(self._mean_names, sums)}
+        reduced.update(zip(self._count_names, sums[k : k + c]))
+        n_max = len(self._max_names)
+        for name, value in zip(self._max_names + self._min_names, extremes[:n_max] + [-v for v in extremes[n_max:]]):
             reduced[name] = value if abs(value) != float("inf") else float("nan")
-        return {m.name: reduced[m.name] for m in self.definitions}
+        named = {m.name: reduced[m.name] for m in self.definitions}
+        named.update(zip(total_names, sums[k + c + 1 : k + c + 1 + len(total_names)]))
+        return named
 
     def _raise_if_missing(self, missing: torch.Tensor) -> None:
         """``missing`` [inputs, world]: micro-batches that lacked each input, per rank (already reduced)."""
@@ -426,6 +418,26 @@ class StepMetrics:
             "Entries without reward or model_version must be dead-lettered at decode time (DESIGN §4).",
             by_input,
         )
+
+
+def _check_update_inputs(n: int, **tensors: torch.Tensor | None) -> None:
+    """Raises ValueError when a per-token input has not ``n`` elements, a bad ``model_version`` dtype, or both
+    ``logits`` and ``entropy``."""
+    for name, value in tensors.items():
+        if name != "logits" and value is not None and value.numel() != n:
+            raise ValueError(f"{name} has {value.numel()} elements, the micro-batch has {n} tokens")
+    model_version = tensors["model_version"]
+    if model_version is not None and (model_version.dtype.is_floating_point or model_version.dtype == torch.bool):
+        raise ValueError(f"model_version must be an integer tensor, got dtype {model_version.dtype}")
+    if tensors["logits"] is not None and tensors["entropy"] is not None:
+        raise ValueError("pass either logits or entropy, not both")
+
+
+def _staleness(documents_seen: int | torch.Tensor, model_version: torch.Tensor) -> torch.Tensor:
+    """[T] float64 ``documents_seen - model_version`` on ``model_version``'s device, subtracted in int64 first: a
+    float cast before it would round versions above 2**24 (float32) or 2**53 (float64)."""
+    seen = torch.as_tensor(documents_seen, dtype=torch.int64, device=model_version.device)
+    return (seen - model_version.reshape(-1).to(torch.int64)).to(torch.float64)
 
 
 def _masked_extremes(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

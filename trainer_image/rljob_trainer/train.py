@@ -49,6 +49,7 @@ from rljob_trainer.checkpoint import (
     find_lost_checkpoint,
 )
 from rljob_trainer.loss_metrics import StepMetrics, token_entropy
+from rljob_trainer.metrics_registry import STREAM_COUNTERS
 from rljob_trainer.model import build_model, build_tokenizer, sequence_logprobs
 from rljob_trainer.parallel import Distributed, init_distributed, shutdown_distributed, wrap_model
 from rljob_trainer.optim import build_optimizer, learning_rate
@@ -209,24 +210,30 @@ class Trainer:
             mb.to(self.where.device)
             for mb in pack_documents([doc for _, doc in entries], self.config.spec.trainer.batch.micro_batch_tokens)
         ]
+        # Each micro-batch is segmented once (one device sync); the counts, the loss and the metrics share it.
+        segments = [losses.segment_documents(mb.label_mask, mb.document_index) for mb in micro_batches]
         counts = torch.zeros(4, dtype=torch.int64, device=self.where.device)
-        for mb in micro_batches:
-            labels, documents = losses.count_labels_and_documents(mb.label_mask, mb.document_index)
-            counts += torch.stack([labels, documents, counts.new_tensor(mb.num_documents), counts.new_tensor(mb.num_tokens)])
-        dist.all_reduce(counts)
+        for mb, seg in zip(micro_batches, segments):
+            sizes = counts.new_tensor([mb.num_documents, mb.num_tokens])
+            counts += torch.cat([torch.stack([seg.num_labels, seg.num_documents]), sizes])
+        dist.all_reduce(counts)  # the normalisers: the step's only all-reduce outside the metrics
         global_labels, global_documents, step_documents, step_tokens = counts.tolist()
 
         self.ddp.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.where.device)
-        for index, mb in enumerate(micro_batches):
+        for index, (mb, seg) in enumerate(zip(micro_batches, segments)):
             sync = index == len(micro_batches) - 1
             with contextlib.nullcontext() if sync else self.ddp.no_sync():
-                loss = self._micro_batch_loss(mb, global_labels, global_documents)
+                loss = self._micro_batch_loss(mb, seg, global_labels, global_documents)
                 losses.scale_for_ddp_mean(loss, self.where.world_size).backward()
             loss_sum += loss.detach().double()
 
-        # Before the optimizer step: a mixed-presence error raised here (on every rank) leaves the weights untouched.
-        reduced = self.metrics.reduce()
+        # Every rank, every step, whatever the level; before the optimizer step: a mixed-presence error raised here
+        # (on every rank) leaves the weights untouched.
+        totals = {"loss": loss_sum, **{name: self._stream_counter(name) for name in STREAM_COUNTERS}}
+        reduced = self.metrics.reduce(totals=totals)
+        stream = {name: int(reduced.pop(name)) for name in STREAM_COUNTERS}
+        step_loss = reduced.pop("loss")
         opt = self.config.spec.trainer.optimizer
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), opt.grad_clip if opt.grad_clip > 0 else torch.inf)
         lr = learning_rate(self.step, opt.learning_rate, opt.warmup_steps)
@@ -234,13 +241,6 @@ class Trainer:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-
-        stream_names = ("redeliveries", "dropped_too_long", "dead_lettered", "lost_pending")
-        totals = torch.tensor(
-            [loss_sum.item(), *(self._stream_counter(name) for name in stream_names)],
-            dtype=torch.float64, device=self.where.device,
-        )
-        dist.all_reduce(totals)
         elapsed = max(time.monotonic() - started, 1e-9)
 
         self.step += 1
@@ -251,27 +251,30 @@ class Trainer:
             documents_seen=self.documents_seen,
             model_version=self.documents_seen,
             tokens_per_second=step_tokens / elapsed,
-            metrics={"loss": totals[0].item(), "grad_norm": float(grad_norm), "learning_rate": lr, **reduced},
-            stream={name: int(value) for name, value in zip(stream_names, totals[1:].tolist(), strict=True)},
+            metrics={"loss": step_loss, "grad_norm": float(grad_norm), "learning_rate": lr, **reduced},
+            stream=stream,
         )
         self.progress.report(record)
         return record
 
-    def _micro_batch_loss(self, mb: MicroBatch, global_labels: int, global_documents: int) -> torch.Tensor:
-        """This micro-batch's share of the step loss (global normaliser) and its metrics update."""
+    def _micro_batch_loss(
+        self, mb: MicroBatch, segments: losses.DocumentSegments, global_labels: int, global_documents: int
+    ) -> torch.Tensor:
+        """This micro-batch's share of the step loss (global normaliser) and its metrics update, in one pass: the
+        metrics read the loss's output (:class:`~rljob_trainer.loss.PolicyLossOutput`) and ``segments``."""
         full = self.metrics.enabled and self.metrics.level == "full"
         model: Callable[..., Any] = _LogitsTap(self.ddp) if full else self.ddp
         with self._autocast():
             padded = sequence_logprobs(model, mb.input_ids, mb.attention_mask, self.temperature)  # [B, L] float32
         new_logprobs = flat_from_padded(padded, mb.attention_mask)  # [T]
-        common = dict(epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high)
+        common = dict(epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, segments=segments)
         if self.config.spec.algorithm.loss == "grpo":
-            loss = losses.grpo_loss(
+            output = losses.grpo_loss(
                 new_logprobs, mb.old_logprobs, mb.advantages, mb.label_mask, mb.document_index,
                 num_labels_in_batch=max(global_labels, 1), **common,
             )
         else:
-            loss = losses.gspo_loss(
+            output = losses.gspo_loss(
                 new_logprobs, mb.old_logprobs, mb.advantages, mb.label_mask, mb.document_index,
                 num_documents_in_batch=max(global_documents, 1), **common,
             )
@@ -285,14 +288,13 @@ class Trainer:
                 new_logprobs=new_logprobs,
                 old_logprobs=mb.old_logprobs,
                 advantages=mb.advantages,
-                label_mask=mb.label_mask,
-                document_index=mb.document_index,
                 documents_seen=self.documents_seen,
+                loss_output=output,
                 reward=None if mb.rewards is None else mb.rewards[mb.document_index],
                 model_version=mb.model_version,
                 entropy=entropy,
             )
-        return loss
+        return output.loss
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.where.device.type == "cuda":
