@@ -32,7 +32,7 @@ from pathlib import Path
 
 from . import demo, statefile
 from .controlplane import ControlPlane
-from .pids import pid_running, terminate
+from .pids import pid_running, terminate, terminate_all
 from .tools import tools_bin_dir
 
 
@@ -264,10 +264,10 @@ def _down(d: Path, quiet: bool = False) -> int:
         terminate(pid, 180, *_daemon_marks(d))
     # Components of a daemon that died hard: end exactly those recorded pids whose command line
     # still names this cluster's data dir (so a recycled pid is never touched).
-    for cpid in (st.get("pids") or {}).values():
-        terminate(cpid, 10, str(d / "data"))
+    left = terminate_all([(cpid, [str(d / "data")]) for cpid in (st.get("pids") or {}).values()], 10)
     say("control plane stopped" if pid else
-        "the daemon had died; ended what was left of its control plane" if st else "control plane was not running")
+        f"the daemon had died; ended {len(left)} control-plane process(es) it left" if left else
+        "control plane was not running")
     if pid and log.exists():  # what the daemon's own stop removed (its lines written during this stop)
         with open(log, "rb") as f:
             f.seek(log_start)

@@ -1,6 +1,6 @@
 """World-size changes of the stream's consumer group (DESIGN §5 rule 4, §6): the pending entries of the old
 attempt's consumers are spread evenly over the current data-parallel ranks before any rank reads
-(:func:`redistribute_pending`, :func:`rljob_trainer.train.start_reading`), against a real Redis.
+(:func:`redistribute_pending`, :func:`rljob_trainer.trainer.start_reading`), against a real Redis.
 
 - growth over real gloo ranks (1 → 2, 2 → 3), with rank 0 late so that only the barrier keeps the other ranks from
   reading first: each entry is read by exactly one rank, the shares differ by at most one;
@@ -103,7 +103,7 @@ def reader(client, rank: int, size: int) -> StreamReader:
 def start_worker(rank: int, world_size: int, tmp_dir: str, port: int, password: str, reads: list[int]) -> None:
     """One rank: join gloo, :func:`start_reading` (rank 0 late by 1 s), read ``reads[rank]`` documents, write the
     ids read and the redelivery count to ``tmp_dir/rank_{rank}.json``."""
-    from rljob_trainer.train import start_reading
+    from rljob_trainer.trainer import start_reading
 
     init_gloo(rank, world_size, tmp_dir)
     client = redis.Redis(host="127.0.0.1", port=port, password=password)

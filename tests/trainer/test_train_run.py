@@ -168,7 +168,7 @@ def test_each_micro_batch_is_segmented_once(redis_server, tmp_path, monkeypatch,
     # The normaliser counts, the loss and the metrics of a micro-batch share one segment_documents (one device
     # sync). Every caller reaches it through the module attribute: no trainer module holds its own reference.
     import rljob_trainer.loss as losses
-    from rljob_trainer.train import Trainer
+    from rljob_trainer.trainer import Trainer
 
     original, segmented, trained = losses.segment_documents, [], []
     holders = [n for n, m in sys.modules.items() if n.startswith("rljob_trainer") and m is not losses

@@ -38,7 +38,7 @@ def redistribute_pending(client: redis.Redis, keys: RedisKeys, dp_size: int, *, 
     """Spread the group's pending entries evenly over the consumers of data-parallel ranks 0..dp_size-1.
 
     Run by ONE process while no rank reads (trainer rank 0 before the start barrier,
-    :func:`rljob_trainer.train.start_reading`); each rank then re-reads its own pending entries
+    :func:`rljob_trainer.trainer.start_reading`); each rank then re-reads its own pending entries
     (:meth:`StreamReader.start`).
 
     Of the P entries pending under consumers named ``keys.consumer(r)`` (any r, vanished ranks included), each

@@ -1,0 +1,327 @@
+"""One rank's training loop (:class:`Trainer`), built and driven by :func:`rljob_trainer.train.run`.
+
+One optimizer step on every data-parallel rank (DESIGN §4, §6):
+
+1. read ``documentsPerStep / DP`` documents from the stream (this rank's consumer) and pack them into
+   micro-batches of at most ``microBatchTokens`` tokens; segment each micro-batch into documents once;
+2. all-reduce the step's counts (labelled tokens, documents, tokens) so the loss divides by the GLOBAL
+   normaliser (labelled tokens for GRPO, documents for GSPO);
+3. per micro-batch: log-probabilities at the sampling temperature, the loss × DP (undoing DDP's gradient
+   mean; ``no_sync`` on all but the last micro-batch), backward, and the metrics from what the loss returned;
+4. every reduction after the loss (metrics, the loss value, the stream counters) in ``StepMetrics.reduce``: one
+   SUM every step, one MAX when metrics are on; then gradient clipping and AdamW with linear warm-up;
+5. ``documents_seen`` += the step's documents; the new model_version is ``documents_seen``; rank 0 publishes
+   the weights (``weights_ready``) and the progress hash;
+6. every ``everySteps`` and at ``maxSteps``: a checkpoint; once it is durable rank 0 publishes its
+   documents_seen (``checkpoint_documents_seen``, for the rollout's max lag), then each rank XACKs the entries it
+   covers and rank 0 trims acked entries.
+
+At every start (resumes included) the latest checkpoint (or ``initFrom``) is loaded; rank 0 warns when the
+checkpoint Redis records is gone from the volume (``checkpoint_lost``), writes the start's step and documents_seen
+to the progress hash (:func:`rljob_trainer.progress.publish_start`), spreads the stream's pending entries over the
+current ranks before any rank reads (:func:`start_reading`; the world size may have changed) and publishes the full
+weights with the checkpoint's documents_seen. At ``maxSteps``: final checkpoint, safetensors export,
+``training_finished``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, TextIO
+
+import redis
+import torch
+import torch.distributed as dist
+
+from rljob_api import protocol
+from rljob_api.config import JobConfig
+from rljob_trainer import loss as losses
+from rljob_trainer.checkpoint import (
+    CheckpointManager,
+    CommittedCheckpoint,
+    acknowledge_covered,
+    find_lost_checkpoint,
+)
+from rljob_trainer.loss_metrics import StepMetrics, token_entropy
+from rljob_trainer.metrics_registry import STREAM_COUNTERS
+from rljob_trainer.model import build_model, build_tokenizer, sequence_logprobs
+from rljob_trainer.parallel import Distributed, wrap_model
+from rljob_trainer.optim import build_optimizer, learning_rate
+from rljob_trainer.progress import Progress, StepRecord, build_progress, gang_attempt, publish_checkpointed, publish_start
+from rljob_trainer.stream.batch import MicroBatch, flat_from_padded, pack_documents
+from rljob_trainer.stream.reader import StreamReader
+from rljob_trainer.stream.redistribute import redistribute_pending
+from rljob_trainer.weights import WeightPublisher
+
+log = logging.getLogger("rljob_trainer.train")  # the name the logs have always carried
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """How a run ended: optimizer steps done, documents that entered the loss, the export directory (rank 0)."""
+
+    step: int
+    documents_seen: int
+    export_dir: Optional[Path]
+
+
+class _LogitsTap:
+    """Calls the model like :func:`sequence_logprobs` does and keeps the logits (for the entropy metric)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.logits: Optional[torch.Tensor] = None
+
+    def __call__(self, **kwargs: Any) -> Any:
+        output = self.model(**kwargs)
+        self.logits = output.logits
+        return output
+
+
+class Trainer:
+    """One rank's training loop; built and driven by :func:`run`.
+
+    Args:
+        config: the resolved job config (every rank reads the same one).
+        where: this rank's place in the process group (:func:`rljob_trainer.parallel.init_distributed`).
+        client: the Redis client of this rank.
+        stdout: where rank 0 writes the per-step JSON lines.
+    """
+
+    def __init__(self, config: JobConfig, where: Distributed, client: redis.Redis, stdout: TextIO = sys.stdout):
+        spec = config.spec
+        self.config = config
+        self.where = where
+        self.client = client
+        self.temperature = spec.rollout.sampling.temperature
+        self.epsilon_low, self.epsilon_high = spec.algorithm.resolved_epsilons()
+        self.documents_per_rank = spec.trainer.batch.documents_per_step // config.data_parallel_size
+        if self.documents_per_rank * config.data_parallel_size != spec.trainer.batch.documents_per_step:
+            raise ValueError(
+                f"spec.trainer.batch.documentsPerStep = {spec.trainer.batch.documents_per_step} is not divisible "
+                f"by the data-parallel size {config.data_parallel_size}"
+            )
+        torch.manual_seed(spec.trainer.seed + where.rank)
+        self.tokenizer = build_tokenizer(spec.model, spec.rollout.task)
+        vocab_size = len(self.tokenizer) if hasattr(self.tokenizer, "__len__") else self.tokenizer.vocab_size
+        # float32 master weights (a Hub model loads in bf16); bf16 only inside autocast on GPU.
+        self.model = build_model(spec.model, vocab_size, spec.trainer.seed).to(where.device, torch.float32)
+        self.optimizer = build_optimizer(self.model, spec.trainer.optimizer)
+        self.checkpoints = CheckpointManager(config, where, client)
+        self.step = 0
+        self.documents_seen = 0
+        self.metrics = StepMetrics.from_config(config, device=where.device)
+        self.publisher: Optional[WeightPublisher] = None
+        self.reader = StreamReader(
+            client,
+            config.keys,
+            where.rank,
+            config.data_parallel_size,
+            micro_batch_tokens=spec.trainer.batch.micro_batch_tokens,
+            require_metrics_fields=self.metrics.enabled,
+            data_timeout_seconds=spec.trainer.data_timeout_seconds,
+            vocab_size=self.model.get_input_embeddings().num_embeddings,
+        )
+        self.ddp: Optional[torch.nn.parallel.DistributedDataParallel] = None
+        self.progress: Progress = build_progress(config, client, where.rank, stdout=stdout)
+
+    # --- start and end ----------------------------------------------------------------------------
+    def resume(self) -> Optional[CommittedCheckpoint]:
+        """Load the latest own checkpoint (or ``initFrom``), ack what it covers, publish where this attempt starts
+        (warning about a lost checkpoint), spread the pending entries over the ranks and start the reader
+        (:func:`start_reading`). Collective."""
+        source, own = self.checkpoints.resume_source()
+        committed = None
+        if source is not None:
+            committed = self.checkpoints.load(source, self.model, self.optimizer)
+            self.step, self.documents_seen = committed.step, committed.documents_seen
+            if own and self.where.is_rank_zero:
+                acknowledge_covered(self.client, self.config, committed)
+        if self.where.is_rank_zero:
+            lost = find_lost_checkpoint(self.client, self.config, self.step)
+            if lost is not None:
+                log.warning("checkpoint: %s", protocol.lost_checkpoint_message(lost))
+            publish_start(self.client, self.config, self.step, self.documents_seen, lost, attempt=gang_attempt())
+        start_reading(self.reader, self.where)  # after the acks and publish_start above: it begins with a barrier
+        self.ddp = wrap_model(self.model, self.where)
+        if self.where.is_rank_zero:
+            self.publisher = WeightPublisher(self.config, self.client)
+        self._publish()
+        return committed
+
+    def fit(self) -> RunResult:
+        """Train until ``maxSteps``, then checkpoint, export and announce ``training_finished``. Collective."""
+        max_steps = self.config.spec.trainer.max_steps
+        every = self.config.spec.trainer.checkpoint.every_steps
+        while self.step < max_steps:
+            self.train_step()
+            if self.step % every == 0 or self.step == max_steps:
+                self.save_checkpoint()
+        export_dir = None
+        if self.config.spec.trainer.export.safetensors:
+            export_dir = self.checkpoints.export(self.model, self.tokenizer)
+        if self.publisher is not None:
+            self.publisher.finish(step=self.step, documents_seen=self.documents_seen)
+        log.info("training finished at step %d (%d documents seen)", self.step, self.documents_seen)
+        return RunResult(self.step, self.documents_seen, export_dir)
+
+    def close(self) -> None:
+        """Release the Prometheus endpoint and the weight publisher (idempotent)."""
+        self.progress.close()
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
+
+    def save_checkpoint(self) -> CommittedCheckpoint:
+        """Checkpoint (collective), publish its documents_seen (rank 0, :func:`publish_checkpointed`), then XACK the
+        entries it covers and trim acked entries (rank 0)."""
+        covered = self.reader.pending_ids()
+        committed = self.checkpoints.save(self.step, self.documents_seen, self.model, self.optimizer, covered)
+        if self.where.is_rank_zero:
+            publish_checkpointed(self.client, self.config, self.documents_seen)
+        dist.barrier()  # the rollout stops counting the covered entries as trained before they leave the pending list
+        self.reader.ack(covered)
+        dist.barrier()  # every rank's acks are in, so the trim reaches this checkpoint's entries
+        if self.where.is_rank_zero:
+            self.reader.trim_acked()
+        return committed
+
+    def _publish(self) -> None:
+        if self.publisher is not None:
+            named = ((name, tensor.detach()) for name, tensor in self.model.state_dict().items())
+            self.publisher.publish(named, step=self.step, documents_seen=self.documents_seen)
+
+    # --- one step ---------------------------------------------------------------------------------
+    def train_step(self) -> StepRecord:
+        """Read, train and report one optimizer step (collective); see the module docstring."""
+        assert self.ddp is not None, "call resume() first"
+        # Exactly documents_per_rank (>= 1) valid documents: every rank has at least one micro-batch, so every
+        # rank joins DDP's gradient all-reduce in its last backward.
+        entries = self.reader.next_documents(self.documents_per_rank)
+        started = time.monotonic()
+        micro_batches = [
+            mb.to(self.where.device)
+            for mb in pack_documents([doc for _, doc in entries], self.config.spec.trainer.batch.micro_batch_tokens)
+        ]
+        # Each micro-batch is segmented once (one device sync); the counts, the loss and the metrics share it.
+        segments = [losses.segment_documents(mb.label_mask, mb.document_index) for mb in micro_batches]
+        counts = torch.zeros(4, dtype=torch.int64, device=self.where.device)
+        for mb, seg in zip(micro_batches, segments):
+            sizes = counts.new_tensor([mb.num_documents, mb.num_tokens])
+            counts += torch.cat([torch.stack([seg.num_labels, seg.num_documents]), sizes])
+        dist.all_reduce(counts)  # the normalisers: the step's only all-reduce outside the metrics
+        global_labels, global_documents, step_documents, step_tokens = counts.tolist()
+
+        self.ddp.train()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.where.device)
+        for index, (mb, seg) in enumerate(zip(micro_batches, segments)):
+            sync = index == len(micro_batches) - 1
+            with contextlib.nullcontext() if sync else self.ddp.no_sync():
+                loss = self._micro_batch_loss(mb, seg, global_labels, global_documents)
+                losses.scale_for_ddp_mean(loss, self.where.world_size).backward()
+            loss_sum += loss.detach().double()
+
+        # Every rank, every step, whatever the level; before the optimizer step: a mixed-presence error raised here
+        # (on every rank) leaves the weights untouched.
+        totals = {"loss": loss_sum, **{name: self._stream_counter(name) for name in STREAM_COUNTERS}}
+        reduced = self.metrics.reduce(totals=totals)
+        stream = {name: int(reduced.pop(name)) for name in STREAM_COUNTERS}
+        step_loss = reduced.pop("loss")
+        opt = self.config.spec.trainer.optimizer
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), opt.grad_clip if opt.grad_clip > 0 else torch.inf)
+        lr = learning_rate(self.step, opt.learning_rate, opt.warmup_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        elapsed = max(time.monotonic() - started, 1e-9)
+
+        self.step += 1
+        self.documents_seen += step_documents
+        self._publish()
+        record = StepRecord(
+            step=self.step,
+            documents_seen=self.documents_seen,
+            model_version=self.documents_seen,
+            tokens_per_second=step_tokens / elapsed,
+            metrics={"loss": step_loss, "grad_norm": float(grad_norm), "learning_rate": lr, **reduced},
+            stream=stream,
+        )
+        self.progress.report(record)
+        return record
+
+    def _micro_batch_loss(
+        self, mb: MicroBatch, segments: losses.DocumentSegments, global_labels: int, global_documents: int
+    ) -> torch.Tensor:
+        """This micro-batch's share of the step loss (global normaliser) and its metrics update, in one pass: the
+        metrics read the loss's output (:class:`~rljob_trainer.loss.PolicyLossOutput`) and ``segments``."""
+        full = self.metrics.enabled and self.metrics.level == "full"
+        model: Callable[..., Any] = _LogitsTap(self.ddp) if full else self.ddp
+        with self._autocast():
+            padded = sequence_logprobs(model, mb.input_ids, mb.attention_mask, self.temperature)  # [B, L] float32
+        new_logprobs = flat_from_padded(padded, mb.attention_mask)  # [T]
+        common = dict(epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, segments=segments)
+        if self.config.spec.algorithm.loss == "grpo":
+            output = losses.grpo_loss(
+                new_logprobs, mb.old_logprobs, mb.advantages, mb.label_mask, mb.document_index,
+                num_labels_in_batch=max(global_labels, 1), **common,
+            )
+        else:
+            output = losses.gspo_loss(
+                new_logprobs, mb.old_logprobs, mb.advantages, mb.label_mask, mb.document_index,
+                num_documents_in_batch=max(global_documents, 1), **common,
+            )
+        if self.metrics.enabled:
+            entropy = None
+            if full:
+                per_row = token_entropy(model.logits[:, :-1], temperature=self.temperature)  # [B*(L-1)]
+                per_row = per_row.reshape(mb.input_ids.shape[0], -1)
+                entropy = flat_from_padded(torch.nn.functional.pad(per_row, (1, 0)), mb.attention_mask)
+            self.metrics.update(
+                new_logprobs=new_logprobs,
+                old_logprobs=mb.old_logprobs,
+                advantages=mb.advantages,
+                documents_seen=self.documents_seen,
+                loss_output=output,
+                reward=None if mb.rewards is None else mb.rewards[mb.document_index],
+                model_version=mb.model_version,
+                entropy=entropy,
+            )
+        return output.loss
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.where.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _stream_counter(self, name: str) -> float:
+        value = getattr(self.reader.counters, name)
+        return float(sum(value.values()) if isinstance(value, dict) else value)
+
+
+def start_reading(reader: StreamReader, where: Distributed) -> None:
+    """Collective start of every rank's reader: global rank 0 spreads the group's pending entries evenly over the
+    current data-parallel ranks (:func:`~rljob_trainer.stream.reader.redistribute_pending`), all ranks wait at a
+    barrier, then each re-reads its own pending entries (:meth:`StreamReader.start`).
+
+    After a world-size change (DP 1 → 2, 3 → 2, ...) the old attempt's pending entries all belong to the old ranks'
+    consumers; without the redistribution the new ranks would need fresh documents, which a rollout held at
+    ``maxPending`` or max lag by those very entries never writes (the attempt would stall until
+    ``dataTimeoutSeconds``), and the ranks' redeliveries would not match their per-step share. The barrier keeps
+    every rank from reading before each entry has its one owner, so none is trained twice. Rank 0 adds the entries
+    that were deleted from the stream to its ``lost_pending`` counter.
+
+    Raises:
+        redis.RedisError: Redis unreachable beyond the client's retries on rank 0 (the barrier then fails on the other
+            ranks; the next attempt redistributes again).
+    """
+    if where.is_rank_zero:
+        result = redistribute_pending(reader.client, reader.keys, reader.dp_size)
+        reader.counters.lost_pending += result.lost
+    dist.barrier()
+    reader.start()
