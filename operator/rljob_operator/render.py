@@ -303,7 +303,7 @@ def trainer_pod(job: Job, config: JobConfig, index: int, attempt: int) -> dict[s
     t = job.spec.trainer
     name = names.trainer_pod(job.name, index)
     container = {
-        "name": "trainer",
+        "name": c.Role.TRAINER.value,
         "image": t.image,
         "command": [*TRAINER_COMMAND, *torchrun_args(job, config, index)],
         "env": _env(job, index, attempt=attempt),
@@ -326,7 +326,7 @@ def rollout_pod(job: Job, config: JobConfig, index: int) -> dict[str, Any]:
     if r.gpus_per_replica:
         resources.setdefault("limits", {})[c.GPU_RESOURCE] = r.gpus_per_replica
     container = {
-        "name": "rollout",
+        "name": c.Role.ROLLOUT.value,
         "image": r.image,
         "command": list(ROLLOUT_COMMAND),
         "env": _env(job, index, attempt=None),

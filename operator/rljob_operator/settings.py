@@ -22,7 +22,7 @@ from rljob_api import constants as c
 
 from rljob_operator.apply import KubeApi
 from rljob_operator.metrics import OperatorMetrics
-from rljob_operator.reconcile import Context
+from rljob_operator.runtime import Context
 from rljob_operator.status import Event
 
 FINALIZER = f"{c.GROUP}/finalizer"

@@ -26,7 +26,8 @@ import yaml
 
 from helm_tools import CHART, helm_binary, render
 from rljob_operator.apply import KubeApi
-from rljob_operator.reconcile import JobRuntime, kept_spec
+from rljob_operator.admission import kept_spec
+from rljob_operator.runtime import JobRuntime
 
 pytestmark = [
     pytest.mark.cluster,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from rljob_operator.reconcile import parse_spec
+from rljob_operator.admission import parse_spec
 from rljob_operator.status import valid_condition
 
 CASES = {
