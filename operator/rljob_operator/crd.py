@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from rljob_api import constants as c
+from rljob_api import constants as c, rules
 from rljob_api.spec import RLTrainingJobSpec
 from rljob_api.status import RLTrainingJobStatus
 
@@ -74,20 +74,9 @@ FREE_FORM_SCHEMAS: dict[str, dict[str, Any]] = {
 }
 
 # --- CEL rules (x-kubernetes-validations); their messages are asserted by tests against a real API server ----
+# The rules the operator's spec check and the trainer's start check share are in rljob_api.rules.
 TOPOLOGY_FIELDS = ("nodes", "processesPerNode", "tensorParallel", "pipelineParallel")
 
-RULE_DIVISIBLE = {
-    "rule": "(self.nodes * self.processesPerNode) % (self.tensorParallel * self.pipelineParallel) == 0",
-    "message": "nodes*processesPerNode must be divisible by tensorParallel*pipelineParallel",
-    "fieldPath": ".nodes",
-    "reason": "FieldValueInvalid",
-}
-RULE_METRICS_PP = {
-    "rule": "!(self.algorithm.metrics in ['basic', 'full']) || self.trainer.pipelineParallel == 1",
-    "message": "metrics basic or full requires trainer.pipelineParallel == 1",
-    "fieldPath": ".algorithm.metrics",
-    "reason": "FieldValueInvalid",
-}
 RULE_TOPOLOGY_IMMUTABLE = {
     "rule": "self.runPolicy.suspend || oldSelf.runPolicy.suspend || ("
     + " && ".join(f"self.trainer.{f} == oldSelf.trainer.{f}" for f in TOPOLOGY_FIELDS)
@@ -225,8 +214,8 @@ def model_schema(model: type[BaseModel], path: str, *, with_defaults: bool) -> d
 def crd() -> dict[str, Any]:
     """The CustomResourceDefinition as a dict (apiextensions.k8s.io/v1)."""
     spec = model_schema(RLTrainingJobSpec, "spec", with_defaults=True)  # required (model has no default)
-    spec["x-kubernetes-validations"] = [RULE_METRICS_PP, RULE_TOPOLOGY_IMMUTABLE]
-    spec["properties"]["trainer"]["x-kubernetes-validations"] = [RULE_DIVISIBLE]
+    spec["x-kubernetes-validations"] = [rules.CEL_METRICS_ONE_STAGE, RULE_TOPOLOGY_IMMUTABLE]
+    spec["properties"]["trainer"]["x-kubernetes-validations"] = [rules.CEL_TOPOLOGY, rules.CEL_DOCUMENTS_PER_STEP]
     status = model_schema(RLTrainingJobStatus, "status", with_defaults=False)
     status["properties"]["conditions"].update(
         {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 import torch
 import torch.distributed as dist
 
+from rljob_api import rules
 from rljob_trainer.loss import document_means, segment_documents
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ def resolve_metrics_level(level: str, pipeline_parallel: int) -> MetricsLevel:
         return "basic" if pipeline_parallel == 1 else "none"
     if level not in ("none", "basic", "full"):
         raise ValueError(f"spec.algorithm.metrics must be one of none, basic, full, auto; got {level!r}")
-    if level != "none" and pipeline_parallel != 1:
+    if not rules.metrics_allowed(level, pipeline_parallel):
         raise ValueError(
             f"spec.algorithm.metrics={level} requires spec.trainer.pipelineParallel == 1, got {pipeline_parallel}"
         )
