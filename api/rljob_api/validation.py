@@ -77,8 +77,6 @@ def _trainer_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
             SpecProblem("spec.trainer.pipelineParallel", "pipeline parallelism > 1 is not supported yet", False)
         )
     problems += _gpu_problems(spec)
-    if t.backend != "builtin":
-        problems.append(SpecProblem("spec.trainer.backend", f"backend {t.backend!r} is not supported yet", False))
     if dp is not None and rules.documents_per_rank(t.batch.documents_per_step, dp) is None:
         problems.append(
             SpecProblem(

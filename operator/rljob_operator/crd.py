@@ -35,12 +35,12 @@ FREE_FORM_SCHEMAS: dict[str, dict[str, Any]] = {
         "properties": {
             "limits": {
                 "type": "object",
-                "description": "limits: maximum amount of each resource, e.g. {cpu: 2, memory: 8Gi, nvidia.com/gpu: 8}.",
+                "description": "Maximum amount of each resource, e.g. {cpu: 2, memory: 8Gi, nvidia.com/gpu: 8}.",
                 "additionalProperties": dict(_QUANTITY),
             },
             "requests": {
                 "type": "object",
-                "description": "requests: amount of each resource the scheduler reserves.",
+                "description": "Amount of each resource the scheduler reserves.",
                 "additionalProperties": dict(_QUANTITY),
             },
         },
@@ -51,22 +51,22 @@ FREE_FORM_SCHEMAS: dict[str, dict[str, Any]] = {
             "type": "object",
             "description": "A core/v1 Toleration.",
             "properties": {
-                "key": {"type": "string", "description": "key: taint key; empty with operator Exists matches all."},
+                "key": {"type": "string", "description": "Taint key; empty with operator Exists matches all."},
                 "operator": {
                     "type": "string",
                     "enum": ["Exists", "Equal"],
-                    "description": "operator: Exists or Equal (default Equal).",
+                    "description": "Exists or Equal (default Equal).",
                 },
-                "value": {"type": "string", "description": "value: taint value matched with operator Equal."},
+                "value": {"type": "string", "description": "Taint value matched with operator Equal."},
                 "effect": {
                     "type": "string",
                     "enum": ["NoSchedule", "PreferNoSchedule", "NoExecute"],
-                    "description": "effect: taint effect to match; empty matches all.",
+                    "description": "Taint effect to match; empty matches all.",
                 },
                 "tolerationSeconds": {
                     "type": "integer",
                     "format": "int64",
-                    "description": "tolerationSeconds: how long a NoExecute taint is tolerated.",
+                    "description": "How long a NoExecute taint is tolerated.",
                 },
             },
         },
@@ -227,9 +227,9 @@ def crd() -> dict[str, Any]:
         "properties": {
             "apiVersion": {
                 "type": "string",
-                "description": "apiVersion: versioned schema of this representation (rljob.dev/v1alpha1).",
+                "description": "Versioned schema of this representation (rljob.dev/v1alpha1).",
             },
-            "kind": {"type": "string", "description": "kind: RLTrainingJob."},
+            "kind": {"type": "string", "description": "Always RLTrainingJob."},
             "metadata": {"type": "object"},  # the API server allows nothing else here
             "spec": spec,
             "status": status,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import kopf
@@ -47,7 +47,6 @@ class OperatorOptions:
     idle_interval_s: float = 60.0
     peering_lifetime_s: int = 30
     read_progress: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def draw_priority() -> int:

@@ -6,7 +6,7 @@ Conditions (metav1.Condition shaped, keyed by type):
 ======================  ==========================================================================================
 Valid                   False: the spec has a problem only code can find (the message names the field); no
                         children are created until it is fixed. NotSupported: a valid request for something
-                        not implemented yet (tensor/pipeline parallelism, the fast-llm backend).
+                        not implemented yet (tensor/pipeline parallelism).
 RedisReady              managed: the Redis Deployment has a ready replica; external: the operator reached it
                         (over TLS: the certificate verified against spec.redis.caSecretRef or the system CAs); a
                         missing password or CA Secret names its field; a managed Redis pod that cannot be scheduled

@@ -227,7 +227,7 @@ def test_schema_and_cel_rules_are_enforced_with_messages_that_name_the_field(kub
     kube.run(*patch, json.dumps({"spec": {"runPolicy": {"suspend": False}, "trainer": {"processesPerNode": 2}}}))
     assert kube.job(namespace, "topo")["spec"]["trainer"]["processesPerNode"] == 2
     explained = kube.run("explain", "rljob.spec.trainer.nodes").stdout
-    assert "nodes: trainer pods in the gang (torchrun nnodes)." in explained
+    assert "Trainer pods in the gang (torchrun nnodes)." in explained
 
 
 # --- the operator under its own ServiceAccount ------------------------------------------------------------

@@ -47,6 +47,17 @@ def test_every_field_has_a_description_and_a_type():
     assert missing == []
 
 
+def test_descriptions_start_with_what_the_field_does_not_with_its_name():
+    """``kubectl explain`` prints the field's name already."""
+    named = []
+    for path, node in _walk(_schema(), "root"):
+        name = path.rsplit(".", 1)[-1].rstrip("[]")
+        if (node.get("description") or "").lower().startswith((f"{name.lower()}:", f"{name.lower()} (")):
+            named.append(path)
+    assert named == []
+    assert "backend" not in _schema()["properties"]["spec"]["properties"]["trainer"]["properties"]
+
+
 def test_schema_is_structural_no_refs_unions_or_unknown_field_passthrough():
     text = yaml.safe_dump(_schema())
     for forbidden in ("$ref", "anyOf: [{type: null", "title:", "x-kubernetes-preserve-unknown-fields"):
