@@ -7,7 +7,6 @@ keys, the data-parallel size). Serialised as camelCase JSON at ``/etc/rljob/conf
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import Optional
@@ -16,6 +15,7 @@ from pydantic import Field
 
 from rljob_api import constants as c
 from rljob_api import protocol
+from rljob_api.canonical import canonical_hash, canonical_json
 from rljob_api.spec import ApiModel, RLTrainingJobSpec
 
 
@@ -26,7 +26,7 @@ class RedisKeys(ApiModel):
     the job prefix. Every other key always lives under the prefix.
     """
 
-    prefix: str = Field(..., description="prefix: `rljob:{namespace}:{job}:`.")
+    prefix: str = Field(..., description="The job prefix, `rljob:{namespace}:{job}:`.")
     stream: str
     group: str
     consumer_prefix: str
@@ -71,15 +71,15 @@ class RedisConnection(ApiModel):
 class JobConfig(ApiModel):
     """The one resolved config every role reads (operator renders it, trainer and rollout load it)."""
 
-    name: str = Field(..., description="name: the RLTrainingJob's name.")
-    namespace: str = Field(..., description="namespace: the RLTrainingJob's namespace.")
+    name: str = Field(..., description="The RLTrainingJob's name.")
+    namespace: str = Field(..., description="The RLTrainingJob's namespace.")
     spec: RLTrainingJobSpec
-    data_parallel_size: int = Field(..., ge=1, description="dataParallelSize: DP = nodes*ppn/(TP*PP).")
+    data_parallel_size: int = Field(..., ge=1, description="DP = nodes*ppn/(TP*PP).")
     redis: RedisConnection
     keys: RedisKeys
-    trainer_service: str = Field(..., description="trainerService: headless Service name of the trainer gang.")
+    trainer_service: str = Field(..., description="Headless Service name of the trainer gang.")
     trainer_master_host: str = Field(
-        ..., description="trainerMasterHost: DNS name of trainer pod 0 (rendezvous, weight transfer)."
+        ..., description="DNS name of trainer pod 0 (rendezvous, weight transfer)."
     )
     checkpoint_dir: str = c.CHECKPOINT_MOUNT_DIR
     metrics_port: int = c.PORT_METRICS
@@ -88,13 +88,11 @@ class JobConfig(ApiModel):
 
     def to_json(self) -> str:
         """Canonical JSON (camelCase, sorted keys): the bytes the ConfigMap holds and the hash covers."""
-        import json
-
-        return json.dumps(self.model_dump(mode="json", by_alias=True), sort_keys=True, separators=(",", ":"))
+        return canonical_json(self.model_dump(mode="json", by_alias=True))
 
     def config_hash(self) -> str:
         """First 16 hex digits of sha256 over :meth:`to_json` (fits a label value)."""
-        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+        return canonical_hash(self.model_dump(mode="json", by_alias=True), digits=16)
 
     @classmethod
     def from_json(cls, text: str) -> "JobConfig":
@@ -115,11 +113,6 @@ class JobConfig(ApiModel):
         """Weight-transfer group rank of GPU process ``local_gpu`` of rollout pod ``replica_index`` (DESIGN §2)."""
         per_replica = max(1, self.spec.rollout.gpus_per_replica)
         return 1 + replica_index * per_replica + local_gpu
-
-    @property
-    def transfer_world_size(self) -> int:
-        """1 (trainer rank 0) + every rollout process."""
-        return 1 + self.spec.rollout.replicas * max(1, self.spec.rollout.gpus_per_replica)
 
 
 def resolve(name: str, namespace: str, spec: RLTrainingJobSpec, redis: RedisConnection) -> JobConfig:

@@ -38,7 +38,6 @@ LABEL_KUEUE_QUEUE_NAME = "kueue.x-k8s.io/queue-name"
 """Copied from the job's labels to its pods (Kueue compatibility)."""
 
 # --- Annotations -----------------------------------------------------------------------------
-ANNOTATION_ATTEMPT = f"{GROUP}/attempt"
 ANNOTATION_APPLIED_HASH = f"{GROUP}/applied-hash"
 """Short sha256 of the manifest the operator last applied, on the ConfigMap, the Services and the Redis Deployment.
 Written and read by the operator: a restarted operator re-applies a child only when it differs."""
@@ -131,7 +130,6 @@ class Reason(str, Enum):
     UNSCHEDULABLE = "Unschedulable"
     WAITING_FOR_GANG = "WaitingForGang"
     TRAINING = "Training"
-    GANG_RESTART = "GangRestart"
     TEARING_DOWN = "TearingDown"
     POD_FAILED = "PodFailed"
     POD_EVICTED = "PodEvicted"

@@ -36,10 +36,6 @@ def rollout_pod(job: str, index: int) -> str:
     return f"{base_name(job)}-rollout-{index}"
 
 
-def rollout_service(job: str) -> str:
-    return f"{base_name(job)}-rollout"
-
-
 def redis_name(job: str) -> str:
     """Managed Redis Deployment and Service name."""
     return f"{base_name(job)}-redis"

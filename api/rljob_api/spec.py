@@ -27,14 +27,14 @@ class ApiModel(BaseModel):
 class TinyModelSpec(ApiModel):
     """A randomly initialised Llama-style causal LM built in process (no downloads): for tests and laptops."""
 
-    layers: int = Field(2, ge=1, le=64, description="layers: number of transformer blocks.")
-    hidden_size: int = Field(64, ge=8, le=8192, description="hiddenSize: width of the residual stream.")
-    heads: int = Field(4, ge=1, le=128, description="heads: attention heads; must divide hiddenSize.")
+    layers: int = Field(2, ge=1, le=64, description="Number of transformer blocks.")
+    hidden_size: int = Field(64, ge=8, le=8192, description="Width of the residual stream.")
+    heads: int = Field(4, ge=1, le=128, description="Attention heads; must divide hiddenSize.")
     intermediate_size: int = Field(
-        256, ge=8, le=65536, description="intermediateSize: width of the MLP hidden layer."
+        256, ge=8, le=65536, description="Width of the MLP hidden layer."
     )
     max_position_embeddings: int = Field(
-        256, ge=16, le=131072, description="maxPositionEmbeddings: longest document in tokens."
+        256, ge=16, le=131072, description="Longest document in tokens."
     )
 
 
@@ -43,7 +43,7 @@ class ModelSpec(ApiModel):
 
     source: Literal["tiny", "huggingface", "path"] = Field(
         ...,
-        description="source (required): `tiny` builds a small random model from `tiny` (tests, no downloads); "
+        description="Required. `tiny` builds a small random model from `tiny` (tests, no downloads); "
         "`huggingface` loads `name` from the Hugging Face Hub (HF_TOKEN from `hfTokenSecretRef`); "
         "`path` loads a model directory from `path` (a PVC mounted by `volume`).",
     )
@@ -51,14 +51,14 @@ class ModelSpec(ApiModel):
         None,
         min_length=1,
         max_length=256,
-        description="name: Hugging Face model id (required when source=huggingface); a display name otherwise.",
+        description="Hugging Face model id (required when source=huggingface); a display name otherwise.",
     )
-    revision: Optional[str] = Field(None, description="revision: Hub revision (branch, tag or commit).")
-    path: Optional[str] = Field(None, description="path: model directory inside the pod (source=path).")
+    revision: Optional[str] = Field(None, description="Hub revision (branch, tag or commit).")
+    path: Optional[str] = Field(None, description="Model directory inside the pod (source=path).")
     volume: Optional[str] = Field(
-        None, description="volume: PersistentVolumeClaim mounted read-only at `path`'s parent (source=path)."
+        None, description="PersistentVolumeClaim mounted read-only at `path`'s parent (source=path)."
     )
-    tiny: TinyModelSpec = Field(default_factory=TinyModelSpec, description="tiny: shape of the tiny model.")
+    tiny: TinyModelSpec = Field(default_factory=TinyModelSpec, description="Shape of the tiny model.")
 
 
 # --- algorithm --------------------------------------------------------------------------------
@@ -67,26 +67,26 @@ class AlgorithmSpec(ApiModel):
 
     loss: Literal["grpo", "gspo"] = Field(
         "grpo",
-        description="loss: `grpo` (token-level clipped ratio, DeepSeekMath) or `gspo` (sequence-level "
+        description="`grpo` (token-level clipped ratio, DeepSeekMath) or `gspo` (sequence-level "
         "ratio, Qwen GSPO, in Fast-LLM's length-weighted form).",
     )
     epsilon_low: Optional[float] = Field(
         None,
         gt=0,
         lt=1,
-        description="epsilonLow: lower clip range, the ratio is clipped at 1 - epsilonLow. "
+        description="Lower clip range, the ratio is clipped at 1 - epsilonLow. "
         "Default 0.2 for grpo, 3e-4 for gspo.",
     )
     epsilon_high: Optional[float] = Field(
         None,
         gt=0,
         le=10,
-        description="epsilonHigh: upper clip range, the ratio is clipped at 1 + epsilonHigh. "
+        description="Upper clip range, the ratio is clipped at 1 + epsilonHigh. "
         "Default 0.2 for grpo, 4e-4 for gspo.",
     )
     metrics: Literal["none", "basic", "full", "auto"] = Field(
         "auto",
-        description="metrics: `none`; `basic` (every loss metric but entropy); `full` (basic + entropy, "
+        description="`none`; `basic` (every loss metric but entropy); `full` (basic + entropy, "
         "a second pass over the vocabulary); `auto` (basic when pipelineParallel = 1, else none).",
     )
 
@@ -104,212 +104,214 @@ class BatchSpec(ApiModel):
     documents_per_step: int = Field(
         128,
         ge=1,
-        description="documentsPerStep: documents (sampled completions) per optimizer step, global over "
+        description="Documents (sampled completions) per optimizer step, global over "
         "all data-parallel ranks; must be divisible by the data-parallel size.",
     )
     micro_batch_tokens: int = Field(
         4096,
         ge=16,
-        description="microBatchTokens: token budget of one packed micro-batch per rank; a document longer "
+        description="Token budget of one packed micro-batch per rank; a document longer "
         "than this is dropped and counted, never truncated.",
     )
 
 
 class OptimizerSpec(ApiModel):
-    learning_rate: float = Field(1e-6, gt=0, le=1, description="learningRate: AdamW learning rate.")
-    weight_decay: float = Field(0.0, ge=0, le=1, description="weightDecay: AdamW decoupled weight decay.")
-    beta1: float = Field(0.9, ge=0, lt=1, description="beta1: AdamW first-moment decay.")
-    beta2: float = Field(0.95, ge=0, lt=1, description="beta2: AdamW second-moment decay.")
-    grad_clip: float = Field(1.0, ge=0, description="gradClip: max global gradient norm; 0 disables.")
-    warmup_steps: int = Field(0, ge=0, description="warmupSteps: linear learning-rate warm-up in steps.")
+    learning_rate: float = Field(1e-6, gt=0, le=1, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW decoupled weight decay.")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW first-moment decay.")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW second-moment decay.")
+    grad_clip: float = Field(1.0, ge=0, description="Max global gradient norm; 0 disables.")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up in steps.")
 
 
 class CheckpointSpec(ApiModel):
-    every_steps: int = Field(10, ge=1, description="everySteps: write a checkpoint every this many steps.")
-    keep_last: int = Field(2, ge=1, le=100, description="keepLast: checkpoints kept; older ones are deleted.")
+    every_steps: int = Field(10, ge=1, description="Write a checkpoint every this many steps.")
+    keep_last: int = Field(2, ge=1, le=100, description="Checkpoints kept; older ones are deleted.")
     volume: Optional[str] = Field(
         None,
-        description="volume: PersistentVolumeClaim for checkpoints (ReadWriteMany when nodes > 1). Without "
+        description="PersistentVolumeClaim for checkpoints (ReadWriteMany when nodes > 1). Without "
         "it checkpoints live in an emptyDir and a gang restart starts from step 0.",
     )
     init_from: Optional[str] = Field(
-        None, description="initFrom: a checkpoint directory to start from (weights, optimizer, step)."
+        None, description="A checkpoint directory to start from (weights, optimizer, step)."
     )
 
 
 class ExportSpec(ApiModel):
     safetensors: bool = Field(
-        True, description="safetensors: export final weights as safetensors in Hugging Face layout."
+        True, description="Export final weights as safetensors in Hugging Face layout."
     )
 
 
 class TrainerSpec(ApiModel):
     """The trainer gang: `nodes` pods, each running torchrun with `processesPerNode` ranks."""
 
-    image: str = Field("rljob/trainer-cpu:0.1.0", min_length=1, description="image: trainer container image.")
-    backend: Literal["builtin", "fast-llm"] = Field(
-        "builtin", description="backend: `builtin` (rljob's own loop); `fast-llm` (not supported yet)."
-    )
-    nodes: int = Field(1, ge=1, le=4096, description="nodes: trainer pods in the gang (torchrun nnodes).")
+    image: str = Field("rljob/trainer-cpu:0.1.0", min_length=1, description="Trainer container image.")
+    # The one value runs rljob's own loop. The field stays (with only that value) because the resolved configs of
+    # running jobs hold it: dropping it would change their role hashes and restart every gang on an upgrade.
+    backend: Literal["builtin"] = Field("builtin", json_schema_extra={"enum": ["builtin"]},
+                                        description="The training loop: `builtin`, rljob's own.")
+    nodes: int = Field(1, ge=1, le=4096, description="Trainer pods in the gang (torchrun nnodes).")
     processes_per_node: int = Field(
-        1, ge=1, le=64, description="processesPerNode: ranks per pod (torchrun nproc-per-node), usually GPUs."
+        1, ge=1, le=64, description="Ranks per pod (torchrun nproc-per-node), usually GPUs."
     )
-    tensor_parallel: int = Field(1, ge=1, le=64, description="tensorParallel: tensor-parallel degree.")
-    pipeline_parallel: int = Field(1, ge=1, le=64, description="pipelineParallel: pipeline-parallel degree.")
+    tensor_parallel: int = Field(1, ge=1, le=64, description="Tensor-parallel degree.")
+    pipeline_parallel: int = Field(1, ge=1, le=64, description="Pipeline-parallel degree.")
     resources: dict[str, Any] = Field(
         default_factory=dict,
-        description="resources: container resources (requests/limits) of each trainer pod, e.g. "
+        description="Container resources (requests/limits) of each trainer pod, e.g. "
         "{limits: {nvidia.com/gpu: 8}}.",
     )
-    node_selector: dict[str, str] = Field(default_factory=dict, description="nodeSelector: pod node selector.")
-    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="tolerations: pod tolerations.")
-    batch: BatchSpec = Field(default_factory=BatchSpec, description="batch: step and micro-batch sizes.")
-    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="optimizer: AdamW settings.")
-    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="checkpoint: cadence, storage.")
-    export: ExportSpec = Field(default_factory=ExportSpec, description="export: final weight export.")
-    max_steps: int = Field(100, ge=1, description="maxSteps: optimizer steps, then training_finished.")
-    seed: int = Field(0, ge=0, description="seed: model init and data-order seed.")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Pod node selector.")
+    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Pod tolerations.")
+    batch: BatchSpec = Field(default_factory=BatchSpec, description="Step and micro-batch sizes.")
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="AdamW settings.")
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Cadence, storage.")
+    export: ExportSpec = Field(default_factory=ExportSpec, description="Final weight export.")
+    max_steps: int = Field(100, ge=1, description="Optimizer steps, then training_finished.")
+    seed: int = Field(0, ge=0, description="Model init and data-order seed.")
     collective_timeout_seconds: int = Field(
         600,
         ge=10,
-        description="collectiveTimeoutSeconds: torch.distributed collective timeout; a hang becomes a crash "
+        description="torch.distributed collective timeout; a hang becomes a crash "
         "and a gang restart. Must exceed a weight transfer.",
     )
     rendezvous_timeout_seconds: int = Field(
         900,
         ge=10,
-        description="rendezvousTimeoutSeconds: how long scheduled ranks wait for the whole gang.",
+        description="How long scheduled ranks wait for the whole gang.",
     )
     data_timeout_seconds: int = Field(
-        1800, ge=1, description="dataTimeoutSeconds: a rank with no stream data for this long exits with an error."
+        1800, ge=1, description="A rank with no stream data for this long exits with an error."
     )
 
 
 # --- rollout ----------------------------------------------------------------------------------
 class SamplingSpec(ApiModel):
-    temperature: float = Field(1.0, gt=0, le=10, description="temperature: sampling temperature.")
-    top_p: float = Field(1.0, gt=0, le=1, description="topP: nucleus sampling mass.")
-    max_new_tokens: int = Field(256, ge=1, le=131072, description="maxNewTokens: completion length limit.")
+    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    max_new_tokens: int = Field(256, ge=1, le=131072, description="Completion length limit.")
 
 
 class TaskSpec(ApiModel):
     name: Literal["digits-copy", "digits-reverse", "math", "custom"] = Field(
         "digits-copy",
-        description="name: `digits-copy`/`digits-reverse` (built-in toy task, DESIGN §10); `math` (JSONL "
+        description="`digits-copy`/`digits-reverse` (built-in toy task, DESIGN §10); `math` (JSONL "
         "question/answer, numeric answer); `custom` (prompts from `datasetPath`, reward from `rewardFunction`).",
     )
-    dataset_path: Optional[str] = Field(None, description="datasetPath: JSONL file of prompts (math, custom).")
+    dataset_path: Optional[str] = Field(None, description="JSONL file of prompts (math, custom).")
     reward_function: Optional[str] = Field(
-        None, description="rewardFunction: `module:function` returning a float reward (custom)."
+        None, description="`module:function` returning a float reward (custom)."
     )
-    digits: int = Field(4, ge=1, le=32, description="digits: prompt and completion length of the toy task.")
+    digits: int = Field(4, ge=1, le=32, description="Prompt and completion length of the toy task.")
 
 
 class AdvantageSpec(ApiModel):
     normalize_std: bool = Field(
-        True, description="normalizeStd: divide (reward - group mean) by the group standard deviation."
+        True, description="Divide (reward - group mean) by the group standard deviation."
     )
-    epsilon: float = Field(1e-6, gt=0, description="epsilon: added to the group std before dividing.")
+    epsilon: float = Field(1e-6, gt=0, description="Added to the group std before dividing.")
 
 
 class RolloutSpec(ApiModel):
     """Rollout workers: generate, score and stream documents; follow the trainer's weights."""
 
-    image: str = Field("rljob/trainer-cpu:0.1.0", min_length=1, description="image: rollout container image.")
+    image: str = Field("rljob/trainer-cpu:0.1.0", min_length=1, description="Rollout container image.")
     backend: Literal["vllm", "cpu"] = Field(
-        "cpu", description="backend: `vllm` (GPU) or `cpu` (transformers generate, tests and laptops)."
+        "cpu", description="`vllm` (GPU) or `cpu` (transformers generate, tests and laptops)."
     )
-    replicas: int = Field(1, ge=1, le=4096, description="replicas: rollout pods.")
+    replicas: int = Field(1, ge=1, le=4096, description="Rollout pods.")
     gpus_per_replica: int = Field(
-        0, ge=0, le=64, description="gpusPerReplica: nvidia.com/gpu per rollout pod (tensor parallel of vLLM)."
+        0, ge=0, le=64, description="nvidia.com/gpu per rollout pod (tensor parallel of vLLM)."
     )
-    resources: dict[str, Any] = Field(default_factory=dict, description="resources: rollout container resources.")
-    node_selector: dict[str, str] = Field(default_factory=dict, description="nodeSelector: pod node selector.")
-    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="tolerations: pod tolerations.")
-    prompts_per_batch: int = Field(16, ge=1, description="promptsPerBatch: prompts generated together.")
+    resources: dict[str, Any] = Field(default_factory=dict, description="Rollout container resources.")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Pod node selector.")
+    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Pod tolerations.")
+    prompts_per_batch: int = Field(16, ge=1, description="Prompts generated together.")
     samples_per_prompt: int = Field(
         8,
         ge=2,
         le=1024,
-        description="samplesPerPrompt: completions per prompt (group size G), at least 2: GRPO and GSPO advantages "
+        description="Completions per prompt (group size G), at least 2: GRPO and GSPO advantages "
         "are reward minus the group mean, identically 0 in a group of 1.",
     )
     max_lag: int = Field(
         1024,
         ge=0,
-        description="maxLag: documents a worker may run ahead of the trainer's documents_seen.",
+        description="Documents a worker may run ahead of the trainer's documents_seen.",
     )
-    sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="sampling: generation parameters.")
-    task: TaskSpec = Field(default_factory=TaskSpec, description="task: prompts and verifiable reward.")
-    advantage: AdvantageSpec = Field(default_factory=AdvantageSpec, description="advantage: group normalisation.")
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="Generation parameters.")
+    task: TaskSpec = Field(default_factory=TaskSpec, description="Prompts and verifiable reward.")
+    advantage: AdvantageSpec = Field(default_factory=AdvantageSpec, description="Group normalisation.")
     filter_zero_variance: bool = Field(
-        False, description="filterZeroVariance: drop groups whose rewards are all equal (counted)."
+        False, description="Drop groups whose rewards are all equal (counted)."
     )
-    seed: int = Field(0, ge=0, description="seed: sampling seed (each replica adds its index).")
+    seed: int = Field(0, ge=0, description="Sampling seed (each replica adds its index).")
 
 
 # --- redis ------------------------------------------------------------------------------------
 class SecretKeyRef(ApiModel):
-    name: str = Field(..., min_length=1, max_length=253, description="name: Secret name in the job's namespace.")
-    key: str = Field(..., min_length=1, max_length=253, description="key: key inside the Secret.")
+    name: str = Field(..., min_length=1, max_length=253, description="Secret name in the job's namespace.")
+    key: str = Field(..., min_length=1, max_length=253, description="Key inside the Secret.")
 
 
 class RedisSpec(ApiModel):
     mode: Literal["managed", "external"] = Field(
         "managed",
-        description="mode: `managed` (a per-job Redis Deployment, Service and password Secret) or `external` "
+        description="`managed` (a per-job Redis Deployment, Service and password Secret) or `external` "
         "(`url` + `passwordSecretRef`; keys are prefixed `rljob:{namespace}:{job}:`).",
     )
-    image: str = Field("redis:7.2", description="image: managed Redis image.")
-    url: Optional[str] = Field(None, description="url: redis:// or rediss:// URL of an external Redis (mode=external).")
+    image: str = Field("redis:7.2", description="Managed Redis image.")
+    url: Optional[str] = Field(None, description="A redis:// or rediss:// URL of an external Redis (mode=external).")
     password_secret_ref: Optional[SecretKeyRef] = Field(
-        None, description="passwordSecretRef: Secret key holding the external Redis password."
+        None, description="Secret key holding the external Redis password."
     )
     ca_secret_ref: Optional[SecretKeyRef] = Field(
         None,
-        description="caSecretRef: Secret key holding the PEM bundle of the CAs that signed the external Redis "
+        description="Secret key holding the PEM bundle of the CAs that signed the external Redis "
         "server's TLS certificate (a private CA; needs mode=external and a rediss:// url). Mounted read-only into "
         "trainer and rollout pods (env REDIS_TLS_CA_FILE) and used by the operator to verify the server, host name "
         "included. Unset: the system CAs.",
     )
-    stream_key: str = Field(protocol.DEFAULT_STREAM_KEY, min_length=1, description="streamKey: data stream key.")
-    group_name: str = Field(protocol.DEFAULT_GROUP_NAME, min_length=1, description="groupName: consumer group of trainer ranks.")
+    stream_key: str = Field(protocol.DEFAULT_STREAM_KEY, min_length=1, description="Data stream key.")
+    group_name: str = Field(protocol.DEFAULT_GROUP_NAME, min_length=1, description="Consumer group of trainer ranks.")
     consumer_prefix: str = Field(
-        protocol.DEFAULT_CONSUMER_PREFIX, min_length=1, description="consumerPrefix: consumer name = prefix + DP rank."
+        protocol.DEFAULT_CONSUMER_PREFIX, min_length=1, description="Consumer name = prefix + DP rank."
     )
-    events_key: str = Field(protocol.DEFAULT_EVENTS_KEY, min_length=1, description="eventsKey: event stream key.")
+    events_key: str = Field(protocol.DEFAULT_EVENTS_KEY, min_length=1, description="Event stream key.")
     max_pending: int = Field(
-        4096, ge=1, description="maxPending: rollout workers wait while the group's lag exceeds this (documents)."
+        4096, ge=1, description="Rollout workers wait while the group's lag exceeds this (documents)."
     )
 
 
 class RunPolicySpec(ApiModel):
     backoff_limit: int = Field(
-        3, ge=0, description="backoffLimit: gang restarts after failures; evictions and preemptions are not counted."
+        3, ge=0, description="Gang restarts after failures; evictions and preemptions are not counted."
     )
     active_deadline_seconds: Optional[int] = Field(
-        None, ge=1, description="activeDeadlineSeconds: running time limit; the clock restarts on resume."
+        None, ge=1, description="Running time limit; the clock restarts on resume."
     )
     ttl_seconds_after_finished: Optional[int] = Field(
-        None, ge=0, description="ttlSecondsAfterFinished: delete the job this long after Succeeded or Failed."
+        None, ge=0, description="Delete the job this long after Succeeded or Failed."
     )
     suspend: bool = Field(
-        False, description="suspend: delete all pods, keep Redis and data (Kueue-compatible); resume continues."
+        False, description="Delete all pods, keep Redis and data (Kueue-compatible); resume continues."
     )
     clean_pod_policy: Literal["All", "Running", "None"] = Field(
-        "All", description="cleanPodPolicy: pods deleted when the job finishes: All, Running (only those still running) or None."
+        "All", description="Pods deleted when the job finishes: All, Running (only those still running) or None."
     )
 
 
 class RLTrainingJobSpec(ApiModel):
-    """spec of an RLTrainingJob."""
+    """What an RLTrainingJob runs: the model, the algorithm, the trainer gang, the rollout workers, Redis and the run
+    policy."""
 
-    model: ModelSpec = Field(..., description="model (required): the causal LM trained and served.")
-    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description="algorithm: loss and metrics.")
-    trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="trainer: the data-parallel gang.")
-    rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="rollout: generation workers.")
-    redis: RedisSpec = Field(default_factory=RedisSpec, description="redis: the stream between roles.")
-    run_policy: RunPolicySpec = Field(default_factory=RunPolicySpec, description="runPolicy: restarts, deadlines, suspend.")
+    model: ModelSpec = Field(..., description="Required. The causal LM trained and served.")
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description="Loss and metrics.")
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="The data-parallel gang.")
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="Generation workers.")
+    redis: RedisSpec = Field(default_factory=RedisSpec, description="The stream between roles.")
+    run_policy: RunPolicySpec = Field(default_factory=RunPolicySpec, description="Restarts, deadlines, suspend.")
     hf_token_secret_ref: Optional[SecretKeyRef] = Field(
-        None, description="hfTokenSecretRef: Secret key exposed as HF_TOKEN to every pod."
+        None, description="Secret key exposed as HF_TOKEN to every pod."
     )

@@ -25,42 +25,42 @@ class StatusModel(ApiModel):
 class Condition(StatusModel):
     """One observation of the job, metav1.Condition shaped."""
 
-    type: c.ConditionType = Field(..., description="type: Valid, RedisReady, RolloutReady, TrainerReady, Running, "
+    type: c.ConditionType = Field(..., description="Valid, RedisReady, RolloutReady, TrainerReady, Running, "
                                   "Restarting, Suspended, Succeeded or Failed.")
-    status: Literal["True", "False", "Unknown"] = Field(..., description="status: True, False or Unknown.")
+    status: Literal["True", "False", "Unknown"] = Field(..., description="True, False or Unknown.")
     reason: str = Field(
-        ..., min_length=1, max_length=1024, description="reason: CamelCase reason of the last transition."
+        ..., min_length=1, max_length=1024, description="CamelCase reason of the last transition."
     )
-    message: str = Field("", max_length=32768, description="message: what happened and what to do about it.")
+    message: str = Field("", max_length=32768, description="What happened and what to do about it.")
     last_transition_time: datetime = Field(
-        ..., description="lastTransitionTime: when status last changed (RFC 3339, UTC)."
+        ..., description="When status last changed (RFC 3339, UTC)."
     )
     observed_generation: Optional[int] = Field(
-        None, ge=0, description="observedGeneration: metadata.generation the condition was computed from."
+        None, ge=0, description="The metadata.generation the condition was computed from."
     )
 
 
 class RLTrainingJobStatus(StatusModel):
-    """status of an RLTrainingJob."""
+    """What the operator observed of an RLTrainingJob: phase, gang attempt, progress and conditions."""
 
     phase: Optional[c.Phase] = Field(
         None,
-        description="phase: Pending, Starting, Running, Restarting, Suspended, Succeeded, Failed or Invalid; a "
+        description="Pending, Starting, Running, Restarting, Suspended, Succeeded, Failed or Invalid; a "
         "summary of the conditions.",
     )
     observed_generation: Optional[int] = Field(
-        None, ge=0, description="observedGeneration: the metadata.generation this status was computed from."
+        None, ge=0, description="The metadata.generation this status was computed from."
     )
     attempt: int = Field(
         0,
         ge=0,
-        description="attempt: number of the current trainer gang (the `rljob.dev/attempt` label of its pods); "
+        description="Number of the current trainer gang (the `rljob.dev/attempt` label of its pods); "
         "+1 on every gang restart and on every resume.",
     )
     restarts: int = Field(
         0,
         ge=0,
-        description="restarts: gang restarts after a trainer pod failure, eviction or deletion, or after a change of "
+        description="Gang restarts after a trainer pod failure, eviction or deletion, or after a change of "
         "a spec field the trainer reads (model, algorithm, trainer, redis, hfTokenSecretRef, "
         "rollout.sampling.temperature, rollout.task.name; reason ConfigChanged). runPolicy and every other "
         "spec.rollout field (replicas, image, resources, samplesPerPrompt, ...) never restart the gang: they scale "
@@ -69,47 +69,47 @@ class RLTrainingJobStatus(StatusModel):
     failed_attempts: int = Field(
         0,
         ge=0,
-        description="failedAttempts: restarts counted against runPolicy.backoffLimit (evictions, preemptions and "
+        description="Restarts counted against runPolicy.backoffLimit (evictions, preemptions and "
         "spec changes are not counted).",
     )
     gang_created: bool = Field(
         False,
-        description="gangCreated: every trainer pod of `attempt` has been created; from then on a missing pod is a "
+        description="Every trainer pod of `attempt` has been created; from then on a missing pod is a "
         "deletion that restarts the gang.",
     )
     data_parallel_size: Optional[int] = Field(
-        None, ge=1, description="dataParallelSize: nodes × processesPerNode / (tensorParallel × pipelineParallel)."
+        None, ge=1, description="Nodes × processesPerNode / (tensorParallel × pipelineParallel)."
     )
     start_time: Optional[datetime] = Field(
         None,
-        description="startTime: when the job last started being active (reset on resume, like a Kubernetes Job); "
+        description="When the job last started being active (reset on resume, like a Kubernetes Job); "
         "runPolicy.activeDeadlineSeconds counts from here.",
     )
     completion_time: Optional[datetime] = Field(
-        None, description="completionTime: when the job reached Succeeded or Failed."
+        None, description="When the job reached Succeeded or Failed."
     )
-    step: Optional[int] = Field(None, ge=0, description="step: optimizer steps done (from the progress hash).")
+    step: Optional[int] = Field(None, ge=0, description="Optimizer steps done (from the progress hash).")
     documents_seen: Optional[int] = Field(
-        None, ge=0, description="documentsSeen: documents that entered the loss, all ranks (documents)."
+        None, ge=0, description="Documents that entered the loss, all ranks (documents)."
     )
     model_version: Optional[int] = Field(
-        None, ge=0, description="modelVersion: version of the trainer's weights, in documents (DESIGN §6)."
+        None, ge=0, description="Version of the trainer's weights, in documents (DESIGN §6)."
     )
     tokens_per_second: Optional[float] = Field(
-        None, ge=0, description="tokensPerSecond: real tokens per second of the last step, all ranks."
+        None, ge=0, description="Real tokens per second of the last step, all ranks."
     )
     rollout_reward: Optional[float] = Field(
         None,
-        description="rolloutReward: mean raw reward of everything generated with the newest weights version "
+        description="Mean raw reward of everything generated with the newest weights version "
         "(before filtering; the policy's performance, DESIGN §4).",
     )
     rollout_model_version: Optional[int] = Field(
-        None, ge=0, description="rolloutModelVersion: the weights version rolloutReward was measured on."
+        None, ge=0, description="The weights version rolloutReward was measured on."
     )
     last_metrics: dict[str, float] = Field(
-        default_factory=dict, description="lastMetrics: loss metrics of the last step by name (DESIGN §4)."
+        default_factory=dict, description="Loss metrics of the last step by name (DESIGN §4)."
     )
-    conditions: list[Condition] = Field(default_factory=list, description="conditions: the latest observations.")
+    conditions: list[Condition] = Field(default_factory=list, description="The latest observations.")
 
     def condition(self, type_: c.ConditionType) -> Optional[Condition]:
         """The condition of ``type_``, or None when it was never set."""

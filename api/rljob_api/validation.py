@@ -1,4 +1,5 @@
-"""Checks that only code can make (the CRD's CEL rules repeat the ones the API server can make).
+"""The operator's check of a spec: every rule, those the CRD's CEL rules enforce too (defined once in
+:mod:`rljob_api.rules`) and those only code can make.
 
 Every problem names the field by its camelCase path, so the message reads like the API server's.
 """
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rljob_api import constants as c
+from rljob_api import constants as c, rules
 from rljob_api.spec import RLTrainingJobSpec
 
 
@@ -24,20 +25,21 @@ class SpecProblem:
 
 
 def data_parallel_size(spec: RLTrainingJobSpec) -> int:
-    """DP = nodes × processesPerNode / (tensorParallel × pipelineParallel) (DESIGN §5).
+    """DP = nodes × processesPerNode / (tensorParallel × pipelineParallel) (DESIGN §5, :func:`rules.data_parallel`).
 
     Raises:
         ValueError: the product does not divide; the message prints the numbers.
     """
     t = spec.trainer
     world = t.nodes * t.processes_per_node
-    model_parallel = t.tensor_parallel * t.pipeline_parallel
-    if world % model_parallel:
+    dp = rules.data_parallel(world, t.tensor_parallel, t.pipeline_parallel)
+    if dp is None:
         raise ValueError(
             f"spec.trainer: nodes*processesPerNode = {t.nodes}*{t.processes_per_node} = {world} is not divisible "
-            f"by tensorParallel*pipelineParallel = {t.tensor_parallel}*{t.pipeline_parallel} = {model_parallel}"
+            f"by tensorParallel*pipelineParallel = {t.tensor_parallel}*{t.pipeline_parallel} = "
+            f"{t.tensor_parallel * t.pipeline_parallel}"
         )
-    return world // model_parallel
+    return dp
 
 
 def trainer_gpus(spec: RLTrainingJobSpec) -> int:
@@ -52,14 +54,19 @@ def trainer_gpus(spec: RLTrainingJobSpec) -> int:
 
 def check_spec(spec: RLTrainingJobSpec) -> list[SpecProblem]:
     """All problems of a spec, in field order; empty when the job can run."""
+    return [*_trainer_problems(spec), *_model_problems(spec), *_redis_problems(spec), *_rollout_problems(spec)]
+
+
+def _trainer_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
+    """Topology, metrics, GPUs, batch and checkpoint interval (spec.trainer, spec.algorithm.metrics)."""
     problems: list[SpecProblem] = []
-    t, r, a = spec.trainer, spec.rollout, spec.algorithm
+    t, a = spec.trainer, spec.algorithm
     try:
         dp = data_parallel_size(spec)
     except ValueError as err:
         problems.append(SpecProblem("spec.trainer.nodes", str(err).removeprefix("spec.trainer: ")))
         dp = None
-    if a.metrics in ("basic", "full") and t.pipeline_parallel != 1:
+    if not rules.metrics_allowed(a.metrics, t.pipeline_parallel):
         problems.append(
             SpecProblem("spec.algorithm.metrics", f"metrics={a.metrics} requires pipelineParallel == 1")
         )
@@ -69,23 +76,8 @@ def check_spec(spec: RLTrainingJobSpec) -> list[SpecProblem]:
         problems.append(
             SpecProblem("spec.trainer.pipelineParallel", "pipeline parallelism > 1 is not supported yet", False)
         )
-    resources = t.resources or {}
-    if c.GPU_RESOURCE in (resources.get("requests") or {}) and c.GPU_RESOURCE not in (resources.get("limits") or {}):
-        problems.append(SpecProblem(
-            "spec.trainer.resources.limits",
-            f"{c.GPU_RESOURCE} is requested but has no limit: GPUs are asked for through limits (the API server "
-            "refuses a pod with only a request); move it to limits",
-        ))
-    gpus = trainer_gpus(spec)
-    if gpus and t.processes_per_node > gpus:
-        problems.append(SpecProblem(
-            "spec.trainer.processesPerNode",
-            f"{t.processes_per_node} ranks per pod but spec.trainer.resources.limits {c.GPU_RESOURCE} = {gpus}: each "
-            f"rank needs a GPU of its own (NCCL); set processesPerNode <= {gpus} or raise the GPU limit",
-        ))
-    if t.backend != "builtin":
-        problems.append(SpecProblem("spec.trainer.backend", f"backend {t.backend!r} is not supported yet", False))
-    if dp is not None and t.batch.documents_per_step % dp:
+    problems += _gpu_problems(spec)
+    if dp is not None and rules.documents_per_rank(t.batch.documents_per_step, dp) is None:
         problems.append(
             SpecProblem(
                 "spec.trainer.batch.documentsPerStep",
@@ -103,6 +95,32 @@ def check_spec(spec: RLTrainingJobSpec) -> list[SpecProblem]:
                 "so training would stall before its first checkpoint",
             )
         )
+    return problems
+
+
+def _gpu_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
+    """GPUs asked for without a limit, or fewer GPUs than ranks per trainer pod."""
+    problems: list[SpecProblem] = []
+    t = spec.trainer
+    resources = t.resources or {}
+    if c.GPU_RESOURCE in (resources.get("requests") or {}) and c.GPU_RESOURCE not in (resources.get("limits") or {}):
+        problems.append(SpecProblem(
+            "spec.trainer.resources.limits",
+            f"{c.GPU_RESOURCE} is requested but has no limit: GPUs are asked for through limits (the API server "
+            "refuses a pod with only a request); move it to limits",
+        ))
+    gpus = trainer_gpus(spec)
+    if gpus and t.processes_per_node > gpus:
+        problems.append(SpecProblem(
+            "spec.trainer.processesPerNode",
+            f"{t.processes_per_node} ranks per pod but spec.trainer.resources.limits {c.GPU_RESOURCE} = {gpus}: each "
+            f"rank needs a GPU of its own (NCCL); set processesPerNode <= {gpus} or raise the GPU limit",
+        ))
+    return problems
+
+
+def _model_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
+    problems: list[SpecProblem] = []
     m = spec.model
     if m.source == "tiny" and m.tiny.hidden_size % m.tiny.heads:
         problems.append(
@@ -115,29 +133,39 @@ def check_spec(spec: RLTrainingJobSpec) -> list[SpecProblem]:
     if m.source == "huggingface" and not m.name:
         problems.append(SpecProblem(
             "spec.model.name", "required when source is 'huggingface': a Hub model id such as Qwen/Qwen2.5-1.5B-Instruct"))
-    if spec.redis.mode == "external" and not spec.redis.url:
+    return problems
+
+
+def _redis_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
+    problems: list[SpecProblem] = []
+    redis = spec.redis
+    if redis.mode == "external" and not redis.url:
         problems.append(SpecProblem("spec.redis.url", "required when mode is 'external'"))
-    if spec.redis.mode == "external" and spec.redis.url and not spec.redis.url.startswith(("redis://", "rediss://")):
-        problems.append(SpecProblem("spec.redis.url", f"must start with redis:// or rediss://, got {spec.redis.url!r}"))
-    if spec.redis.mode == "managed" and spec.redis.url:
+    if redis.mode == "external" and redis.url and not redis.url.startswith(("redis://", "rediss://")):
+        problems.append(SpecProblem("spec.redis.url", f"must start with redis:// or rediss://, got {redis.url!r}"))
+    if redis.mode == "managed" and redis.url:
         problems.append(SpecProblem(
             "spec.redis.url",
             "only used with mode 'external' (the managed Redis is reached through its own Service): remove url, or "
             "set mode to 'external'",
         ))
-    if spec.redis.mode == "managed" and spec.redis.password_secret_ref is not None:
+    if redis.mode == "managed" and redis.password_secret_ref is not None:
         problems.append(SpecProblem(
             "spec.redis.passwordSecretRef",
             "only used with mode 'external' (the managed Redis's password is generated into the Secret "
             "<job>-redis-auth): remove passwordSecretRef, or set mode to 'external'",
         ))
-    if spec.redis.ca_secret_ref is not None and not (
-        spec.redis.mode == "external" and (spec.redis.url or "").startswith("rediss://")
-    ):
+    if redis.ca_secret_ref is not None and not (redis.mode == "external" and (redis.url or "").startswith("rediss://")):
         problems.append(SpecProblem(
             "spec.redis.caSecretRef",
             "verifies a TLS connection: set mode to 'external' and a rediss:// url, or remove caSecretRef",
         ))
+    return problems
+
+
+def _rollout_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
+    problems: list[SpecProblem] = []
+    r = spec.rollout
     if r.task.name in ("math", "custom") and not r.task.dataset_path:
         problems.append(SpecProblem("spec.rollout.task.datasetPath", f"required for task {r.task.name!r}"))
     if r.task.name == "custom" and not r.task.reward_function:

@@ -188,15 +188,6 @@ class ControlPlane:
         return str(self._pki / "ca.crt")
 
     @property
-    def ca_key_path(self) -> str:
-        return str(self._pki / "ca.key")
-
-    @property
-    def service_account_key_path(self) -> str:
-        """Private key that signs service-account tokens."""
-        return str(self._pki / "sa.key")
-
-    @property
     def etcd_url(self) -> str:
         return f"http://127.0.0.1:{self.etcd_port}"
 
@@ -265,9 +256,6 @@ class ControlPlane:
             self._started = False
             if not self.keep_data:
                 self._remove_data()
-
-    def is_running(self) -> bool:
-        return self._started and all(c.proc.poll() is None for c in self._components)
 
     def dead_components(self) -> dict[str, int]:
         """{name: exit code} of components that have exited."""

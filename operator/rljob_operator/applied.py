@@ -8,11 +8,10 @@ watch) and applies only those that are :func:`outdated`, so a restart costs an i
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 from typing import Any, Mapping, Optional
 
 from rljob_api import constants as c
+from rljob_api.canonical import canonical_hash
 
 
 def manifest_hash(manifest: Mapping[str, Any]) -> str:
@@ -22,7 +21,7 @@ def manifest_hash(manifest: Mapping[str, Any]) -> str:
     annotations.pop(c.ANNOTATION_APPLIED_HASH, None)
     if "metadata" in bare and not annotations:
         bare["metadata"].pop("annotations", None)
-    return hashlib.sha256(json.dumps(bare, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+    return canonical_hash(bare, digits=16)
 
 
 def stamp(manifest: dict[str, Any]) -> dict[str, Any]:

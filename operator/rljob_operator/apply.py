@@ -11,8 +11,8 @@
 Every request is reported to ``on_request(verb, resource)`` (verb: apply, create, get, delete, list or patch; resource:
 the plural, ``rltrainingjobs/status`` for status writes), which the operator counts as a Prometheus metric.
 
-Errors come back as :class:`ApiError`; :func:`kopf_error` maps them to kopf's retry semantics: 409, 429 and
-5xx are temporary, 400 and 422 (the API server rejected what we rendered) permanent.
+Errors come back as :class:`ApiError` (the HTTP status, reason and the API server's message); the job's daemon counts
+them and retries with a backoff (:mod:`.handlers`), and a pass turns 400/422 on a child into a spec problem.
 """
 
 from __future__ import annotations
@@ -52,18 +52,6 @@ class ApiError(Exception):
         self.status = status
         self.reason = reason
         self.message = message
-
-
-def kopf_error(err: ApiError) -> Exception:
-    """409/429/5xx and transport errors (status 0) → kopf.TemporaryError (retried soon); 400/422 →
-    kopf.PermanentError; others (401/403/404...) → retried slowly."""
-    if err.status == 409:
-        return kopf.TemporaryError(str(err), delay=1)
-    if err.status in (0, 429) or err.status >= 500:
-        return kopf.TemporaryError(str(err), delay=5)
-    if err.status in (400, 422):
-        return kopf.PermanentError(str(err))
-    return kopf.TemporaryError(str(err), delay=30)
 
 
 def adopt(children: Iterable[dict[str, Any]], owner: Mapping[str, Any]) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from rljob_api import constants as c
+from rljob_api import constants as c, rules
 from rljob_api.spec import RLTrainingJobSpec
 from rljob_api.status import RLTrainingJobStatus
 
@@ -35,12 +35,12 @@ FREE_FORM_SCHEMAS: dict[str, dict[str, Any]] = {
         "properties": {
             "limits": {
                 "type": "object",
-                "description": "limits: maximum amount of each resource, e.g. {cpu: 2, memory: 8Gi, nvidia.com/gpu: 8}.",
+                "description": "Maximum amount of each resource, e.g. {cpu: 2, memory: 8Gi, nvidia.com/gpu: 8}.",
                 "additionalProperties": dict(_QUANTITY),
             },
             "requests": {
                 "type": "object",
-                "description": "requests: amount of each resource the scheduler reserves.",
+                "description": "Amount of each resource the scheduler reserves.",
                 "additionalProperties": dict(_QUANTITY),
             },
         },
@@ -51,22 +51,22 @@ FREE_FORM_SCHEMAS: dict[str, dict[str, Any]] = {
             "type": "object",
             "description": "A core/v1 Toleration.",
             "properties": {
-                "key": {"type": "string", "description": "key: taint key; empty with operator Exists matches all."},
+                "key": {"type": "string", "description": "Taint key; empty with operator Exists matches all."},
                 "operator": {
                     "type": "string",
                     "enum": ["Exists", "Equal"],
-                    "description": "operator: Exists or Equal (default Equal).",
+                    "description": "Exists or Equal (default Equal).",
                 },
-                "value": {"type": "string", "description": "value: taint value matched with operator Equal."},
+                "value": {"type": "string", "description": "Taint value matched with operator Equal."},
                 "effect": {
                     "type": "string",
                     "enum": ["NoSchedule", "PreferNoSchedule", "NoExecute"],
-                    "description": "effect: taint effect to match; empty matches all.",
+                    "description": "Taint effect to match; empty matches all.",
                 },
                 "tolerationSeconds": {
                     "type": "integer",
                     "format": "int64",
-                    "description": "tolerationSeconds: how long a NoExecute taint is tolerated.",
+                    "description": "How long a NoExecute taint is tolerated.",
                 },
             },
         },
@@ -74,20 +74,9 @@ FREE_FORM_SCHEMAS: dict[str, dict[str, Any]] = {
 }
 
 # --- CEL rules (x-kubernetes-validations); their messages are asserted by tests against a real API server ----
+# The rules the operator's spec check and the trainer's start check share are in rljob_api.rules.
 TOPOLOGY_FIELDS = ("nodes", "processesPerNode", "tensorParallel", "pipelineParallel")
 
-RULE_DIVISIBLE = {
-    "rule": "(self.nodes * self.processesPerNode) % (self.tensorParallel * self.pipelineParallel) == 0",
-    "message": "nodes*processesPerNode must be divisible by tensorParallel*pipelineParallel",
-    "fieldPath": ".nodes",
-    "reason": "FieldValueInvalid",
-}
-RULE_METRICS_PP = {
-    "rule": "!(self.algorithm.metrics in ['basic', 'full']) || self.trainer.pipelineParallel == 1",
-    "message": "metrics basic or full requires trainer.pipelineParallel == 1",
-    "fieldPath": ".algorithm.metrics",
-    "reason": "FieldValueInvalid",
-}
 RULE_TOPOLOGY_IMMUTABLE = {
     "rule": "self.runPolicy.suspend || oldSelf.runPolicy.suspend || ("
     + " && ".join(f"self.trainer.{f} == oldSelf.trainer.{f}" for f in TOPOLOGY_FIELDS)
@@ -225,8 +214,8 @@ def model_schema(model: type[BaseModel], path: str, *, with_defaults: bool) -> d
 def crd() -> dict[str, Any]:
     """The CustomResourceDefinition as a dict (apiextensions.k8s.io/v1)."""
     spec = model_schema(RLTrainingJobSpec, "spec", with_defaults=True)  # required (model has no default)
-    spec["x-kubernetes-validations"] = [RULE_METRICS_PP, RULE_TOPOLOGY_IMMUTABLE]
-    spec["properties"]["trainer"]["x-kubernetes-validations"] = [RULE_DIVISIBLE]
+    spec["x-kubernetes-validations"] = [rules.CEL_METRICS_ONE_STAGE, RULE_TOPOLOGY_IMMUTABLE]
+    spec["properties"]["trainer"]["x-kubernetes-validations"] = [rules.CEL_TOPOLOGY, rules.CEL_DOCUMENTS_PER_STEP]
     status = model_schema(RLTrainingJobStatus, "status", with_defaults=False)
     status["properties"]["conditions"].update(
         {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
@@ -238,9 +227,9 @@ def crd() -> dict[str, Any]:
         "properties": {
             "apiVersion": {
                 "type": "string",
-                "description": "apiVersion: versioned schema of this representation (rljob.dev/v1alpha1).",
+                "description": "Versioned schema of this representation (rljob.dev/v1alpha1).",
             },
-            "kind": {"type": "string", "description": "kind: RLTrainingJob."},
+            "kind": {"type": "string", "description": "Always RLTrainingJob."},
             "metadata": {"type": "object"},  # the API server allows nothing else here
             "spec": spec,
             "status": status,

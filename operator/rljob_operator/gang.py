@@ -104,17 +104,19 @@ class ConfigHashes:
         by an operator before it existed) are compared by the whole config's hash."""
         if pod.role_config_hash is None:
             return pod.config_hash != self.config
-        return pod.role_config_hash != (self.trainer if pod.role == "trainer" else self.rollout)
+        return pod.role_config_hash != (self.trainer if pod.role == c.Role.TRAINER else self.rollout)
 
 
 @dataclass(frozen=True)
 class Plan:
     """What one reconcile pass does, in this order.
 
-    1. save ``lifecycle`` (when it differs from the saved one);
-    2. delete the pods in ``delete`` and, if ``delete_job``, the job itself;
-    3. create trainer pods ``create_trainers`` of ``lifecycle.attempt`` and rollout pods ``create_rollouts``;
-    4. save ``after_create`` when it is set (the gang is then marked created).
+    1. create trainer pods ``create_trainers`` of ``lifecycle.attempt`` (always the saved attempt: a new attempt's
+       gang is created by a later pass, once no pod of an older attempt is left) and rollout pods ``create_rollouts``;
+    2. save the status once: with ``after_create`` when it is set and every pod was created (the gang is then marked
+       created), else with ``lifecycle``;
+    3. delete the pods in ``delete`` and, if ``delete_job``, the job itself — after the save, so that a restart's new
+       attempt number is saved before the old attempt's pods go.
 
     ``requeue_after``: seconds until a deadline or TTL fires (None: nothing timed is pending).
     """
@@ -159,10 +161,10 @@ def plan(
         now: the current time (timezone-aware).
     """
     pods = list(pods)
-    trainers = [p for p in pods if p.role == "trainer"]
+    trainers = [p for p in pods if p.role == c.Role.TRAINER]
     obs = _Observed(
         trainers=trainers,
-        rollouts=[p for p in pods if p.role == "rollout"],
+        rollouts=[p for p in pods if p.role == c.Role.ROLLOUT],
         current={p.index: p for p in trainers if p.attempt == previous.attempt},
         old=[p for p in trainers if p.attempt != previous.attempt],
     )
@@ -270,7 +272,6 @@ def _active(
         requeue = left
 
     delete_rollouts, create_rollouts = _rollouts(spec, obs.rollouts, hashes)
-    delete_old = _names(p for p in obs.old if not p.deleting)
     pod0 = obs.current.get(0)
     if pod0 is not None and pod0.phase == "Succeeded":
         done = replace(
@@ -285,8 +286,14 @@ def _active(
     failures = _failures(job, spec, lc, obs.current, hashes)
     if failures:
         return _restart_or_fail(spec, lc, obs, failures, delete_rollouts, create_rollouts, requeue, now)
+    delete_old = _names(p for p in obs.old if not p.deleting)
+    return _gang(spec, lc, obs, dict(delete=delete_old + delete_rollouts, create_rollouts=create_rollouts,
+                                     requeue_after=requeue))
 
-    common = dict(delete=delete_old + delete_rollouts, create_rollouts=create_rollouts, requeue_after=requeue)
+
+def _gang(spec: RLTrainingJobSpec, lc: Lifecycle, obs: _Observed, common: dict) -> Plan:
+    """An active job with no failure: wait for earlier attempts' pods, create the gang, or follow it as it starts
+    (``common``: the rollout pods' part of the plan and the requeue)."""
     if obs.old:
         waiting = f"waiting for {plural(len(obs.old), 'trainer pod')} of earlier attempts to terminate"
         if lc.phase == Phase.RESTARTING:

@@ -24,9 +24,10 @@ import kopf
 from rljob_api import constants as c
 from rljob_api import names
 
-from rljob_operator import observe
+from rljob_operator import observe, redis_reads
 from rljob_operator.apply import ApiError
-from rljob_operator.reconcile import JobRuntime, StaleStatus, reconcile, release_redis
+from rljob_operator.reconcile import StaleStatus, reconcile
+from rljob_operator.runtime import JobRuntime
 from rljob_operator.settings import FINALIZER
 
 JOBS = (c.GROUP, c.VERSION, c.PLURAL)
@@ -148,4 +149,4 @@ async def gang_loop(body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Mem
         if stopped.reason is not None and kopf.DaemonStoppingReason.RESOURCE_DELETED in stopped.reason:
             memo["jobs"].pop(key, None)
         meta = body["metadata"]
-        await asyncio.shield(release_redis(runtime, memo["context"], meta["namespace"], meta["name"]))
+        await asyncio.shield(redis_reads.release(runtime, memo["context"], meta["namespace"], meta["name"]))

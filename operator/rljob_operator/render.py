@@ -23,8 +23,6 @@ scales or replaces rollout pods and never restarts the trainer gang.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import posixpath
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
@@ -32,6 +30,7 @@ from urllib.parse import urlsplit
 
 from rljob_api import constants as c
 from rljob_api import names
+from rljob_api.canonical import canonical_hash
 from rljob_api.config import JobConfig, RedisConnection, resolve
 from rljob_api.spec import RLTrainingJobSpec, RolloutSpec, RunPolicySpec, SecretKeyRef
 
@@ -136,8 +135,7 @@ def role_config_hash(config: JobConfig, role: c.Role) -> str:
         for part in parents:
             section, default = section[part], default[part]
         section[leaf] = default[leaf]
-    text = json.dumps(view, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return canonical_hash(view, digits=16)
 
 
 def config_hashes(config: JobConfig) -> ConfigHashes:
@@ -303,7 +301,7 @@ def trainer_pod(job: Job, config: JobConfig, index: int, attempt: int) -> dict[s
     t = job.spec.trainer
     name = names.trainer_pod(job.name, index)
     container = {
-        "name": "trainer",
+        "name": c.Role.TRAINER.value,
         "image": t.image,
         "command": [*TRAINER_COMMAND, *torchrun_args(job, config, index)],
         "env": _env(job, index, attempt=attempt),
@@ -326,7 +324,7 @@ def rollout_pod(job: Job, config: JobConfig, index: int) -> dict[str, Any]:
     if r.gpus_per_replica:
         resources.setdefault("limits", {})[c.GPU_RESOURCE] = r.gpus_per_replica
     container = {
-        "name": "rollout",
+        "name": c.Role.ROLLOUT.value,
         "image": r.image,
         "command": list(ROLLOUT_COMMAND),
         "env": _env(job, index, attempt=None),

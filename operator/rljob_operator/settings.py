@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import kopf
@@ -22,7 +22,7 @@ from rljob_api import constants as c
 
 from rljob_operator.apply import KubeApi
 from rljob_operator.metrics import OperatorMetrics
-from rljob_operator.reconcile import Context
+from rljob_operator.runtime import Context
 from rljob_operator.status import Event
 
 FINALIZER = f"{c.GROUP}/finalizer"
@@ -47,7 +47,6 @@ class OperatorOptions:
     idle_interval_s: float = 60.0
     peering_lifetime_s: int = 30
     read_progress: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def draw_priority() -> int:

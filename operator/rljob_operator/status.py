@@ -6,7 +6,7 @@ Conditions (metav1.Condition shaped, keyed by type):
 ======================  ==========================================================================================
 Valid                   False: the spec has a problem only code can find (the message names the field); no
                         children are created until it is fixed. NotSupported: a valid request for something
-                        not implemented yet (tensor/pipeline parallelism, the fast-llm backend).
+                        not implemented yet (tensor/pipeline parallelism).
 RedisReady              managed: the Redis Deployment has a ready replica; external: the operator reached it
                         (over TLS: the certificate verified against spec.redis.caSecretRef or the system CAs); a
                         missing password or CA Secret names its field; a managed Redis pod that cannot be scheduled
@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from rljob_api.constants import ConditionType, Phase, Reason
+from rljob_api.constants import ConditionType, Phase, Reason, Role
 from rljob_api.spec import RLTrainingJobSpec
 from rljob_api.status import Condition, RLTrainingJobStatus
 from rljob_api.validation import SpecProblem
@@ -55,8 +55,9 @@ ALWAYS = (ConditionType.VALID, ConditionType.REDIS_READY, ConditionType.ROLLOUT_
           ConditionType.RUNNING)
 ORDER = (*ALWAYS, ConditionType.RESTARTING, ConditionType.SUSPENDED, ConditionType.SUCCEEDED, ConditionType.FAILED)
 IDLE_PHASES = (Phase.SUSPENDED, Phase.SUCCEEDED, Phase.FAILED, Phase.INVALID)
-_NOT_NEWS = (Reason.PODS_NOT_READY, Reason.WAITING_FOR_GANG, Reason.REDIS_UNAVAILABLE)
-"""Reasons of a new job's first conditions that are not news: "not ready yet"."""
+_NOT_NEWS = (Reason.PODS_NOT_READY, Reason.WAITING_FOR_GANG, Reason.GANG_CREATED, Reason.REDIS_UNAVAILABLE)
+"""Reasons of a new job's first conditions that are not news: "not ready yet" (a new job's first status is written
+once its gang is created)."""
 _HEALTHY_FROM_THE_START = (ConditionType.REDIS_READY,)
 """Conditions whose first observation as True is not news either: a reachable external Redis is what a user expects
 of a new job; only a later change (or a False) is worth an Event. Valid=True keeps its Event (SpecValid): it is the
@@ -188,7 +189,7 @@ def describe_troubles(pods: Iterable[PodView], now: datetime) -> str:
     return "; ".join(f"{name}: {_LABELS[trouble[0]]}: {trouble[1]}" for name, trouble in found if trouble)
 
 
-def _pods_condition(role: str, pods: Sequence[PodView], wanted: int, ready_when, now: datetime) -> _Cond:
+def _pods_condition(role: Role, pods: Sequence[PodView], wanted: int, ready_when, now: datetime) -> _Cond:
     """The readiness of one role's pods. Reason by precedence: Unschedulable, ContainerCannotStart, ContainerFailing,
     PodsNotReady; the message names every pod that is not ready and why (:func:`pod_trouble`). A pod that Succeeded
     did its part (its container exited 0: training finished) and counts as ready, noted as finished, so the last
@@ -196,7 +197,7 @@ def _pods_condition(role: str, pods: Sequence[PodView], wanted: int, ready_when,
     troubles = {p.name: pod_trouble(p, now) for p in pods}
     ready = [p for p in pods if (ready_when(p) or p.phase == "Succeeded") and troubles[p.name] is None]
     finished = sum(p.phase == "Succeeded" for p in ready)
-    message = f"{len(ready)}/{wanted} {role} pods ready" + (f" ({finished} finished)" if finished else "")
+    message = f"{len(ready)}/{wanted} {role.value} pods ready" + (f" ({finished} finished)" if finished else "")
     if wanted and len(ready) >= wanted:
         return _Cond("True", Reason.PODS_READY, message)
     by_reason: dict[Reason, list[tuple[str, str]]] = {}
@@ -205,7 +206,7 @@ def _pods_condition(role: str, pods: Sequence[PodView], wanted: int, ready_when,
             by_reason.setdefault(trouble[0], []).append((name, trouble[1]))
     unschedulable = by_reason.get(Reason.UNSCHEDULABLE)
     if unschedulable:
-        hint = " (the scheduled ranks wait in rendezvous; this is not counted as a failure)" if role == "trainer" else ""
+        hint = " (the scheduled ranks wait in rendezvous; this is not counted as a failure)" if role == Role.TRAINER else ""
         message += "; cannot be scheduled: " + ", ".join(f"{name}: {detail}" for name, detail in unschedulable) + hint
     for reason in (Reason.CONTAINER_CANNOT_START, Reason.CONTAINER_FAILING):
         if reason in by_reason:
@@ -237,7 +238,7 @@ def _conditions(lc: Lifecycle, valid: _Cond, redis: RedisHealth, trainers: Seque
         )
     current = [p for p in trainers if p.attempt == lc.attempt and not p.deleting]
     conds[ConditionType.TRAINER_READY] = idle_cond if idle else _pods_condition(
-        "trainer", current, nodes, lambda p: p.phase == "Running", now
+        Role.TRAINER, current, nodes, lambda p: p.phase == "Running", now
     )
     rollouts = [p for p in rollouts if not p.deleting]
     if idle:
@@ -246,7 +247,7 @@ def _conditions(lc: Lifecycle, valid: _Cond, redis: RedisHealth, trainers: Seque
         conds[ConditionType.ROLLOUT_READY] = _Cond("False", Reason.ALL_REWARDS_FAILED, rewards_failure)
     else:
         conds[ConditionType.ROLLOUT_READY] = _pods_condition(
-            "rollout", rollouts, replicas, lambda p: p.phase == "Running" and p.ready, now
+            Role.ROLLOUT, rollouts, replicas, lambda p: p.phase == "Running" and p.ready, now
         )
     conds[ConditionType.RUNNING] = _running(lc, conds[ConditionType.ROLLOUT_READY], rollouts, lost, now)
     for phase, ctype in ((Phase.RESTARTING, ConditionType.RESTARTING), (Phase.SUSPENDED, ConditionType.SUSPENDED),
@@ -295,34 +296,62 @@ def build_status(
     advises). ``kept``: with ``problems``, what the running job goes on with meanwhile (ends Valid's message)."""
     pods = list(pods)
     old = {cond.type: cond for cond in previous.conditions}
-    lost = None
-    record = progress.checkpoint_lost if progress is not None else None
-    if record is not None and record.belongs_to(lifecycle.attempt):
-        lost = lost_checkpoint_message(record, lifecycle.attempt, checkpoint_volume)
-    rollout_ready = old.get(ConditionType.ROLLOUT_READY)
-    if progress is not None:
-        rewards_failure = progress.rewards_failure
-    elif rollout_ready is not None and rollout_ready.reason == Reason.ALL_REWARDS_FAILED.value:
-        rewards_failure = rollout_ready.message
-    else:
-        rewards_failure = None
     fresh = _conditions(
         lifecycle,
         valid_condition(problems, kept),
         redis,
-        [p for p in pods if p.role == "trainer"],
-        [p for p in pods if p.role == "rollout"],
+        [p for p in pods if p.role == Role.TRAINER],
+        [p for p in pods if p.role == Role.ROLLOUT],
         nodes,
         replicas,
-        rewards_failure,
+        _rewards_failure(progress, old.get(ConditionType.ROLLOUT_READY)),
         old.get(ConditionType.REDIS_READY),
-        lost,
+        _lost_checkpoint(progress, lifecycle.attempt, checkpoint_volume),
         now,
     )
     old_running = old.get(ConditionType.RUNNING)
     if (progress is None and lifecycle.phase == Phase.RUNNING and lifecycle.attempt == previous.attempt
             and old_running is not None and old_running.reason == Reason.CHECKPOINT_LOST.value):
         fresh[ConditionType.RUNNING] = _Cond(old_running.status, old_running.reason, old_running.message)
+    fields: dict[str, Any] = dict(
+        phase=lifecycle.phase,
+        observed_generation=generation,
+        attempt=lifecycle.attempt,
+        restarts=lifecycle.restarts,
+        failed_attempts=lifecycle.failed_attempts,
+        gang_created=lifecycle.gang_created,
+        data_parallel_size=data_parallel_size,
+        start_time=lifecycle.start_time,
+        completion_time=lifecycle.completion_time,
+        conditions=_condition_list(old, fresh, lifecycle, generation, now),
+    )
+    if progress is not None:
+        fields.update(status_fields(progress))
+    return previous.model_copy(update=fields)
+
+
+def _lost_checkpoint(progress: Optional[Progress], attempt: int, checkpoint_volume: Optional[str]) -> Optional[str]:
+    """The message of the progress hash's lost-checkpoint record when it belongs to ``attempt``, else None."""
+    record = progress.checkpoint_lost if progress is not None else None
+    if record is None or not record.belongs_to(attempt):
+        return None
+    return lost_checkpoint_message(record, attempt, checkpoint_volume)
+
+
+def _rewards_failure(progress: Optional[Progress], rollout_ready: Optional[Condition]) -> Optional[str]:
+    """Why every reward of a worker's last batch failed: from ``progress`` when read, else the saved RolloutReady's
+    AllRewardsFailed message; None when rewards score."""
+    if progress is not None:
+        return progress.rewards_failure
+    if rollout_ready is not None and rollout_ready.reason == Reason.ALL_REWARDS_FAILED.value:
+        return rollout_ready.message
+    return None
+
+
+def _condition_list(old: Mapping[ConditionType, Condition], fresh: Mapping[ConditionType, _Cond],
+                    lifecycle: Lifecycle, generation: Optional[int], now: datetime) -> list[Condition]:
+    """The conditions in :data:`ORDER`: ``fresh`` ones, and ``old`` ones no longer set (False with the phase's
+    reason; Suspended: JobResumed); lastTransitionTime kept while a condition's status is unchanged."""
     conditions = []
     for ctype in ORDER:
         new = fresh.get(ctype)
@@ -345,21 +374,7 @@ def build_status(
                 observed_generation=generation,
             )
         )
-    fields: dict[str, Any] = dict(
-        phase=lifecycle.phase,
-        observed_generation=generation,
-        attempt=lifecycle.attempt,
-        restarts=lifecycle.restarts,
-        failed_attempts=lifecycle.failed_attempts,
-        gang_created=lifecycle.gang_created,
-        data_parallel_size=data_parallel_size,
-        start_time=lifecycle.start_time,
-        completion_time=lifecycle.completion_time,
-        conditions=conditions,
-    )
-    if progress is not None:
-        fields.update(status_fields(progress))
-    return previous.model_copy(update=fields)
+    return conditions
 
 
 def to_json(status: RLTrainingJobStatus) -> dict[str, Any]:

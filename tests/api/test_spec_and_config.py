@@ -51,9 +51,17 @@ def test_indivisible_topology_message_prints_the_numbers():
     assert fields[0] == "spec.trainer.nodes"
 
 
+def test_a_fast_llm_trainer_is_refused_by_the_schema():
+    """Launching a Fast-LLM trainer is not supported: ``trainer.backend`` accepts only ``builtin`` (kept, with that
+    one value, so that configs resolved by earlier versions keep their hashes)."""
+    with pytest.raises(ValidationError, match="trainer.backend"):
+        spec(trainer={"backend": "fast-llm"})
+    assert spec(trainer={}).trainer.backend == "builtin"
+
+
 def test_code_checks_name_fields():
     s = spec(
-        trainer={"nodes": 2, "pipelineParallel": 2, "backend": "fast-llm", "batch": {"documentsPerStep": 3}},
+        trainer={"nodes": 2, "pipelineParallel": 2, "batch": {"documentsPerStep": 3}},
         algorithm={"metrics": "basic"},
         redis={"mode": "external"},
         rollout={"task": {"name": "custom"}},
@@ -61,7 +69,6 @@ def test_code_checks_name_fields():
     problems = {p.field: p for p in check_spec(s)}
     assert problems["spec.algorithm.metrics"].message == "metrics=basic requires pipelineParallel == 1"
     assert problems["spec.trainer.pipelineParallel"].supported is False
-    assert problems["spec.trainer.backend"].message == "backend 'fast-llm' is not supported yet"
     assert problems["spec.redis.url"].message == "required when mode is 'external'"
     assert problems["spec.rollout.task.datasetPath"].message == "required for task 'custom'"
     assert problems["spec.rollout.task.rewardFunction"].message == "required for task 'custom'"
@@ -102,7 +109,6 @@ def test_transfer_ranks_follow_the_design_formula():
     s = spec(rollout={"replicas": 3, "gpusPerReplica": 2, "backend": "vllm"})
     cfg = resolve("j", "n", s, RedisConnection(host="r"))
     assert [cfg.transfer_rank(i, t) for i in range(3) for t in range(2)] == [1, 2, 3, 4, 5, 6]
-    assert cfg.transfer_world_size == 7
 
 
 def test_long_job_names_stay_within_63_characters_and_stay_distinct():

@@ -26,7 +26,8 @@ import yaml
 
 from helm_tools import CHART, helm_binary, render
 from rljob_operator.apply import KubeApi
-from rljob_operator.reconcile import JobRuntime, kept_spec
+from rljob_operator.admission import kept_spec
+from rljob_operator.runtime import JobRuntime
 
 pytestmark = [
     pytest.mark.cluster,
@@ -192,6 +193,11 @@ def test_schema_and_cel_rules_are_enforced_with_messages_that_name_the_field(kub
     assert ('spec.algorithm.metrics: Invalid value: "object": metrics basic or full requires '
             'trainer.pipelineParallel == 1') in refused(
         job_manifest("pp", algorithm={"metrics": "basic"}, trainer={"pipelineParallel": 2}))
+    assert ('spec.trainer.batch.documentsPerStep: Invalid value: "object": batch.documentsPerStep must be divisible '
+            'by the data-parallel size nodes*processesPerNode/(tensorParallel*pipelineParallel)') in refused(
+        job_manifest("docs", trainer={"nodes": 2, "processesPerNode": 3, "batch": {"documentsPerStep": 64}}))
+    kube.apply(job_manifest("docsok", trainer={"nodes": 2, "processesPerNode": 2, "pipelineParallel": 2,
+                                               "batch": {"documentsPerStep": 2}}), namespace)  # DP = 2 divides 2
     assert 'unknown field "spec.trainer.nodez"' in refused(job_manifest("unknown", trainer={"nodez": 1}))
     assert "spec.trainer.nodes: Invalid value: 0: spec.trainer.nodes in body should be greater than or equal to 1" \
         in refused(job_manifest("bound", trainer={"nodes": 0}))
@@ -221,7 +227,7 @@ def test_schema_and_cel_rules_are_enforced_with_messages_that_name_the_field(kub
     kube.run(*patch, json.dumps({"spec": {"runPolicy": {"suspend": False}, "trainer": {"processesPerNode": 2}}}))
     assert kube.job(namespace, "topo")["spec"]["trainer"]["processesPerNode"] == 2
     explained = kube.run("explain", "rljob.spec.trainer.nodes").stdout
-    assert "nodes: trainer pods in the gang (torchrun nnodes)." in explained
+    assert "Trainer pods in the gang (torchrun nnodes)." in explained
 
 
 # --- the operator under its own ServiceAccount ------------------------------------------------------------

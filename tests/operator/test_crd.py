@@ -6,6 +6,7 @@ from pathlib import Path
 
 import yaml
 
+from rljob_api import rules
 from rljob_operator import crd
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,6 +45,18 @@ def test_every_field_has_a_description_and_a_type():
             missing.append(path)
         assert node.get("type") or node.get("x-kubernetes-int-or-string"), path
     assert missing == []
+
+
+def test_descriptions_start_with_what_the_field_does_not_with_its_name():
+    """``kubectl explain`` prints the field's name already."""
+    named = []
+    for path, node in _walk(_schema(), "root"):
+        name = path.rsplit(".", 1)[-1].rstrip("[]")
+        if (node.get("description") or "").lower().startswith((f"{name.lower()}:", f"{name.lower()} (")):
+            named.append(path)
+    assert named == []
+    backend = _schema()["properties"]["spec"]["properties"]["trainer"]["properties"]["backend"]
+    assert backend["enum"] == ["builtin"]  # a Fast-LLM trainer is refused by the schema itself
 
 
 def test_schema_is_structural_no_refs_unions_or_unknown_field_passthrough():
@@ -88,10 +101,13 @@ def test_free_form_fields_get_kubernetes_schemas():
 
 def test_cel_rules_sit_next_to_their_fields():
     spec = _schema()["properties"]["spec"]
-    assert spec["properties"]["trainer"]["x-kubernetes-validations"] == [crd.RULE_DIVISIBLE]
-    assert spec["x-kubernetes-validations"] == [crd.RULE_METRICS_PP, crd.RULE_TOPOLOGY_IMMUTABLE]
-    assert crd.RULE_DIVISIBLE["rule"] == (
+    assert spec["properties"]["trainer"]["x-kubernetes-validations"] == [rules.CEL_TOPOLOGY, rules.CEL_DOCUMENTS_PER_STEP]
+    assert spec["x-kubernetes-validations"] == [rules.CEL_METRICS_ONE_STAGE, crd.RULE_TOPOLOGY_IMMUTABLE]
+    assert rules.CEL_TOPOLOGY["rule"] == (
         "(self.nodes * self.processesPerNode) % (self.tensorParallel * self.pipelineParallel) == 0"
+    )
+    assert rules.CEL_METRICS_ONE_STAGE["rule"] == (
+        "!(self.algorithm.metrics in ['basic', 'full']) || self.trainer.pipelineParallel == 1"
     )
     assert "oldSelf.runPolicy.suspend" in crd.RULE_TOPOLOGY_IMMUTABLE["rule"]
     for field in crd.TOPOLOGY_FIELDS:

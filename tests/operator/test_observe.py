@@ -68,7 +68,7 @@ def test_observed_pods_bridge_the_watch_lag_of_this_process_own_actions():
 
 
 def test_children_of_a_deleted_job_of_the_same_name_are_foreign():
-    from rljob_operator.reconcile import foreign_children
+    from rljob_operator.admission import foreign_children
 
     owned = _pod()
     owned["metadata"]["ownerReferences"] = [{"uid": "old-job", "controller": True, "kind": "RLTrainingJob"}]

@@ -13,7 +13,7 @@ from rljob_api.config import RedisConnection
 from rljob_api.constants import ConditionType, Phase, Reason
 from rljob_api.status import RLTrainingJobStatus
 
-from rljob_operator import gang, progress, reconcile, render, status
+from rljob_operator import gang, progress, redis_reads, render, status
 
 from operator_helpers import T0, make_job, rollout, trainer
 
@@ -196,4 +196,4 @@ def test_unreadable_failure_details_still_give_a_message(raw, start):
     (Phase.RUNNING, Phase.SUSPENDED, True, True, True),
 ])
 def test_which_passes_read_the_progress_hashes(before, after, managed, ready, reads):
-    assert reconcile.reads_progress(before, after, managed, ready) is reads
+    assert redis_reads.reads_progress(before, after, managed, ready) is reads

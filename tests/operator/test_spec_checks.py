@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from rljob_operator.reconcile import parse_spec
+from rljob_operator.admission import parse_spec
 from rljob_operator.status import valid_condition
 
 CASES = {
@@ -30,7 +30,6 @@ CASES = {
         {"trainer": {"nodes": 2, "pipelineParallel": 2}},
         "spec.trainer.pipelineParallel: pipeline parallelism > 1 is not supported yet",
     ),
-    "fast-llm": ({"trainer": {"backend": "fast-llm"}}, "spec.trainer.backend: backend 'fast-llm' is not supported yet"),
     "documents-per-step": (
         {"trainer": {"nodes": 2, "batch": {"documentsPerStep": 3}}},
         "spec.trainer.batch.documentsPerStep: documentsPerStep = 3 is not divisible by the data-parallel size 2",

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
+from rljob_api import rules
+
 if TYPE_CHECKING:
     from rljob_api.config import JobConfig
     from rljob_api.spec import RLTrainingJobSpec
@@ -76,7 +78,7 @@ def resolve_metrics_level(level: str, pipeline_parallel: int) -> MetricsLevel:
         return "basic" if pipeline_parallel == 1 else "none"
     if level not in ("none", "basic", "full"):
         raise ValueError(f"spec.algorithm.metrics must be one of none, basic, full, auto; got {level!r}")
-    if level != "none" and pipeline_parallel != 1:
+    if not rules.metrics_allowed(level, pipeline_parallel):
         raise ValueError(
             f"spec.algorithm.metrics={level} requires spec.trainer.pipelineParallel == 1, got {pipeline_parallel}"
         )

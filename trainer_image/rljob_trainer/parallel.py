@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from rljob_api import rules
 from rljob_api.config import JobConfig
 
 
@@ -59,7 +60,7 @@ class ParallelDims:
         but the config's dataParallelSize is 1``.
         """
         model_parallel = self.tensor_parallel * self.pipeline_parallel
-        if self.world_size % model_parallel or self.world_size // model_parallel != self.data_parallel:
+        if rules.data_parallel(self.world_size, self.tensor_parallel, self.pipeline_parallel) != self.data_parallel:
             raise WorldSizeMismatch(
                 f"rljob trainer: WORLD_SIZE={self.world_size} / (tensorParallel={self.tensor_parallel} × "
                 f"pipelineParallel={self.pipeline_parallel}) = {self.world_size / model_parallel:g} but the "

@@ -38,7 +38,7 @@ import redis
 import torch
 import torch.distributed as dist
 
-from rljob_api import protocol
+from rljob_api import protocol, rules
 from rljob_api.config import JobConfig
 from rljob_trainer import loss as losses
 from rljob_trainer.checkpoint import (
@@ -100,8 +100,9 @@ class Trainer:
         self.client = client
         self.temperature = spec.rollout.sampling.temperature
         self.epsilon_low, self.epsilon_high = spec.algorithm.resolved_epsilons()
-        self.documents_per_rank = spec.trainer.batch.documents_per_step // config.data_parallel_size
-        if self.documents_per_rank * config.data_parallel_size != spec.trainer.batch.documents_per_step:
+        self.documents_per_rank = rules.documents_per_rank(spec.trainer.batch.documents_per_step,
+                                                           config.data_parallel_size)
+        if self.documents_per_rank is None:
             raise ValueError(
                 f"spec.trainer.batch.documentsPerStep = {spec.trainer.batch.documents_per_step} is not divisible "
                 f"by the data-parallel size {config.data_parallel_size}"

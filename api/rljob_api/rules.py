@@ -1,0 +1,65 @@
+"""The spec rules that three places enforce — the CRD's CEL rules (the API server), the operator's check of a spec
+(:mod:`rljob_api.validation`) and the trainer's check at start — each defined once: the Python function, and beside
+it the CEL rule that states the same over the CRD's camelCase fields.
+
+- topology: DP = nodes × processesPerNode / (tensorParallel × pipelineParallel) must be a whole number (DESIGN §5);
+- metrics need one pipeline stage: metrics ``basic`` or ``full`` only with pipelineParallel == 1 (the metrics read
+  the whole vocabulary);
+- documentsPerStep is global and divisible by DP (DESIGN §6).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+#: Metrics levels that need the whole vocabulary on one pipeline stage.
+ONE_STAGE_METRICS = ("basic", "full")
+
+_WORLD = "(self.nodes * self.processesPerNode)"
+_MODEL_PARALLEL = "(self.tensorParallel * self.pipelineParallel)"
+
+#: CEL rule on ``spec.trainer``: the topology divides (:func:`data_parallel`).
+CEL_TOPOLOGY = {
+    "rule": f"{_WORLD} % {_MODEL_PARALLEL} == 0",
+    "message": "nodes*processesPerNode must be divisible by tensorParallel*pipelineParallel",
+    "fieldPath": ".nodes",
+    "reason": "FieldValueInvalid",
+}
+#: CEL rule on ``spec.trainer``: documentsPerStep divides by DP (:func:`documents_per_rank`); a topology that does
+#: not divide is :data:`CEL_TOPOLOGY`'s to report.
+CEL_DOCUMENTS_PER_STEP = {
+    "rule": f"{_WORLD} % {_MODEL_PARALLEL} != 0 || self.batch.documentsPerStep % ({_WORLD} / {_MODEL_PARALLEL}) == 0",
+    "message": "batch.documentsPerStep must be divisible by the data-parallel size "
+    "nodes*processesPerNode/(tensorParallel*pipelineParallel)",
+    "fieldPath": ".batch.documentsPerStep",
+    "reason": "FieldValueInvalid",
+}
+#: CEL rule on ``spec``: metrics basic or full need pipelineParallel == 1 (:func:`metrics_allowed`).
+CEL_METRICS_ONE_STAGE = {
+    "rule": f"!(self.algorithm.metrics in {list(ONE_STAGE_METRICS)}) || self.trainer.pipelineParallel == 1",
+    "message": "metrics basic or full requires trainer.pipelineParallel == 1",
+    "fieldPath": ".algorithm.metrics",
+    "reason": "FieldValueInvalid",
+}
+
+
+def data_parallel(world_size: int, tensor_parallel: int, pipeline_parallel: int) -> Optional[int]:
+    """DP = ``world_size`` ranks / (``tensor_parallel`` × ``pipeline_parallel``); None when it does not divide."""
+    model_parallel = tensor_parallel * pipeline_parallel
+    if world_size % model_parallel:
+        return None
+    return world_size // model_parallel
+
+
+def documents_per_rank(documents_per_step: int, data_parallel_size: int) -> Optional[int]:
+    """Documents each data-parallel rank trains per step; None when ``documents_per_step`` does not divide by
+    ``data_parallel_size``."""
+    if documents_per_step % data_parallel_size:
+        return None
+    return documents_per_step // data_parallel_size
+
+
+def metrics_allowed(level: str, pipeline_parallel: int) -> bool:
+    """Whether metrics ``level`` can be computed with ``pipeline_parallel`` stages (:data:`ONE_STAGE_METRICS` need
+    one)."""
+    return level not in ONE_STAGE_METRICS or pipeline_parallel == 1

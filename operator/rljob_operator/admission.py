@@ -1,0 +1,161 @@
+"""Admission: what one pass of a job may run, decided from its name, its spec and what this process knows.
+
+:func:`admit` returns one :class:`Decision`:
+
+- the job's name and spec are checked (:func:`parse_spec`); a child the API server refused (400/422) for this
+  generation is one more problem;
+- a valid spec runs, unless children of an earlier job of the same name are still there (:func:`foreign_children`):
+  the pass waits for the garbage collector;
+- an invalid spec of a job with pods (Pending, Starting, Running, Restarting) or of a suspended job does not orphan
+  or forget them: the job goes on with its last valid spec (:func:`kept_spec`), and Valid=False says so;
+- otherwise nothing runs (phase Invalid; a finished job stays finished).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Optional
+
+from pydantic import ValidationError
+
+from rljob_api import constants as c, names
+from rljob_api.config import JobConfig
+from rljob_api.constants import Phase
+from rljob_api.spec import RLTrainingJobSpec, RunPolicySpec
+from rljob_api.validation import SpecProblem, check_spec
+
+from rljob_operator import gang
+from rljob_operator.apply import KubeApi
+from rljob_operator.observe import DeploymentView, PodView
+from rljob_operator.runtime import JobRuntime
+
+NAME_PATTERN = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+#: Phases whose pods an invalid edit leaves running on the last valid spec (:func:`kept_spec`).
+KEEP_PHASES = (Phase.PENDING, Phase.STARTING, Phase.RUNNING, Phase.RESTARTING, Phase.SUSPENDED)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a pass runs.
+
+    ``spec``: the parsed spec (None when it does not parse); ``problems``: every reason it cannot run, a refused child
+    included; ``run``: the spec whose children and pods this pass keeps — ``spec`` when it has no problem, the kept
+    spec, or None (nothing runs); ``note``: what Valid's message adds after the problems (what the job goes on with
+    meanwhile); ``leftovers``: children of an earlier job of the same name to wait for.
+    """
+
+    spec: Optional[RLTrainingJobSpec]
+    problems: tuple[SpecProblem, ...] = ()
+    run: Optional[RLTrainingJobSpec] = None
+    note: Optional[str] = None
+    leftovers: tuple[str, ...] = ()
+
+    @property
+    def applies(self) -> bool:
+        """Whether the pass applies the children of ``spec``: it is valid and nothing is left to wait for."""
+        return self.run is not None and not self.problems and not self.leftovers
+
+
+def parse_spec(name: str, raw: Mapping[str, Any]) -> tuple[Optional[RLTrainingJobSpec], list[SpecProblem]]:
+    """Validate the job's name and ``raw`` spec with the pydantic model, then :func:`check_spec`.
+
+    Returns (spec or None, problems); every problem names its field (``metadata.name``, ``spec.a.b``).
+    The name rule is checked here, not by CEL: the API server cannot bound the cost of a regex on
+    metadata.name.
+    """
+    problems = []
+    if not NAME_PATTERN.match(name):
+        problems.append(SpecProblem(
+            "metadata.name",
+            f"{name!r} must start with a lowercase letter and hold only lowercase letters, digits and '-' "
+            "(it names the job's Services and pod hostnames); a name cannot be changed: delete the job and create it "
+            "again under another name",
+        ))
+    try:
+        spec = RLTrainingJobSpec.model_validate(raw)
+    except ValidationError as err:
+        return None, problems + [
+            SpecProblem("spec." + ".".join(str(part) for part in e["loc"]) if e["loc"] else "spec", e["msg"])
+            for e in err.errors()
+        ]
+    return spec, problems + check_spec(spec)
+
+
+def live_workers(pods: Iterable[PodView]) -> list[PodView]:
+    """The trainer and rollout pods of ``pods`` that are not being deleted (the managed Redis pod is not one)."""
+    return [p for p in pods if p.role in (c.Role.TRAINER, c.Role.ROLLOUT) and not p.deleting]
+
+
+def foreign_children(uid: Optional[str], pods: Iterable[PodView], redis: Optional[DeploymentView]) -> list[str]:
+    """Names of pods and of the Redis Deployment that carry the job's labels but belong to another owner: a
+    deleted job of the same name whose children the garbage collector has not removed yet."""
+    found = [p.name for p in pods if p.owner_uid and p.owner_uid != uid]
+    if redis is not None and redis.owner_uid and redis.owner_uid != uid:
+        found.append(redis.name)
+    return found
+
+
+async def kept_spec(
+    name: str, namespace: str, raw: Mapping[str, Any], runtime: JobRuntime, api: KubeApi
+) -> Optional[tuple[Optional[int], RLTrainingJobSpec]]:
+    """The (generation or None, spec) an active job goes on with while its spec is invalid: the last valid spec this
+    process applied, or — after an operator restart — the one in the job's config ConfigMap (the resolved config of
+    the last valid spec). Its ``runPolicy`` is the invalid spec's when that part validates on its own (suspend,
+    deadlines and backoffLimit still act; the ConfigMap's copy holds only defaults), else the last valid one's.
+    None when there is none (a job that was never valid). The caller drops a kept spec equal to the current one
+    (a spec whose children the API server refused).
+
+    Raises:
+        ApiError: reading the ConfigMap failed other than with 404.
+    """
+    if runtime.last_valid is not None:
+        generation, spec = runtime.last_valid
+    else:
+        stored = await api.get("v1", "ConfigMap", namespace, names.config_map(name))
+        try:
+            spec = JobConfig.from_json(stored["data"][c.CONFIG_FILE_NAME]).spec if stored else None
+        except (KeyError, TypeError, ValidationError):
+            spec = None  # edited by hand: nothing to go on with
+        if spec is None:
+            return None
+        generation = None
+    try:
+        run_policy = RunPolicySpec.model_validate(raw.get("runPolicy") or {})
+    except ValidationError:
+        return generation, spec
+    return generation, spec.model_copy(update={"run_policy": run_policy})
+
+
+async def admit(body: Mapping[str, Any], before: gang.Lifecycle, pods: Iterable[PodView],
+                redis: Optional[DeploymentView], runtime: JobRuntime, api: KubeApi) -> Decision:
+    """Decide what the pass over the job ``body`` (saved lifecycle ``before``, observed ``pods`` and managed
+    ``redis`` Deployment) runs; see the module docstring. Forgets a refused child of an older generation.
+
+    Raises:
+        ApiError: reading the config ConfigMap for a kept spec failed other than with 404.
+    """
+    meta = body["metadata"]
+    name, generation = meta["name"], meta.get("generation")
+    spec, problems = parse_spec(name, body.get("spec") or {})
+    if runtime.rejected and runtime.rejected[0] != generation:
+        runtime.rejected = None
+    if runtime.rejected:
+        problems.append(SpecProblem("spec", f"the API server refused a child object: {runtime.rejected[1]}"))
+    if spec is not None and not problems:
+        leftovers = tuple(foreign_children(meta.get("uid"), pods, redis))
+        return Decision(spec, run=spec, leftovers=leftovers)
+    pods = list(pods)
+    kept = None
+    if before.phase in KEEP_PHASES and (before.phase == Phase.SUSPENDED or live_workers(pods)):
+        kept = await kept_spec(name, meta["namespace"], body.get("spec") or {}, runtime, api)
+    if kept is not None and spec is not None and kept[1].model_copy(update={"run_policy": spec.run_policy}) == spec:
+        kept = None  # the last valid spec is this one, refused by the API server: nothing valid to go on with
+    if kept is not None:
+        kept_generation, kept_run = kept
+        note = ("the job goes on with its last valid spec"
+                + (f" (generation {kept_generation})" if kept_generation is not None else "") + " until then")
+        return Decision(spec, tuple(problems), run=kept_run, note=note)
+    note = f"the job has {before.phase.value}: a spec edit changes nothing" if before.phase in gang.FINISHED else None
+    return Decision(spec, tuple(problems), note=note)

@@ -1,0 +1,112 @@
+"""What a pass writes besides the job's status: the static children (applied only when their rendering changed,
+:mod:`.applied`), the managed Redis password Secret (create-only) and pods (create-only; an existing pod must be of
+the same attempt and job). Calls of one kind run concurrently (:func:`gather`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from typing import Any, Awaitable, Iterable, Mapping, Optional
+
+from rljob_api import constants as c
+from rljob_api.canonical import canonical_hash
+from rljob_api.config import JobConfig
+
+from rljob_operator import applied, render
+from rljob_operator.apply import ApiError, adopt
+from rljob_operator.observe import controller_uid, pod_view
+from rljob_operator.runtime import Context, JobRuntime
+
+
+async def apply_static(job: render.Job, config: JobConfig, body: Mapping[str, Any], runtime: JobRuntime,
+                       ctx: Context) -> None:
+    """Apply the static children (and create the managed Redis Secret) that are not as rendered, concurrently.
+
+    A job this process has not applied yet but that has a status (reconciled before, by this process or an earlier
+    one) may have every child in place already: they are read first (GET) and only the missing, changed or edited
+    ones applied (:func:`~rljob_operator.applied.outdated`), so an operator restart writes nothing for an idle job.
+    A new job's children are applied at once (no read before its first write)."""
+    children = render.static_children(job, config)
+    adopt(children, body)
+    children = [applied.stamp(child) for child in children]
+    digest = canonical_hash(children)
+    if runtime.applied == digest:
+        return
+    known = bool(body.get("status"))
+    managed = job.spec.redis.mode == "managed"
+    secret = render.redis_secret(job, secrets.token_urlsafe(32)) if managed else None
+    if known:
+        reads = [ctx.api.get(ch["apiVersion"], ch["kind"], job.namespace, ch["metadata"]["name"]) for ch in children]
+        if secret is not None:
+            reads.append(ctx.api.get("v1", "Secret", job.namespace, secret["metadata"]["name"]))
+        found = await gather(reads)
+        stale = [child for child, live in zip(children, found) if applied.outdated(live, child)]
+    else:
+        found, stale = [], children
+    writes = [ctx.api.apply(child) for child in stale]
+    if secret is not None:
+        writes.append(_ensure_secret(secret, found[-1] if known else None, body, ctx))
+    await gather(writes)
+    runtime.applied = digest
+
+
+async def _ensure_secret(secret: dict[str, Any], existing: Optional[Mapping[str, Any]], owner: Mapping[str, Any],
+                         ctx: Context) -> None:
+    """Create the managed Redis password Secret unless it exists (``existing``: as read already, or None); an existing
+    Secret must be this job's (409 otherwise: an earlier job of the same name still owns it)."""
+    if existing is None:
+        adopt([secret], owner)
+        if await ctx.api.create(secret) is not None:
+            return
+        existing = await ctx.api.get("v1", "Secret", owner["metadata"]["namespace"], secret["metadata"]["name"])
+    if existing is not None and controller_uid(existing) != owner["metadata"].get("uid"):
+        raise ApiError(409, "Conflict", f"Secret {secret['metadata']['name']} of an earlier job of the same "
+                       "name still exists", "create Secret")
+
+
+async def gather(calls: Iterable[Awaitable[Any]]) -> list[Any]:
+    """Await ``calls`` concurrently; once every one has ended, raise the first error in call order (if any)."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
+async def create_pod(manifest: dict[str, Any], owner: Mapping[str, Any], runtime: JobRuntime, ctx: Context) -> None:
+    """Create one pod; an existing pod of the same name must belong to the same attempt (409 otherwise)."""
+    adopt([manifest], owner)
+    meta = manifest["metadata"]
+    created = await ctx.api.create(manifest)
+    if created is not None:
+        runtime.created[meta["name"]] = (time.monotonic(), pod_view(created))
+        return
+    existing = await ctx.api.get("v1", "Pod", meta["namespace"], meta["name"])
+    wanted = meta["labels"].get(c.LABEL_ATTEMPT)
+    if existing is not None and (existing["metadata"].get("labels") or {}).get(c.LABEL_ATTEMPT) != wanted:
+        raise ApiError(409, "Conflict", f"pod {meta['name']} of another attempt still exists", "create pod")
+    if existing is not None and controller_uid(existing) != owner["metadata"].get("uid"):
+        raise ApiError(409, "Conflict", f"pod {meta['name']} of another job of the same name still exists", "create pod")
+
+
+async def create_pods(manifests: Iterable[dict[str, Any]], owner: Mapping[str, Any], runtime: JobRuntime,
+                      ctx: Context) -> Optional[ApiError]:
+    """Create ``manifests`` concurrently (:func:`create_pod`); the first refused call's error, or None when every
+    pod exists now. The error is returned, not raised, so that the pass still writes the job's status before it is
+    reported."""
+    try:
+        await gather(create_pod(manifest, owner, runtime, ctx) for manifest in manifests)
+    except ApiError as err:
+        return err
+    return None
+
+
+async def delete_pods(namespace: str, pods: Iterable[tuple[str, str]], runtime: JobRuntime, ctx: Context) -> None:
+    """Delete the (name, uid) ``pods`` concurrently, each only if it is still that object (uid precondition; an
+    empty uid deletes by name); those deleted count as deleting until the watch shows it (:attr:`JobRuntime.deleted`).
+    """
+    pods = list(pods)
+    gone = await gather(ctx.api.delete("v1", "Pod", namespace, name, uid=uid or None) for name, uid in pods)
+    runtime.deleted.update({name: uid for (name, uid), deleted in zip(pods, gone) if deleted})

@@ -1,0 +1,84 @@
+"""What one operator process keeps per job (:class:`JobRuntime`, in kopf's ``memo``) and what every pass needs
+from the operator (:class:`Context`).
+
+Per-job state lives only in this process (locks, what was applied and written, the Redis client held) and is
+rebuilt from the cluster after a restart. A pass that starts before the watch has delivered this process's own last
+status write reads the job as written (:meth:`JobRuntime.catch_up`), so it is not refused as stale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Callable, Mapping, Optional
+
+import redis.asyncio as aioredis
+
+from rljob_api.spec import RLTrainingJobSpec
+
+from rljob_operator.apply import KubeApi
+from rljob_operator.observe import PodView
+from rljob_operator.redis_clients import RedisClients
+from rljob_operator.status import Event, RedisHealth
+
+
+@dataclass
+class JobRuntime:
+    """State of one job in this operator process (lost on restart, rebuilt from the cluster)."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    applied: Optional[str] = None
+    """Digest of the static children this process last applied or found as rendered (re-applied only when it
+    changes)."""
+    rejected: Optional[tuple[int, str]] = None
+    """(generation, message) of a child the API server refused (422); cleared by a new generation."""
+    last_valid: Optional[tuple[Optional[int], RLTrainingJobSpec]] = None
+    """(generation, spec) whose children this process last applied: what an invalid edit keeps running."""
+    created: dict[str, tuple[float, PodView]] = field(default_factory=dict)
+    deleted: dict[str, str] = field(default_factory=dict)
+    redis: Optional[aioredis.Redis] = None
+    """The shared client this job holds (:class:`~rljob_operator.redis_clients.RedisClients`), while active."""
+    redis_identity: Optional[tuple] = None
+    redis_health: RedisHealth = RedisHealth(None, "not checked yet")
+    looping: bool = False
+    """True while the job's daemon loop runs (the operator's cleanup waits for it)."""
+    seen: Optional[tuple] = None
+    """What the job's metadata said at the last pass (see ``handlers``): a watch event that changes it wakes the
+    daemon, this process's own status writes do not."""
+    written: Optional[tuple[frozenset[str], str, dict[str, Any]]] = None
+    """(resourceVersions this process's status writes replaced, the resourceVersion and status they left), until
+    the watch shows the job at or past that write."""
+
+    def catch_up(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``body``, or — when it predates this process's last status write — ``body`` with that write's status
+        and resourceVersion. A status write carries a resourceVersion precondition, so nothing else changed the
+        job between the replaced version and the written one: the result is the job as the API server holds it."""
+        if self.written is None:
+            return body
+        replaced, version, stored = self.written
+        meta = body.get("metadata") or {}
+        if meta.get("resourceVersion") not in replaced:
+            self.written = None  # the watch caught up, or the job moved on since
+            return body
+        return {**body, "metadata": {**meta, "resourceVersion": version}, "status": stored}
+
+    def remember_write(self, before: Optional[str], updated: Mapping[str, Any]) -> None:
+        """Record a status write that moved the job from resourceVersion ``before`` to ``updated``."""
+        replaced = self.written[0] if self.written is not None else frozenset()
+        self.written = (replaced | {before}, updated["metadata"]["resourceVersion"], dict(updated.get("status") or {}))
+
+
+@dataclass
+class Context:
+    """What a pass needs from the operator: the API, intervals (seconds), and hooks for events and metrics."""
+
+    api: KubeApi
+    post_event: Callable[[Mapping[str, Any], Event], None]
+    redis_clients: RedisClients = field(default_factory=RedisClients)
+    on_restart: Callable[[int], None] = lambda n: None
+    active_interval_s: float = 5.0
+    idle_interval_s: float = 60.0
+    read_progress: bool = True
+    clock: Callable[[], datetime] = field(default=lambda: datetime.now(timezone.utc).replace(microsecond=0))

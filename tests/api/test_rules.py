@@ -1,0 +1,41 @@
+"""The rules shared by the CRD's CEL, the operator's spec check and the trainer's start check (rljob_api.rules)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rljob_api import rules
+from rljob_api.spec import RLTrainingJobSpec
+from rljob_api.validation import check_spec
+
+
+def test_data_parallel_divides_or_says_none():
+    assert rules.data_parallel(8, 2, 2) == 2
+    assert rules.data_parallel(6, 1, 1) == 6
+    assert rules.data_parallel(6, 4, 1) is None
+
+
+def test_documents_per_rank_divides_or_says_none():
+    assert rules.documents_per_rank(64, 4) == 16
+    assert rules.documents_per_rank(64, 3) is None
+
+
+@pytest.mark.parametrize("level, stages, allowed", [
+    ("basic", 1, True), ("full", 1, True), ("basic", 2, False), ("full", 2, False), ("none", 2, True),
+    ("auto", 2, True),
+])
+def test_metrics_allowed(level, stages, allowed):
+    assert rules.metrics_allowed(level, stages) is allowed
+
+
+def test_the_operators_check_applies_the_same_rules():
+    def fields(**trainer) -> set[str]:
+        spec = RLTrainingJobSpec.model_validate({"model": {"source": "tiny"}, "trainer": trainer})
+        return {p.field for p in check_spec(spec)}
+
+    assert "spec.trainer.nodes" in fields(nodes=3, tensorParallel=2)
+    assert "spec.trainer.batch.documentsPerStep" in fields(nodes=2, processesPerNode=3, batch={"documentsPerStep": 64})
+    assert "spec.trainer.batch.documentsPerStep" not in fields(nodes=2, processesPerNode=2, batch={"documentsPerStep": 64})
+    spec = RLTrainingJobSpec.model_validate({"model": {"source": "tiny"}, "algorithm": {"metrics": "full"},
+                                             "trainer": {"nodes": 2, "pipelineParallel": 2}})
+    assert "spec.algorithm.metrics" in {p.field for p in check_spec(spec)}
