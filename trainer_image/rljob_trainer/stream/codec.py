@@ -312,59 +312,63 @@ def _decode_common_layout(
     chunk: list[tuple[int, Document]] = []
     chunk_size = 0
     for index, fields in enumerate(entries):
-        try:
-            token_bytes = fields[_B_TOKENS]
-            logprob_bytes = fields[_B_OLD_LOG_PROBABILITIES]
-            version_bytes = fields.get(_B_MODEL_VERSION)
-            data = fields.get(_B_DATA)
-            size = len(token_bytes)
-            if (
-                len(fields) != 2 + (version_bytes is not None) + (data is not None)
-                or not 0 < size <= max_bytes
-                or size % _TOKEN_DTYPE.itemsize
-                or len(logprob_bytes) * 2 != size  # float32 vs int64: same T
-                or (token_bytes.startswith(b"[") and token_bytes[-1] in _JSON_LAST_BYTES)
-                or (logprob_bytes.startswith(b"[") and logprob_bytes[-1] in _JSON_LAST_BYTES)
-            ):
-                continue
-            if version_bytes is None:
-                if require_metrics_fields:
-                    continue
-            elif len(version_bytes) != size or (
-                version_bytes.startswith(b"[") and version_bytes[-1] in _JSON_LAST_BYTES
-            ):
-                continue
-            if data is None:
-                values = _NO_DATA
-            else:
-                values = orjson.loads(data)
-                if type(values) is not dict or not values.keys() <= _COMMON_DATA_KEYS:
-                    continue
-            advantage, reward = values.get(ADVANTAGE), values.get(REWARD)
-            if not (_fast_scalar_ok(advantage, require_advantage) and _fast_scalar_ok(reward, require_metrics_fields)):
-                continue
-            spans = values.get(LOSS_MASKING_SPANS)
-            spans = [] if spans is None else _common_spans(spans, size // _TOKEN_DTYPE.itemsize)
-            if spans is None:
-                continue
-        except (LookupError, TypeError, AttributeError, ValueError):  # orjson.JSONDecodeError is a ValueError
-            continue  # not the common layout; _parse says why
-        document = Document(
-            np.frombuffer(token_bytes, _TOKEN_DTYPE),
-            np.frombuffer(logprob_bytes, _LOGPROB_DTYPE),
-            None if version_bytes is None else np.frombuffer(version_bytes, _TOKEN_DTYPE),
-            spans,
-            advantage,
-            reward,
-        )
+        document = _common_layout_document(fields, max_bytes, require_metrics_fields, require_advantage)
+        if document is None:
+            continue
         results[index] = document
         chunk.append((index, document))
-        chunk_size += size
+        chunk_size += document.tokens.nbytes
         if chunk_size >= chunk_bytes:
             _check_documents(chunk, results, vocab_size)
             chunk, chunk_size = [], 0
     if chunk:
         _check_documents(chunk, results, vocab_size)
+
+
+def _common_layout_document(fields: Mapping[bytes, bytes], max_bytes: float, require_metrics_fields: bool,
+                            require_advantage: bool) -> Optional[Document]:
+    """One entry as a :class:`Document` of read-only views when it is in the common layout (see
+    :func:`_decode_common_layout`) with at most ``max_bytes`` bytes of tokens; None otherwise (values unchecked)."""
+    try:
+        token_bytes = fields[_B_TOKENS]
+        logprob_bytes = fields[_B_OLD_LOG_PROBABILITIES]
+        version_bytes = fields.get(_B_MODEL_VERSION)
+        data = fields.get(_B_DATA)
+        size = len(token_bytes)
+        if (
+            len(fields) != 2 + (version_bytes is not None) + (data is not None)
+            or not 0 < size <= max_bytes
+            or size % _TOKEN_DTYPE.itemsize
+            or len(logprob_bytes) * 2 != size  # float32 vs int64: same T
+            or (token_bytes.startswith(b"[") and token_bytes[-1] in _JSON_LAST_BYTES)
+            or (logprob_bytes.startswith(b"[") and logprob_bytes[-1] in _JSON_LAST_BYTES)
+        ):
+            return None
+        if version_bytes is None:
+            if require_metrics_fields:
+                return None
+        elif len(version_bytes) != size or (version_bytes.startswith(b"[") and version_bytes[-1] in _JSON_LAST_BYTES):
+            return None
+        values = _NO_DATA if data is None else orjson.loads(data)
+        if data is not None and (type(values) is not dict or not values.keys() <= _COMMON_DATA_KEYS):
+            return None
+        advantage, reward = values.get(ADVANTAGE), values.get(REWARD)
+        if not (_fast_scalar_ok(advantage, require_advantage) and _fast_scalar_ok(reward, require_metrics_fields)):
+            return None
+        spans = values.get(LOSS_MASKING_SPANS)
+        spans = [] if spans is None else _common_spans(spans, size // _TOKEN_DTYPE.itemsize)
+        if spans is None:
+            return None
+    except (LookupError, TypeError, AttributeError, ValueError):  # orjson.JSONDecodeError is a ValueError
+        return None  # not the common layout; _parse says why
+    return Document(
+        np.frombuffer(token_bytes, _TOKEN_DTYPE),
+        np.frombuffer(logprob_bytes, _LOGPROB_DTYPE),
+        None if version_bytes is None else np.frombuffer(version_bytes, _TOKEN_DTYPE),
+        spans,
+        advantage,
+        reward,
+    )
 
 
 def _common_spans(value: Any, num_tokens: int) -> Optional[list[tuple[int, int]]]:

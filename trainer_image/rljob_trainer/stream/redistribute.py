@@ -78,39 +78,8 @@ def redistribute_pending(client: redis.Redis, keys: RedisKeys, dp_size: int, *, 
     total = sum(held.values())
     counts = [held.get(rank, 0) for rank in range(dp_size)]
     quota = _shares(counts, total)
-    # Heap of (-entries still to receive, rank): the rank furthest below its share comes first.
-    receivers = [(counts[rank] - quota[rank], rank) for rank in range(dp_size)]
-    heapq.heapify(receivers)
-    moved = lost = 0
-    for rank in sorted(held):
-        give = held[rank] - quota[rank] if rank < dp_size else None  # None: everything, however many there are
-        after = "-"
-        while give is None or give > 0:
-            count = page if give is None else min(page, give)
-            rows = client.xpending_range(keys.stream, keys.group, after, "+", count, consumername=keys.consumer(rank))
-            if not rows:
-                break
-            ids = [protocol.text(row["message_id"]) for row in rows]
-            targets: dict[int, list[str]] = collections.defaultdict(list)
-            for entry_id in ids:
-                below, target = heapq.heappop(receivers)
-                heapq.heappush(receivers, (below + 1, target))
-                targets[target].append(entry_id)
-            moved_now, lost_now = _claim(client, keys, targets)
-            moved, lost = moved + moved_now, lost + lost_now
-            give = None if give is None else give - len(ids)
-            after = "(" + ids[-1]
-    removed = []
-    for info in client.xinfo_consumers(keys.stream, keys.group):
-        rank = _rank_of(keys, info["name"])
-        if rank is None or rank < dp_size:
-            continue
-        name = protocol.text(info["name"])
-        if int(info["pending"]):  # never DELCONSUMER with entries: Redis would drop them unacked
-            log.error("%s still holds %d pending entries after the redistribution; kept", name, info["pending"])
-            continue
-        client.xgroup_delconsumer(keys.stream, keys.group, name)
-        removed.append(name)
+    moved, lost = _move_surplus(client, keys, held, counts, quota, page)
+    removed = _remove_vanished_consumers(client, keys, dp_size)
     result = Redistribution(pending=total, moved=moved, lost=lost, removed_consumers=tuple(removed))
     if moved or lost or removed:
         log.info(
@@ -155,3 +124,49 @@ def _rank_of(keys: RedisKeys, consumer: bytes | str) -> Optional[int]:
     name = protocol.text(consumer)
     suffix = name.removeprefix(keys.consumer_prefix)
     return int(suffix) if suffix != name and suffix.isdigit() else None
+
+
+def _move_surplus(client: redis.Redis, keys: RedisKeys, held: dict[int, int], counts: list[int], quota: list[int],
+                  page: int) -> tuple[int, int]:
+    """Move each rank's surplus over its share (a vanished rank's: everything) to the ranks furthest below theirs,
+    ``page`` entries per round trip; returns (entries moved, entries found deleted from the stream)."""
+    dp_size = len(counts)
+    # Heap of (-entries still to receive, rank): the rank furthest below its share comes first.
+    receivers = [(counts[rank] - quota[rank], rank) for rank in range(dp_size)]
+    heapq.heapify(receivers)
+    moved = lost = 0
+    for rank in sorted(held):
+        give = held[rank] - quota[rank] if rank < dp_size else None  # None: everything, however many there are
+        after = "-"
+        while give is None or give > 0:
+            count = page if give is None else min(page, give)
+            rows = client.xpending_range(keys.stream, keys.group, after, "+", count, consumername=keys.consumer(rank))
+            if not rows:
+                break
+            ids = [protocol.text(row["message_id"]) for row in rows]
+            targets: dict[int, list[str]] = collections.defaultdict(list)
+            for entry_id in ids:
+                below, target = heapq.heappop(receivers)
+                heapq.heappush(receivers, (below + 1, target))
+                targets[target].append(entry_id)
+            moved_now, lost_now = _claim(client, keys, targets)
+            moved, lost = moved + moved_now, lost + lost_now
+            give = None if give is None else give - len(ids)
+            after = "(" + ids[-1]
+    return moved, lost
+
+
+def _remove_vanished_consumers(client: redis.Redis, keys: RedisKeys, dp_size: int) -> list[str]:
+    """Delete the consumers of ranks >= ``dp_size`` that hold nothing; returns their names."""
+    removed = []
+    for info in client.xinfo_consumers(keys.stream, keys.group):
+        rank = _rank_of(keys, info["name"])
+        if rank is None or rank < dp_size:
+            continue
+        name = protocol.text(info["name"])
+        if int(info["pending"]):  # never DELCONSUMER with entries: Redis would drop them unacked
+            log.error("%s still holds %d pending entries after the redistribution; kept", name, info["pending"])
+            continue
+        client.xgroup_delconsumer(keys.stream, keys.group, name)
+        removed.append(name)
+    return removed
