@@ -8,24 +8,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from rljob_api import constants as c
 from rljob_api.spec import ModelSpec, TaskSpec
-
-
-class Tokenizer(Protocol):
-    """What rljob needs of a tokenizer (Hugging Face tokenizers satisfy it)."""
-
-    pad_token_id: int
-    eos_token_id: int
-
-    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
 
 
 DIGITS_ALPHABET = "0123456789"
