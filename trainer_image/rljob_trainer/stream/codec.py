@@ -30,6 +30,10 @@ Label semantics (Fast-LLM's ``LanguageModelBatch._set_target_inputs``): the labe
 ``tokens[t]``, predicted from ``tokens[<t]``. Position 0 has no prediction, and a span ``(begin, end)`` masks
 the labels ``tokens[begin:end]`` (for example the prompt). So the labelled tokens of a document are the
 positions ``1 <= t < T`` outside every span; see :meth:`Document.label_mask`.
+
+This module is longer than most because it holds both ends of the one wire format and its two decoders, which must
+agree byte for byte: the fast path for the layout :func:`encode_document` writes and the full parser that accepts
+every upstream variant and names what is wrong.
 """
 
 from __future__ import annotations
