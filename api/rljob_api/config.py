@@ -7,11 +7,12 @@ keys, the data-parallel size). Serialised as camelCase JSON at ``/etc/rljob/conf
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
-from pydantic import Field
+from pydantic import Field, PrivateAttr
 
 from rljob_api import constants as c
 from rljob_api import protocol
@@ -86,17 +87,41 @@ class JobConfig(ApiModel):
     weights_port: int = c.PORT_WEIGHTS
     rendezvous_port: int = c.PORT_RENDEZVOUS
 
+    _recorded: Optional[tuple[str, dict[str, str]]] = PrivateAttr(default=None)
+
     def to_json(self) -> str:
-        """Canonical JSON (camelCase, sorted keys): the bytes the ConfigMap holds and the hash covers."""
+        """Canonical JSON (camelCase, sorted keys): the bytes the ConfigMap holds and the hash covers (for a config
+        :meth:`from_recorded`, exactly the bytes it was read from)."""
+        if self._recorded is not None:
+            return self._recorded[0]
         return canonical_json(self.model_dump(mode="json", by_alias=True))
 
     def config_hash(self) -> str:
-        """First 16 hex digits of sha256 over :meth:`to_json` (fits a label value)."""
-        return canonical_hash(self.model_dump(mode="json", by_alias=True), digits=16)
+        """First 16 hex digits of sha256 over :meth:`to_json`'s JSON value (fits a label value)."""
+        return canonical_hash(json.loads(self.to_json()), digits=16)
 
     @classmethod
     def from_json(cls, text: str) -> "JobConfig":
         return cls.model_validate_json(text)
+
+    @classmethod
+    def from_recorded(cls, text: str, role_hashes: Mapping[str, str]) -> "JobConfig":
+        """A config as the operator recorded it for running pods (the job's ConfigMap): it keeps those exact bytes
+        (:meth:`to_json`, :meth:`config_hash`) and the role hashes those pods carry (:meth:`recorded_role_hash`), even
+        where this version would resolve or serialise the same spec differently (a new field, a new default), so
+        that an upgraded operator sees the pods as current. Do not ``model_copy`` it: a copy keeps the record.
+
+        Raises:
+            pydantic.ValidationError: this version cannot read ``text``.
+        """
+        config = cls.from_json(text)
+        config._recorded = (text, dict(role_hashes))
+        return config
+
+    def recorded_role_hash(self, role: str) -> Optional[str]:
+        """The role config hash recorded with a config :meth:`from_recorded` for ``role`` (``trainer``,
+        ``rollout``); None for a freshly resolved config or an unrecorded role."""
+        return None if self._recorded is None else self._recorded[1].get(role)
 
     @classmethod
     def load(cls, path: Optional[str | os.PathLike[str]] = None) -> "JobConfig":

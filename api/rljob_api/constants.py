@@ -38,6 +38,12 @@ LABEL_KUEUE_QUEUE_NAME = "kueue.x-k8s.io/queue-name"
 """Copied from the job's labels to its pods (Kueue compatibility)."""
 
 # --- Annotations -----------------------------------------------------------------------------
+ANNOTATION_RESOLVED_GENERATION = f"{GROUP}/resolved-generation"
+"""On the config ConfigMap: the job's ``metadata.generation`` its config was resolved from. Written and read by the
+operator: while the generation is the same, the recorded config is kept as it is (an upgraded operator's new
+defaults reach a job only through an edit of the user's)."""
+ANNOTATION_ROLE_CONFIG_HASHES = f"{GROUP}/role-config-hashes"
+"""On the config ConfigMap: JSON {role: role config hash} of the recorded config, the hashes its pods carry."""
 ANNOTATION_APPLIED_HASH = f"{GROUP}/applied-hash"
 """Short sha256 of the manifest the operator last applied, on the ConfigMap, the Services and the Redis Deployment.
 Written and read by the operator: a restarted operator re-applies a child only when it differs."""

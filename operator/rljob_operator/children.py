@@ -20,15 +20,16 @@ from rljob_operator.observe import controller_uid, pod_view
 from rljob_operator.runtime import Context, JobRuntime
 
 
-async def apply_static(job: render.Job, config: JobConfig, body: Mapping[str, Any], runtime: JobRuntime,
-                       ctx: Context) -> None:
+async def apply_static(job: render.Job, config: JobConfig, generation: Optional[int], body: Mapping[str, Any],
+                       runtime: JobRuntime, ctx: Context) -> None:
     """Apply the static children (and create the managed Redis Secret) that are not as rendered, concurrently.
 
     A job this process has not applied yet but that has a status (reconciled before, by this process or an earlier
     one) may have every child in place already: they are read first (GET) and only the missing, changed or edited
     ones applied (:func:`~rljob_operator.applied.outdated`), so an operator restart writes nothing for an idle job.
-    A new job's children are applied at once (no read before its first write)."""
-    children = render.static_children(job, config)
+    A new job's children are applied at once (no read before its first write). ``generation``: the job's, recorded
+    on the config ConfigMap with ``config`` (:mod:`.resolution`)."""
+    children = render.static_children(job, config, generation)
     adopt(children, body)
     children = [applied.stamp(child) for child in children]
     digest = canonical_hash(children)

@@ -33,11 +33,12 @@ from typing import Any, Iterable, Mapping, Optional
 
 from rljob_api import constants as c
 from rljob_api.constants import Phase, Reason
+from rljob_api.config import JobConfig
 from rljob_api.spec import RLTrainingJobSpec
 from rljob_api.status import RLTrainingJobStatus
 from rljob_api.validation import data_parallel_size
 
-from rljob_operator import admission, children, gang, redis_reads, render, status
+from rljob_operator import admission, children, gang, redis_reads, render, resolution, status
 from rljob_operator.admission import Decision
 from rljob_operator.apply import ApiError
 from rljob_operator.observe import DeploymentView, PodView
@@ -103,6 +104,14 @@ class _Pass:
     async def admit(self) -> Decision:
         return await admission.admit(self.body, self.before, self.pods(), self.redis, self.runtime, self.ctx.api)
 
+    async def config(self, spec: RLTrainingJobSpec) -> JobConfig:
+        """The config this pass runs for ``spec`` (:func:`.resolution.effective_config`): the record of a job seen
+        before is read from its ConfigMap once per process, then kept in the runtime."""
+        if self.runtime.recorded is None and self.body.get("status"):
+            self.runtime.recorded = await resolution.read_recorded(self.meta["name"], self.meta["namespace"],
+                                                                   self.ctx.api)
+        return resolution.effective_config(self.job(spec), self.meta.get("generation"), self.runtime.recorded)
+
     def status(self, lifecycle: gang.Lifecycle, **report: Any) -> RLTrainingJobStatus:
         """The new status (:func:`.status.build_status`) for ``lifecycle`` and the rest of the ``report``."""
         return status.build_status(self.previous, generation=self.meta.get("generation"), lifecycle=lifecycle,
@@ -159,15 +168,17 @@ async def _apply_children(this: _Pass, decision: Decision) -> Decision:
     generation and admission asked again (it becomes a problem of the spec)."""
     if not decision.applies:
         return decision
-    job = this.job(decision.run)
+    job, generation = this.job(decision.run), this.meta.get("generation")
+    config = await this.config(decision.run)
     try:
-        await children.apply_static(job, render.job_config(job), this.body, this.runtime, this.ctx)
+        await children.apply_static(job, config, generation, this.body, this.runtime, this.ctx)
     except ApiError as err:
         if err.status not in (400, 422):
             raise
-        this.runtime.rejected = (this.meta.get("generation"), err.message)
+        this.runtime.rejected = (generation, err.message)
         return await this.admit()
-    this.runtime.last_valid = (this.meta.get("generation"), decision.run)
+    this.runtime.last_valid = (generation, decision.run)
+    this.runtime.recorded = resolution.Recorded(resolution.as_recorded(config), generation)
     return decision
 
 
@@ -211,7 +222,7 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
     """The gang's plan for the spec to run, with its pods created (see the module docstring)."""
     spec, runtime, ctx = decision.run, this.runtime, this.ctx
     job = this.job(spec)
-    config = render.job_config(job)
+    config = await this.config(spec)
     pods = this.pods()
     plan = gang.plan(job.name, spec, this.before, pods, render.config_hashes(config), this.now)
     health = redis_reads.health(spec, this.redis, runtime, pods, this.now)

@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 
 from rljob_api import constants as c
 from rljob_api import names
-from rljob_api.canonical import canonical_hash
+from rljob_api.canonical import canonical_hash, canonical_json
 from rljob_api.config import JobConfig, RedisConnection, resolve
 from rljob_api.spec import RLTrainingJobSpec, RolloutSpec, RunPolicySpec, SecretKeyRef
 
@@ -66,6 +66,8 @@ ROLLOUT_ONLY_FIELDS = (
 """Fields (or whole sections) of ``spec.rollout`` that no trainer process reads: left out of the trainer pods'
 :func:`role_config_hash`. Every rollout field is in exactly one of the two lists (tests check it), so a new field
 restarts the gang until someone classifies it."""
+POD_ROLES = (c.Role.TRAINER, c.Role.ROLLOUT)
+"""The roles whose pods read the config."""
 ROLLOUT_POD_IGNORES = ("replicas",)
 """Fields of ``spec.rollout`` left out of the rollout pods' :func:`role_config_hash`: a kept replica runs the same
 whatever the replica count (a worker checks only that its index is below it, and pods above it are deleted)."""
@@ -119,7 +121,8 @@ def job_config(job: Job) -> JobConfig:
 def role_config_hash(config: JobConfig, role: c.Role) -> str:
     """Short sha256 (16 hex digits) of the part of ``config`` that pods of ``role`` read: the config with the
     ``spec.rollout`` fields of :data:`ROLLOUT_ONLY_FIELDS` (trainer) or :data:`ROLLOUT_POD_IGNORES` (rollout) reset
-    to their defaults. The value of the :data:`~rljob_api.constants.LABEL_ROLE_CONFIG_HASH` label.
+    to their defaults; for a recorded config (:meth:`~rljob_api.config.JobConfig.from_recorded`), the hash recorded
+    with it. The value of the :data:`~rljob_api.constants.LABEL_ROLE_CONFIG_HASH` label.
 
     Raises:
         ValueError: ``role`` has no pods (Redis, config).
@@ -127,6 +130,8 @@ def role_config_hash(config: JobConfig, role: c.Role) -> str:
     ignored = {c.Role.TRAINER: ROLLOUT_ONLY_FIELDS, c.Role.ROLLOUT: ROLLOUT_POD_IGNORES}.get(role)
     if ignored is None:
         raise ValueError(f"role {role.value!r} has no pods that read the config")
+    if (recorded := config.recorded_role_hash(role.value)) is not None:
+        return recorded
     view = config.model_dump(mode="json")
     defaults = RolloutSpec().model_dump(mode="json")
     for path in ignored:
@@ -159,14 +164,15 @@ def _meta(name: str, job: Job, role: c.Role, extra: Optional[Mapping[str, str]] 
 
 
 # --- config, Redis, Services ----------------------------------------------------------------------------------
-def config_map(job: Job, config: JobConfig) -> dict[str, Any]:
-    """ConfigMap holding ``config.json`` (the canonical JSON the hash covers)."""
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": _meta(names.config_map(job.name), job, c.Role.CONFIG),
-        "data": {c.CONFIG_FILE_NAME: config.to_json()},
+def config_map(job: Job, config: JobConfig, generation: Optional[int] = None) -> dict[str, Any]:
+    """ConfigMap holding ``config.json`` (the canonical JSON the hash covers), annotated with the job ``generation``
+    it was resolved from and the role hashes of its pods (what :mod:`.resolution` reads back)."""
+    meta = _meta(names.config_map(job.name), job, c.Role.CONFIG)
+    meta["annotations"] = {
+        c.ANNOTATION_ROLE_CONFIG_HASHES: canonical_json({r.value: role_config_hash(config, r) for r in POD_ROLES}),
+        **({c.ANNOTATION_RESOLVED_GENERATION: str(generation)} if generation is not None else {}),
     }
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {c.CONFIG_FILE_NAME: config.to_json()}}
 
 
 def redis_secret(job: Job, password: str) -> dict[str, Any]:
@@ -264,9 +270,9 @@ def _service(name: str, job: Job, role: c.Role, ports, *, publish_not_ready: boo
     }
 
 
-def static_children(job: Job, config: JobConfig) -> list[dict[str, Any]]:
-    """Every child but the pods and the Redis Secret, in apply order."""
-    children = [config_map(job, config), trainer_service(job)]
+def static_children(job: Job, config: JobConfig, generation: Optional[int] = None) -> list[dict[str, Any]]:
+    """Every child but the pods and the Redis Secret, in apply order (``generation``: see :func:`config_map`)."""
+    children = [config_map(job, config, generation), trainer_service(job)]
     if job.spec.redis.mode == "managed":
         children += [redis_service(job), redis_deployment(job)]
     return children

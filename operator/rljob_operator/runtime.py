@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import redis.asyncio as aioredis
 
@@ -21,6 +21,9 @@ from rljob_operator.apply import KubeApi
 from rljob_operator.observe import PodView
 from rljob_operator.redis_clients import RedisClients
 from rljob_operator.status import Event, RedisHealth
+
+if TYPE_CHECKING:
+    from rljob_operator.resolution import Recorded
 
 
 @dataclass
@@ -36,6 +39,9 @@ class JobRuntime:
     """(generation, message) of a child the API server refused (422); cleared by a new generation."""
     last_valid: Optional[tuple[Optional[int], RLTrainingJobSpec]] = None
     """(generation, spec) whose children this process last applied: what an invalid edit keeps running."""
+    recorded: Optional[Recorded] = None
+    """The config recorded for the job's pods (:mod:`.resolution`): read from its ConfigMap once, then what this
+    process last applied."""
     created: dict[str, tuple[float, PodView]] = field(default_factory=dict)
     deleted: dict[str, str] = field(default_factory=dict)
     redis: Optional[aioredis.Redis] = None

@@ -76,3 +76,71 @@ def test_the_pass_that_creates_a_gang_writes_the_status_once(kube: Kube, install
     assert live(kube, namespace, "rollout") == ["once-rollout-0"]
     assert [e.reason for e in events] == ["SpecValid"]  # a new gang's "created, not ready yet" is no news
     assert delay == 1.0
+
+
+def pass_with_pods(kubeconfig, kube: Kube, namespace: str, name: str) -> Counter:
+    """One pass over job ``name`` by a fresh operator process (new runtime), seeing the job's pods as its watch
+    would; returns the requests by verb and resource."""
+    from rljob_operator.observe import pod_view
+
+    pods = [pod_view(p) for role in ("trainer", "rollout") for p in kube.pods(namespace, role)
+            if p["metadata"]["name"].startswith(f"{name}-") and not p["metadata"].get("deletionTimestamp")]
+    requests = Counter()
+
+    async def run():
+        api = await KubeApi.connect(str(kubeconfig), on_request=lambda verb, resource: requests.update([(verb, resource)]))
+        try:
+            ctx = Context(api=api, post_event=lambda job, event: None, read_progress=False,
+                          active_interval_s=1.0, idle_interval_s=30.0)
+            await reconcile(kube.job(namespace, name), pods, None, JobRuntime(), ctx)
+        finally:
+            await api.close()
+
+    asyncio.run(run())
+    return requests
+
+
+def uids(kube: Kube, namespace: str, role: str) -> dict[str, str]:
+    return {p["metadata"]["name"]: p["metadata"]["uid"] for p in kube.pods(namespace, role)
+            if not p["metadata"].get("deletionTimestamp")}
+
+
+def test_an_upgraded_operator_restarts_no_gang_until_the_user_edits_a_field_the_role_reads(kube: Kube, installed,
+                                                                                           namespace):
+    """An earlier operator version recorded the job's config without a field this version adds (with a default), and
+    its pods carry that version's hashes. This version keeps them: the same pod UIDs, the ConfigMap's bytes unchanged.
+    An edit of a rollout-only field replaces the rollout pod only; an edit of a trainer field restarts the gang."""
+    import json
+
+    kube.apply(job_manifest("upgrade"), namespace)
+    pass_with_pods(installed, kube, namespace, "upgrade")
+    trainers, rollouts = uids(kube, namespace, "trainer"), uids(kube, namespace, "rollout")
+    assert sorted(trainers) == ["upgrade-trainer-0", "upgrade-trainer-1"] and list(rollouts) == ["upgrade-rollout-0"]
+
+    # What the earlier version left: the config without trainer.backend, its hashes on the ConfigMap and the pods.
+    cm = kube.json("get", "configmap", "upgrade-config", "-n", namespace)
+    data = json.loads(cm["data"]["config.json"])
+    del data["spec"]["trainer"]["backend"]
+    earlier_text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    cm["data"]["config.json"] = earlier_text
+    cm["metadata"]["annotations"]["rljob.dev/role-config-hashes"] = json.dumps({"trainer": "earlier-t", "rollout": "earlier-r"})
+    kube.run("replace", "-f", "-", input=json.dumps(cm))
+    for pod, role in [*[(n, "t") for n in trainers], *[(n, "r") for n in rollouts]]:
+        kube.run("label", "pod", pod, "-n", namespace, "--overwrite", f"rljob.dev/role-config-hash=earlier-{role}")
+
+    requests = pass_with_pods(installed, kube, namespace, "upgrade")
+    assert requests[("create", "pods")] == 0 and requests[("delete", "pods")] == 0
+    assert (uids(kube, namespace, "trainer"), uids(kube, namespace, "rollout")) == (trainers, rollouts)
+    assert kube.json("get", "configmap", "upgrade-config", "-n", namespace)["data"]["config.json"] == earlier_text
+
+    kube.apply(job_manifest("upgrade", rollout={"maxLag": 77}), namespace)  # a rollout-only edit
+    requests = pass_with_pods(installed, kube, namespace, "upgrade")
+    assert requests[("delete", "pods")] == 1 and uids(kube, namespace, "trainer") == trainers
+    text = kube.json("get", "configmap", "upgrade-config", "-n", namespace)["data"]["config.json"]
+    assert json.loads(text)["spec"]["rollout"]["maxLag"] == 77 and "backend" not in json.loads(text)["spec"]["trainer"]
+
+    kube.apply(job_manifest("upgrade", rollout={"maxLag": 77}, trainer={"maxSteps": 999}), namespace)  # a trainer edit
+    pass_with_pods(installed, kube, namespace, "upgrade")
+    assert not set(uids(kube, namespace, "trainer").values()) & set(trainers.values())
+    text = kube.json("get", "configmap", "upgrade-config", "-n", namespace)["data"]["config.json"]
+    assert json.loads(text)["spec"]["trainer"]["backend"] == "builtin"  # this version's resolution, new default in

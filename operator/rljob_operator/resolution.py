@@ -1,0 +1,108 @@
+"""Which resolved config a pass runs: the one recorded for the job's running pods, or a new resolution.
+
+An upgraded operator may resolve the same spec differently (a new field, a new default), and the API server fills a
+new CRD's defaults into stored jobs without bumping ``metadata.generation``. Re-resolving on every pass would then
+change the pods' config hashes and restart every gang. So the job's config ConfigMap records the resolved config
+(its exact bytes), the ``metadata.generation`` it was resolved from and the role hashes its pods carry
+(``rljob.dev/resolved-generation``, ``rljob.dev/role-config-hashes``), and :func:`effective_config` decides:
+
+- same generation as recorded: the recorded config, byte for byte, with its recorded hashes;
+- a new generation (the user edited the spec): the spec resolved anew, unless the edit changed nothing the trainer
+  reads (its role hash is the same for the recorded spec and the edited one, both resolved by this version): then
+  the recorded config with the rollout-only fields of the new resolution, the trainer's recorded hash kept, and the
+  rollout's kept too when the edit changed nothing a rollout pod reads (``replicas``). So a role gets this version's
+  defaults only when the user edits a field that role's hash covers;
+- nothing recorded (a new job), or a record this version cannot read: the new resolution.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from pydantic import ValidationError
+from pydantic.alias_generators import to_camel
+
+from rljob_api import constants as c, names
+from rljob_api.canonical import canonical_json
+from rljob_api.config import JobConfig
+
+from rljob_operator import render
+from rljob_operator.apply import KubeApi
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """The config recorded for a job's pods: ``config`` (:meth:`JobConfig.from_recorded`) and the job ``generation``
+    it was resolved from (None: recorded by an operator before 0.2, which kept no generation)."""
+
+    config: JobConfig
+    generation: Optional[int]
+
+
+def recorded_config(config_map: Optional[Mapping[str, Any]]) -> Optional[Recorded]:
+    """The record in a job's config ConfigMap (as the API server returns it); None when there is none or this version
+    cannot read it (edited by hand, or a field this version does not know). A ConfigMap without the role-hash
+    annotation (an operator before 0.2) gets the hashes this version computes for its config."""
+    if not config_map:
+        return None
+    annotations = (config_map.get("metadata") or {}).get("annotations") or {}
+    try:
+        text = config_map["data"][c.CONFIG_FILE_NAME]
+        hashes = json.loads(annotations.get(c.ANNOTATION_ROLE_CONFIG_HASHES) or "{}")
+        if not isinstance(hashes, dict) or not hashes:
+            parsed = JobConfig.from_json(text)
+            hashes = {role.value: render.role_config_hash(parsed, role) for role in render.POD_ROLES}
+        config = JobConfig.from_recorded(text, {str(k): str(v) for k, v in hashes.items()})
+    except (KeyError, TypeError, ValueError, ValidationError):
+        return None
+    raw = annotations.get(c.ANNOTATION_RESOLVED_GENERATION)
+    return Recorded(config, int(raw) if raw and raw.isdigit() else None)
+
+
+def effective_config(job: render.Job, generation: Optional[int], recorded: Optional[Recorded]) -> JobConfig:
+    """The config a pass over ``job`` (its spec as read now, ``metadata.generation`` = ``generation``) runs and
+    records; see the module docstring.
+
+    Raises:
+        ValueError: the spec does not resolve (see :func:`rljob_operator.render.job_config`).
+    """
+    fresh = render.job_config(job)
+    if recorded is None:
+        return fresh
+    if generation is not None and recorded.generation == generation:
+        return recorded.config
+    before = render.job_config(render.Job(job.name, job.namespace, recorded.config.spec, job.labels))
+    if render.role_config_hash(before, c.Role.TRAINER) != render.role_config_hash(fresh, c.Role.TRAINER):
+        return fresh
+    merged = json.loads(recorded.config.to_json())
+    new = json.loads(fresh.to_json())
+    for path in render.ROLLOUT_ONLY_FIELDS:
+        *parents, leaf = [to_camel(part) for part in path.split(".")]
+        target, source = merged["spec"]["rollout"], new["spec"]["rollout"]
+        for part in parents:
+            target, source = target.setdefault(part, {}), source[part]
+        target[leaf] = source[leaf]
+    trainer = recorded.config.recorded_role_hash(c.Role.TRAINER.value)
+    if render.role_config_hash(before, c.Role.ROLLOUT) == render.role_config_hash(fresh, c.Role.ROLLOUT):
+        rollout = recorded.config.recorded_role_hash(c.Role.ROLLOUT.value)
+    else:
+        rollout = render.role_config_hash(JobConfig.model_validate(merged), c.Role.ROLLOUT)
+    return JobConfig.from_recorded(canonical_json(merged), {c.Role.TRAINER.value: trainer, c.Role.ROLLOUT.value: rollout})
+
+
+def as_recorded(config: JobConfig) -> JobConfig:
+    """``config`` as :func:`recorded_config` will read it back once its ConfigMap is written: its bytes and its role
+    hashes fixed."""
+    hashes = {role.value: render.role_config_hash(config, role) for role in render.POD_ROLES}
+    return JobConfig.from_recorded(config.to_json(), hashes)
+
+
+async def read_recorded(name: str, namespace: str, api: KubeApi) -> Optional[Recorded]:
+    """:func:`recorded_config` of the job's config ConfigMap, read from the API server (None on 404).
+
+    Raises:
+        ApiError: the read failed other than with 404.
+    """
+    return recorded_config(await api.get("v1", "ConfigMap", namespace, names.config_map(name)))

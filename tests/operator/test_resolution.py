@@ -1,0 +1,90 @@
+"""Which resolved config a pass runs (``rljob_operator.resolution``): the one recorded for the running pods while the
+user has not edited the spec, so that an upgraded operator with new defaults restarts no gang; a role gets the new
+defaults only when the user edits a field that role's hash covers."""
+
+from __future__ import annotations
+
+import json
+
+from rljob_api import constants as c
+from rljob_api.canonical import canonical_json
+from rljob_api.config import JobConfig
+from rljob_operator import render, resolution
+
+from operator_helpers import make_job
+
+EARLIER_HASHES = {"trainer": "earlier-trainer", "rollout": "earlier-rollout"}
+
+
+def recorded_by_an_earlier_version(job: render.Job, generation: int | None = 3) -> resolution.Recorded:
+    """The record an earlier operator, which did not know ``spec.trainer.backend`` yet, wrote for ``job``: its bytes
+    lack the field this version adds with its default, and its pods carry that version's hashes."""
+    data = json.loads(render.job_config(job).to_json())
+    del data["spec"]["trainer"]["backend"]
+    return resolution.Recorded(JobConfig.from_recorded(canonical_json(data), EARLIER_HASHES), generation)
+
+
+def lacks_the_new_field(config: JobConfig) -> bool:
+    return "backend" not in json.loads(config.to_json())["spec"]["trainer"]
+
+
+def test_a_new_job_runs_the_fresh_resolution():
+    job = make_job()
+    assert resolution.effective_config(job, 1, None).to_json() == render.job_config(job).to_json()
+
+
+def test_an_unedited_job_keeps_its_recorded_config_byte_for_byte():
+    job = make_job()
+    recorded = recorded_by_an_earlier_version(job, generation=3)
+    config = resolution.effective_config(job, 3, recorded)
+    assert config.to_json() == recorded.config.to_json() and lacks_the_new_field(config)
+    assert config.spec.trainer.backend == "builtin"  # this version reads it with the new field's default
+    fresh = render.config_hashes(render.job_config(job))
+    kept = render.config_hashes(config)
+    assert (kept.trainer, kept.rollout) == ("earlier-trainer", "earlier-rollout")
+    assert kept.config == render.config_hashes(recorded.config).config != fresh.config
+
+
+def test_an_edit_of_the_replica_count_keeps_both_roles_recorded_hashes():
+    recorded = recorded_by_an_earlier_version(make_job())
+    edited = make_job(rollout={"replicas": 5})
+    config = resolution.effective_config(edited, 4, recorded)
+    assert config.spec.rollout.replicas == 5 and lacks_the_new_field(config)
+    assert render.role_config_hash(config, c.Role.TRAINER) == "earlier-trainer"
+    assert render.role_config_hash(config, c.Role.ROLLOUT) == "earlier-rollout"
+
+
+def test_an_edit_of_a_rollout_only_field_keeps_the_trainers_config_and_hash():
+    recorded = recorded_by_an_earlier_version(make_job())
+    edited = make_job(rollout={"maxLag": 77})
+    config = resolution.effective_config(edited, 4, recorded)
+    assert config.spec.rollout.max_lag == 77 and lacks_the_new_field(config)
+    assert render.role_config_hash(config, c.Role.TRAINER) == "earlier-trainer"
+    assert render.role_config_hash(config, c.Role.ROLLOUT) not in ("earlier-rollout", "")
+    assert JobConfig.from_json(config.to_json()).spec.rollout.max_lag == 77  # what new rollout pods read
+
+
+def test_an_edit_of_a_field_the_trainer_reads_resolves_anew():
+    job = make_job()
+    edited = make_job(trainer={"maxSteps": 999})
+    config = resolution.effective_config(edited, 4, recorded_by_an_earlier_version(job))
+    assert config.to_json() == render.job_config(edited).to_json() and not lacks_the_new_field(config)
+    assert render.config_hashes(config) == render.config_hashes(render.job_config(edited))
+
+
+def test_the_record_is_read_back_from_the_configmap_as_rendered():
+    job = make_job()
+    config = render.job_config(job)
+    config_map = render.config_map(job, config, generation=7)
+    recorded = resolution.recorded_config(config_map)
+    assert recorded.generation == 7
+    assert recorded.config.to_json() == config.to_json()
+    assert render.config_hashes(recorded.config) == render.config_hashes(config)
+    # an operator before 0.2 wrote neither annotation: this version's hashes of the same bytes, generation unknown
+    del config_map["metadata"]["annotations"]
+    old = resolution.recorded_config(config_map)
+    assert old.generation is None and render.config_hashes(old.config) == render.config_hashes(config)
+    # what cannot be read is no record (the pass resolves anew)
+    config_map["data"][c.CONFIG_FILE_NAME] = '{"name": "x"}'
+    assert resolution.recorded_config(config_map) is None
+    assert resolution.recorded_config(None) is None
