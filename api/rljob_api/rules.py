@@ -17,10 +17,16 @@ ONE_STAGE_METRICS = ("basic", "full")
 
 _WORLD = "(self.nodes * self.processesPerNode)"
 _MODEL_PARALLEL = "(self.tensorParallel * self.pipelineParallel)"
+_DATA_PARALLEL = f"({_WORLD} / {_MODEL_PARALLEL})"
+# Out-of-range counts are the schema's to report (minimum/maximum): CEL skips them, so a 0 never divides and a
+# count beyond its maximum adds no second, misleading message.
+_COUNTS_IN_RANGE = ("self.nodes >= 1 && self.nodes <= 4096 && self.processesPerNode >= 1 && self.processesPerNode <= 64"
+                    " && self.tensorParallel >= 1 && self.tensorParallel <= 64"
+                    " && self.pipelineParallel >= 1 && self.pipelineParallel <= 64")
 
 #: CEL rule on ``spec.trainer``: the topology divides (:func:`data_parallel`).
 CEL_TOPOLOGY = {
-    "rule": f"{_WORLD} % {_MODEL_PARALLEL} == 0",
+    "rule": f"!({_COUNTS_IN_RANGE}) || {_WORLD} % {_MODEL_PARALLEL} == 0",
     "message": "nodes*processesPerNode must be divisible by tensorParallel*pipelineParallel",
     "fieldPath": ".nodes",
     "reason": "FieldValueInvalid",
@@ -28,7 +34,8 @@ CEL_TOPOLOGY = {
 #: CEL rule on ``spec.trainer``: documentsPerStep divides by DP (:func:`documents_per_rank`); a topology that does
 #: not divide is :data:`CEL_TOPOLOGY`'s to report.
 CEL_DOCUMENTS_PER_STEP = {
-    "rule": f"{_WORLD} % {_MODEL_PARALLEL} != 0 || self.batch.documentsPerStep % ({_WORLD} / {_MODEL_PARALLEL}) == 0",
+    "rule": f"!({_COUNTS_IN_RANGE}) || {_WORLD} % {_MODEL_PARALLEL} != 0 || "
+    f"self.batch.documentsPerStep % {_DATA_PARALLEL} == 0",
     "message": "batch.documentsPerStep must be divisible by the data-parallel size "
     "nodes*processesPerNode/(tensorParallel*pipelineParallel)",
     "fieldPath": ".batch.documentsPerStep",

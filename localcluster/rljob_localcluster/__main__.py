@@ -75,6 +75,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.gpus_per_node < 0:
         print(f"--gpus-per-node must be >= 0, got {args.gpus_per_node}", file=sys.stderr)
         return 2
+    if args.timeout <= 0 or args.nodes_timeout <= 0:
+        print(f"--timeout and --nodes-timeout must be > 0 seconds, got {args.timeout:g} and {args.nodes_timeout:g}",
+              file=sys.stderr)
+        return 2
+    if _daemon_pid(d) and not _read_state(d):
+        print(f"# the local cluster in {d} is still starting (daemon pid {_daemon_pid(d)}; {d / 'daemon.log'})",
+              file=sys.stderr)
+        return 1
     if _daemon_pid(d) and (st := _read_state(d)):
         running = st.get("requested") or {}
         asked = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node}
@@ -106,6 +114,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     # Make the package importable for the daemon even when it is not installed.
     pkg_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    log_start = (d / "daemon.log").stat().st_size if (d / "daemon.log").exists() else 0
     with open(d / "daemon.log", "ab") as log:
         proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -114,9 +123,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.timeout + 30 + (args.nodes_timeout if args.nodes else 0)
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            print(f"the local cluster failed to start (exit {proc.returncode}); {d / 'daemon.log'}:",
+            with open(d / "daemon.log", "rb") as f:
+                f.seek(log_start)
+                this_run = f.read().decode(errors="replace")
+            why = "stopped by 'down'" if "stopped while starting" in this_run else f"exit {proc.returncode}"
+            print(f"the local cluster failed to start ({why}); this run's lines of {d / 'daemon.log'}:",
                   file=sys.stderr)
-            print((d / "daemon.log").read_text(errors="replace")[-6000:], file=sys.stderr)
+            print(this_run[-6000:], file=sys.stderr)
             return 1
         st = _read_state(d)
         if st and st.get("daemon_pid") == proc.pid and st.get("phase") == "ready":

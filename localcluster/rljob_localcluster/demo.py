@@ -26,6 +26,8 @@ from typing import Any
 
 import yaml
 
+from . import images
+
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "rljob-operator"
 EXAMPLE = REPO / "examples" / "rljob-cpu.yaml"
@@ -48,11 +50,17 @@ def _run(cmd: list[str], env: dict[str, str], what: str, *, timeout: float = 600
     return proc.stdout
 
 
-def ensure_cluster(d: Path) -> tuple[str, Path]:
-    """Start (or reuse) the control plane and the nodes of cluster dir ``d``; (kubeconfig, bin dir)."""
+def ensure_cluster(d: Path) -> tuple[str, Path, list[str]]:
+    """Start (or reuse, :func:`reuse`) the control plane and the nodes of cluster dir ``d``; (kubeconfig, bin dir,
+    the images a reused cluster's nodes got anew)."""
     from . import __main__ as cli
 
-    state = cli._read_state(d) if cli._daemon_pid(d) else None
+    running = cli._daemon_pid(d) is not None
+    state = cli._read_state(d) if running else None
+    imported: list[str] = []
+    if running and (state is None or state.get("phase") != "ready"):
+        raise DemoError(f"the local cluster in {d} is still starting (see {d / 'daemon.log'}); run the demo again "
+                        "once 'python -m rljob_localcluster status' answers")
     if state is None:
         _say("starting the local cluster: control plane (kube-apiserver, etcd, controller-manager, scheduler) and "
              "two nodes (kubelet + containerd, 4 fake nvidia.com/gpu each)")
@@ -62,8 +70,37 @@ def ensure_cluster(d: Path) -> tuple[str, Path]:
         if proc.returncode != 0 or state is None:
             raise DemoError(f"the control plane did not start; see {d / 'daemon.log'}")
     else:
-        _say(f"reusing the local control plane at {state['server']}")
-    return str(d / "kubeconfig"), Path(state["bin_dir"])
+        imported = reuse(d, state)
+    return str(d / "kubeconfig"), Path(state["bin_dir"]), imported
+
+
+def reuse(d: Path, state: dict) -> list[str]:
+    """Check that the running cluster can run the demo (nodes, none failed) and bring its nodes' images up to date
+    with index.json (an image rebuilt since the nodes started is imported; unchanged ones are skipped); returns the
+    names imported.
+
+    Raises:
+        DemoError: the cluster runs without nodes, or a node process exited (``status`` says DEGRADED).
+    """
+    nodes = (state.get("nodes") or {}).get("nodes") or {}
+    if not nodes:
+        raise DemoError(f"the local cluster in {d} runs without nodes (up --nodes 0), so no pod can start: "
+                        "'python -m rljob_localcluster down' first, then run the demo again")
+    if state.get("exited"):
+        raise DemoError(f"node processes of the local cluster exited {state['exited']} (status: DEGRADED): "
+                        "'python -m rljob_localcluster down' first, then run the demo again")
+    _say(f"reusing the local cluster at {state['server']}; bringing its nodes' images up to date")
+    imported: set[str] = set()
+    for name, node in nodes.items():
+        try:
+            done = images.import_into(node["containerd_socket"], snapshotter=state["nodes"].get("snapshotter", ""),
+                                      log=lambda m, name=name: _say(f"{name}: {m}"))
+        except (RuntimeError, FileNotFoundError) as err:
+            raise DemoError(f"importing the images into {name} failed: {err}") from err
+        if done:
+            _say(f"{name}: imported {', '.join(done)}")
+        imported.update(done)
+    return sorted(imported)
 
 
 def install_operator(env: dict[str, str], bin_dir: Path) -> None:
@@ -210,9 +247,15 @@ def run(args: argparse.Namespace) -> int:
     d.mkdir(parents=True, exist_ok=True)
     succeeded = False
     try:
-        kubeconfig, bin_dir = ensure_cluster(d)
+        kubeconfig, bin_dir, imported = ensure_cluster(d)
         env = {**os.environ, "KUBECONFIG": kubeconfig}
         install_operator(env, bin_dir)
+        if any("/operator:" in name for name in imported):  # same tag, new image: the running pod is the old one
+            _say("restarting the operator on its newly imported image")
+            _run([str(bin_dir / "kubectl"), "-n", OPERATOR_NAMESPACE, "rollout", "restart", f"deploy/{RELEASE}"], env,
+                 "restarting the operator")
+            _run([str(bin_dir / "kubectl"), "-n", OPERATOR_NAMESPACE, "rollout", "status", f"deploy/{RELEASE}",
+                  "--timeout=180s"], env, "waiting for the restarted operator")
         name = apply_example(env, bin_dir, args.namespace)
         _say(f"watching {args.namespace}/{name} (Ctrl-C stops watching; the job goes on)")
         from kubernetes import config

@@ -307,6 +307,10 @@ def test_cli_down_while_the_control_plane_starts_stops_it_at_once(tmp_path):
                                        check=False).stdout.strip())
         wait_until(etcd_runs, timeout=60, what="the daemon's etcd started")
         daemon = int((d / "daemon.pid").read_text())
+        second = subprocess.run([*cli, "up", "--dir", str(d), "--no-nodes"], capture_output=True, text=True, env=env,
+                                timeout=60, check=False)  # a second up leaves the starting one alone
+        assert second.returncode == 1 and "is still starting" in second.stderr, second.stderr
+        assert pid_running(daemon)
         t0 = time.monotonic()
         down = subprocess.run([*cli, "down", "--dir", str(d)], capture_output=True, text=True, env=env,
                               timeout=120, check=False)
@@ -317,7 +321,7 @@ def test_cli_down_while_the_control_plane_starts_stops_it_at_once(tmp_path):
     finally:
         if up.poll() is None:
             up.kill()
-    assert up.returncode == 1 and "stopped while starting" in err
+    assert up.returncode == 1 and "failed to start (stopped by 'down')" in err and "stopped while starting" in err
     assert not pid_running(daemon)
     assert subprocess.run(["pgrep", "-f", str(d / "data")], capture_output=True, check=False).stdout == b""
     assert not (d / "data").exists() and not (d / "daemon.pid").exists()
@@ -328,4 +332,6 @@ def test_cli_up_refuses_bad_counts_before_starting_anything(tmp_path):
 
     assert cli.main(["up", "--dir", str(tmp_path / "c"), "--nodes", "-1"]) == 2
     assert cli.main(["up", "--dir", str(tmp_path / "c"), "--gpus-per-node", "-2"]) == 2
+    assert cli.main(["up", "--dir", str(tmp_path / "c"), "--nodes-timeout", "-5"]) == 2
+    assert cli.main(["up", "--dir", str(tmp_path / "c"), "--timeout", "0"]) == 2
     assert not (tmp_path / "c").exists()

@@ -196,6 +196,9 @@ def test_schema_and_cel_rules_are_enforced_with_messages_that_name_the_field(kub
     assert ('spec.trainer.batch.documentsPerStep: Invalid value: "object": batch.documentsPerStep must be divisible '
             'by the data-parallel size nodes*processesPerNode/(tensorParallel*pipelineParallel)') in refused(
         job_manifest("docs", trainer={"nodes": 2, "processesPerNode": 3, "batch": {"documentsPerStep": 64}}))
+    zero = refused(job_manifest("zero", trainer={"processesPerNode": 0}))  # the bound, and no CEL error beside it
+    assert "spec.trainer.processesPerNode in body should be greater than or equal to 1" in zero
+    assert "divisible" not in zero and "modulus by zero" not in zero
     kube.apply(job_manifest("docsok", trainer={"nodes": 2, "processesPerNode": 2, "pipelineParallel": 2,
                                                "batch": {"documentsPerStep": 2}}), namespace)  # DP = 2 divides 2
     assert 'unknown field "spec.trainer.nodez"' in refused(job_manifest("unknown", trainer={"nodez": 1}))
