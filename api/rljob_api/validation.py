@@ -6,6 +6,7 @@ Every problem names the field by its camelCase path, so the message reads like t
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from rljob_api import constants as c, rules
@@ -54,7 +55,30 @@ def trainer_gpus(spec: RLTrainingJobSpec) -> int:
 
 def check_spec(spec: RLTrainingJobSpec) -> list[SpecProblem]:
     """All problems of a spec, in field order; empty when the job can run."""
-    return [*_trainer_problems(spec), *_model_problems(spec), *_redis_problems(spec), *_rollout_problems(spec)]
+    return [*_trainer_problems(spec), *_model_problems(spec), *_redis_problems(spec), *_rollout_problems(spec),
+            *_image_problems(spec)]
+
+
+_NAME_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_DOMAIN_LABEL = r"[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?"
+IMAGE_REFERENCE = re.compile(
+    rf"(?:(?:(?:localhost|{_DOMAIN_LABEL}(?:\.{_DOMAIN_LABEL})+)(?::[0-9]+)?|{_DOMAIN_LABEL}:[0-9]+)/)?"
+    rf"{_NAME_COMPONENT}(?:/{_NAME_COMPONENT})*"
+    r"(?::[\w][\w.-]{0,127})?(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?"
+)
+"""A container image reference as the distribution project's reference grammar states it (``[registry[:port]/]
+path[:tag][@digest]``; the first component is a registry only with a dot, a port or ``localhost``; path components
+lower-case): what a kubelet can pull."""
+
+
+def _image_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
+    """Image fields that no kubelet could pull (a pod would wait in InvalidImageName instead)."""
+    images = {"spec.trainer.image": spec.trainer.image, "spec.rollout.image": spec.rollout.image}
+    if spec.redis.mode == "managed":
+        images["spec.redis.image"] = spec.redis.image
+    return [SpecProblem(path, f"{value!r} is not a container image reference ([registry[:port]/]name[:tag][@digest], "
+                              "lower-case name)")
+            for path, value in images.items() if not IMAGE_REFERENCE.fullmatch(value)]
 
 
 def _trainer_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:

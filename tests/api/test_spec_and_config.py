@@ -79,6 +79,21 @@ def test_code_checks_name_fields():
     ]
 
 
+@pytest.mark.parametrize("image", ["rljob/trainer-cpu:0.1.0", "registry.k8s.io/pause:3.10.1", "localhost:5000/a/b:t",
+                                   "nvcr.io/nvidia/pytorch:24.01-py3", "redis@sha256:" + "ab" * 32])
+def test_image_references_a_kubelet_can_pull_pass(image):
+    assert check_spec(spec(trainer={"image": image}, rollout={"image": image}, redis={"image": image})) == []
+
+
+def test_image_references_no_kubelet_could_pull_are_named_with_their_value():
+    s = spec(trainer={"image": "rljob/trainer-cpu:"}, rollout={"image": "not an image"}, redis={"image": "Redis:7"})
+    assert [str(p) for p in check_spec(s)] == [
+        f"{field}: {value!r} is not a container image reference ([registry[:port]/]name[:tag][@digest], lower-case name)"
+        for field, value in [("spec.trainer.image", "rljob/trainer-cpu:"), ("spec.rollout.image", "not an image"),
+                             ("spec.redis.image", "Redis:7")]
+    ]
+
+
 def test_epsilon_defaults_follow_the_loss():
     assert spec().algorithm.resolved_epsilons() == (0.2, 0.2)
     assert spec(algorithm={"loss": "gspo"}).algorithm.resolved_epsilons() == (3e-4, 4e-4)
