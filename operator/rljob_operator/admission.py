@@ -128,6 +128,20 @@ async def kept_spec(
     return generation, spec.model_copy(update={"run_policy": run_policy})
 
 
+_REFUSED_ROLE = re.compile(r'(?:Pod|Deployment(?:\.apps)?) "[^"]*-(trainer|rollout|redis)(?:-[0-9]+)?" is invalid')
+_REFUSED_PART = re.compile(r"\.(resources|nodeSelector|tolerations)\b")
+
+
+def refused_field(message: str) -> str:
+    """The spec field a refusal of the API server points at, e.g. ``spec.trainer.resources`` for a trainer pod whose
+    ``spec.containers[0].resources.limits`` is invalid; ``spec`` when the message names no role's object."""
+    role = _REFUSED_ROLE.search(message)
+    if role is None:
+        return "spec"
+    part = _REFUSED_PART.search(message[role.end():])
+    return f"spec.{role.group(1)}" + (f".{part.group(1)}" if part else "")
+
+
 async def admit(body: Mapping[str, Any], before: gang.Lifecycle, pods: Iterable[PodView],
                 redis: Optional[DeploymentView], runtime: JobRuntime, api: KubeApi) -> Decision:
     """Decide what the pass over the job ``body`` (saved lifecycle ``before``, observed ``pods`` and managed
@@ -142,7 +156,8 @@ async def admit(body: Mapping[str, Any], before: gang.Lifecycle, pods: Iterable[
     if runtime.rejected and runtime.rejected[0] != generation:
         runtime.rejected = None
     if runtime.rejected:
-        problems.append(SpecProblem("spec", f"the API server refused a child object: {runtime.rejected[1]}"))
+        problems.append(SpecProblem(refused_field(runtime.rejected[1]),
+                                    f"the API server refused a child object: {runtime.rejected[1]}"))
     if spec is not None and not problems:
         leftovers = tuple(foreign_children(meta.get("uid"), pods, redis))
         return Decision(spec, run=spec, leftovers=leftovers)

@@ -22,19 +22,24 @@ def test_api_server_refuses_a_topology_that_does_not_divide(cluster, operator, n
     assert "spec.trainer.nodes" in message, message
     assert "nodes*processesPerNode must be divisible by tensorParallel*pipelineParallel" in message, message
     assert get_job(cluster, namespace, "bad-topology") == {}
+    odd = cluster.apply(job_manifest("odd-batch", {"trainer": {"batch": {"documentsPerStep": 63}}}), namespace,
+                        check=False)  # DP = 2 does not divide 63
+    assert odd.returncode != 0 and "spec.trainer.batch.documentsPerStep" in odd.stderr, odd.stderr
+    assert get_job(cluster, namespace, "odd-batch") == {}
 
 
 def test_code_only_invalid_spec_reports_the_field_then_recovers(cluster, operator, namespace, diagnostics):
-    name = "odd-batch"
+    name = "stalling-checkpoint"
     diagnostics.job = name
-    manifest = job_manifest(name, {"trainer": {"batch": {"documentsPerStep": 63}}})  # DP = 2 does not divide 63
+    # 512 documents × 10 steps between checkpoints > maxPending 4096: no CEL rule can see it, the operator's check does
+    manifest = job_manifest(name, {"trainer": {"checkpoint": {"everySteps": 10}}})
     cluster.apply(manifest, namespace)
     job = wait_for(lambda: phase(j := get_job(cluster, namespace, name)) == "Invalid" and j, 120,
                    "the job to be Invalid", diagnostics)
     valid = condition(job, c.ConditionType.VALID)
     assert (valid["status"], valid["reason"]) == ("False", c.Reason.INVALID_SPEC.value), valid
-    assert "spec.trainer.batch.documentsPerStep" in valid["message"], valid
-    assert "63" in valid["message"] and "2" in valid["message"], valid
+    assert "spec.trainer.checkpoint.everySteps" in valid["message"], valid
+    assert "512 × 10 = 5120 must not exceed spec.redis.maxPending = 4096" in valid["message"], valid
     assert valid["observedGeneration"] == job["metadata"]["generation"]
     time.sleep(5)  # a few reconcile passes: still nothing created
     assert not any(children(cluster, namespace, name).values()), children(cluster, namespace, name)
@@ -43,7 +48,7 @@ def test_code_only_invalid_spec_reports_the_field_then_recovers(cluster, operato
 
     # Fixed (and suspended, so that nothing trains): valid again, the static children appear.
     cluster.kubectl("patch", "rljob", name, "-n", namespace, "--type=merge", "-p",
-                    '{"spec": {"trainer": {"batch": {"documentsPerStep": 64}}, "runPolicy": {"suspend": true}}}')
+                    '{"spec": {"trainer": {"checkpoint": {"everySteps": 5}}, "runPolicy": {"suspend": true}}}')
     job = wait_for(lambda: phase(j := get_job(cluster, namespace, name)) == "Suspended" and j, 120,
                    "the fixed job to be accepted (Suspended)", diagnostics)
     valid = condition(job, c.ConditionType.VALID)

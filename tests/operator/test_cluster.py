@@ -624,7 +624,7 @@ def test_a_child_the_api_server_refuses_makes_the_job_invalid_and_redis_ready_sa
     valid = wait_for(lambda: (v := kube.condition(namespace, "badres", "Valid")).get("status") == "False" and v,
                      "Valid=False")
     assert valid["reason"] == "InvalidSpec" and valid["message"].startswith(
-        'spec: the API server refused a child object: Pod "badres-trainer-0" is invalid')
+        'spec.trainer.resources: the API server refused a child object: Pod "badres-trainer-0" is invalid')
     assert '"-2": must be greater than or equal to 0' in valid["message"]
     redis = wait_for(lambda: "cannot be scheduled" in (r := kube.condition(namespace, "badres", "RedisReady")).get(
         "message", "") and r, "RedisReady naming the Redis pod")

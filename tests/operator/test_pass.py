@@ -53,7 +53,8 @@ def test_a_pod_the_api_server_refuses_makes_the_job_invalid_in_the_same_pass(kub
     assert job["status"]["phase"] == "Invalid"
     valid = next(c for c in job["status"]["conditions"] if c["type"] == "Valid")
     assert (valid["status"], valid["reason"]) == ("False", "InvalidSpec")
-    assert valid["message"].startswith('spec: the API server refused a child object: Pod "refused-trainer-0" is invalid')
+    assert valid["message"].startswith(
+        'spec.trainer.resources: the API server refused a child object: Pod "refused-trainer-0" is invalid')
     assert requests[("patch", "rltrainingjobs/status")] == 1
     assert requests[("create", "pods")] == 3 and requests[("delete", "pods")] == 1
     assert live(kube, namespace, "rollout") == [] and live(kube, namespace, "trainer") == []

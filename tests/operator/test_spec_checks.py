@@ -144,3 +144,15 @@ def test_a_ca_for_a_tls_redis_is_valid():
     spec, problems = parse_spec("tls", {"model": {"source": "tiny"}, "redis": {"mode": "external", "url": "rediss://cache.example:6380/2",
                                                   "caSecretRef": {"name": "redis-ca", "key": "ca.crt"}}})
     assert problems == [] and (spec.redis.ca_secret_ref.name, spec.redis.ca_secret_ref.key) == ("redis-ca", "ca.crt")
+
+
+@pytest.mark.parametrize(("message", "field"), [
+    ('Pod "j-trainer-0" is invalid: [spec.containers[0].resources.limits[cpu]: Invalid value: "-2"', "spec.trainer.resources"),
+    ('Pod "j-rollout-3" is invalid: spec.tolerations[0].operator: Invalid value', "spec.rollout.tolerations"),
+    ('Deployment.apps "j-redis" is invalid: spec.template.spec.containers[0].image: Required value', "spec.redis"),
+    ('ConfigMap "j-config" is invalid: data: Too long', "spec"),
+])
+def test_a_refusal_of_the_api_server_is_reported_against_the_field_it_points_at(message, field):
+    from rljob_operator.admission import refused_field
+
+    assert refused_field(message) == field
