@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from rljob_api import constants as c
 from rljob_api.canonical import canonical_json
 from rljob_api.config import JobConfig
@@ -45,23 +47,18 @@ def test_an_unedited_job_keeps_its_recorded_config_byte_for_byte():
     assert kept.config == render.config_hashes(recorded.config).config != fresh.config
 
 
-def test_an_edit_of_the_replica_count_keeps_both_roles_recorded_hashes():
+@pytest.mark.parametrize(("edit", "read_back", "rollout_pods_kept"), [
+    ({"replicas": 5}, ("replicas", 5), True),  # no pod reads the replica count
+    ({"maxLag": 77}, ("max_lag", 77), False),  # rollout pods read it, the trainer does not
+])
+def test_an_edit_of_rollout_only_fields_keeps_the_trainers_config_and_hash(edit, read_back, rollout_pods_kept):
     recorded = recorded_by_an_earlier_version(make_job())
-    edited = make_job(rollout={"replicas": 5})
-    config = resolution.effective_config(edited, 4, recorded)
-    assert config.spec.rollout.replicas == 5 and lacks_the_new_field(config)
+    config = resolution.effective_config(make_job(rollout=edit), 4, recorded)
+    field, value = read_back
+    assert getattr(JobConfig.from_json(config.to_json()).spec.rollout, field) == value  # what new pods read
+    assert lacks_the_new_field(config)  # the trainer's part is the recorded one
     assert render.role_config_hash(config, c.Role.TRAINER) == "earlier-trainer"
-    assert render.role_config_hash(config, c.Role.ROLLOUT) == "earlier-rollout"
-
-
-def test_an_edit_of_a_rollout_only_field_keeps_the_trainers_config_and_hash():
-    recorded = recorded_by_an_earlier_version(make_job())
-    edited = make_job(rollout={"maxLag": 77})
-    config = resolution.effective_config(edited, 4, recorded)
-    assert config.spec.rollout.max_lag == 77 and lacks_the_new_field(config)
-    assert render.role_config_hash(config, c.Role.TRAINER) == "earlier-trainer"
-    assert render.role_config_hash(config, c.Role.ROLLOUT) not in ("earlier-rollout", "")
-    assert JobConfig.from_json(config.to_json()).spec.rollout.max_lag == 77  # what new rollout pods read
+    assert (render.role_config_hash(config, c.Role.ROLLOUT) == "earlier-rollout") is rollout_pods_kept
 
 
 def test_an_edit_of_a_field_the_trainer_reads_resolves_anew():
