@@ -143,6 +143,11 @@ def role_config_hash(config: JobConfig, role: c.Role) -> str:
     return canonical_hash(view, digits=16)
 
 
+def role_hashes(config: JobConfig) -> dict[str, str]:
+    """{role: :func:`role_config_hash`} for every role whose pods read the config (:data:`POD_ROLES`)."""
+    return {role.value: role_config_hash(config, role) for role in POD_ROLES}
+
+
 def config_hashes(config: JobConfig) -> ConfigHashes:
     """The hashes pods rendered from ``config`` carry: the whole config's and each role's (:func:`role_config_hash`)."""
     return ConfigHashes(config.config_hash(), role_config_hash(config, c.Role.TRAINER),
@@ -169,7 +174,7 @@ def config_map(job: Job, config: JobConfig, generation: Optional[int] = None) ->
     it was resolved from and the role hashes of its pods (what :mod:`.resolution` reads back)."""
     meta = _meta(names.config_map(job.name), job, c.Role.CONFIG)
     meta["annotations"] = {
-        c.ANNOTATION_ROLE_CONFIG_HASHES: canonical_json({r.value: role_config_hash(config, r) for r in POD_ROLES}),
+        c.ANNOTATION_ROLE_CONFIG_HASHES: canonical_json(role_hashes(config)),
         **({c.ANNOTATION_RESOLVED_GENERATION: str(generation)} if generation is not None else {}),
     }
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {c.CONFIG_FILE_NAME: config.to_json()}}

@@ -52,8 +52,7 @@ def recorded_config(config_map: Optional[Mapping[str, Any]]) -> Optional[Recorde
         text = config_map["data"][c.CONFIG_FILE_NAME]
         hashes = json.loads(annotations.get(c.ANNOTATION_ROLE_CONFIG_HASHES) or "{}")
         if not isinstance(hashes, dict) or not hashes:
-            parsed = JobConfig.from_json(text)
-            hashes = {role.value: render.role_config_hash(parsed, role) for role in render.POD_ROLES}
+            hashes = render.role_hashes(JobConfig.from_json(text))
         config = JobConfig.from_recorded(text, {str(k): str(v) for k, v in hashes.items()})
     except (KeyError, TypeError, ValueError, ValidationError):
         return None
@@ -95,8 +94,7 @@ def effective_config(job: render.Job, generation: Optional[int], recorded: Optio
 def as_recorded(config: JobConfig) -> JobConfig:
     """``config`` as :func:`recorded_config` will read it back once its ConfigMap is written: its bytes and its role
     hashes fixed."""
-    hashes = {role.value: render.role_config_hash(config, role) for role in render.POD_ROLES}
-    return JobConfig.from_recorded(config.to_json(), hashes)
+    return JobConfig.from_recorded(config.to_json(), render.role_hashes(config))
 
 
 async def read_recorded(name: str, namespace: str, api: KubeApi) -> Optional[Recorded]:
