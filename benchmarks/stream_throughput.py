@@ -37,6 +37,7 @@ import argparse
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -305,7 +306,15 @@ def report(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def targets_met(rows: list[Row]) -> bool:
+    """Whether ours is at least 50% of raw on every side of every length (the report marks each miss)."""
+    sides = (("write_ours", "write_raw"), ("read_ours", "read_raw"), ("read_ours_no_ahead", "read_raw"))
+    return all(row.rate(ours).documents_per_second >= 0.5 * row.rate(raw).documents_per_second
+               for row in rows for ours, raw in sides)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Run and print the report; 0 when every target is met, 1 when one is missed."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--redis-url", help="use this Redis instead of starting a redis-server")
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 4096], help="document lengths in tokens")
@@ -326,7 +335,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             shutil.rmtree(data_dir, ignore_errors=True)
 
     print(report(rows))
+    return 0 if targets_met(rows) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
