@@ -447,8 +447,8 @@ def test_a_private_redis_ca_is_mounted_and_verifies_the_operators_reads(kube, op
         "the gang created and its pods unschedulable")
     time.sleep(3)  # three active intervals: the same problem is not written again
     after = kube.job(namespace, "tls")
-    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"], (
-        before["status"], after["status"])
+    changed = {k: (before["status"].get(k), v) for k, v in after["status"].items() if before["status"].get(k) != v}
+    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"], json.dumps(changed, indent=1)
 
     kube.run("create", "secret", "generic", "redis-ca", "-n", namespace,
              f"--from-file=ca.crt={server.tls.foreign_ca_file}")
