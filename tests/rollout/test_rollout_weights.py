@@ -18,8 +18,10 @@ import torch
 from rollout_harness import make_config, tiny_model, wait_until
 from rljob_api import protocol
 from rljob_api.protocol import TransferTicket, parse_event, parse_member
+from rljob_rollout.backends.base import UpdateOutcome
+from rljob_rollout.backends.cpu import CpuBackend
 from rljob_rollout.weights import WeightSubscriber
-from rljob_trainer.transfer import _AllowListUnpickler, receive_update, unwrapped_name
+from rljob_trainer.transfer import TransferFailed, _AllowListUnpickler, receive_update, unwrapped_name
 from rljob_trainer.weights import WeightPublisher
 
 HERE = Path(__file__).resolve().parent
@@ -151,6 +153,67 @@ def test_publish_consumes_every_tensor_once_without_members_and_strips_wrapper_p
     assert consumed == [0, 1, 2]
     assert [name for name, _ in publisher._snapshot] == ["layer0.weight", "layer1.weight", "layer2.weight"]
     assert unwrapped_name("module._orig_mod.model.x") == "model.x"
+
+
+def _next_update(subscriber: WeightSubscriber, version: int, timeout_s: float = 20):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for event in subscriber.poll(block_ms=200):
+            if event.ticket is not None and event.documents_seen == version:
+                return event
+    raise AssertionError(f"no weights_ready for version {version} within {timeout_s} s")
+
+
+def test_the_cpu_backend_receives_every_update_into_the_same_buffers(setup):
+    config, _path, client, publisher = setup
+    backend = CpuBackend(tiny_model(config, seed=0), pad_token_id=0, eos_token_id=None)
+    subscriber = WeightSubscriber(config, client, replica_index=0)
+    subscriber.follow_from_now()
+    subscriber.heartbeat()
+    pointers = []
+    for version, seed in ((10, 1), (20, 2)):
+        model = tiny_model(config, seed=seed)
+        sending = threading.Thread(target=publisher.publish, args=(model.state_dict().items(),),
+                                   kwargs={"step": version // 10, "documents_seen": version})
+        sending.start()
+        event = _next_update(subscriber, version)
+        assert backend.receive_weights(event.ticket, subscriber.address, subscriber.transfer_ranks) == UpdateOutcome.LOADED
+        sending.join(30)
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(backend.model.state_dict()[name], tensor), name
+        pointers.append({name: t.data_ptr() for name, t in backend.staging.items()})
+    assert pointers[0] == pointers[1] and sorted(pointers[0]) == sorted(model.state_dict())
+    assert backend.staging.nbytes == sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def test_a_receiver_that_stops_reading_holds_rank_0_no_longer_than_the_transfer_timeout(redis_server):
+    config = make_config(redis_server)
+    client = redis_server.client()
+    publisher = WeightPublisher(config, client, join_timeout_s=JOIN_S, transfer_timeout_s=2.0, serve_late_joiners=False)
+    subscriber = WeightSubscriber(config, client, replica_index=0)
+    subscriber.follow_from_now()
+    subscriber.heartbeat()
+    failures: list[TransferFailed] = []
+
+    def receive_slowly() -> None:
+        event = _next_update(subscriber, 10)
+        try:
+            receive_update(subscriber.address, event.ticket, 1, device=torch.device("cpu"), sink=lambda *_: time.sleep(6))
+        except TransferFailed as error:
+            failures.append(error)
+
+    receiving = threading.Thread(target=receive_slowly, daemon=True)
+    receiving.start()
+    try:
+        started = time.monotonic()
+        received = publisher.publish(tiny_model(config, seed=1).state_dict().items(), step=1, documents_seen=10)
+        elapsed = time.monotonic() - started
+    finally:
+        publisher.close()
+    receiving.join(30)
+    # The update's deadline (2 s after its group formed) ends it; then the receiver's next broadcast fails.
+    assert received == 0 and 2.0 <= elapsed < 3.5, elapsed
+    assert len(failures) == 1 and failures[0].tensors_loaded == 1
 
 
 def test_timeouts_must_stay_below_the_collective_timeout(redis_server):

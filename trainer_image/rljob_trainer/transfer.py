@@ -1,6 +1,7 @@
 """The weight-transfer wire, both ends (DESIGN §3 "Weight transfer"): the group of one update, the ready/final
 handshake on the trainer's store and the object/tensor broadcasts. The trainer's :class:`rljob_trainer.weights.
-WeightPublisher` sends with :func:`send_update`; a rollout backend receives with :func:`receive_update`. The events
+WeightPublisher` sends with :func:`open_update` (:class:`UpdateSender`) or :func:`send_update`; a rollout backend
+receives with :func:`receive_update`. The events
 and heartbeats that announce updates are in :mod:`rljob_api.protocol`.
 
 Group: a dedicated process group outside the data-parallel world. Trainer global rank 0 is group rank 0 and
@@ -24,10 +25,18 @@ weights_ready event carrying the ticket:
    for one object (an int64 size tensor, then the pickled bytes as uint8), the per-tensor layout upstream's
    ``broadcast_object`` produces; receivers unpickle with an allow-list (builtins containers, ``torch.Size``,
    torch dtypes) so a stray peer cannot run code. The ready/final handshake is rljob's own.
+
+Speed without changing those bytes (docs/weight-sync.md): the sender queues each tensor's three broadcasts
+without waiting, two tensors ahead (:class:`UpdateSender`); a receiver posts the next object's size
+broadcast while a tensor is still arriving, and may receive into buffers it keeps across updates
+(:class:`ReceiveBuffers`), since fresh memory costs page faults on every update. ``transfer_timeout_s`` bounds a
+whole update on rank 0 (:attr:`UpdateSender.deadline`), not each broadcast, so that the other data-parallel ranks,
+which wait for rank 0 meanwhile, wait at most ``join_timeout_s + transfer_timeout_s`` (DESIGN §3).
 """
 
 from __future__ import annotations
 
+import collections
 import datetime
 import io
 import json
@@ -47,6 +56,10 @@ SHARD_NAME = "weights"
 STORE_PREFIX = "rljob/weights/"
 FINAL_MARGIN_S = 10.0
 """A receiver waits join_timeout_s + this for the publisher's `final` list (seconds)."""
+READY_POLL_S = 0.05
+"""How often rank 0's wait for ready members checks whether it was cancelled (seconds)."""
+IN_FLIGHT = 2
+"""Tensors rank 0 keeps on the wire at once (:class:`UpdateSender`)."""
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
@@ -79,28 +92,34 @@ class _AllowListUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"weight transfer: refusing to unpickle {module}.{name}")
 
 
-def _broadcast(group: Any, tensor: torch.Tensor, timeout: datetime.timedelta) -> None:
+def _start_broadcast(group: Any, tensor: torch.Tensor) -> Any:
+    """Start a broadcast of ``tensor`` (contiguous, on the group's device) from group rank 0; returns its Work."""
     options = BroadcastOptions()
     options.rootRank = 0
     options.rootTensor = 0
-    group.broadcast([tensor], options).wait(timeout)
+    return group.broadcast([tensor], options)
 
 
-def _broadcast_object(group: Any, obj: Any, *, root: bool, device: torch.device, timeout: datetime.timedelta) -> Any:
-    """``broadcast_object_list([obj], src=0)`` on a raw group: int64 size tensor [1], then uint8 bytes [size]."""
-    if root:
-        payload = pickle.dumps(obj)
-        size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-    else:
-        size = torch.zeros(1, dtype=torch.int64, device=device)
-    _broadcast(group, size, timeout)
-    if root:
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
-    else:
-        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    _broadcast(group, data, timeout)
-    if root:
-        return obj
+def _wait(work: Any, seconds: float) -> None:
+    """Wait for ``work`` at most ``seconds``. Raises TimeoutError when none are left; RuntimeError / DistError when the
+    broadcast failed or timed out."""
+    if seconds <= 0:
+        raise TimeoutError("weight transfer: the update ran out of time")
+    work.wait(datetime.timedelta(seconds=seconds))
+
+
+def _object_tensors(obj: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``broadcast_object_list([obj], src=0)`` sends for ``obj``: int64 [1] = n, then uint8 [n] = the pickle."""
+    payload = pickle.dumps(obj)
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    return size.to(device), torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+
+
+def _receive_object(group: Any, size: torch.Tensor, size_work: Any, *, device: torch.device, seconds: float) -> Any:
+    """The rest of an object broadcast whose size broadcast (``size``, int64 [1]) was started as ``size_work``."""
+    _wait(size_work, seconds)
+    data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    _wait(_start_broadcast(group, data), seconds)
     return _AllowListUnpickler(io.BytesIO(data.cpu().numpy().tobytes())).load()
 
 
@@ -118,49 +137,155 @@ def _ticket_store(store: Store, ticket: TransferTicket) -> PrefixStore:
     return PrefixStore(f"{STORE_PREFIX}{ticket.id}/", store)
 
 
-def _await_ready(store: Store, members: Sequence[int], timeout_s: float) -> list[int]:
-    """Members whose ``ready/<rank>`` key appeared within ``timeout_s`` (ascending)."""
-    deadline = time.monotonic() + timeout_s
-    waiting = set(members)
-    while waiting:
-        waiting = {rank for rank in waiting if not store.check([f"ready/{rank}"])}
-        if not waiting or time.monotonic() >= deadline:
-            break
-        time.sleep(0.02)
-    return sorted(set(members) - waiting)
-
-
-def send_update(
-    store: Store, ticket: TransferTicket, named_tensors: Iterable[tuple[str, torch.Tensor]], *, device: torch.device
+def _await_ready(
+    store: Store, members: Sequence[int], timeout_s: float, cancelled: Optional[Callable[[], bool]] = None
 ) -> list[int]:
-    """Rank 0's side of one update: wait for the invited members, then broadcast every tensor.
+    """Members whose ``ready/<rank>`` key appeared within ``timeout_s`` (ascending); returns as soon as every member
+    is ready, or early (with those ready so far) once ``cancelled()`` is true (checked every ``READY_POLL_S``)."""
+    deadline = time.monotonic() + timeout_s
+    waiting = {rank: f"ready/{rank}" for rank in members}
+    while waiting:
+        left = deadline - time.monotonic()
+        if left <= 0 or (cancelled is not None and cancelled()):
+            break
+        try:
+            store.wait(list(waiting.values()), datetime.timedelta(seconds=min(left, READY_POLL_S)))
+            waiting = {}
+        except RuntimeError:  # DistStoreError: not all of them yet
+            waiting = {rank: key for rank, key in waiting.items() if not store.check([key])}
+    return sorted(set(members) - set(waiting))
+
+
+class UpdateSender:
+    """Rank 0's end of one update's group: sends (name, tensor) pairs in the per-tensor layout of the module
+    docstring. Made by :func:`open_update`.
+
+    :meth:`send` starts a tensor's three broadcasts (size, pickled ``(shard, name, shape, dtype)``, the tensor)
+    and returns once at most :data:`IN_FLIGHT` tensors are still on the wire: the next tensor's broadcasts are
+    queued before the previous one has arrived, so the receiver never waits for rank 0's main thread (on a busy
+    machine each such wait costs a scheduling delay). The tensors in flight must stay alive and unchanged until
+    :meth:`send` has returned :data:`IN_FLIGHT` more times, or :meth:`wait` or :meth:`finish` has returned: send
+    tensors that cost no extra memory (the model's own, or late-joiner buffers), or call :meth:`wait` after
+    each.
+
+    Attributes:
+        joined: the transfer ranks in the group (ascending; group ranks 1, 2, ...).
+        deadline: ``time.monotonic()`` value past which every wait raises TimeoutError: ``ticket.timeout_s`` after
+            the group began to form. Broadcasts are started with the time left as their timeout, so none outlives
+            it (dropping the group after a failure waits for what is in flight).
+
+    Raises (every method): TimeoutError past the deadline; RuntimeError / DistError when a broadcast failed (a
+    receiver died). After an error the update is lost: drop the sender.
+    """
+
+    def __init__(self, group: Any, joined: list[int], device: torch.device, deadline: float) -> None:
+        self.joined = joined
+        self.deadline = deadline
+        self._group = group
+        self._device = device
+        self._in_flight: collections.deque[list[tuple[Any, torch.Tensor]]] = collections.deque()
+
+    def send(self, name: str, tensor: torch.Tensor) -> None:
+        """Send one tensor (contiguous, on the sender's device; [shape] of any dtype) under ``name``."""
+        started = self._start_object((SHARD_NAME, name, tuple(tensor.shape), tensor.dtype))
+        if tensor.numel():
+            started.append(self._start(tensor))
+        self._in_flight.append(started)
+        while len(self._in_flight) > IN_FLIGHT:
+            self._wait_oldest()
+
+    def wait(self) -> None:
+        """Return once every broadcast started so far is complete."""
+        while self._in_flight:
+            self._wait_oldest()
+        if self._device.type == "cuda":
+            torch.cuda.current_stream(self._device).synchronize()  # NCCL's wait only orders the streams
+
+    def finish(self) -> None:
+        """End the update: the ``None`` object, then wait for everything."""
+        self._in_flight.append(self._start_object(None))
+        self.wait()
+
+    def _wait_oldest(self) -> None:
+        for work, _tensor in self._in_flight.popleft():
+            _wait(work, self.deadline - time.monotonic())
+
+    def _start_object(self, obj: Any) -> list[tuple[Any, torch.Tensor]]:
+        size, payload = _object_tensors(obj, self._device)
+        return [self._start(size), self._start(payload)]
+
+    def _start(self, tensor: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        left = max(self.deadline - time.monotonic(), 1e-3)
+        self._group.set_timeout(datetime.timedelta(seconds=left))
+        return _start_broadcast(self._group, tensor), tensor
+
+
+def open_update(
+    store: Store, ticket: TransferTicket, *, device: torch.device, cancelled: Optional[Callable[[], bool]] = None
+) -> Optional[UpdateSender]:
+    """Rank 0's start of one update: wait for the invited members, write ``final``, form the group.
 
     Args:
         store: the trainer's transfer store (the master ``TCPStore``).
         ticket: the update, already announced on the events stream.
-        named_tensors: (parameter name, tensor) pairs; consumed only when at least one member joined.
         device: where tensors are sent from (CPU for gloo, the rank's CUDA device for nccl).
+        cancelled: polled while waiting for members; once true, nobody more is waited for.
+
+    Returns:
+        The sender, or None when no member joined (or ``cancelled`` came first): ``final`` is then empty.
+
+    Raises:
+        RuntimeError / DistError: the store failed or the group could not form.
+    """
+    scoped = _ticket_store(store, ticket)
+    joined = _await_ready(scoped, ticket.members, ticket.join_timeout_s, cancelled)
+    if cancelled is not None and cancelled():
+        joined = []
+    scoped.set("final", json.dumps(joined))
+    if not joined:
+        return None
+    deadline = time.monotonic() + ticket.timeout_s
+    group = _new_group(ticket.backend, PrefixStore("pg/", scoped), 0, 1 + len(joined), datetime.timedelta(seconds=ticket.timeout_s))
+    return UpdateSender(group, joined, device, deadline)
+
+
+def send_update(
+    store: Store,
+    ticket: TransferTicket,
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    device: torch.device,
+    cancelled: Optional[Callable[[], bool]] = None,
+) -> list[int]:
+    """Rank 0's side of one whole update (:func:`open_update`, then every tensor, then the end).
+
+    Args:
+        store, ticket, device: as :func:`open_update`.
+        named_tensors: (parameter name, tensor) pairs; consumed only when at least one member joined; each is
+            moved to ``device`` (at most two exist at once: the one in flight and the next).
+        cancelled: checked while waiting for members and before each tensor; once true the update is abandoned.
 
     Returns:
         The transfer ranks that joined and received the whole update.
 
     Raises:
+        TransferCancelled: ``cancelled()`` became true after the group formed (the receivers' updates fail).
+        TimeoutError: the update took longer than ``ticket.timeout_s``.
         RuntimeError / DistError: the group could not form or a broadcast failed (a receiver died mid-update).
     """
-    scoped = _ticket_store(store, ticket)
-    joined = _await_ready(scoped, ticket.members, ticket.join_timeout_s)
-    scoped.set("final", json.dumps(joined))
-    if not joined:
+    sender = open_update(store, ticket, device=device, cancelled=cancelled)
+    if sender is None:
         return []
-    timeout = datetime.timedelta(seconds=ticket.timeout_s)
-    group = _new_group(ticket.backend, PrefixStore("pg/", scoped), 0, 1 + len(joined), timeout)
     for name, tensor in named_tensors:
-        tensor = tensor.detach().to(device).contiguous()
-        _broadcast_object(group, (SHARD_NAME, name, tuple(tensor.shape), tensor.dtype), root=True, device=device, timeout=timeout)
-        if tensor.numel():
-            _broadcast(group, tensor, timeout)
-    _broadcast_object(group, None, root=True, device=device, timeout=timeout)
-    return joined
+        if cancelled is not None and cancelled():
+            raise TransferCancelled(f"weight update {ticket.id} cancelled")
+        sender.send(name, tensor.detach().to(device).contiguous())
+    sender.finish()
+    return sender.joined
+
+
+class TransferCancelled(RuntimeError):
+    """An update was abandoned on purpose (:func:`send_update`'s ``cancelled``)."""
 
 
 class TransferFailed(RuntimeError):
@@ -169,6 +294,39 @@ class TransferFailed(RuntimeError):
     def __init__(self, message: str, tensors_loaded: int) -> None:
         super().__init__(message)
         self.tensors_loaded = tensors_loaded
+
+
+class ReceiveBuffers:
+    """Tensors a receiver keeps across updates and receives into: one per parameter name, replaced when the
+    name's shape, dtype or device changes (the old one is dropped first, so a name never holds two).
+
+    Fresh memory is slow on some machines (every page faults on first touch; measured in docs/weight-sync.md), so
+    a receiver that stages a whole update before loading it (the CPU backend) saves that on every update, at the
+    price of keeping one copy of the model's published tensors between updates (:attr:`nbytes`). A tensor handed
+    to the sink is overwritten by the next update that uses the same buffers: a sink that keeps tensors across
+    updates must copy them.
+    """
+
+    def __init__(self) -> None:
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The buffer of ``name``: [shape] of ``dtype`` on ``device``, contents undefined."""
+        tensor = self._tensors.get(name)
+        if tensor is None or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype or tensor.device != torch.device(device):
+            self._tensors.pop(name, None)
+            del tensor  # freed before its replacement is allocated
+            tensor = self._tensors[name] = torch.empty(tuple(shape), dtype=dtype, device=device)
+        return tensor
+
+    def items(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, buffer) of every buffer, in the order the names were first received."""
+        return list(self._tensors.items())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by every buffer."""
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())
 
 
 def connect_store(address: StoreAddress, timeout_s: float) -> TCPStore:
@@ -183,12 +341,14 @@ def receive_update(
     *,
     device: torch.device,
     sink: Callable[[str, torch.Tensor], None],
+    buffers: Optional[ReceiveBuffers] = None,
 ) -> bool:
     """A rollout process's side of one update: join, receive every tensor, hand each to ``sink``.
 
-    ``sink(name, tensor)`` gets each tensor as it arrives ([shape] of the sent dtype, on ``device``). If it
-    raises, the rest of the update is still received (so the other receivers are not disturbed) and the
-    first error is raised at the end.
+    ``sink(name, tensor)`` gets each tensor as it arrives ([shape] of the sent dtype, on ``device``): a new tensor,
+    or with ``buffers`` that name's buffer (overwritten by the next update, see :class:`ReceiveBuffers`). If it
+    raises, the rest of the update is still received (so the other receivers are not disturbed) and the first
+    error is raised at the end. Each broadcast may take ``ticket.timeout_s``.
 
     Returns:
         True when the whole update arrived; False when this rank was not invited or was left out of the group
@@ -201,7 +361,7 @@ def receive_update(
         return False
     loaded = 0
     sink_error: Optional[BaseException] = None
-    timeout = datetime.timedelta(seconds=ticket.timeout_s)
+    seconds = ticket.timeout_s
     try:
         # The publisher writes `final` at most join_timeout_s after announcing, and it is there for good after.
         scoped = _ticket_store(connect_store(address, ticket.join_timeout_s), ticket)
@@ -211,15 +371,23 @@ def receive_update(
         if transfer_rank not in final:
             return False
         rank = 1 + final.index(transfer_rank)
-        group = _new_group(ticket.backend, PrefixStore("pg/", scoped), rank, 1 + len(final), timeout)
+        group = _new_group(ticket.backend, PrefixStore("pg/", scoped), rank, 1 + len(final), datetime.timedelta(seconds=seconds))
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+        size_work = _start_broadcast(group, size)
         while True:
-            meta = _broadcast_object(group, None, root=False, device=device, timeout=timeout)
+            meta = _receive_object(group, size, size_work, device=device, seconds=seconds)
             if meta is None:
                 break
             _shard, name, shape, dtype = meta
-            tensor = torch.empty(tuple(shape), dtype=dtype, device=device)
-            if tensor.numel():
-                _broadcast(group, tensor, timeout)
+            if buffers is not None:
+                tensor = buffers.get(name, shape, dtype, device)
+            else:
+                tensor = torch.empty(tuple(shape), dtype=dtype, device=device)
+            tensor_work = _start_broadcast(group, tensor) if tensor.numel() else None
+            size = torch.zeros(1, dtype=torch.int64, device=device)  # the next object's size, while the tensor arrives
+            size_work = _start_broadcast(group, size)
+            if tensor_work is not None:
+                _wait(tensor_work, seconds)
             if sink_error is None:
                 try:
                     sink(name, tensor)

@@ -8,7 +8,9 @@ distribution that :func:`rljob_trainer.model.sequence_logprobs` recomputes (see 
 
 Weight updates are staged: every tensor of an update is received into host memory first and loaded only when
 the whole update has arrived and matches the model's parameters, so a failed transfer leaves the old weights
-(and their version) intact.
+(and their version) intact. The staging buffers are kept from one update to the next
+(:class:`~rljob_trainer.transfer.ReceiveBuffers`): a second copy of the published weights held for good, in
+exchange for no fresh memory (and its page faults) per update.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from rljob_api.spec import SamplingSpec
 from rljob_trainer.model import build_model
 from rljob_rollout.backends.base import Completion, GenerationBackend, UpdateOutcome
 from rljob_api.protocol import TransferTicket
-from rljob_trainer.transfer import StoreAddress, TransferFailed, receive_update
+from rljob_trainer.transfer import ReceiveBuffers, StoreAddress, TransferFailed, receive_update
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class CpuBackend(GenerationBackend):
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
         self.max_rows = max_rows
+        self.staging = ReceiveBuffers()
 
     @classmethod
     def from_config(cls, config: JobConfig, tokenizer: Any, seed: int) -> "CpuBackend":
@@ -131,7 +134,8 @@ class CpuBackend(GenerationBackend):
     def receive_weights(self, ticket: TransferTicket, address: StoreAddress, transfer_ranks: Sequence[int]) -> UpdateOutcome:
         staged: dict[str, torch.Tensor] = {}
         try:
-            if not receive_update(address, ticket, transfer_ranks[0], device=torch.device("cpu"), sink=staged.__setitem__):
+            if not receive_update(address, ticket, transfer_ranks[0], device=torch.device("cpu"), sink=staged.__setitem__,
+                                  buffers=self.staging):
                 return UpdateOutcome.NOT_SELECTED
             self.load_weights(staged.items())
         except (TransferFailed, ValueError) as error:
