@@ -151,7 +151,7 @@ def test_publish_consumes_every_tensor_once_without_members_and_strips_wrapper_p
 
     assert publisher.publish(tensors(), step=0, documents_seen=0) == 0
     assert consumed == [0, 1, 2]
-    assert [name for name, _ in publisher._snapshot] == ["layer0.weight", "layer1.weight", "layer2.weight"]
+    assert [name for name, _ in publisher.late_joiner_copy.items()] == ["layer0.weight", "layer1.weight", "layer2.weight"]
     assert unwrapped_name("module._orig_mod.model.x") == "model.x"
 
 
@@ -214,6 +214,24 @@ def test_a_receiver_that_stops_reading_holds_rank_0_no_longer_than_the_transfer_
     # The update's deadline (2 s after its group formed) ends it; then the receiver's next broadcast fails.
     assert received == 0 and 2.0 <= elapsed < 3.5, elapsed
     assert len(failures) == 1 and failures[0].tensors_loaded == 1
+
+
+def test_a_publication_takes_over_from_a_late_joiner_update_waiting_for_its_member(setup):
+    config, _path, client, publisher = setup
+    model = tiny_model(config, seed=3)
+    assert publisher.publish(model.state_dict().items(), step=1, documents_seen=10) == 0  # nobody there yet
+    absent = WeightSubscriber(config, client, replica_index=0)  # heartbeats without weights, never joins
+    absent.start_heartbeats(interval_s=0.5)
+    try:
+        # The late-joiner service invites it and waits up to JOIN_S for it to be ready ...
+        wait_until(lambda: len(client.xrange(config.keys.events)) >= 2, 10, "a late-joiner update inviting the member")
+        started = time.monotonic()
+        assert publisher.publish(model.state_dict().items(), step=2, documents_seen=20) == 0
+        elapsed = time.monotonic() - started
+    finally:
+        absent.leave()
+    # ... but the publication does not wait for that: only for its own join (the member is invited again).
+    assert JOIN_S <= elapsed < JOIN_S + 1.5, elapsed
 
 
 def test_timeouts_must_stay_below_the_collective_timeout(redis_server):

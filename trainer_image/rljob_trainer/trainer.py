@@ -10,8 +10,9 @@ One optimizer step on every data-parallel rank (DESIGN §4, §6):
    mean; ``no_sync`` on all but the last micro-batch), backward, and the metrics from what the loss returned;
 4. every reduction after the loss (metrics, the loss value, the stream counters) in ``StepMetrics.reduce``: one
    SUM every step, one MAX when metrics are on; then gradient clipping and AdamW with linear warm-up;
-5. ``documents_seen`` += the step's documents; the new model_version is ``documents_seen``; rank 0 publishes
-   the weights (``weights_ready``) and the progress hash;
+5. ``documents_seen`` += the step's documents; the new model_version is ``documents_seen``; every rank takes part in
+   the weight publication (:func:`~rljob_trainer.weights.publish_weights`: rank 0 announces ``weights_ready`` and
+   sends, the others join the gathers of sharded parameters); rank 0 writes the progress hash;
 6. every ``everySteps`` and at ``maxSteps``: a checkpoint; once it is durable rank 0 publishes its
    documents_seen (``checkpoint_documents_seen``, for the rollout's max lag), then each rank XACKs the entries it
    covers and rank 0 trims acked entries.
@@ -56,7 +57,7 @@ from rljob_trainer.progress import Progress, StepRecord, build_progress, gang_at
 from rljob_trainer.stream.batch import MicroBatch, flat_from_padded, pack_documents
 from rljob_trainer.stream.reader import StreamReader
 from rljob_trainer.stream.redistribute import redistribute_pending
-from rljob_trainer.weights import WeightPublisher
+from rljob_trainer.weights import Publication, WeightPublisher, publish_weights
 
 log = logging.getLogger("rljob_trainer.train")  # the name the logs have always carried
 
@@ -152,7 +153,8 @@ class Trainer:
         self.ddp = wrap_model(self.model, self.where)
         if self.where.is_rank_zero:
             self.publisher = WeightPublisher(self.config, self.client)
-        self._publish()
+        publication = self._publish()
+        log.info("weights: start of the attempt published in %.0f ms", publication.duration_ms)
         return committed
 
     def fit(self) -> RunResult:
@@ -192,10 +194,9 @@ class Trainer:
             self.reader.trim_acked()
         return committed
 
-    def _publish(self) -> None:
-        if self.publisher is not None:
-            named = ((name, tensor.detach()) for name, tensor in self.model.state_dict().items())
-            self.publisher.publish(named, step=self.step, documents_seen=self.documents_seen)
+    def _publish(self) -> Publication:
+        """The weights after ``self.step``, as version ``documents_seen``; collective (every rank calls it)."""
+        return publish_weights(self.model, self.publisher, step=self.step, documents_seen=self.documents_seen)
 
     # --- one step ---------------------------------------------------------------------------------
     def train_step(self) -> StepRecord:
@@ -238,6 +239,8 @@ class Trainer:
         lr = learning_rate(self.step, opt.learning_rate, opt.warmup_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        if self.publisher is not None:
+            self.publisher.settle()  # the last publication's late-joiner copy may still be reading the weights
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         elapsed = max(time.monotonic() - started, 1e-9)
