@@ -1,9 +1,10 @@
 """The metrics registry: every value a trainer step reduces over the data-parallel ranks after the loss, with its
-reduction and the level that logs it (DESIGN §4); and the metrics level.
+reduction and the level that logs it (DESIGN §4); the timings global rank 0 reports with each step; and the metrics
+level.
 
 :class:`~rljob_trainer.loss_metrics.StepMetrics` accumulates and reduces what is declared here; a new metric is a
-:class:`MetricDef` in :data:`METRICS` (loss metrics, by level) or :data:`STEP_TOTALS` (every step, every level).
-Units and weighting: :mod:`rljob_trainer.loss_metrics`.
+:class:`MetricDef` in :data:`METRICS` (loss metrics, by level), :data:`STEP_TOTALS` (every step, every level) or
+:data:`STEP_TIMINGS` (rank 0's own durations, not reduced). Units and weighting: :mod:`rljob_trainer.loss_metrics`.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ if TYPE_CHECKING:
     from rljob_api.spec import RLTrainingJobSpec
 
 MetricsLevel = Literal["none", "basic", "full"]
-Reduction = Literal["sum", "max", "min"]
+Reduction = Literal["sum", "max", "min", "rank0"]
 
 
 class MetricDef(NamedTuple):
-    """One metric: its name, its cross-rank reduction, the lowest level that logs it (``always``: every level,
-    ``none`` included), and its meaning."""
+    """One metric: its name, its cross-rank reduction (``rank0``: none, global rank 0's own value), the lowest
+    level that logs it (``always``: every level, ``none`` included), and its meaning."""
 
     name: str
     reduction: Reduction
@@ -62,6 +63,14 @@ the metrics) and the readers' counters since this attempt started (logged as ``s
 
 STREAM_COUNTERS: tuple[str, ...] = tuple(m.name for m in STEP_TOTALS if m.name != "loss")
 """The reader counters among :data:`STEP_TOTALS` (:class:`~rljob_trainer.stream.reader.ReaderCounters` fields)."""
+
+STEP_TIMINGS: tuple[MetricDef, ...] = (
+    MetricDef("weight_sync_time_ms", "rank0", "always",
+              "wall time of the step's weight publication on global rank 0 (milliseconds): weights_ready event, join, "
+              "gathers of sharded parameters, sends to the rollout (rljob_trainer.weights.publish_weights)"),
+)
+"""Durations global rank 0 measures and reports with every step, whatever the level, named as Fast-LLM logs them.
+Not reduced: the other ranks spend the same time waiting for rank 0 or in the same collectives."""
 
 COUNT_METRICS: tuple[str, ...] = ("num_tokens",)
 """Sum metrics reported as totals; every other sum metric is divided by the step's document count."""

@@ -34,7 +34,8 @@ class StepRecord:
     ``documents_seen``: documents that entered the loss since the job began, over all ranks (documents);
     ``model_version``: the version of the weights after this step (= documents_seen, DESIGN §6);
     ``tokens_per_second``: real (non-padding) tokens of the step over all ranks / its wall time;
-    ``metrics``: the reduced loss metrics (DESIGN §4) plus ``loss``, ``grad_norm`` and ``learning_rate``;
+    ``metrics``: the reduced loss metrics (DESIGN §4) plus ``loss``, ``grad_norm``, ``learning_rate`` and rank 0's
+    timings (:data:`~rljob_trainer.metrics_registry.STEP_TIMINGS`: ``weight_sync_time_ms``);
     ``stream``: the stream reader's counters summed over ranks (documents: redelivered, dead-lettered...).
     """
 
@@ -102,7 +103,8 @@ class RankZeroProgress:
             )
         }
         self._metric = Gauge(
-            "rljob_trainer_metric", "Loss metrics of the last step (DESIGN §4).", ["name"], registry=self.registry
+            "rljob_trainer_metric", "Metrics of the last step: loss metrics (DESIGN §4), loss, grad_norm, "
+            "learning_rate, weight_sync_time_ms.", ["name"], registry=self.registry
         )
         self._stream = Gauge(
             "rljob_trainer_stream", "Stream reader counters, all ranks (documents).", ["counter"], registry=self.registry

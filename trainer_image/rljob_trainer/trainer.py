@@ -12,7 +12,8 @@ One optimizer step on every data-parallel rank (DESIGN §4, §6):
    SUM every step, one MAX when metrics are on; then gradient clipping and AdamW with linear warm-up;
 5. ``documents_seen`` += the step's documents; the new model_version is ``documents_seen``; every rank takes part in
    the weight publication (:func:`~rljob_trainer.weights.publish_weights`: rank 0 announces ``weights_ready`` and
-   sends, the others join the gathers of sharded parameters); rank 0 writes the progress hash;
+   sends, the others join the gathers of sharded parameters), whose duration is the step's ``weight_sync_time_ms``;
+   rank 0 writes the progress hash;
 6. every ``everySteps`` and at ``maxSteps``: a checkpoint; once it is durable rank 0 publishes its
    documents_seen (``checkpoint_documents_seen``, for the rollout's max lag), then each rank XACKs the entries it
    covers and rank 0 trims acked entries.
@@ -247,13 +248,14 @@ class Trainer:
 
         self.step += 1
         self.documents_seen += step_documents
-        self._publish()
+        publication = self._publish()
         record = StepRecord(
             step=self.step,
             documents_seen=self.documents_seen,
             model_version=self.documents_seen,
             tokens_per_second=step_tokens / elapsed,
-            metrics={"loss": step_loss, "grad_norm": float(grad_norm), "learning_rate": lr, **reduced},
+            metrics={"loss": step_loss, "grad_norm": float(grad_norm), "learning_rate": lr, **reduced,
+                     "weight_sync_time_ms": publication.duration_ms},
             stream=stream,
         )
         self.progress.report(record)
