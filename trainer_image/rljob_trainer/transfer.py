@@ -1,8 +1,8 @@
 """The weight-transfer wire, both ends (DESIGN §3 "Weight transfer"): the group of one update, the ready/final
 handshake on the trainer's store and the object/tensor broadcasts. The trainer's :class:`rljob_trainer.weights.
 WeightPublisher` sends with :func:`open_update` (:class:`UpdateSender`) or :func:`send_update`; a rollout backend
-receives with :func:`receive_update`. The events
-and heartbeats that announce updates are in :mod:`rljob_api.protocol`.
+receives with :func:`receive_update`. The events and heartbeats that announce updates are in
+:mod:`rljob_api.protocol`.
 
 Group: a dedicated process group outside the data-parallel world. Trainer global rank 0 is group rank 0 and
 hosts a ``torch.distributed.TCPStore`` on ``config.weights_port`` (the store's server listens on every
@@ -29,9 +29,10 @@ weights_ready event carrying the ticket:
 Speed without changing those bytes (docs/weight-sync.md): the sender queues each tensor's three broadcasts
 without waiting, two tensors ahead (:class:`UpdateSender`); a receiver posts the next object's size
 broadcast while a tensor is still arriving, and may receive into buffers it keeps across updates
-(:class:`ReceiveBuffers`), since fresh memory costs page faults on every update. ``transfer_timeout_s`` bounds a
-whole update on rank 0 (:attr:`UpdateSender.deadline`), not each broadcast, so that the other data-parallel ranks,
-which wait for rank 0 meanwhile, wait at most ``join_timeout_s + transfer_timeout_s`` (DESIGN §3).
+(:class:`ReceiveBuffers`), since fresh memory costs page faults on every update. The ticket's ``timeout_s``
+(the publisher's ``transfer_timeout_s``) bounds a whole update on rank 0 (:attr:`UpdateSender.deadline`), not each
+broadcast, so that the other data-parallel ranks, which wait for rank 0 meanwhile, wait at most
+``join_timeout_s + timeout_s`` (DESIGN §3); a receiver allows ``timeout_s`` per broadcast.
 """
 
 from __future__ import annotations

@@ -41,6 +41,9 @@ class CpuBackend(GenerationBackend):
         eos_token_id: a completion stops after sampling it (None: only the length limit stops).
         max_rows: largest generate() batch (prompts × samples); bigger requests are split.
         device: where the model runs (``cpu``; a CUDA device works too, without vLLM's speed).
+
+    Attributes:
+        staging: the buffers weight updates are received into (on CPU, in the sent dtype), kept between updates.
     """
 
     def __init__(
