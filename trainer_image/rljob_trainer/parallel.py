@@ -7,8 +7,8 @@ multiply to the world size (DESIGN §5), :func:`init_distributed` forms the data
 Plan for large models (not implemented yet): replace :func:`wrap_model`'s DDP with FSDP2
 (``torch.distributed.fsdp.fully_shard`` per decoder block, then on the root), keeping the same interface.
 The checkpoint code already goes through ``torch.distributed.checkpoint.state_dict``, which handles
-sharded (DTensor) state dicts, and the weight publisher would gather full tensors with
-``DTensor.full_tensor()`` before sending. Tensor and pipeline parallelism stay refused by the operator
+sharded (DTensor) state dicts, and the weight publication already gathers DTensors one at a time on every rank
+(:func:`rljob_trainer.weights.publish_weights`). Tensor and pipeline parallelism stay refused by the operator
 ("not supported yet") until then.
 """
 
