@@ -1,0 +1,414 @@
+"""Weight sync: one publication of a DDP trainer's weights to a rollout process beside a raw broadcast of the same
+bytes, and the share of an FSDP trainer's publication its gathers take.
+
+Processes (real ones, gloo on loopback, a real redis-server):
+
+- this process is global rank 0 of a DDP trainer: a random Llama of ``--params`` million parameters (plain
+  tensors, as DDP holds them) and a real :class:`~rljob_trainer.weights.WeightPublisher`; each publication is one
+  :func:`~rljob_trainer.weights.publish_weights` call (the ``weight_sync_time_ms`` the trainer reports: weights_ready
+  event, join handshake, the update's group, every tensor in the per-tensor layout of DESIGN §3, the late-joiner
+  copy);
+- one rollout process: the real subscriber (:class:`~rljob_rollout.weights.WeightSubscriber`: heartbeats, events) and
+  the CPU backend's real receive path (:meth:`CpuBackend.receive_weights`: staging buffers, then loading into its
+  own model of the same architecture);
+- for the FSDP figure, two trainer ranks (``fully_shard`` per decoder layer, then the root; a gloo world of 2) that
+  publish the same weights to the same rollout process.
+
+Raw baseline, in the same run on the same two processes: one broadcast of all the published bytes as one flat uint8
+tensor over a gloo group formed once beforehand (buffers allocated and touched once, reused), timed on the root.
+Raw and ours alternate ``--repeats`` times so that machine noise hits both alike; the best run of each counts (the
+median is printed too). For reference also "raw per tensor": the same tensors broadcast one after the other
+without metadata (what the per-tensor layout costs at least). Target: ours >= 80% of the raw rate. The FSDP gather
+share is a figure only. The rollout's weights are checked bit for bit after the DDP and after the FSDP
+publications.
+
+    python benchmarks/weight_sync.py                      # 125M parameters, float32 (about 2 minutes on 2 cores)
+    python benchmarks/weight_sync.py --params 500 --repeats 3
+    python benchmarks/weight_sync.py --dtype bfloat16     # publish bf16 (cast on rank 0 / on the shards)
+
+Exit status: 0 when every target is met, 1 when one is missed, 2 on an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import redis
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stream_throughput import start_redis  # noqa: E402 - a sibling script
+
+from rljob_api import RLTrainingJobSpec, resolve  # noqa: E402
+from rljob_api.config import JobConfig, RedisConnection  # noqa: E402
+
+HERE = Path(__file__).resolve()
+REPO = HERE.parents[1]
+COMMANDS = "bench:weight_sync:commands"
+REPLIES = "bench:weight_sync:replies"
+TARGET = 0.8
+"""Ours >= this share of the raw rate."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+# --- the model: a random Llama of about P parameters, the same on every process -----------------------------------
+def llama_config(params_millions: float) -> Any:
+    """A Llama config of about ``params_millions`` million parameters (vocabulary 32000, untied head)."""
+    from transformers import LlamaConfig
+
+    hidden, intermediate, heads = (768, 2048, 12) if params_millions < 300 else (1536, 4096, 12)
+    vocab = 32000
+    per_layer = 4 * hidden * hidden + 3 * hidden * intermediate + 2 * hidden
+    layers = max(1, round((params_millions * 1e6 - 2 * vocab * hidden - hidden) / per_layer))
+    return LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=heads, tie_word_embeddings=False)
+
+
+def build_model(params_millions: float, seed: int) -> torch.nn.Module:
+    """The benchmark's model, float32 on CPU, parameters uniform in [-0.02, 0.02) from ``seed`` (fast: no HF init)."""
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(llama_config(params_millions))
+    model.to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.uniform_(-0.02, 0.02, generator=generator)
+    return model
+
+
+def digest(named: Any) -> str:
+    """sha256 over every (name, dtype, shape, bytes) by name: equal digests = bit-identical tensors."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(named, key=lambda item: item[0]):
+        tensor = tensor.detach().contiguous()
+        h.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        h.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return h.hexdigest()
+
+
+def make_config(redis_port: int, weights_port: int) -> JobConfig:
+    spec = RLTrainingJobSpec.model_validate({"model": {"source": "tiny"}, "trainer": {"collectiveTimeoutSeconds": 600}})
+    config = resolve("bench", "bench", spec, RedisConnection(host="127.0.0.1", port=redis_port))
+    return config.model_copy(update={"trainer_master_host": "127.0.0.1", "weights_port": weights_port})
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- the raw baseline (both ends) ------------------------------------------------------------------------------
+def raw_group(rank: int, port: int) -> Any:
+    from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+    timeout = datetime.timedelta(seconds=300)
+    store = TCPStore("127.0.0.1", port, 2, rank == 0, timeout)
+    return ProcessGroupGloo(PrefixStore("raw/", store), rank, 2, timeout), store
+
+
+def broadcast(group: Any, tensor: torch.Tensor) -> None:
+    from torch.distributed import BroadcastOptions
+
+    options = BroadcastOptions()
+    options.rootRank = 0
+    options.rootTensor = 0
+    group.broadcast([tensor], options).wait()
+
+
+def raw_buffers(model: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A receiver's raw buffers: one flat uint8 tensor of the published bytes, touched once (warm, as ours are after
+    the first update), and a view of it per published tensor ([shape] of its published dtype)."""
+    state = model.state_dict().values()
+    dtypes = [dtype if t.is_floating_point() else t.dtype for t in state]
+    sizes = [t.numel() * torch.empty((), dtype=d).element_size() for t, d in zip(state, dtypes)]
+    flat = torch.zeros(sum(sizes), dtype=torch.uint8)
+    views, offset = [], 0
+    for t, d, size in zip(state, dtypes, sizes):
+        views.append(flat[offset:offset + size].view(d).view(t.shape))
+        offset += size
+    return flat, views
+
+
+def raw_round(group: Any, flat: torch.Tensor, tensors: list[torch.Tensor], per_tensor: bool) -> float:
+    """One raw broadcast of ``flat`` (or of each of ``tensors``) after a one-element sync; seconds on this end."""
+    broadcast(group, torch.zeros(1))
+    started = time.perf_counter()
+    if per_tensor:
+        for tensor in tensors:
+            broadcast(group, tensor)
+    else:
+        broadcast(group, flat)
+    return time.perf_counter() - started
+
+
+# --- the rollout process -----------------------------------------------------------------------------------------
+def rollout_main(args: argparse.Namespace) -> int:
+    """The rollout process: subscriber + CPU backend; raw rounds on command; replies on REPLIES."""
+    from rljob_rollout.backends.cpu import CpuBackend
+    from rljob_rollout.backends.base import UpdateOutcome
+    from rljob_rollout.weights import WeightSubscriber
+    from rljob_trainer.stream.connection import connect
+
+    torch.set_num_threads(1)
+    config = JobConfig.load(args.config)
+    client = connect(config)
+    backend = CpuBackend(build_model(args.params, seed=12345), pad_token_id=0, eos_token_id=None)
+    subscriber = WeightSubscriber(config, client, replica_index=0)
+    subscriber.follow_from_now()
+    subscriber.start_heartbeats(interval_s=0.5)
+    group, _store = raw_group(1, args.raw_port)
+    flat, tensors = raw_buffers(backend.model, DTYPES[args.dtype])
+    client.rpush(REPLIES, "ready")
+    while True:
+        command = client.lpop(COMMANDS)
+        if command is not None:
+            command = command.decode()
+            if command == "exit":
+                subscriber.leave()
+                return 0
+            if command.startswith("raw"):
+                raw_round(group, flat, tensors, per_tensor=command == "raw-per-tensor")
+                client.rpush(REPLIES, "raw")
+            elif command == "digest":  # of the last update as received (staged), in the published dtype
+                client.rpush(REPLIES, digest(backend.staging.items()))
+            continue
+        for event in subscriber.poll(block_ms=20):
+            if event.type == "weights_ready" and event.ticket is not None:
+                outcome = backend.receive_weights(event.ticket, subscriber.address, subscriber.transfer_ranks)
+                if outcome == UpdateOutcome.LOADED:
+                    subscriber.version = event.documents_seen
+                    subscriber.heartbeat()
+                client.rpush(REPLIES, json.dumps({"outcome": outcome.value, "version": event.documents_seen}))
+
+
+# --- the FSDP trainer ranks --------------------------------------------------------------------------------------
+def fsdp_main(args: argparse.Namespace) -> int:
+    """One rank of a 2-rank FSDP trainer: ``--repeats`` publications; rank 0 reports each on REPLIES."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from rljob_trainer.stream.connection import connect
+    from rljob_trainer.weights import WeightPublisher, publish_weights
+
+    torch.set_num_threads(1)
+    config = JobConfig.load(args.config)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = build_model(args.params, seed=args.seed)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    client = connect(config)
+    publisher = WeightPublisher(config, client, serve_late_joiners=True, poll_interval_s=3600) if rank == 0 else None
+    dtype = DTYPES[args.dtype] if args.dtype != "float32" else None
+    for repeat in range(1 + args.repeats):  # the first one allocates the late-joiner copy: not reported
+        dist.barrier()
+        if rank == 0:
+            client.blpop([COMMANDS + ":fsdp"], timeout=600)  # the driver says the rollout process is idle
+        dist.barrier()
+        publication = publish_weights(model, publisher, step=100 + repeat, documents_seen=1000 + repeat, dtype=dtype)
+        if rank == 0:
+            client.rpush(REPLIES + ":fsdp", json.dumps({"duration_ms": publication.duration_ms,
+                                                         "gather_ms": publication.gather_ms,
+                                                         "receivers": publication.receivers}))
+    dist.barrier()
+    if publisher is not None:
+        publisher.close()
+    dist.destroy_process_group()
+    return 0
+
+
+# --- the driver -------------------------------------------------------------------------------------------------
+def wait_reply(client: redis.Redis, key: str = REPLIES, timeout_s: float = 600) -> str:
+    reply = client.blpop([key], timeout=timeout_s)
+    if reply is None:
+        raise SystemExit(f"no reply on {key} within {timeout_s} s")
+    return reply[1].decode()
+
+
+def child(role: str, args: argparse.Namespace, config_path: Path, raw_port: int, extra_env: Optional[dict] = None) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(extra_env or {}))
+    command = [sys.executable, str(HERE), "--role", role, "--config", str(config_path), "--params", str(args.params),
+               "--dtype", args.dtype, "--repeats", str(args.repeats), "--raw-port", str(raw_port), "--seed", str(args.seed)]
+    return subprocess.Popen(command, env=env)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every measurement; returns the figures (seconds, bytes, digests)."""
+    from rljob_trainer.weights import WeightPublisher, publish_weights
+
+    torch.set_num_threads(1)
+    process, url, data_dir = start_redis()
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    client = redis.Redis(port=port)
+    config = make_config(port, free_port())
+    config_path = Path(data_dir) / "config.json"
+    config_path.write_text(config.to_json())
+    raw_port = free_port()
+    children: list[subprocess.Popen] = []
+    figures: dict[str, Any] = {"load_start": os.getloadavg()[0]}
+    try:
+        children.append(child("rollout", args, config_path, raw_port))
+        group, _store = raw_group(0, raw_port)
+        model = build_model(args.params, seed=args.seed)
+        dtype = DTYPES[args.dtype] if args.dtype != "float32" else None
+        state = model.state_dict()
+        sent = [t.to(dtype) if dtype is not None and t.is_floating_point() else t for t in state.values()]
+        flat = torch.zeros(sum(t.numel() * t.element_size() for t in sent), dtype=torch.uint8)
+        figures.update(parameters=sum(p.numel() for p in model.parameters()), tensors=len(state), bytes=flat.numel())
+        if wait_reply(client) != "ready":
+            raise SystemExit("the rollout process did not start")
+        publisher = WeightPublisher(config, client, poll_interval_s=3600)  # no late joiner here: keep the thread idle
+        deadline = time.monotonic() + 60
+        while 1 not in publisher.live_members():
+            if time.monotonic() > deadline:
+                raise SystemExit("the rollout process never heartbeated")
+            time.sleep(0.1)
+        # A first publication allocates the late-joiner copy and the rollout's staging buffers: not timed.
+        publish_weights(model, publisher, step=0, documents_seen=0, dtype=dtype)
+        publisher.settle()
+        assert json.loads(wait_reply(client))["outcome"] == "loaded"
+        raw, raw_per_tensor, ours, copies = [], [], [], []
+        for repeat in range(args.repeats):
+            client.rpush(COMMANDS, "raw")
+            raw.append(raw_round(group, flat, sent, per_tensor=False))
+            wait_reply(client)
+            client.rpush(COMMANDS, "raw-per-tensor")
+            raw_per_tensor.append(raw_round(group, flat, sent, per_tensor=True))
+            wait_reply(client)
+            publication = publish_weights(model, publisher, step=1 + repeat, documents_seen=10 * (1 + repeat), dtype=dtype)
+            started = time.perf_counter()
+            publisher.settle()  # a trainer calls it before its next optimizer step; here before the next raw round
+            copies.append(time.perf_counter() - started)
+            reply = json.loads(wait_reply(client))
+            if reply["outcome"] != "loaded" or publication.receivers != 1:
+                raise SystemExit(f"publication {repeat + 1} did not reach the rollout: {reply}, {publication}")
+            ours.append(publication.duration_ms / 1e3)
+        figures.update(raw=raw, raw_per_tensor=raw_per_tensor, ours=ours, copies=copies,
+                       late_joiner_copy=publisher.late_joiner_copy.nbytes)
+        client.rpush(COMMANDS, "digest")
+        figures["rollout_digest_ddp"] = wait_reply(client)
+        figures["published_digest"] = digest(publisher.late_joiner_copy.items())
+        expected = [(name, t) for name, t in zip(state, sent)]
+        figures["expected_digest"] = digest(expected)
+        publisher.close()
+        del publisher, model, state, sent, flat, expected
+
+        if args.fsdp:
+            master = free_port()
+            env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master), "WORLD_SIZE": "2"}
+            ranks = [child("fsdp", args, config_path, raw_port, {**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+            children += ranks
+            fsdp = []
+            for _ in range(1 + args.repeats):
+                client.rpush(COMMANDS + ":fsdp", "go")
+                result = json.loads(wait_reply(client, REPLIES + ":fsdp"))
+                reply = json.loads(wait_reply(client))
+                if reply["outcome"] != "loaded" or result["receivers"] != 1:
+                    raise SystemExit(f"FSDP publication did not reach the rollout: {reply}, {result}")
+                fsdp.append(result)
+            figures["fsdp"] = fsdp[1:]
+            for rank_process in ranks:
+                if rank_process.wait(120) != 0:
+                    raise SystemExit(f"an FSDP rank exited with {rank_process.returncode}")
+            client.rpush(COMMANDS, "digest")
+            figures["rollout_digest_fsdp"] = wait_reply(client)
+        client.rpush(COMMANDS, "exit")
+        children[0].wait(60)
+    finally:
+        for proc in children:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        process.terminate()
+        process.wait(10)
+        import shutil
+
+        shutil.rmtree(data_dir, ignore_errors=True)
+    figures["load_end"] = os.getloadavg()[0]
+    return figures
+
+
+def report(args: argparse.Namespace, f: dict[str, Any]) -> tuple[str, bool]:
+    """The table and whether every target is met."""
+    megabytes = f["bytes"] / 1e6
+    best_raw, best_ours, best_per_tensor = min(f["raw"]), min(f["ours"]), min(f["raw_per_tensor"])
+    ratio = best_raw / best_ours
+    met = ratio >= TARGET
+    identical = f["rollout_digest_ddp"] == f["expected_digest"] == f["published_digest"]
+    lines = [
+        f"model: {f['parameters'] / 1e6:.1f}M parameters, {f['tensors']} tensors, published as {args.dtype}: "
+        f"{megabytes:.1f} MB; load average {f['load_start']:.2f} at the start, {f['load_end']:.2f} at the end",
+        f"{'figure':<44} {'best s':>8} {'median s':>9} {'MB/s':>8} {'vs raw':>7}  target",
+        f"{'raw broadcast, one flat tensor':<44} {best_raw:>8.3f} {statistics.median(f['raw']):>9.3f} "
+        f"{megabytes / best_raw:>8.0f} {'100%':>7}",
+        f"{'raw broadcast, tensor by tensor (reference)':<44} {best_per_tensor:>8.3f} "
+        f"{statistics.median(f['raw_per_tensor']):>9.3f} {megabytes / best_per_tensor:>8.0f} "
+        f"{best_raw / best_per_tensor:>7.0%}  info",
+        f"{'publication, DDP trainer (weight_sync_time_ms)':<44} {best_ours:>8.3f} {statistics.median(f['ours']):>9.3f} "
+        f"{megabytes / best_ours:>8.0f} {ratio:>7.0%}  >= {TARGET:.0%} {'met' if met else 'MISSED'}",
+        f"{'late-joiner copy after the broadcast (settle)':<44} {min(f['copies']):>8.3f} {statistics.median(f['copies']):>9.3f} "
+        f"{'':>8} {'':>7}  info: a background thread; the trainer waits for it only before its next optimizer step",
+        f"rollout's received tensors bit-identical to the published ones (DDP): {'yes' if identical else 'NO'}",
+        f"late-joiner copy on rank 0: {f['late_joiner_copy'] / 1e6:.1f} MB (the published bytes: "
+        f"{'yes' if f['late_joiner_copy'] == f['bytes'] else 'NO'})",
+        f"runs: raw {', '.join(f'{x:.3f}' for x in f['raw'])}; ours {', '.join(f'{x:.3f}' for x in f['ours'])}",
+    ]
+    if "fsdp" in f:
+        shares = [r["gather_ms"] / r["duration_ms"] for r in f["fsdp"]]
+        best = min(f["fsdp"], key=lambda r: r["duration_ms"])
+        same = f["rollout_digest_fsdp"] == f["rollout_digest_ddp"]
+        lines += [
+            f"publication, 2-rank FSDP trainer: best {best['duration_ms'] / 1e3:.3f} s, of which gathers "
+            f"{best['gather_ms'] / 1e3:.3f} s ({best['gather_ms'] / best['duration_ms']:.0%}); median share "
+            f"{statistics.median(shares):.0%}  info",
+            f"rollout's received tensors from FSDP bit-identical to those from DDP: {'yes' if same else 'NO'}",
+        ]
+        identical = identical and same
+    return "\n".join(lines), met and identical
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=float, default=125, help="model size, millions of parameters")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="published dtype")
+    parser.add_argument("--repeats", type=int, default=5, help="timed publications (and raw rounds) of each kind")
+    parser.add_argument("--no-fsdp", dest="fsdp", action="store_false", help="skip the FSDP figure")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--role", default="driver", help=argparse.SUPPRESS)
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    parser.add_argument("--raw-port", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.role == "rollout":
+        return rollout_main(args)
+    if args.role == "fsdp":
+        return fsdp_main(args)
+    try:
+        figures = run(args)
+    except SystemExit as error:
+        print(f"weight_sync: {error}", file=sys.stderr)
+        return 2
+    text, ok = report(args, figures)
+    print(text)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
