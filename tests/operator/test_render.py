@@ -294,13 +294,13 @@ def test_adopt_sets_owner_reference_and_namespace_but_copies_no_labels(owner):
         assert "team" not in child["metadata"]["labels"]
 
 
-#: The pods' hashes of the two examples as every operator version since 0.1.0 computes them. A change here means
-#: that upgrading the operator restarts every running gang and replaces every rollout pod (their hashes no longer
-#: match): add or drop no resolved-config field and change no default until the operator compares pods with the
-#: config their attempt started with (issue 10), then update these values on purpose.
+#: The pods' hashes of the two examples as a fresh resolution computes them. Pods of a running attempt keep the hashes
+#: recorded with their ConfigMap (operator/rljob_operator/resolution.py), so a change here restarts nothing on an
+#: upgrade; it changes what a new job or an edited role gets. Changed on purpose by issue 10
+#: (spec.trainer.parallelism, precision and activationCheckpointing with their defaults).
 EXAMPLE_HASHES = {
-    "grpo-digits-cpu": ("aa4d49656d1b28e3", "b0259e138cddb3cb", "7be8d4156d8ec293"),
-    "grpo-qwen-math": ("395b354d0cb361e3", "586d3e6a3b903178", "8257a091dd443876"),
+    "grpo-digits-cpu": ("590dc3e92585af1c", "4773af9fceeb29d5", "52d45b4a95f1163c"),
+    "grpo-qwen-math": ("ff6cea138b4badf9", "14b2c2f3c19e9bd1", "57cc0ec8cf552701"),
 }
 
 

@@ -50,9 +50,12 @@ def make_config(
     init_from: Optional[str] = None,
     max_pending: Optional[int] = None,
     max_lag: Optional[int] = None,
+    parallelism: Optional[dict[str, Any]] = None,
+    micro_batch_tokens: int = 24,
 ) -> JobConfig:
     """A resolved config for a one-node trainer of ``processes`` ranks with a tiny model and a managed Redis
-    (``max_pending`` / ``max_lag``: spec.redis.maxPending / spec.rollout.maxLag, the spec's defaults if None)."""
+    (``max_pending`` / ``max_lag``: spec.redis.maxPending / spec.rollout.maxLag, ``parallelism``: spec.trainer.parallelism,
+    the spec's defaults if None)."""
     rollout: dict[str, Any] = {"sampling": {"temperature": 0.7}, "replicas": 1}
     if max_lag is not None:
         rollout["maxLag"] = max_lag
@@ -62,7 +65,8 @@ def make_config(
             "algorithm": {"loss": loss, "metrics": metrics},
             "trainer": {
                 "processesPerNode": processes,
-                "batch": {"documentsPerStep": documents_per_step, "microBatchTokens": 24},
+                "batch": {"documentsPerStep": documents_per_step, "microBatchTokens": micro_batch_tokens},
+                **({"parallelism": parallelism} if parallelism is not None else {}),
                 "optimizer": {"learningRate": 1e-2, "warmupSteps": 1, "gradClip": 1.0, "weightDecay": 0.01},
                 "checkpoint": {"everySteps": every_steps, "keepLast": keep_last, "initFrom": init_from},
                 "maxSteps": max_steps,

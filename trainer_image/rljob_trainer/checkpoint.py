@@ -15,7 +15,7 @@ durable; after a crash between the commit and the ack, :func:`acknowledge_covere
 pending before any rank re-reads its pending entries, so an entry is never trained into two checkpoints.
 
 Resharding: the model and optimizer state dicts go through ``torch.distributed.checkpoint.state_dict``,
-so a checkpoint written by N ranks loads on M ranks (and later on FSDP-sharded models).
+so a checkpoint written by N ranks loads on M ranks, DDP-replicated or FSDP-sharded.
 
 Lost checkpoints: rank 0 also records each commit in the Redis hash ``keys.checkpoint``, which outlives the pods.
 At a start, :func:`find_lost_checkpoint` compares that record with what the volume holds: a recorded checkpoint
@@ -38,7 +38,12 @@ import redis
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
 from rljob_api import constants as c
 from rljob_api import protocol
@@ -270,15 +275,18 @@ class CheckpointManager:
     def export(self, model: torch.nn.Module, tokenizer: Any = None) -> Optional[Path]:
         """Rank 0 writes the final weights as safetensors in Hugging Face layout to ``checkpoint_dir/export``.
 
-        ``model`` is the unwrapped transformers model; transformers ≥ 5 always serialises safetensors
-        (``model.safetensors`` + ``config.json``). A tokenizer with ``save_pretrained`` is saved beside it.
-        Collective (ends with a barrier). Returns the directory on rank 0, None elsewhere.
+        ``model`` is the transformers model (sharded under fsdp: the full tensors are gathered to rank 0's host
+        memory by ``get_model_state_dict(full_state_dict=True, cpu_offload=True)``, a collective); transformers ≥ 5
+        always serialises safetensors (``model.safetensors`` + ``config.json``). A tokenizer with
+        ``save_pretrained`` is saved beside it. Collective (ends with a barrier). Returns the directory on rank 0,
+        None elsewhere.
         """
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         out = None
         if self.where.is_rank_zero:
             out = self.root / EXPORT_DIR
             shutil.rmtree(out, ignore_errors=True)
-            model.save_pretrained(out)
+            model.save_pretrained(out, state_dict=full)
             if hasattr(tokenizer, "save_pretrained"):
                 tokenizer.save_pretrained(out)
             log.info("checkpoint: exported final weights to %s", out)

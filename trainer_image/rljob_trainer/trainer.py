@@ -6,8 +6,9 @@ One optimizer step on every data-parallel rank (DESIGN §4, §6):
    micro-batches of at most ``microBatchTokens`` tokens; segment each micro-batch into documents once;
 2. all-reduce the step's counts (labelled tokens, documents, tokens) so the loss divides by the GLOBAL
    normaliser (labelled tokens for GRPO, documents for GSPO);
-3. per micro-batch: log-probabilities at the sampling temperature, the loss × DP (undoing DDP's gradient
-   mean; ``no_sync`` on all but the last micro-batch), backward, and the metrics from what the loss returned;
+3. per micro-batch: log-probabilities at the sampling temperature, the loss × DP (undoing the gradient mean over
+   data-parallel ranks; ddp all-reduces in the last backward only, fsdp reduce-scatters every backward,
+   :meth:`DataParallelModel.micro_batch`), backward, and the metrics from what the loss returned;
 4. every reduction after the loss (metrics, the loss value, the stream counters) in ``StepMetrics.reduce``: one
    SUM every step, one MAX when metrics are on; then gradient clipping and AdamW with linear warm-up;
 5. ``documents_seen`` += the step's documents; the new model_version is ``documents_seen``; rank 0 publishes
@@ -26,7 +27,6 @@ weights with the checkpoint's documents_seen. At ``maxSteps``: final checkpoint,
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 import time
@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional, TextIO
 import redis
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from rljob_api import protocol, rules
 from rljob_api.config import JobConfig
@@ -50,7 +51,7 @@ from rljob_trainer.checkpoint import (
 from rljob_trainer.loss_metrics import StepMetrics, token_entropy
 from rljob_trainer.metrics_registry import STREAM_COUNTERS
 from rljob_trainer.model import build_model, build_tokenizer, sequence_logprobs
-from rljob_trainer.parallel import Distributed, wrap_model
+from rljob_trainer.parallel import DataParallelModel, Distributed, wrap_model
 from rljob_trainer.optim import build_optimizer, learning_rate
 from rljob_trainer.progress import Progress, StepRecord, build_progress, gang_attempt, publish_checkpointed, publish_start
 from rljob_trainer.stream.batch import MicroBatch, flat_from_padded, pack_documents
@@ -110,9 +111,11 @@ class Trainer:
         torch.manual_seed(spec.trainer.seed + where.rank)
         self.tokenizer = build_tokenizer(spec.model, spec.rollout.task)
         vocab_size = len(self.tokenizer) if hasattr(self.tokenizer, "__len__") else self.tokenizer.vocab_size
-        # float32 master weights (a Hub model loads in bf16); bf16 only inside autocast on GPU.
-        self.model = build_model(spec.model, vocab_size, spec.trainer.seed).to(where.device, torch.float32)
-        self.optimizer = build_optimizer(self.model, spec.trainer.optimizer)
+        # float32 master weights (a Hub model loads in bf16); bf16 only in compute on GPU (precision.param).
+        model = build_model(spec.model, vocab_size, spec.trainer.seed).to(where.device, torch.float32)
+        self.parallel: DataParallelModel = wrap_model(model, where, spec.trainer)  # collective under ddp
+        self.model = self.parallel.model
+        self.optimizer = build_optimizer(self.model, spec.trainer.optimizer)  # over the shards under fsdp
         self.checkpoints = CheckpointManager(config, where, client)
         self.step = 0
         self.documents_seen = 0
@@ -128,7 +131,6 @@ class Trainer:
             data_timeout_seconds=spec.trainer.data_timeout_seconds,
             vocab_size=self.model.get_input_embeddings().num_embeddings,
         )
-        self.ddp: Optional[torch.nn.parallel.DistributedDataParallel] = None
         self.progress: Progress = build_progress(config, client, where.rank, stdout=stdout)
 
     # --- start and end ----------------------------------------------------------------------------
@@ -149,7 +151,6 @@ class Trainer:
                 log.warning("checkpoint: %s", protocol.lost_checkpoint_message(lost))
             publish_start(self.client, self.config, self.step, self.documents_seen, lost, attempt=gang_attempt())
         start_reading(self.reader, self.where)  # after the acks and publish_start above: it begins with a barrier
-        self.ddp = wrap_model(self.model, self.where)
         if self.where.is_rank_zero:
             self.publisher = WeightPublisher(self.config, self.client)
         self._publish()
@@ -193,16 +194,20 @@ class Trainer:
         return committed
 
     def _publish(self) -> None:
+        # Under fsdp gathering a full tensor is a collective: every rank walks the same names in the same order.
+        named = ((name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach())
+                 for name, tensor in self.model.state_dict().items())
         if self.publisher is not None:
-            named = ((name, tensor.detach()) for name, tensor in self.model.state_dict().items())
             self.publisher.publish(named, step=self.step, documents_seen=self.documents_seen)
+        elif self.parallel.sharded:
+            for _ in named:
+                pass
 
     # --- one step ---------------------------------------------------------------------------------
     def train_step(self) -> StepRecord:
         """Read, train and report one optimizer step (collective); see the module docstring."""
-        assert self.ddp is not None, "call resume() first"
         # Exactly documents_per_rank (>= 1) valid documents: every rank has at least one micro-batch, so every
-        # rank joins DDP's gradient all-reduce in its last backward.
+        # rank joins the gradient reduction of each backward.
         entries = self.reader.next_documents(self.documents_per_rank)
         started = time.monotonic()
         micro_batches = [
@@ -218,13 +223,12 @@ class Trainer:
         dist.all_reduce(counts)  # the normalisers: the step's only all-reduce outside the metrics
         global_labels, global_documents, step_documents, step_tokens = counts.tolist()
 
-        self.ddp.train()
+        self.parallel.module.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.where.device)
         for index, (mb, seg) in enumerate(zip(micro_batches, segments)):
-            sync = index == len(micro_batches) - 1
-            with contextlib.nullcontext() if sync else self.ddp.no_sync():
+            with self.parallel.micro_batch(last=index == len(micro_batches) - 1):
                 loss = self._micro_batch_loss(mb, seg, global_labels, global_documents)
-                losses.scale_for_ddp_mean(loss, self.where.world_size).backward()
+                losses.scale_for_gradient_mean(loss, self.where.world_size).backward()
             loss_sum += loss.detach().double()
 
         # Every rank, every step, whatever the level; before the optimizer step: a mixed-presence error raised here
@@ -234,7 +238,7 @@ class Trainer:
         stream = {name: int(reduced.pop(name)) for name in STREAM_COUNTERS}
         step_loss = reduced.pop("loss")
         opt = self.config.spec.trainer.optimizer
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), opt.grad_clip if opt.grad_clip > 0 else torch.inf)
+        grad_norm = self.parallel.clip_grad_norm(opt.grad_clip if opt.grad_clip > 0 else torch.inf)
         lr = learning_rate(self.step, opt.learning_rate, opt.warmup_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -262,8 +266,8 @@ class Trainer:
         """This micro-batch's share of the step loss (global normaliser) and its metrics update, in one pass: the
         metrics read the loss's output (:class:`~rljob_trainer.loss.PolicyLossOutput`) and ``segments``."""
         full = self.metrics.enabled and self.metrics.level == "full"
-        model: Callable[..., Any] = _LogitsTap(self.ddp) if full else self.ddp
-        with self._autocast():
+        model: Callable[..., Any] = _LogitsTap(self.parallel.module) if full else self.parallel.module
+        with self.parallel.autocast():
             padded = sequence_logprobs(model, mb.input_ids, mb.attention_mask, self.temperature)  # [B, L] float32
         new_logprobs = flat_from_padded(padded, mb.attention_mask)  # [T]
         common = dict(epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, segments=segments)
@@ -294,11 +298,6 @@ class Trainer:
                 entropy=entropy,
             )
         return output.loss
-
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.where.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
 
     def _stream_counter(self, name: str) -> float:
         value = getattr(self.reader.counters, name)
