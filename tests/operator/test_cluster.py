@@ -219,6 +219,16 @@ def test_schema_and_cel_rules_are_enforced_with_messages_that_name_the_field(kub
     assert "divisible" not in zero and "modulus by zero" not in zero
     kube.apply(job_manifest("docsok", trainer={"nodes": 2, "processesPerNode": 2, "pipelineParallel": 2,
                                                "batch": {"documentsPerStep": 2}}), namespace)  # DP = 2 divides 2
+    assert ("spec.trainer.parallelism.replicate: Invalid value: \"object\": parallelism.replicate must divide the "
+            "data-parallel size") in refused(job_manifest("hsdp3", trainer={"nodes": 2, "processesPerNode": 2,
+                                                                           "parallelism": {"replicate": 3}}))
+    assert ("spec.trainer.parallelism.replicate: Invalid value: \"object\": replicate > 1 (HSDP) requires strategy "
+            "fsdp") in refused(job_manifest("ddphsdp", trainer={"nodes": 2, "processesPerNode": 2,
+                                                               "parallelism": {"strategy": "ddp", "replicate": 2}}))
+    assert 'spec.trainer.parallelism.strategy: Unsupported value: "zero3"' in refused(
+        job_manifest("zero3", trainer={"parallelism": {"strategy": "zero3"}}))
+    kube.apply(job_manifest("hsdp", trainer={"nodes": 2, "processesPerNode": 2, "parallelism": {"replicate": 2},
+                                             "batch": {"documentsPerStep": 4}}), namespace)  # 2 groups x 2 shards
     assert 'unknown field "spec.trainer.nodez"' in refused(job_manifest("unknown", trainer={"nodez": 1}))
     assert "spec.trainer.nodes: Invalid value: 0: spec.trainer.nodes in body should be greater than or equal to 1" \
         in refused(job_manifest("bound", trainer={"nodes": 0}))
@@ -249,6 +259,10 @@ def test_schema_and_cel_rules_are_enforced_with_messages_that_name_the_field(kub
     assert kube.job(namespace, "topo")["spec"]["trainer"]["processesPerNode"] == 2
     explained = kube.run("explain", "rljob.spec.trainer.nodes").stdout
     assert "Trainer pods in the gang (torchrun nnodes)." in explained
+    assert stored["spec"]["trainer"]["parallelism"] == {"strategy": "fsdp", "replicate": 1}
+    assert stored["spec"]["trainer"]["precision"] == {"param": "bf16", "reduce": "fp32"}
+    explained = kube.run("explain", "rljob.spec.trainer.parallelism.strategy").stdout
+    assert "fsdp (the default): parameters, gradients and optimizer state are sharded" in " ".join(explained.split())
 
 
 # --- the operator under its own ServiceAccount ------------------------------------------------------------
