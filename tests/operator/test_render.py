@@ -300,7 +300,7 @@ def test_adopt_sets_owner_reference_and_namespace_but_copies_no_labels(owner):
 #: (spec.trainer.parallelism, precision and activationCheckpointing with their defaults).
 EXAMPLE_HASHES = {
     "grpo-digits-cpu": ("590dc3e92585af1c", "4773af9fceeb29d5", "52d45b4a95f1163c"),
-    "grpo-qwen-math": ("ff6cea138b4badf9", "14b2c2f3c19e9bd1", "57cc0ec8cf552701"),
+    "grpo-qwen-math": ("1658fb72ca9a9387", "f4078376574a86f4", "2706d6b7ae9f4cd9"),
 }
 
 

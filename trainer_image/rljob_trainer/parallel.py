@@ -217,7 +217,8 @@ def wrap_model(model: torch.nn.Module, where: Distributed, trainer: Any) -> Data
     - ddp: DDP, which broadcasts rank 0's parameters at construction and averages gradients over ranks in the last
       backward of a step.
     - fsdp: ``fully_shard`` on ``where.mesh`` per decoder block (the classes the model names in
-      ``_no_split_modules``), then on the root; each rank keeps its shard of every parameter (``Shard(0)``), the
+      ``_no_split_modules``), on the input embedding and the output projection when they are not tied, then on the
+      root; each rank keeps its shard of every parameter (``Shard(0)``), the
       gradients and the optimizer state built afterwards. Mixed precision (FSDP2's ``MixedPrecisionPolicy``):
       parameters all-gathered in ``precision.param``, gradients reduced in ``precision.reduce``; both float32 on
       CPU.
@@ -238,8 +239,12 @@ def wrap_model(model: torch.nn.Module, where: Distributed, trainer: Any) -> Data
     reduce_dtype = torch.bfloat16 if on_gpu and precision.reduce == "bf16" else torch.float32
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
     block_classes = set(getattr(model, "_no_split_modules", None) or ())
-    for module in model.modules():
-        if type(module).__name__ in block_classes:
-            fully_shard(module, mesh=where.mesh, mp_policy=policy)
+    units = [module for module in model.modules() if type(module).__name__ in block_classes]
+    if not getattr(model.config, "tie_word_embeddings", False):
+        # Untied, the embedding and the output projection are each as large as a few blocks (152k x 3584 for a 7B
+        # Qwen): units of their own, so the root's gathered parameters are only the final norm.
+        units += [model.get_input_embeddings(), model.get_output_embeddings()]
+    for module in units:
+        fully_shard(module, mesh=where.mesh, mp_policy=policy)
     fully_shard(model, mesh=where.mesh, mp_policy=policy)
     return DataParallelModel(model, model, where, compute_dtype)
