@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import threading
 import time
 from collections import Counter
@@ -46,6 +45,7 @@ import redis
 from rljob_api import protocol
 from rljob_api.config import JobConfig
 from rljob_rollout.advantages import filter_zero_variance, group_advantages
+from rljob_rollout.backoff import Backoff
 from rljob_rollout.backends.base import Completion, GenerationBackend, UpdateOutcome
 from rljob_rollout.metrics import RolloutMetrics
 from rljob_rollout.tasks import InvalidReward, Prompt, Task
@@ -60,8 +60,9 @@ WAIT_FOR_WEIGHTS_MS = 1000
 """Longest single wait for events before the first weights (milliseconds)."""
 WAIT_FOR_ROOM_MS = 250
 """Wait for events while back-pressure holds the worker (milliseconds)."""
-BACKOFF_INITIAL_S = 0.5
-BACKOFF_MAX_S = 30.0
+OUTAGE_BACKOFF_INITIAL_S = 0.5
+OUTAGE_BACKOFF_CAP_S = 30.0
+"""Waits between tries while Redis is unreachable (seconds; :class:`~rljob_rollout.backoff.Backoff`, doubling)."""
 
 
 def finished_for(event: Event, max_steps: int) -> bool:
@@ -147,7 +148,7 @@ class RolloutWorker:
             redis.AuthenticationError: the Redis password is wrong (never retried).
             RedisTLSError: the server's certificate does not verify against the CA bundle (never retried).
         """
-        delay = BACKOFF_INITIAL_S
+        outage = Backoff(OUTAGE_BACKOFF_INITIAL_S, OUTAGE_BACKOFF_CAP_S)
         try:
             while not self._stop.is_set():
                 try:
@@ -165,14 +166,13 @@ class RolloutWorker:
                     if self.step():
                         log.info("rollout: training_finished received after %d batches; exiting", self.batches)
                         return 0
-                    delay = BACKOFF_INITIAL_S
+                    outage.reset()
                 except (redis.AuthenticationError, RedisTLSError):
                     raise  # a wrong password or CA bundle: waiting cannot fix it, the pod's restarts say so
                 except redis.RedisError as error:
-                    wait = random.uniform(0.5, 1.0) * delay
+                    wait = outage.next_wait()
                     log.warning("rollout: Redis unavailable (%s); retrying in %.1f s", error, wait)
                     self._stop.wait(wait)
-                    delay = min(2 * delay, BACKOFF_MAX_S)
             return 0
         finally:
             self.subscriber.leave()
