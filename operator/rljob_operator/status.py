@@ -342,7 +342,7 @@ def _rewards_failure(progress: Optional[Progress], rollout_ready: Optional[Condi
     """Why every reward of a worker's last batch failed: from ``progress`` when read, else the saved RolloutReady's
     AllRewardsFailed message; None when rewards score."""
     if progress is not None:
-        return progress.rewards_failure
+        return None if progress.reward_failures is None else progress.reward_failures.ready_message()
     if rollout_ready is not None and rollout_ready.reason == Reason.ALL_REWARDS_FAILED.value:
         return rollout_ready.message
     return None

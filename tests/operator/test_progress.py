@@ -180,8 +180,8 @@ def test_all_rewards_failed_becomes_a_warning_condition_and_clears_when_rewards_
 ])
 def test_unreadable_failure_details_still_give_a_message(raw, start):
     parsed = protocol.parse_progress({}, {"all_rewards_failed": raw})
-    assert parsed.rewards_failure.startswith(start)
-    assert protocol.parse_progress({}, {}).rewards_failure is None
+    assert parsed.reward_failures.ready_message().startswith(start)
+    assert protocol.parse_progress({}, {}).reward_failures is None
 
 
 @pytest.mark.parametrize(("before", "after", "managed", "ready", "reads"), [
