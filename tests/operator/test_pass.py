@@ -4,7 +4,10 @@ runs beside it in this module): what a single pass writes and reports."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
+from datetime import datetime, timedelta, timezone
+from typing import Optional
 
 import pytest
 
@@ -79,22 +82,28 @@ def test_the_pass_that_creates_a_gang_writes_the_status_once(kube: Kube, install
     assert delay == 1.0
 
 
-def pass_with_pods(kubeconfig, kube: Kube, namespace: str, name: str) -> Counter:
+def pass_with_pods(kubeconfig, kube: Kube, namespace: str, name: str, *, now: Optional[datetime] = None,
+                   events: Optional[list] = None) -> Counter:
     """One pass over job ``name`` by a fresh operator process (new runtime), seeing the job's pods as its watch
-    would; returns the requests by verb and resource."""
+    would; returns the requests by verb and resource. With ``now`` (the pass's clock) the pass also reads the job's
+    Redis, as the operator does; the Events it posts are added to ``events``."""
     from rljob_operator.observe import pod_view
 
     pods = [pod_view(p) for role in ("trainer", "rollout") for p in kube.pods(namespace, role)
             if p["metadata"]["name"].startswith(f"{name}-") and not p["metadata"].get("deletionTimestamp")]
     requests = Counter()
+    posted = events if events is not None else []
 
     async def run():
         api = await KubeApi.connect(str(kubeconfig), on_request=lambda verb, resource: requests.update([(verb, resource)]))
+        ctx = Context(api=api, post_event=lambda job, event: posted.append(event), read_progress=now is not None,
+                      active_interval_s=1.0, idle_interval_s=30.0)
+        if now is not None:
+            ctx.clock = lambda: now
         try:
-            ctx = Context(api=api, post_event=lambda job, event: None, read_progress=False,
-                          active_interval_s=1.0, idle_interval_s=30.0)
             await reconcile(kube.job(namespace, name), pods, None, JobRuntime(), ctx)
         finally:
+            await ctx.redis_clients.close()
             await api.close()
 
     asyncio.run(run())
@@ -145,3 +154,42 @@ def test_an_upgraded_operator_restarts_no_gang_until_the_user_edits_a_field_the_
     assert not set(uids(kube, namespace, "trainer").values()) & set(trainers.values())
     text = kube.json("get", "configmap", "upgrade-config", "-n", namespace)["data"]["config.json"]
     assert json.loads(text)["spec"]["trainer"]["backend"] == "builtin"  # this version's resolution, new default in
+
+
+def test_an_upgrade_that_adds_the_reward_failure_deadline_replaces_no_pod_nor_does_editing_it(kube: Kube, installed,
+                                                                                                namespace):
+    """A job made before spec.rollout.rewardFailureDeadlineSeconds existed: this version's CRD fills in its default
+    (600) without a new generation, so the recorded config (without the field) and the pods' hashes stay. An edit of
+    the deadline alone replaces no pod either (only the operator reads it): the ConfigMap records the new value, the
+    pods keep their hashes."""
+    kube.apply(job_manifest("deadline"), namespace)
+    pass_with_pods(installed, kube, namespace, "deadline")
+    trainers, rollouts = uids(kube, namespace, "trainer"), uids(kube, namespace, "rollout")
+    assert len(trainers) == 2 and len(rollouts) == 1
+
+    cm = kube.json("get", "configmap", "deadline-config", "-n", namespace)
+    data = json.loads(cm["data"]["config.json"])
+    del data["spec"]["rollout"]["rewardFailureDeadlineSeconds"]  # what the earlier operator resolved and recorded
+    earlier_text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    cm["data"]["config.json"] = earlier_text
+    earlier_hashes = json.dumps({"trainer": "earlier-t", "rollout": "earlier-r"})
+    cm["metadata"]["annotations"]["rljob.dev/role-config-hashes"] = earlier_hashes
+    kube.run("replace", "-f", "-", input=json.dumps(cm))
+    for pod, role in [*[(n, "t") for n in trainers], *[(n, "r") for n in rollouts]]:
+        kube.run("label", "pod", pod, "-n", namespace, "--overwrite", f"rljob.dev/role-config-hash=earlier-{role}")
+    job = kube.job(namespace, "deadline")
+    assert job["spec"]["rollout"]["rewardFailureDeadlineSeconds"] == 600 and job["metadata"]["generation"] == 1
+
+    requests = pass_with_pods(installed, kube, namespace, "deadline")
+    assert requests[("create", "pods")] == 0 and requests[("delete", "pods")] == 0
+    assert (uids(kube, namespace, "trainer"), uids(kube, namespace, "rollout")) == (trainers, rollouts)
+    assert kube.json("get", "configmap", "deadline-config", "-n", namespace)["data"]["config.json"] == earlier_text
+
+    kube.apply(job_manifest("deadline", rollout={"rewardFailureDeadlineSeconds": 120}), namespace)
+    requests = pass_with_pods(installed, kube, namespace, "deadline")
+    assert requests[("create", "pods")] == 0 and requests[("delete", "pods")] == 0
+    assert (uids(kube, namespace, "trainer"), uids(kube, namespace, "rollout")) == (trainers, rollouts)
+    cm = kube.json("get", "configmap", "deadline-config", "-n", namespace)
+    assert json.loads(cm["data"]["config.json"])["spec"]["rollout"]["rewardFailureDeadlineSeconds"] == 120
+    assert json.loads(cm["metadata"]["annotations"]["rljob.dev/role-config-hashes"]) == json.loads(earlier_hashes)
+
