@@ -193,3 +193,63 @@ def test_an_upgrade_that_adds_the_reward_failure_deadline_replaces_no_pod_nor_do
     assert json.loads(cm["data"]["config.json"])["spec"]["rollout"]["rewardFailureDeadlineSeconds"] == 120
     assert json.loads(cm["metadata"]["annotations"]["rljob.dev/role-config-hashes"]) == json.loads(earlier_hashes)
 
+
+def test_rewards_failing_longer_than_the_deadline_fail_the_job_and_a_younger_streak_does_not(
+        kube: Kube, installed, namespace, redis_server):
+    """Passes over a job on an external Redis whose rollout hash holds a reward-failure streak (as workers write it):
+    599 s of failing batches since the job started keep it running with RolloutReady=False/AllRewardsFailed saying
+    when it fails; 600 s end it Failed/RewardsFailing with the exception counts, a Warning Event, and its pods
+    deleted (cleanPodPolicy All)."""
+    from rljob_api import protocol
+
+    kube.run("create", "secret", "generic", "shared-redis", "-n", namespace,
+             f"--from-literal=password={redis_server.password}")
+    kube.apply(job_manifest("rewards", rollout={"rewardFailureDeadlineSeconds": 600},
+                            redis={"mode": "external", "url": redis_server.url,
+                                   "passwordSecretRef": {"name": "shared-redis", "key": "password"}}), namespace)
+    start = datetime.now(timezone.utc).replace(microsecond=0)
+    pass_with_pods(installed, kube, namespace, "rewards", now=start)  # creates the gang; startTime = start
+    assert kube.job(namespace, "rewards")["status"]["startTime"] == f"{start:%Y-%m-%dT%H:%M:%SZ}"
+    assert len(live(kube, namespace, "trainer")) == 2 and len(live(kube, namespace, "rollout")) == 1
+
+    key, field = f"rljob:{namespace}:rewards:rollout", protocol.ROLLOUT_ALL_REWARDS_FAILED
+    since = start.timestamp() + 30
+    zero = "ZeroDivisionError: division by zero"
+
+    def streak(lasted: float) -> protocol.RewardFailures:
+        return protocol.RewardFailures(since=since, updated_at=since + lasted, batches=14, samples=512,
+                                       errors={zero: 512}, version=64, last_samples=16,
+                                       last_errors={"ZeroDivisionError": 16})
+
+    client = redis_server.client()
+    client.hset(key, field, streak(599).to_field())
+    later = start + timedelta(seconds=700)
+    events: list = []
+    pass_with_pods(installed, kube, namespace, "rewards", now=later, events=events)
+    status = kube.job(namespace, "rewards")["status"]
+    assert status["phase"] == "Starting" and "completionTime" not in status  # no node here: the gang stays Pending
+    ready = next(c for c in status["conditions"] if c["type"] == "RolloutReady")
+    assert (ready["status"], ready["reason"]) == ("False", "AllRewardsFailed")
+    failing_since = start + timedelta(seconds=30)
+    assert ready["message"].endswith(
+        f"failing since {failing_since:%Y-%m-%dT%H:%M:%SZ}: the job fails (RewardsFailing) if no sample scores by "
+        f"{failing_since + timedelta(seconds=600):%Y-%m-%dT%H:%M:%SZ} (spec.rollout.rewardFailureDeadlineSeconds = 600)")
+    assert ("Warning", "AllRewardsFailed") in [(e.type, e.reason) for e in events]
+    assert "RewardsFailing" not in [e.reason for e in events]
+
+    client.hset(key, field, streak(600).to_field())
+    events.clear()
+    requests = pass_with_pods(installed, kube, namespace, "rewards", now=later, events=events)
+    status = kube.job(namespace, "rewards")["status"]
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    message = (f"ZeroDivisionError: division by zero ×512 in spec.rollout.task's reward function since "
+               f"{failing_since:%Y-%m-%dT%H:%M:%SZ}: every sample of 14 rollout batches failed for 600 s, reaching "
+               "spec.rollout.rewardFailureDeadlineSeconds = 600; fix the reward code or spec.rollout.task "
+               "(rewardFunction, datasetPath); the rollout pods' logs hold the tracebacks (kept when "
+               "runPolicy.cleanPodPolicy is None)")
+    assert (status["phase"], failed["status"], failed["reason"], failed["message"]) == (
+        "Failed", "True", "RewardsFailing", message)
+    assert status["completionTime"] == f"{later:%Y-%m-%dT%H:%M:%SZ}" and status["failedAttempts"] == 0
+    assert ("Warning", "RewardsFailing", f"Failed=True: {message}") in [(e.type, e.reason, e.message) for e in events]
+    assert requests[("delete", "pods")] == 3 and requests[("create", "pods")] == 0
+    assert live(kube, namespace, "trainer") == [] and live(kube, namespace, "rollout") == []
