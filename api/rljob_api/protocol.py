@@ -187,16 +187,6 @@ AllRewardsFailed and, once the streak has lasted ``spec.rollout.rewardFailureDea
 Failed/RewardsFailing."""
 ROLLOUT_REWARD_ERRORS_PREFIX = "reward_errors:"
 """``reward_errors:{exception class}``: samples dropped because the reward function raised that (count)."""
-REWARD_ERROR_MESSAGE_CHARS = 200
-"""An exception's message is cut to this many characters (its first line) in :func:`reward_error_key`."""
-REWARD_ERROR_KINDS_KEPT = 8
-"""A failure streak counts at most this many ``"Class: message"`` kinds by name (the most frequent); the samples of
-the others are counted together, so the record stays bounded whatever the reward function raises."""
-REWARD_FAILURE_GAP_S = 300.0
-"""A worker whose own previous batch scored (or that has just started: a new or restarted pod) continues the
-streak in the rollout hash only when its last failing batch is at most this old (seconds, Redis clock); otherwise it
-starts a new one. Longer than a rollout pod's restart plus a back-off wait (at most 60 s); a pause longer than this
-(rollout pods down, a suspended job) does not count as failing."""
 ROLLOUT_REWARD_ERRORS = "reward_errors"
 ROLLOUT_DOCUMENTS_WRITTEN = "documents_written"
 ROLLOUT_SAMPLES_GENERATED = "samples_generated"
@@ -205,6 +195,16 @@ ROLLOUT_SAMPLES_FILTERED = "samples_filtered"
 ROLLOUT_UPDATED_AT = "updated_at"
 ROLLOUT_WORKER_PREFIX = "worker:"
 """``worker:{replica}``: JSON {version, samples_per_second, updated_at} of that worker's last batch."""
+REWARD_ERROR_MESSAGE_CHARS = 200
+"""An exception's message is cut to this many characters (its first line) in :func:`reward_error_key`."""
+REWARD_ERROR_KINDS_KEPT = 8
+"""A failure streak counts at most this many ``"Class: message"`` kinds by name (the most frequent); the samples of
+the others are counted together, so the record stays bounded whatever the reward function raises."""
+REWARD_FAILURE_GAP_S = 300.0
+"""A worker whose own previous batch did not fail (a new or restarted pod, or one whose last batch scored) continues
+the streak in the rollout hash only when the streak's last failing batch is at most this old (seconds, Redis clock);
+otherwise it starts a new one; a worker that failed its previous batch too always continues it. Longer than a rollout pod's restart plus a back-off wait (at most 60 s); a pause longer than this
+(rollout pods down, a suspended job) does not count as failing."""
 
 
 def reward_field_versions(fields: Iterable[bytes | str]) -> dict[str, int]:
