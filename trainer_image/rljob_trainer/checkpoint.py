@@ -6,7 +6,7 @@ Layout under ``config.checkpoint_dir``::
       .metadata, *.distcp
       rng/rank-0.pt ...     each rank's RNG state
       rljob_commit.json     written last, atomically: the checkpoint exists only once this file does
-    export/                 final weights in Hugging Face layout (config.json, model.safetensors)
+    export/                 final weights in Hugging Face layout (config.json, model*.safetensors; rljob_trainer.export)
 
 The commit file holds the step, documents_seen and the delivery bookkeeping: the stream entry ids that
 each consumer (DP rank) consumed since the previous checkpoint, i.e. the entries whose effect this
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import shutil
 import time
@@ -38,16 +37,13 @@ import redis
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from rljob_api import constants as c
 from rljob_api import protocol
 from rljob_api.config import JobConfig
+from rljob_trainer import durable
+from rljob_trainer.export import DEFAULT_MAX_SHARD_BYTES, export_hugging_face
 from rljob_trainer.parallel import Distributed
 
 log = logging.getLogger(__name__)
@@ -224,7 +220,7 @@ class CheckpointManager:
         if self.where.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.where.device)
         (target / "rng").mkdir(parents=True, exist_ok=True)
-        _durable_torch_save(rng, target / "rng" / f"rank-{self.where.rank}.pt")
+        durable.torch_save(rng, target / "rng" / f"rank-{self.where.rank}.pt")
         consumer = self.config.keys.consumer(self.where.rank)
         gathered: list[Any] = [None] * self.where.world_size
         dist.all_gather_object(gathered, (consumer, list(consumed_entry_ids)))
@@ -237,7 +233,7 @@ class CheckpointManager:
             committed_at=time.time(),
         )
         if self.where.is_rank_zero:
-            _durable_write_text(target / COMMIT_FILE, json.dumps({k: v for k, v in asdict(committed).items() if k != "path"}))
+            durable.write_text(target / COMMIT_FILE, json.dumps({k: v for k, v in asdict(committed).items() if k != "path"}))
             self._record_in_redis(committed)
         dist.barrier()
         if self.where.is_rank_zero:
@@ -272,26 +268,13 @@ class CheckpointManager:
                 shutil.rmtree(child, ignore_errors=True)
 
     # --- export -----------------------------------------------------------------------------------
-    def export(self, model: torch.nn.Module, tokenizer: Any = None) -> Optional[Path]:
-        """Rank 0 writes the final weights as safetensors in Hugging Face layout to ``checkpoint_dir/export``.
-
-        ``model`` is the transformers model (sharded under fsdp: the full tensors are gathered to rank 0's host
-        memory by ``get_model_state_dict(full_state_dict=True, cpu_offload=True)``, a collective); transformers ≥ 5
-        always serialises safetensors (``model.safetensors`` + ``config.json``). A tokenizer with
-        ``save_pretrained`` is saved beside it. Collective (ends with a barrier). Returns the directory on rank 0,
-        None elsewhere.
-        """
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        out = None
-        if self.where.is_rank_zero:
-            out = self.root / EXPORT_DIR
-            shutil.rmtree(out, ignore_errors=True)
-            model.save_pretrained(out, state_dict=full)
-            if hasattr(tokenizer, "save_pretrained"):
-                tokenizer.save_pretrained(out)
-            log.info("checkpoint: exported final weights to %s", out)
-        dist.barrier()
-        return out
+    def export(self, model: torch.nn.Module, tokenizer: Any = None,
+               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Optional[Path]:
+        """The final weights in Hugging Face layout under ``checkpoint_dir/export``, written tensor by tensor from the
+        shards by global rank 0 (:func:`rljob_trainer.export.export_hugging_face`); collective. Returns the directory
+        on rank 0, None elsewhere."""
+        return export_hugging_face(model, self.root / EXPORT_DIR, writer=self.where.is_rank_zero, tokenizer=tokenizer,
+                                   max_shard_bytes=max_shard_bytes)
 
 
 def find_lost_checkpoint(client: redis.Redis, config: JobConfig,
@@ -359,29 +342,3 @@ def _group_exists(client: redis.Redis, stream: str, group: str) -> bool:
     except redis.ResponseError:  # no such stream
         return False
     return any(protocol.text(g["name"]) == group for g in groups)
-
-
-def _durable_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (temp file, fsync, rename, fsync of the directory)."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _durable_torch_save(obj: Any, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
