@@ -29,10 +29,7 @@ MICRO_BATCH_TOKENS = 16  # one 10-token document per micro-batch: 2-4 backward p
 TIMED = {t.name for t in TIMINGS}  # wall-clock figures: present in both records, never equal
 
 
-@pytest.fixture(autouse=True)
-def no_torchrun_env(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("no_torchrun_env")
 
 
 def one_step(redis_server, tmp_path: Path, tag: str, loss: str, ranks: int, parallelism: dict):

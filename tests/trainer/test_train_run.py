@@ -35,10 +35,7 @@ from train_harness import (
 torch.set_num_threads(1)
 
 
-@pytest.fixture(autouse=True)
-def no_torchrun_env(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("no_torchrun_env")
 
 
 def reference_first_step(config, docs):
