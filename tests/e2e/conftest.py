@@ -347,7 +347,9 @@ class Recorder:
 
     One watch stream, resumed at its last resourceVersion when the server closes it, keeps the API server's
     order, so "every pod of attempt k was DELETED before any pod of attempt k+1 was ADDED" and the sequence of
-    a job's status changes can be read off :attr:`events`.
+    a job's status changes can be read off :attr:`events`. When the server cannot resume it (410 Gone: an RLTrainingJob
+    watch after the CRD was changed), the objects are listed again (type RELISTED: what changed in between is not
+    seen) and the watch goes on from that list.
     """
 
     def __init__(self, cluster: Cluster, namespace: str, resource: str = "pods", selector: str = "") -> None:
@@ -383,10 +385,7 @@ class Recorder:
         api_client = self.cluster.api_client()
         list_fn = self._list(api_client)
         try:
-            listed = api_client.sanitize_for_serialization(list_fn())
-            version = listed["metadata"]["resourceVersion"]
-            for obj in listed.get("items", []):
-                self._record("EXISTING", obj)
+            version = self._relist(list_fn, api_client, "EXISTING")
             self._ready.set()
             while not self._stop.is_set():
                 self._watch = kube_watch.Watch()
@@ -403,9 +402,20 @@ class Recorder:
                             break
                 except urllib3.exceptions.ProtocolError:  # the server ended the stream: resume where it was
                     continue
+                except kube_client.exceptions.ApiException as err:
+                    if err.status != 410:
+                        raise
+                    version = self._relist(list_fn, api_client, "RELISTED")
         except BaseException as err:  # noqa: BLE001 - the tests read it from .error
             self.error = err
             self._ready.set()
+
+    def _relist(self, list_fn, api_client, kind: str) -> str:
+        """Record every object listed now as ``kind``; the list's resourceVersion."""
+        listed = api_client.sanitize_for_serialization(list_fn())
+        for obj in listed.get("items", []):
+            self._record(kind, obj)
+        return listed["metadata"]["resourceVersion"]
 
     def _record(self, kind: str, obj: dict[str, Any]) -> None:
         self.events.append(WatchEvent(len(self.events), kind, obj, time.monotonic()))
