@@ -193,3 +193,60 @@ def test_two_ranks_load_the_same_model_as_one_process(two_rank_loads, tag):
 def test_each_fsdp_rank_holds_only_its_rows(two_rank_loads, tag, rows):
     rank0, rank1, _ = two_rank_loads[tag]
     assert (rank0["embedding_rows_0"], rank1["embedding_rows_1"]) == rows
+
+
+# --- a start from a checkpoint --------------------------------------------------------------------------------------
+def save_tokenizer(directory: Path) -> None:
+    """A character-level fast tokenizer with the special tokens the trainer needs, for ``AutoTokenizer``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(["<pad>", "<bos>", "<eos>", "<unk>", *"0123456789"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>", bos_token="<bos>",
+                            eos_token="<eos>").save_pretrained(directory)
+
+
+def test_a_start_from_a_checkpoint_reads_no_pretrained_weights(redis_server, tmp_path, monkeypatch):
+    """``model.source: path`` whose safetensors are gone, ``initFrom`` a checkpoint of that model: the trainer starts
+    (it never reads the Hugging Face weights) and holds the checkpoint's weights after ``resume``."""
+    from rljob_trainer.checkpoint import CheckpointManager
+    from rljob_trainer.parallel import init_distributed, shutdown_distributed
+    from rljob_trainer.trainer import Trainer
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    save_llama(tmp_path / "model", tie=False, dtype=torch.float32, shard=False)
+    save_tokenizer(tmp_path / "model")
+    model_spec = {"source": "path", "path": str(tmp_path / "model")}
+    client = redis_server.client()
+
+    other = make_config(redis_server, tmp_path / "other-job", processes=1, model=model_spec)
+    where = init_distributed(other)
+    try:
+        trained = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
+        with torch.no_grad():
+            for parameter in trained.parameters():
+                parameter.add_(0.5)  # not the file's weights any more
+        optimizer = torch.optim.AdamW(trained.parameters())
+        CheckpointManager(other, where, client).save(3, 12, trained, optimizer, [])
+    finally:
+        shutdown_distributed()
+    for weights in (tmp_path / "model").glob("*.safetensors"):
+        weights.unlink()
+
+    config = make_config(redis_server, tmp_path / "job", processes=1, model=model_spec,
+                         init_from=str(tmp_path / "other-job"), parallelism={"strategy": "fsdp"})
+    where = init_distributed(config)
+    trainer = None
+    try:
+        trainer = Trainer(config, where, client)
+        trainer.resume()
+        assert (trainer.step, trainer.documents_seen) == (3, 12)
+        for name, value in trained.state_dict().items():
+            assert torch.equal(trainer.model.state_dict()[name].full_tensor(), value), name
+    finally:
+        if trainer is not None:
+            trainer.close()
+        shutdown_distributed()
