@@ -52,16 +52,17 @@ def make_config(
     max_lag: Optional[int] = None,
     parallelism: Optional[dict[str, Any]] = None,
     micro_batch_tokens: int = 24,
+    model: Optional[dict[str, Any]] = None,
 ) -> JobConfig:
-    """A resolved config for a one-node trainer of ``processes`` ranks with a tiny model and a managed Redis
-    (``max_pending`` / ``max_lag``: spec.redis.maxPending / spec.rollout.maxLag, ``parallelism``: spec.trainer.parallelism,
-    the spec's defaults if None)."""
+    """A resolved config for a one-node trainer of ``processes`` ranks with a tiny model (or spec.model ``model``) and a
+    managed Redis (``max_pending`` / ``max_lag``: spec.redis.maxPending / spec.rollout.maxLag, ``parallelism``:
+    spec.trainer.parallelism, the spec's defaults if None)."""
     rollout: dict[str, Any] = {"sampling": {"temperature": 0.7}, "replicas": 1}
     if max_lag is not None:
         rollout["maxLag"] = max_lag
     spec = RLTrainingJobSpec.model_validate(
         {
-            "model": {"source": "tiny", "tiny": TINY},
+            "model": model or {"source": "tiny", "tiny": TINY},
             "algorithm": {"loss": loss, "metrics": metrics},
             "trainer": {
                 "processesPerNode": processes,

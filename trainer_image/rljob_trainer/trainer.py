@@ -54,9 +54,10 @@ from rljob_trainer.checkpoint import (
     find_lost_checkpoint,
 )
 from rljob_trainer.loss_metrics import StepMetrics, token_entropy
+from rljob_trainer.loading import load_model
 from rljob_trainer.metrics_registry import CHECKPOINT_BLOCKING, CHECKPOINT_SAVE, STREAM_COUNTERS
-from rljob_trainer.model import build_model, build_tokenizer, sequence_logprobs
-from rljob_trainer.parallel import DataParallelModel, Distributed, wrap_model
+from rljob_trainer.model import build_tokenizer, sequence_logprobs
+from rljob_trainer.parallel import DataParallelModel, Distributed
 from rljob_trainer.optim import build_optimizer, learning_rate
 from rljob_trainer.progress import Progress, StepRecord, build_progress, gang_attempt, publish_checkpointed, publish_start
 from rljob_trainer.stream.batch import MicroBatch, flat_from_padded, pack_documents
@@ -116,12 +117,15 @@ class Trainer:
         torch.manual_seed(spec.trainer.seed + where.rank)
         self.tokenizer = build_tokenizer(spec.model, spec.rollout.task)
         vocab_size = len(self.tokenizer) if hasattr(self.tokenizer, "__len__") else self.tokenizer.vocab_size
-        # float32 master weights (a Hub model loads in bf16); bf16 only in compute on GPU (precision.param).
-        model = build_model(spec.model, vocab_size, spec.trainer.seed).to(where.device, torch.float32)
-        self.parallel: DataParallelModel = wrap_model(model, where, spec.trainer)  # collective under ddp
+        self.checkpoints = CheckpointManager(config, where, client, on_commit=self._after_commit)
+        # Read once: a checkpoint to load (own or initFrom) makes the initial weights pointless, so none are read.
+        self.start_from = self.checkpoints.resume_source()
+        # float32 master weights built on the meta device: each rank allocates only its shards (fsdp) or its replica
+        # (ddp) and fills them one tensor at a time; bf16 only in compute on GPU (precision.param). Collective.
+        self.parallel: DataParallelModel = load_model(spec.model, vocab_size, spec.trainer.seed, where, spec.trainer,
+                                                      weights=self.start_from[0] is None)
         self.model = self.parallel.model
         self.optimizer = build_optimizer(self.model, spec.trainer.optimizer)  # over the shards under fsdp
-        self.checkpoints = CheckpointManager(config, where, client, on_commit=self._after_commit)
         self.step = 0
         self.documents_seen = 0
         self.metrics = StepMetrics.from_config(config, device=where.device)
@@ -140,10 +144,10 @@ class Trainer:
 
     # --- start and end ----------------------------------------------------------------------------
     def resume(self) -> Optional[CommittedCheckpoint]:
-        """Load the latest own checkpoint (or ``initFrom``), ack what it covers, publish where this attempt starts
-        (warning about a lost checkpoint), spread the pending entries over the ranks and start the reader
-        (:func:`start_reading`). Collective."""
-        source, own = self.checkpoints.resume_source()
+        """Load the checkpoint found at construction (the latest own one, else ``initFrom``), ack what it covers,
+        publish where this attempt starts (warning about a lost checkpoint), spread the pending entries over the ranks
+        and start the reader (:func:`start_reading`). Collective."""
+        source, own = self.start_from
         committed = None
         if source is not None:
             committed = self.checkpoints.load(source, self.model, self.optimizer)
