@@ -5,7 +5,8 @@ it the CEL rule that states the same over the CRD's camelCase fields.
 - topology: DP = nodes × processesPerNode / (tensorParallel × pipelineParallel) must be a whole number (DESIGN §5);
 - metrics need one pipeline stage: metrics ``basic`` or ``full`` only with pipelineParallel == 1 (the metrics read
   the whole vocabulary);
-- documentsPerStep is global and divisible by DP (DESIGN §6).
+- documentsPerStep is global and divisible by DP (DESIGN §6);
+- HSDP: ``parallelism.replicate`` divides DP, and is 1 unless the strategy is fsdp (DESIGN §5).
 """
 
 from __future__ import annotations
@@ -41,6 +42,23 @@ CEL_DOCUMENTS_PER_STEP = {
     "fieldPath": ".batch.documentsPerStep",
     "reason": "FieldValueInvalid",
 }
+#: CEL rule on ``spec.trainer``: parallelism.replicate divides DP (:func:`replicate_allowed`); a topology that does not
+#: divide is :data:`CEL_TOPOLOGY`'s to report, an out-of-range replicate the schema's.
+CEL_REPLICATE = {
+    "rule": f"!({_COUNTS_IN_RANGE}) || {_WORLD} % {_MODEL_PARALLEL} != 0 || self.parallelism.replicate < 1 || "
+    f"{_DATA_PARALLEL} % self.parallelism.replicate == 0",
+    "message": "parallelism.replicate must divide the data-parallel size "
+    "nodes*processesPerNode/(tensorParallel*pipelineParallel)",
+    "fieldPath": ".parallelism.replicate",
+    "reason": "FieldValueInvalid",
+}
+#: CEL rule on ``spec.trainer.parallelism``: replicate > 1 (HSDP) needs strategy fsdp.
+CEL_REPLICATE_NEEDS_FSDP = {
+    "rule": "self.strategy == 'fsdp' || self.replicate == 1",
+    "message": "replicate > 1 (HSDP) requires strategy fsdp; ddp replicates over every rank already",
+    "fieldPath": ".replicate",
+    "reason": "FieldValueInvalid",
+}
 #: CEL rule on ``spec``: metrics basic or full need pipelineParallel == 1 (:func:`metrics_allowed`).
 CEL_METRICS_ONE_STAGE = {
     "rule": f"!(self.algorithm.metrics in {list(ONE_STAGE_METRICS)}) || self.trainer.pipelineParallel == 1",
@@ -70,3 +88,9 @@ def metrics_allowed(level: str, pipeline_parallel: int) -> bool:
     """Whether metrics ``level`` can be computed with ``pipeline_parallel`` stages (:data:`ONE_STAGE_METRICS` need
     one)."""
     return level not in ONE_STAGE_METRICS or pipeline_parallel == 1
+
+
+def replicate_allowed(strategy: str, replicate: int, data_parallel_size: int) -> bool:
+    """Whether ``replicate`` HSDP groups fit ``data_parallel_size`` ranks: it divides them, and is 1 unless ``strategy``
+    is ``fsdp``."""
+    return data_parallel_size % replicate == 0 and (strategy == "fsdp" or replicate == 1)

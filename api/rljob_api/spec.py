@@ -143,6 +143,44 @@ class ExportSpec(ApiModel):
     )
 
 
+class ParallelismSpec(ApiModel):
+    """How the trainer's data-parallel ranks hold the model (DESIGN §5)."""
+
+    strategy: Literal["fsdp", "ddp"] = Field(
+        "fsdp",
+        description="fsdp (the default): parameters, gradients and optimizer state are sharded over the data-parallel "
+        "ranks (FSDP2 fully_shard per decoder block, then the root), so memory per rank falls with the data-parallel "
+        "size and 7B-70B models fit; on one rank it holds what ddp holds. ddp: every rank holds the whole model, its "
+        "gradients and both AdamW moments (16 bytes per parameter in float32) and gradients are all-reduced once per "
+        "step; a little faster for models that fit whole on one GPU. The default cannot depend on model.source, and "
+        "fsdp is right for every model size, so it is the one a user gets without asking.",
+    )
+    replicate: int = Field(
+        1,
+        ge=1,
+        le=4096,
+        description="fsdp only: data-parallel replica groups (HSDP, a 2-D mesh replicate x shard). Each group holds "
+        "one sharded copy of the model over dataParallelSize/replicate ranks; gradients are reduce-scattered within "
+        "a group and all-reduced across groups. Must divide the data-parallel size; 1 shards over every rank.",
+    )
+
+
+class PrecisionSpec(ApiModel):
+    """Floating-point formats of training (FSDP2's MixedPrecisionPolicy; autocast under ddp). On CPU the trainer
+    computes in float32 whatever is set here (no fast bfloat16 there)."""
+
+    param: Literal["bf16", "fp32"] = Field(
+        "bf16",
+        description="Format of the parameters the forward and backward compute with on GPU (bf16, the field's "
+        "usual choice); the master weights and the optimizer state stay float32.",
+    )
+    reduce: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="Format in which fsdp reduces gradients across ranks: fp32 (the default) sums without rounding "
+        "loss; bf16 halves the bytes sent. ddp always reduces in the gradients' float32.",
+    )
+
+
 class TrainerSpec(ApiModel):
     """The trainer gang: `nodes` pods, each running torchrun with `processesPerNode` ranks."""
 
@@ -154,6 +192,14 @@ class TrainerSpec(ApiModel):
     nodes: int = Field(1, ge=1, le=4096, description="Trainer pods in the gang (torchrun nnodes).")
     processes_per_node: int = Field(
         1, ge=1, le=64, description="Ranks per pod (torchrun nproc-per-node), usually GPUs."
+    )
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec,
+                                         description="Sharded (fsdp, the default) or replicated (ddp) data parallelism.")
+    precision: PrecisionSpec = Field(default_factory=PrecisionSpec, description="Compute and gradient-reduce formats.")
+    activation_checkpointing: Literal["none", "full"] = Field(
+        "none",
+        description="full: every decoder block recomputes its activations in the backward instead of keeping them "
+        "(about a third more compute, activation memory of one block instead of all); none keeps them.",
     )
     tensor_parallel: int = Field(1, ge=1, le=64, description="Tensor-parallel degree.")
     pipeline_parallel: int = Field(1, ge=1, le=64, description="Pipeline-parallel degree.")
@@ -247,6 +293,17 @@ class RolloutSpec(ApiModel):
         False, description="Drop groups whose rewards are all equal (counted)."
     )
     seed: int = Field(0, ge=0, description="Sampling seed (each replica adds its index).")
+    reward_failure_deadline_seconds: int = Field(
+        600,
+        ge=1,
+        description="Ends the job Failed (reason RewardsFailing, the exceptions counted by class and message in the "
+        "message) once the reward function has failed on every sample of every rollout batch for this long, from "
+        "the first such batch (a suspended job counts from its resume). Meanwhile RolloutReady is False "
+        "(AllRewardsFailed) and the workers back off between batches (1 s doubling to 60 s). Default 600 s, as a "
+        "Deployment's progressDeadlineSeconds: long enough for a reward service that is down for a few minutes, "
+        "and well below trainer.dataTimeoutSeconds (30 min by default), after which the starved trainer ranks would "
+        "exit and burn a gang restart of backoffLimit. Read by the operator only: changing it replaces no pod.",
+    )
 
 
 # --- redis ------------------------------------------------------------------------------------

@@ -101,6 +101,13 @@ def _trainer_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
             SpecProblem("spec.trainer.pipelineParallel", "pipeline parallelism > 1 is not supported yet", False)
         )
     problems += _gpu_problems(spec)
+    par = t.parallelism
+    if par.strategy != "fsdp" and par.replicate != 1:
+        problems.append(SpecProblem("spec.trainer.parallelism.replicate",
+                                    f"replicate = {par.replicate} (HSDP) requires strategy fsdp, not {par.strategy}"))
+    elif dp is not None and not rules.replicate_allowed(par.strategy, par.replicate, dp):
+        problems.append(SpecProblem("spec.trainer.parallelism.replicate",
+                                    f"replicate = {par.replicate} does not divide the data-parallel size {dp}"))
     if dp is not None and rules.documents_per_rank(t.batch.documents_per_step, dp) is None:
         problems.append(
             SpecProblem(

@@ -215,7 +215,10 @@ def crd() -> dict[str, Any]:
     """The CustomResourceDefinition as a dict (apiextensions.k8s.io/v1)."""
     spec = model_schema(RLTrainingJobSpec, "spec", with_defaults=True)  # required (model has no default)
     spec["x-kubernetes-validations"] = [rules.CEL_METRICS_ONE_STAGE, RULE_TOPOLOGY_IMMUTABLE]
-    spec["properties"]["trainer"]["x-kubernetes-validations"] = [rules.CEL_TOPOLOGY, rules.CEL_DOCUMENTS_PER_STEP]
+    spec["properties"]["trainer"]["x-kubernetes-validations"] = [rules.CEL_TOPOLOGY, rules.CEL_DOCUMENTS_PER_STEP,
+                                                                  rules.CEL_REPLICATE]
+    spec["properties"]["trainer"]["properties"]["parallelism"]["x-kubernetes-validations"] = [
+        rules.CEL_REPLICATE_NEEDS_FSDP]
     status = model_schema(RLTrainingJobStatus, "status", with_defaults=False)
     status["properties"]["conditions"].update(
         {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}

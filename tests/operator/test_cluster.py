@@ -56,6 +56,24 @@ def wait_for(check: Callable[[], object], what: str, timeout: float = 40.0, ever
     pytest.fail(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
 
 
+def quiet_for(kube: "Kube", namespace: str, name: str, first: dict, seconds: float, timeout: float = 30.0) -> dict:
+    """Wait until the job goes ``seconds`` without a write (same resourceVersion), starting from ``first``; fail after
+    ``timeout`` seconds naming what the last write changed. A job rewritten every pass never goes quiet."""
+    deadline = time.monotonic() + timeout
+    last, since, changed = first, time.monotonic(), {}
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = kube.job(namespace, name)
+        if now["metadata"]["resourceVersion"] != last["metadata"]["resourceVersion"]:
+            changed = {k: (last["status"].get(k), v) for k, v in now["status"].items() if last["status"].get(k) != v}
+            changed["metadata.annotations"] = now["metadata"].get("annotations")
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= seconds:
+            return now
+    pytest.fail(f"{namespace}/{name} was still written after {timeout} s; the last write changed "
+                f"{json.dumps(changed, indent=1)}")
+
+
 class Kube:
     def __init__(self, control_plane):
         self.cp = control_plane
@@ -201,6 +219,16 @@ def test_schema_and_cel_rules_are_enforced_with_messages_that_name_the_field(kub
     assert "divisible" not in zero and "modulus by zero" not in zero
     kube.apply(job_manifest("docsok", trainer={"nodes": 2, "processesPerNode": 2, "pipelineParallel": 2,
                                                "batch": {"documentsPerStep": 2}}), namespace)  # DP = 2 divides 2
+    assert ("spec.trainer.parallelism.replicate: Invalid value: \"object\": parallelism.replicate must divide the "
+            "data-parallel size") in refused(job_manifest("hsdp3", trainer={"nodes": 2, "processesPerNode": 2,
+                                                                           "parallelism": {"replicate": 3}}))
+    assert ("spec.trainer.parallelism.replicate: Invalid value: \"object\": replicate > 1 (HSDP) requires strategy "
+            "fsdp") in refused(job_manifest("ddphsdp", trainer={"nodes": 2, "processesPerNode": 2,
+                                                               "parallelism": {"strategy": "ddp", "replicate": 2}}))
+    assert 'spec.trainer.parallelism.strategy: Unsupported value: "zero3"' in refused(
+        job_manifest("zero3", trainer={"parallelism": {"strategy": "zero3"}}))
+    kube.apply(job_manifest("hsdp", trainer={"nodes": 2, "processesPerNode": 2, "parallelism": {"replicate": 2},
+                                             "batch": {"documentsPerStep": 4}}), namespace)  # 2 groups x 2 shards
     assert 'unknown field "spec.trainer.nodez"' in refused(job_manifest("unknown", trainer={"nodez": 1}))
     assert "spec.trainer.nodes: Invalid value: 0: spec.trainer.nodes in body should be greater than or equal to 1" \
         in refused(job_manifest("bound", trainer={"nodes": 0}))
@@ -231,6 +259,10 @@ def test_schema_and_cel_rules_are_enforced_with_messages_that_name_the_field(kub
     assert kube.job(namespace, "topo")["spec"]["trainer"]["processesPerNode"] == 2
     explained = kube.run("explain", "rljob.spec.trainer.nodes").stdout
     assert "Trainer pods in the gang (torchrun nnodes)." in explained
+    assert stored["spec"]["trainer"]["parallelism"] == {"strategy": "fsdp", "replicate": 1}
+    assert stored["spec"]["trainer"]["precision"] == {"param": "bf16", "reduce": "fp32"}
+    explained = kube.run("explain", "rljob.spec.trainer.parallelism.strategy").stdout
+    assert "fsdp (the default): parameters, gradients and optimizer state are sharded" in " ".join(explained.split())
 
 
 # --- the operator under its own ServiceAccount ------------------------------------------------------------
@@ -445,10 +477,7 @@ def test_a_private_redis_ca_is_mounted_and_verifies_the_operators_reads(kube, op
         c["reason"] == "Unschedulable" for c in job["status"]["conditions"] if c["type"] in ("TrainerReady",
                                                                                              "RolloutReady")) and job,
         "the gang created and its pods unschedulable")
-    time.sleep(3)  # three active intervals: the same problem is not written again
-    after = kube.job(namespace, "tls")
-    changed = {k: (before["status"].get(k), v) for k, v in after["status"].items() if before["status"].get(k) != v}
-    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"], json.dumps(changed, indent=1)
+    quiet_for(kube, namespace, "tls", before, seconds=3.0)  # three active intervals: the same problem is not rewritten
 
     kube.run("create", "secret", "generic", "redis-ca", "-n", namespace,
              f"--from-file=ca.crt={server.tls.foreign_ca_file}")

@@ -101,7 +101,9 @@ def test_free_form_fields_get_kubernetes_schemas():
 
 def test_cel_rules_sit_next_to_their_fields():
     spec = _schema()["properties"]["spec"]
-    assert spec["properties"]["trainer"]["x-kubernetes-validations"] == [rules.CEL_TOPOLOGY, rules.CEL_DOCUMENTS_PER_STEP]
+    trainer = spec["properties"]["trainer"]
+    assert trainer["x-kubernetes-validations"] == [rules.CEL_TOPOLOGY, rules.CEL_DOCUMENTS_PER_STEP, rules.CEL_REPLICATE]
+    assert trainer["properties"]["parallelism"]["x-kubernetes-validations"] == [rules.CEL_REPLICATE_NEEDS_FSDP]
     assert spec["x-kubernetes-validations"] == [rules.CEL_METRICS_ONE_STAGE, crd.RULE_TOPOLOGY_IMMUTABLE]
     assert rules.CEL_TOPOLOGY["rule"].endswith(
         "|| (self.nodes * self.processesPerNode) % (self.tensorParallel * self.pipelineParallel) == 0"

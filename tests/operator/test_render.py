@@ -161,7 +161,7 @@ ROLLOUT_ONLY_CHANGES = [
     {"tolerations": [{"key": "k", "operator": "Exists"}]}, {"promptsPerBatch": 2}, {"samplesPerPrompt": 2},
     {"maxLag": 7}, {"sampling": {"topP": 0.5, "maxNewTokens": 9}}, {"task": {"digits": 6}},
     {"task": {"datasetPath": "/d.jsonl", "rewardFunction": "m:f"}}, {"advantage": {"epsilon": 0.1}},
-    {"filterZeroVariance": True}, {"seed": 3},
+    {"filterZeroVariance": True}, {"seed": 3}, {"rewardFailureDeadlineSeconds": 60},
 ]
 
 
@@ -171,9 +171,9 @@ def test_rollout_only_fields_leave_the_trainer_pods_hash_alone(rollout):
     changed = render.job_config(make_job(rollout=rollout))
     assert changed.config_hash() != base.config_hash()  # the ConfigMap does change
     assert render.role_config_hash(changed, c.Role.TRAINER) == render.role_config_hash(base, c.Role.TRAINER)
-    replicas_only = set(rollout) == {"replicas"}
+    no_pod_reads = set(rollout) <= {"replicas", "rewardFailureDeadlineSeconds"}  # render.ROLLOUT_POD_IGNORES
     assert (render.role_config_hash(changed, c.Role.ROLLOUT) == render.role_config_hash(base, c.Role.ROLLOUT)) \
-        == replicas_only
+        == no_pod_reads
 
 
 @pytest.mark.parametrize("change", [
@@ -294,13 +294,14 @@ def test_adopt_sets_owner_reference_and_namespace_but_copies_no_labels(owner):
         assert "team" not in child["metadata"]["labels"]
 
 
-#: The pods' hashes of the two examples as every operator version since 0.1.0 computes them. A change here means
-#: that upgrading the operator restarts every running gang and replaces every rollout pod (their hashes no longer
-#: match): add or drop no resolved-config field and change no default until the operator compares pods with the
-#: config their attempt started with (issue 10), then update these values on purpose.
+#: The pods' hashes of the two examples as a fresh resolution computes them. Pods of a running attempt keep the hashes
+#: recorded with their ConfigMap (operator/rljob_operator/resolution.py), so a change here restarts nothing on an
+#: upgrade; it changes what a new job or an edited role gets. Changed on purpose by issue 10
+#: (spec.trainer.parallelism, precision and activationCheckpointing with their defaults) and issue 11
+#: (spec.rollout.rewardFailureDeadlineSeconds with its default).
 EXAMPLE_HASHES = {
-    "grpo-digits-cpu": ("aa4d49656d1b28e3", "b0259e138cddb3cb", "7be8d4156d8ec293"),
-    "grpo-qwen-math": ("395b354d0cb361e3", "586d3e6a3b903178", "8257a091dd443876"),
+    "grpo-digits-cpu": ("db0ce37bdf1f3036", "16c14e89bdcc44f4", "b1e5690e20142b41"),
+    "grpo-qwen-math": ("fbf12564d78e2e7a", "b42fe8d86157e04f", "02b4e22e35153368"),
 }
 
 

@@ -11,7 +11,7 @@ from rljob_trainer.loss import (
     document_means,
     grpo_loss,
     gspo_loss,
-    scale_for_ddp_mean,
+    scale_for_gradient_mean,
     segment_documents,
 )
 
@@ -240,10 +240,10 @@ def test_all_masked_micro_batch_gives_zero_loss_and_finite_zero_gradient(loss_fn
     assert torch.equal(grad, torch.zeros_like(grad))
 
 
-def test_scale_for_ddp_mean():
-    assert scale_for_ddp_mean(torch.tensor(0.25), 4).item() == 1.0
+def test_scale_for_gradient_mean():
+    assert scale_for_gradient_mean(torch.tensor(0.25), 4).item() == 1.0
     with pytest.raises(ValueError, match="data_parallel_size"):
-        scale_for_ddp_mean(torch.tensor(1.0), 0)
+        scale_for_gradient_mean(torch.tensor(1.0), 0)
 
 
 def test_document_helpers():

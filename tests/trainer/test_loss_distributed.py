@@ -1,6 +1,6 @@
 """Loss and metrics across real torch.distributed gloo ranks (spawned processes, file:// rendezvous).
 
-- DDP with 2 ranks, the step's global normaliser and :func:`scale_for_ddp_mean` gives the single-process
+- DDP with 2 ranks, the step's global normaliser and :func:`scale_for_gradient_mean` gives the single-process
   gradient on the same documents (GRPO and GSPO).
 - Reduced metrics are identical on every rank (2 and 3 ranks) and equal the single-process metrics.
 - Mixed presence of ``reward`` makes every rank raise the same MetricsInputError, within a bounded time.
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from rljob_trainer.loss import count_labels_and_documents, grpo_loss, gspo_loss, scale_for_ddp_mean
+from rljob_trainer.loss import count_labels_and_documents, grpo_loss, gspo_loss, scale_for_gradient_mean
 from rljob_trainer.loss_metrics import MetricsInputError, StepMetrics
 from train_harness import JOIN_TIMEOUT_S, init_gloo, run_ranks
 
@@ -88,10 +88,10 @@ def step_gradient(model, micro_batches, loss_name: str, num_labels, num_document
         else:
             loss = gspo_loss(*inputs, epsilon_low=0.05, epsilon_high=0.05, num_documents_in_batch=num_documents).loss
         if sync is None:
-            scale_for_ddp_mean(loss, world_size).backward()
+            scale_for_gradient_mean(loss, world_size).backward()
         else:
             with sync:
-                scale_for_ddp_mean(loss, world_size).backward()
+                scale_for_gradient_mean(loss, world_size).backward()
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 
 

@@ -11,7 +11,7 @@ labelled completion tokens), ``r = exp(lp_new - lp_old)``, ``clip(x) = clamp(x, 
 Normaliser and data parallelism: each loss divides by a normaliser that defaults to this micro-batch's own
 count. A training loop with several micro-batches and data-parallel ranks passes the count of the whole
 optimizer step (all micro-batches, all ranks; see :func:`count_labels_and_documents`) and multiplies the loss
-by the data-parallel size (:func:`scale_for_ddp_mean`) to undo DDP's gradient mean, so the gradient equals the
+by the data-parallel size (:func:`scale_for_gradient_mean`) to undo DDP's gradient mean, so the gradient equals the
 single-process gradient on the same documents.
 
 One pass with the metrics: the trainer segments each micro-batch once (:func:`segment_documents`, the one device
@@ -159,10 +159,11 @@ def count_labels_and_documents(
     return segments.num_labels, segments.num_documents
 
 
-def scale_for_ddp_mean(loss: torch.Tensor, data_parallel_size: int) -> torch.Tensor:
-    """``loss * data_parallel_size``: undoes DDP's mean of gradients over data-parallel ranks.
+def scale_for_gradient_mean(loss: torch.Tensor, data_parallel_size: int) -> torch.Tensor:
+    """``loss * data_parallel_size``: undoes the mean of gradients over data-parallel ranks.
 
-    DDP averages gradients over its ranks. When every rank's loss is already divided by the step's global
+    DDP's all-reduce and FSDP's reduce-scatter (with HSDP's all-reduce across replicas) average gradients over the
+    data-parallel ranks. When every rank's loss is already divided by the step's global
     normaliser, the correct gradient is the sum over ranks, so the loop backpropagates this scaled loss.
 
     Raises:

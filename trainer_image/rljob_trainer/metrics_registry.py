@@ -1,10 +1,11 @@
 """The metrics registry: every value a trainer step reduces over the data-parallel ranks after the loss, with its
-reduction and the level that logs it (DESIGN §4); the timings global rank 0 reports with each step; and the metrics
+reduction and the level that logs it (DESIGN §4); the wall-clock timings a step record may carry; and the metrics
 level.
 
 :class:`~rljob_trainer.loss_metrics.StepMetrics` accumulates and reduces what is declared here; a new metric is a
-:class:`MetricDef` in :data:`METRICS` (loss metrics, by level), :data:`STEP_TOTALS` (every step, every level) or
-:data:`STEP_TIMINGS` (rank 0's own durations, not reduced). Units and weighting: :mod:`rljob_trainer.loss_metrics`.
+:class:`MetricDef` in :data:`METRICS` (loss metrics, by level) or :data:`STEP_TOTALS` (every step, every level); a new
+timing (global rank 0's wall clock, not reduced) is a :class:`TimingDef` in :data:`TIMINGS`. Units and weighting:
+:mod:`rljob_trainer.loss_metrics`.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ if TYPE_CHECKING:
     from rljob_api.spec import RLTrainingJobSpec
 
 MetricsLevel = Literal["none", "basic", "full"]
-Reduction = Literal["sum", "max", "min", "rank0"]
+Reduction = Literal["sum", "max", "min"]
 
 
 class MetricDef(NamedTuple):
-    """One metric: its name, its cross-rank reduction (``rank0``: none, global rank 0's own value), the lowest
-    level that logs it (``always``: every level, ``none`` included), and its meaning."""
+    """One metric: its name, its cross-rank reduction, the lowest level that logs it (``always``: every level,
+    ``none`` included), and its meaning."""
 
     name: str
     reduction: Reduction
@@ -64,13 +65,33 @@ the metrics) and the readers' counters since this attempt started (logged as ``s
 STREAM_COUNTERS: tuple[str, ...] = tuple(m.name for m in STEP_TOTALS if m.name != "loss")
 """The reader counters among :data:`STEP_TOTALS` (:class:`~rljob_trainer.stream.reader.ReaderCounters` fields)."""
 
-STEP_TIMINGS: tuple[MetricDef, ...] = (
-    MetricDef("weight_sync_time_ms", "rank0", "always",
-              "wall time of the step's weight publication on global rank 0 (milliseconds): weights_ready event, join, "
-              "gathers of sharded parameters, sends to the rollout (rljob_trainer.weights.publish_weights)"),
+class TimingDef(NamedTuple):
+    """A wall-clock duration in a step record's ``metrics``: measured by global rank 0, not reduced over ranks, not
+    reproducible between runs (compare metrics across runs without :data:`TIMINGS`). Present only in the records
+    its ``when`` names."""
+
+    name: str
+    when: str
+    description: str
+
+
+CHECKPOINT_BLOCKING = "checkpoint_blocking_time_ms"
+CHECKPOINT_SAVE = "checkpoint_save_time_ms"
+WEIGHT_SYNC = "weight_sync_time_ms"
+TIMINGS: tuple[TimingDef, ...] = (
+    TimingDef(WEIGHT_SYNC, "every step",
+              "milliseconds of the step's weight publication on global rank 0, named as Fast-LLM logs it: the "
+              "weights_ready event, the join, the gathers of sharded parameters, the sends to the rollout "
+              "(rljob_trainer.weights.publish_weights)"),
+    TimingDef(CHECKPOINT_BLOCKING, "the steps that checkpoint",
+              "milliseconds the training loop stood still for the step's checkpoint: waiting for the previous save, a "
+              "barrier, the snapshot of model and optimizer state to host memory, the RNG files, the gather of covered "
+              "entry ids and the start of the background write"),
+    TimingDef(CHECKPOINT_SAVE, "the first step reported after a checkpoint's commit (the last step for the final one)",
+              "milliseconds from the start of a checkpoint's snapshot to the end of its commit: every rank's files "
+              "durable, commit file written, checkpoint_documents_seen published, covered entries acked"),
 )
-"""Durations global rank 0 measures and reports with every step, whatever the level, named as Fast-LLM logs them.
-Not reduced: the other ranks spend the same time waiting for rank 0 or in the same collectives."""
+"""Every timing a step record may carry, by name."""
 
 COUNT_METRICS: tuple[str, ...] = ("num_tokens",)
 """Sum metrics reported as totals; every other sum metric is divided by the step's document count."""

@@ -35,7 +35,8 @@ class StepRecord:
     ``model_version``: the version of the weights after this step (= documents_seen, DESIGN §6);
     ``tokens_per_second``: real (non-padding) tokens of the step over all ranks / its wall time;
     ``metrics``: the reduced loss metrics (DESIGN §4) plus ``loss``, ``grad_norm``, ``learning_rate`` and rank 0's
-    timings (:data:`~rljob_trainer.metrics_registry.STEP_TIMINGS`: ``weight_sync_time_ms``);
+    wall-clock timings (milliseconds, :data:`~rljob_trainer.metrics_registry.TIMINGS`: ``weight_sync_time_ms`` every
+    step, the checkpoint timings in some records);
     ``stream``: the stream reader's counters summed over ranks (documents: redelivered, dead-lettered...).
     """
 
@@ -104,7 +105,7 @@ class RankZeroProgress:
         }
         self._metric = Gauge(
             "rljob_trainer_metric", "Metrics of the last step: loss metrics (DESIGN §4), loss, grad_norm, "
-            "learning_rate, weight_sync_time_ms.", ["name"], registry=self.registry
+            "learning_rate, the timings (weight_sync_time_ms, checkpoint_*_time_ms).", ["name"], registry=self.registry
         )
         self._stream = Gauge(
             "rljob_trainer_stream", "Stream reader counters, all ranks (documents).", ["counter"], registry=self.registry

@@ -6,29 +6,34 @@ One optimizer step on every data-parallel rank (DESIGN §4, §6):
    micro-batches of at most ``microBatchTokens`` tokens; segment each micro-batch into documents once;
 2. all-reduce the step's counts (labelled tokens, documents, tokens) so the loss divides by the GLOBAL
    normaliser (labelled tokens for GRPO, documents for GSPO);
-3. per micro-batch: log-probabilities at the sampling temperature, the loss × DP (undoing DDP's gradient
-   mean; ``no_sync`` on all but the last micro-batch), backward, and the metrics from what the loss returned;
+3. per micro-batch: log-probabilities at the sampling temperature, the loss × DP (undoing the gradient mean over
+   data-parallel ranks; ddp all-reduces in the last backward only, fsdp reduce-scatters every backward,
+   :meth:`DataParallelModel.micro_batch`), backward, and the metrics from what the loss returned;
 4. every reduction after the loss (metrics, the loss value, the stream counters) in ``StepMetrics.reduce``: one
    SUM every step, one MAX when metrics are on; then gradient clipping and AdamW with linear warm-up;
 5. ``documents_seen`` += the step's documents; the new model_version is ``documents_seen``; every rank takes part in
    the weight publication (:func:`~rljob_trainer.weights.publish_weights`: rank 0 announces ``weights_ready`` and
-   sends, the others join the gathers of sharded parameters), whose duration is the step's ``weight_sync_time_ms``;
-   rank 0 writes the progress hash;
-6. every ``everySteps`` and at ``maxSteps``: a checkpoint; once it is durable rank 0 publishes its
-   documents_seen (``checkpoint_documents_seen``, for the rollout's max lag), then each rank XACKs the entries it
-   covers and rank 0 trims acked entries.
+   sends, under fsdp the others join the gathers of sharded parameters, one tensor at a time), whose duration is the
+   step's ``weight_sync_time_ms``;
+6. every ``everySteps`` and at ``maxSteps``: a checkpoint (:meth:`Trainer.save_checkpoint`). The loop stops only for
+   its snapshot to host memory; the files are written in the background, and once they are durable rank 0's commit
+   thread writes the commit file, publishes its documents_seen (``checkpoint_documents_seen``, for the rollout's max
+   lag), XACKs the entries it covers (every rank's) and trims acked entries. The final checkpoint is waited for;
+7. rank 0 reports the step (progress hash, JSON line, gauges), with the timings of
+   :data:`~rljob_trainer.metrics_registry.TIMINGS`: ``weight_sync_time_ms`` every step, the checkpoint timings when
+   the step saved or a save finished.
 
 At every start (resumes included) the latest checkpoint (or ``initFrom``) is loaded; rank 0 warns when the
 checkpoint Redis records is gone from the volume (``checkpoint_lost``), writes the start's step and documents_seen
 to the progress hash (:func:`rljob_trainer.progress.publish_start`), spreads the stream's pending entries over the
 current ranks before any rank reads (:func:`start_reading`; the world size may have changed) and publishes the full
-weights with the checkpoint's documents_seen. At ``maxSteps``: final checkpoint, safetensors export,
-``training_finished``.
+weights with the checkpoint's documents_seen. At ``maxSteps``: final checkpoint (durable and
+committed before anything else), safetensors export, ``training_finished``.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import logging
 import sys
 import time
@@ -45,18 +50,20 @@ from rljob_api.config import JobConfig
 from rljob_trainer import loss as losses
 from rljob_trainer.checkpoint import (
     CheckpointManager,
+    CheckpointSave,
     CommittedCheckpoint,
     acknowledge_covered,
     find_lost_checkpoint,
 )
 from rljob_trainer.loss_metrics import StepMetrics, token_entropy
-from rljob_trainer.metrics_registry import STREAM_COUNTERS
-from rljob_trainer.model import build_model, build_tokenizer, sequence_logprobs
-from rljob_trainer.parallel import Distributed, wrap_model
+from rljob_trainer.loading import load_model
+from rljob_trainer.metrics_registry import CHECKPOINT_BLOCKING, CHECKPOINT_SAVE, STREAM_COUNTERS, WEIGHT_SYNC
+from rljob_trainer.model import build_tokenizer, sequence_logprobs
+from rljob_trainer.parallel import DataParallelModel, Distributed
 from rljob_trainer.optim import build_optimizer, learning_rate
 from rljob_trainer.progress import Progress, StepRecord, build_progress, gang_attempt, publish_checkpointed, publish_start
 from rljob_trainer.stream.batch import MicroBatch, flat_from_padded, pack_documents
-from rljob_trainer.stream.reader import StreamReader
+from rljob_trainer.stream.reader import StreamReader, ack_entries, trim_acked
 from rljob_trainer.stream.redistribute import redistribute_pending
 from rljob_trainer.weights import Publication, WeightPublisher, publish_weights
 
@@ -112,10 +119,15 @@ class Trainer:
         torch.manual_seed(spec.trainer.seed + where.rank)
         self.tokenizer = build_tokenizer(spec.model, spec.rollout.task)
         vocab_size = len(self.tokenizer) if hasattr(self.tokenizer, "__len__") else self.tokenizer.vocab_size
-        # float32 master weights (a Hub model loads in bf16); bf16 only inside autocast on GPU.
-        self.model = build_model(spec.model, vocab_size, spec.trainer.seed).to(where.device, torch.float32)
-        self.optimizer = build_optimizer(self.model, spec.trainer.optimizer)
-        self.checkpoints = CheckpointManager(config, where, client)
+        self.checkpoints = CheckpointManager(config, where, client, on_commit=self._after_commit)
+        # Read once: a checkpoint to load (own or initFrom) makes the initial weights pointless, so none are read.
+        self.start_from = self.checkpoints.resume_source()
+        # float32 master weights built on the meta device: each rank allocates only its shards (fsdp) or its replica
+        # (ddp) and fills them one tensor at a time; bf16 only in compute on GPU (precision.param). Collective.
+        self.parallel: DataParallelModel = load_model(spec.model, vocab_size, spec.trainer.seed, where, spec.trainer,
+                                                      weights=self.start_from[0] is None)
+        self.model = self.parallel.model
+        self.optimizer = build_optimizer(self.model, spec.trainer.optimizer)  # over the shards under fsdp
         self.step = 0
         self.documents_seen = 0
         self.metrics = StepMetrics.from_config(config, device=where.device)
@@ -130,15 +142,14 @@ class Trainer:
             data_timeout_seconds=spec.trainer.data_timeout_seconds,
             vocab_size=self.model.get_input_embeddings().num_embeddings,
         )
-        self.ddp: Optional[torch.nn.parallel.DistributedDataParallel] = None
         self.progress: Progress = build_progress(config, client, where.rank, stdout=stdout)
 
     # --- start and end ----------------------------------------------------------------------------
     def resume(self) -> Optional[CommittedCheckpoint]:
-        """Load the latest own checkpoint (or ``initFrom``), ack what it covers, publish where this attempt starts
-        (warning about a lost checkpoint), spread the pending entries over the ranks and start the reader
-        (:func:`start_reading`). Collective."""
-        source, own = self.checkpoints.resume_source()
+        """Load the checkpoint found at construction (the latest own one, else ``initFrom``), ack what it covers,
+        publish where this attempt starts (warning about a lost checkpoint), spread the pending entries over the ranks
+        and start the reader (:func:`start_reading`). Collective."""
+        source, own = self.start_from
         committed = None
         if source is not None:
             committed = self.checkpoints.load(source, self.model, self.optimizer)
@@ -151,7 +162,6 @@ class Trainer:
                 log.warning("checkpoint: %s", protocol.lost_checkpoint_message(lost))
             publish_start(self.client, self.config, self.step, self.documents_seen, lost, attempt=gang_attempt())
         start_reading(self.reader, self.where)  # after the acks and publish_start above: it begins with a barrier
-        self.ddp = wrap_model(self.model, self.where)
         if self.where.is_rank_zero:
             self.publisher = WeightPublisher(self.config, self.client)
         publication = self._publish()
@@ -159,13 +169,23 @@ class Trainer:
         return committed
 
     def fit(self) -> RunResult:
-        """Train until ``maxSteps``, then checkpoint, export and announce ``training_finished``. Collective."""
+        """Train until ``maxSteps``, then checkpoint, export and announce ``training_finished``. Collective.
+
+        Raises:
+            rljob_trainer.checkpoint.CheckpointSaveFailed: a checkpoint save failed (raised at the next step, or at
+                the end for the last one).
+        """
         max_steps = self.config.spec.trainer.max_steps
         every = self.config.spec.trainer.checkpoint.every_steps
         while self.step < max_steps:
-            self.train_step()
+            record = self.train_step()
+            timings: dict[str, float] = {}
             if self.step % every == 0 or self.step == max_steps:
-                self.save_checkpoint()
+                timings[CHECKPOINT_BLOCKING] = self.save_checkpoint().blocking_ms
+            finished = self.checkpoints.wait() if self.step == max_steps else self.checkpoints.poll()
+            if finished and finished[-1].save_ms is not None:  # rank 0; the newest if two finished since the last step
+                timings[CHECKPOINT_SAVE] = finished[-1].save_ms
+            self.progress.report(dataclasses.replace(record, metrics={**record.metrics, **timings}))
         export_dir = None
         if self.config.spec.trainer.export.safetensors:
             export_dir = self.checkpoints.export(self.model, self.tokenizer)
@@ -175,25 +195,29 @@ class Trainer:
         return RunResult(self.step, self.documents_seen, export_dir)
 
     def close(self) -> None:
-        """Release the Prometheus endpoint and the weight publisher (idempotent)."""
+        """Finish a checkpoint save still in flight (logging its failure), release the Prometheus endpoint and the
+        weight publisher (idempotent)."""
+        self.checkpoints.close()
         self.progress.close()
         if self.publisher is not None:
             self.publisher.close()
             self.publisher = None
 
-    def save_checkpoint(self) -> CommittedCheckpoint:
-        """Checkpoint (collective), publish its documents_seen (rank 0, :func:`publish_checkpointed`), then XACK the
-        entries it covers and trim acked entries (rank 0)."""
-        covered = self.reader.pending_ids()
-        committed = self.checkpoints.save(self.step, self.documents_seen, self.model, self.optimizer, covered)
-        if self.where.is_rank_zero:
-            publish_checkpointed(self.client, self.config, self.documents_seen)
-        dist.barrier()  # the rollout stops counting the covered entries as trained before they leave the pending list
-        self.reader.ack(covered)
-        dist.barrier()  # every rank's acks are in, so the trim reaches this checkpoint's entries
-        if self.where.is_rank_zero:
-            self.reader.trim_acked()
-        return committed
+    def save_checkpoint(self) -> CheckpointSave:
+        """Snapshot a checkpoint of this step covering the entries this rank consumed since the last one and start
+        writing it (collective; waits for the previous save first). The commit and the acks follow in rank 0's
+        commit thread (:meth:`_after_commit`)."""
+        return self.checkpoints.save(self.step, self.documents_seen, self.model, self.optimizer,
+                                     self.reader.take_pending_ids())
+
+    def _after_commit(self, committed: CommittedCheckpoint) -> None:
+        """Global rank 0's commit thread, once ``committed``'s commit file is durable: publish its documents_seen
+        (:func:`publish_checkpointed`: the rollout stops counting its entries as trained before they leave the pending
+        list), XACK every rank's covered entries, then trim acked entries. Only the Redis client is used (thread-safe),
+        never the reader's state."""
+        publish_checkpointed(self.client, self.config, committed.documents_seen)
+        ack_entries(self.client, self.config.keys, [e for ids in committed.covered_entry_ids.values() for e in ids])
+        trim_acked(self.client, self.config.keys)
 
     def _publish(self) -> Publication:
         """The weights after ``self.step``, as version ``documents_seen``; collective (every rank calls it)."""
@@ -201,10 +225,10 @@ class Trainer:
 
     # --- one step ---------------------------------------------------------------------------------
     def train_step(self) -> StepRecord:
-        """Read, train and report one optimizer step (collective); see the module docstring."""
-        assert self.ddp is not None, "call resume() first"
+        """Read and train one optimizer step and publish the weights (collective); return its record, which
+        :meth:`fit` reports after the step's checkpoint. See the module docstring."""
         # Exactly documents_per_rank (>= 1) valid documents: every rank has at least one micro-batch, so every
-        # rank joins DDP's gradient all-reduce in its last backward.
+        # rank joins the gradient reduction of each backward.
         entries = self.reader.next_documents(self.documents_per_rank)
         started = time.monotonic()
         micro_batches = [
@@ -220,13 +244,12 @@ class Trainer:
         dist.all_reduce(counts)  # the normalisers: the step's only all-reduce outside the metrics
         global_labels, global_documents, step_documents, step_tokens = counts.tolist()
 
-        self.ddp.train()
+        self.parallel.module.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.where.device)
         for index, (mb, seg) in enumerate(zip(micro_batches, segments)):
-            sync = index == len(micro_batches) - 1
-            with contextlib.nullcontext() if sync else self.ddp.no_sync():
+            with self.parallel.micro_batch(last=index == len(micro_batches) - 1):
                 loss = self._micro_batch_loss(mb, seg, global_labels, global_documents)
-                losses.scale_for_ddp_mean(loss, self.where.world_size).backward()
+                losses.scale_for_gradient_mean(loss, self.where.world_size).backward()
             loss_sum += loss.detach().double()
 
         # Every rank, every step, whatever the level; before the optimizer step: a mixed-presence error raised here
@@ -236,7 +259,7 @@ class Trainer:
         stream = {name: int(reduced.pop(name)) for name in STREAM_COUNTERS}
         step_loss = reduced.pop("loss")
         opt = self.config.spec.trainer.optimizer
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), opt.grad_clip if opt.grad_clip > 0 else torch.inf)
+        grad_norm = self.parallel.clip_grad_norm(opt.grad_clip if opt.grad_clip > 0 else torch.inf)
         lr = learning_rate(self.step, opt.learning_rate, opt.warmup_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -255,10 +278,9 @@ class Trainer:
             model_version=self.documents_seen,
             tokens_per_second=step_tokens / elapsed,
             metrics={"loss": step_loss, "grad_norm": float(grad_norm), "learning_rate": lr, **reduced,
-                     "weight_sync_time_ms": publication.duration_ms},
+                     WEIGHT_SYNC: publication.duration_ms},
             stream=stream,
         )
-        self.progress.report(record)
         return record
 
     def _micro_batch_loss(
@@ -267,8 +289,8 @@ class Trainer:
         """This micro-batch's share of the step loss (global normaliser) and its metrics update, in one pass: the
         metrics read the loss's output (:class:`~rljob_trainer.loss.PolicyLossOutput`) and ``segments``."""
         full = self.metrics.enabled and self.metrics.level == "full"
-        model: Callable[..., Any] = _LogitsTap(self.ddp) if full else self.ddp
-        with self._autocast():
+        model: Callable[..., Any] = _LogitsTap(self.parallel.module) if full else self.parallel.module
+        with self.parallel.autocast():
             padded = sequence_logprobs(model, mb.input_ids, mb.attention_mask, self.temperature)  # [B, L] float32
         new_logprobs = flat_from_padded(padded, mb.attention_mask)  # [T]
         common = dict(epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, segments=segments)
@@ -299,11 +321,6 @@ class Trainer:
                 entropy=entropy,
             )
         return output.loss
-
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.where.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
 
     def _stream_counter(self, name: str) -> float:
         value = getattr(self.reader.counters, name)
