@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from rljob_api.config import JobConfig
 from rljob_trainer.model import DigitTokenizer, build_model
+from rljob_trainer.parallel import Distributed, ParallelDims, wrap_model
 from rljob_trainer.stream.connection import connect
 from rljob_trainer.weights import WeightPublisher, publish_weights
 from train_harness import WeightReceiver, init_gloo, make_config, run_ranks, wait_until
@@ -29,18 +30,19 @@ def _expected(model: torch.nn.Module, dtype: Optional[torch.dtype]) -> dict[str,
 
 
 def _fsdp_rank(rank: int, world_size: int, tmp_dir: str, config_json: str, dtype_name: str, password: str) -> None:
-    """One rank of a 2-rank FSDP2 trainer (``fully_shard`` per decoder layer, then the root) that publishes once."""
+    """One rank of a 2-rank FSDP2 trainer, sharded as the trainer shards (:func:`wrap_model`, strategy fsdp), that
+    publishes once."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
     init_gloo(rank, world_size, tmp_dir)
     config = JobConfig.model_validate_json(config_json)
-    model = build_model(config.spec.model, DigitTokenizer().vocab_size, seed=SEED)
-    mesh = init_device_mesh("cpu", (world_size,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    assert config.spec.trainer.parallelism.strategy == "fsdp"
+    dims = ParallelDims.from_config(config, world_size)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("shard",))
+    where = Distributed(rank, world_size, rank, torch.device("cpu"), "gloo", dims, mesh)
+    model = wrap_model(build_model(config.spec.model, DigitTokenizer().vocab_size, seed=SEED), where,
+                       config.spec.trainer).model
     assert all(isinstance(p, DTensor) for p in model.parameters())
     publisher = None
     if rank == 0:
@@ -60,7 +62,7 @@ def _fsdp_rank(rank: int, world_size: int, tmp_dir: str, config_json: str, dtype
 @pytest.mark.parametrize("dtype_name", ["", "bfloat16"])
 def test_fsdp_ranks_send_the_rollout_what_a_ddp_rank_sends(redis_server, tmp_path, dtype_name):
     dtype = DTYPES[dtype_name]
-    config = make_config(redis_server, tmp_path / "ckpt", processes=2)
+    config = make_config(redis_server, tmp_path / "ckpt", processes=2, parallelism={"strategy": "fsdp"})
     client = redis_server.client()
     receiver = WeightReceiver(config, client)
     publisher = None
@@ -71,6 +73,8 @@ def test_fsdp_ranks_send_the_rollout_what_a_ddp_rank_sends(redis_server, tmp_pat
         publisher = WeightPublisher(config, client, poll_interval_s=3600)
         ddp = publish_weights(model, publisher, step=2, documents_seen=20, dtype=dtype)
         wait_until(lambda: 20 in receiver.received, 30, "the DDP rank's update at the rollout member")
+        ddp_copy = {name: t.clone() for name, t in publisher.late_joiner_copy.items()}
+        ddp_copy_bytes = publisher.late_joiner_copy.nbytes
     finally:
         receiver.stop()
         if publisher is not None:
@@ -87,6 +91,13 @@ def test_fsdp_ranks_send_the_rollout_what_a_ddp_rank_sends(redis_server, tmp_pat
     assert ranks[0]["receivers"] == 1 and ranks[1]["receivers"] is None and ddp.receivers == 1
     assert all(r["gather_ms"] > 0 for r in ranks) and ddp.gather_ms == 0  # both ranks gathered, DDP did not
     assert ranks[0]["copy_dtypes"] == {name: str(t.dtype) for name, t in expected.items()}  # in the published dtype
+    # The DDP rank's late-joiner copy: the published tensors, in the published dtype (bf16: 2 bytes per parameter).
+    assert list(ddp_copy) == list(expected)
+    for name, tensor in expected.items():
+        assert ddp_copy[name].dtype == tensor.dtype and torch.equal(ddp_copy[name], tensor), name
+    parameters = sum(t.numel() for t in expected.values())
+    assert all(t.is_floating_point() for t in expected.values())
+    assert ddp_copy_bytes == parameters * (2 if dtype == torch.bfloat16 else 4), (ddp_copy_bytes, parameters)
 
 
 def _made_tensors(seed: int, alive_at_next: list[bool]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -220,8 +220,11 @@ class Trainer:
         trim_acked(self.client, self.config.keys)
 
     def _publish(self) -> Publication:
-        """The weights after ``self.step``, as version ``documents_seen``; collective (every rank calls it)."""
-        return publish_weights(self.model, self.publisher, step=self.step, documents_seen=self.documents_seen)
+        """The weights after ``self.step``, as version ``documents_seen``, in the compute dtype (``precision.param``:
+        bfloat16 on GPU by default, so 2 bytes per parameter on the wire and in rank 0's late-joiner copy; float32 on
+        CPU); collective (every rank calls it). Raises what :func:`publish_weights` raises (a failed gather)."""
+        return publish_weights(self.model, self.publisher, step=self.step, documents_seen=self.documents_seen,
+                               dtype=self.parallel.compute_dtype)
 
     # --- one step ---------------------------------------------------------------------------------
     def train_step(self) -> StepRecord:
