@@ -81,8 +81,9 @@ WEIGHT_SYNC = "weight_sync_time_ms"
 TIMINGS: tuple[TimingDef, ...] = (
     TimingDef(WEIGHT_SYNC, "every step",
               "milliseconds of the step's weight publication on global rank 0, named as Fast-LLM logs it: the "
-              "weights_ready event, the join, the gathers of sharded parameters, the sends to the rollout "
-              "(rljob_trainer.weights.publish_weights)"),
+              "weights_ready event, the join, the gathers of sharded parameters, the sends to the rollout and the "
+              "late-joiner copy of gathered or cast tensors (rljob_trainer.weights.publish_weights; a DDP model's "
+              "own tensors are copied afterwards on a thread, waited for before the next optimizer step)"),
     TimingDef(CHECKPOINT_BLOCKING, "the steps that checkpoint",
               "milliseconds the training loop stood still for the step's checkpoint: waiting for the previous save, a "
               "barrier, the snapshot of model and optimizer state to host memory, the RNG files, the gather of covered "
