@@ -110,6 +110,8 @@ PRINTER_COLUMNS = [
      "description": "Gang restarts."},
     {"name": "Documents", "type": "integer", "jsonPath": ".status.documentsSeen", "priority": 1,
      "description": "Documents that entered the loss."},
+    {"name": "Checkpoint", "type": "integer", "jsonPath": ".status.lastCheckpoint.step", "priority": 1,
+     "description": "Step of the newest committed checkpoint (a gang restart goes on from it)."},
     {"name": "Staleness", "type": "number", "jsonPath": ".status.lastMetrics.staleness", "priority": 1,
      "description": "Mean staleness of the last step (documents)."},
     {"name": "Tokens/s", "type": "number", "jsonPath": ".status.tokensPerSecond", "priority": 1,

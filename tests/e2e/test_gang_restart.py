@@ -53,6 +53,8 @@ def test_deleted_trainer_pod_restarts_the_whole_gang_from_the_checkpoint(cluster
     assert status["phase"] == "Succeeded", diagnostics()
     assert (status["restarts"], status["attempt"], status["failedAttempts"]) == (1, 1, 1), status
     assert status["dataParallelSize"] == 2 and status["step"] == MAX_STEPS
+    assert status["lastCheckpoint"]["step"] == MAX_STEPS and status["lastCheckpoint"]["documentsSeen"] == (
+        MAX_STEPS * PER_STEP), status
     assert final["spec"]["trainer"]["parallelism"] == {"strategy": "fsdp", "replicate": 1}, final["spec"]["trainer"]
 
     # The gang was torn down whole before attempt 1 started (one watch stream, API server order).

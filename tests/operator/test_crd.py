@@ -130,6 +130,7 @@ def test_status_subresource_columns_and_names():
         ("Attempt", ".status.attempt", 1),  # -o wide
         ("Restarts", ".status.restarts", 1),
         ("Documents", ".status.documentsSeen", 1),
+        ("Checkpoint", ".status.lastCheckpoint.step", 1),
         ("Staleness", ".status.lastMetrics.staleness", 1),
         ("Tokens/s", ".status.tokensPerSecond", 1),
     ]

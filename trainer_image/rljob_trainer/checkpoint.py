@@ -408,12 +408,8 @@ class CheckpointManager:
     def _record_in_redis(self, committed: CommittedCheckpoint) -> None:
         if self.client is None:
             return
-        mapping = {
-            "step": committed.step,
-            "documents_seen": committed.documents_seen,
-            "path": committed.path,
-            "updated_at": repr(committed.committed_at),
-        }
+        mapping = protocol.CheckpointRecord(step=committed.step, documents_seen=committed.documents_seen,
+                                            path=committed.path, committed_at=committed.committed_at).to_fields()
         try:
             self.client.hset(self.config.keys.checkpoint, mapping=mapping)
         except redis.RedisError as err:
@@ -463,15 +459,16 @@ def find_lost_checkpoint(client: redis.Redis, config: JobConfig,
         ValueError: the hash's ``step`` is not an integer.
     """
     record = {protocol.text(k): protocol.text(v) for k, v in client.hgetall(config.keys.checkpoint).items()}
-    if "step" not in record or "path" not in record:
+    raw_step, path = record.get(protocol.CHECKPOINT_STEP), record.get(protocol.CHECKPOINT_PATH)
+    if raw_step is None or path is None:
         return None
     try:
-        step = int(record["step"])
+        step = int(raw_step)
     except ValueError as err:
-        raise ValueError(f"Redis hash {config.keys.checkpoint}: step {record['step']!r} is not an integer") from err
-    if step <= restored_from_step or (Path(record["path"]) / COMMIT_FILE).is_file():
+        raise ValueError(f"Redis hash {config.keys.checkpoint}: step {raw_step!r} is not an integer") from err
+    if step <= restored_from_step or (Path(path) / COMMIT_FILE).is_file():
         return None
-    return protocol.LostCheckpoint(step=step, path=record["path"], restored_from_step=restored_from_step)
+    return protocol.LostCheckpoint(step=step, path=path, restored_from_step=restored_from_step)
 
 
 def acknowledge_covered(client: redis.Redis, config: JobConfig, committed: CommittedCheckpoint) -> int:
