@@ -487,7 +487,8 @@ class Progress:
     ``documents_seen`` and ``model_version`` are in documents; ``rollout_reward`` is the mean raw reward of the
     documents generated with weights version ``rollout_model_version``. ``reward_failures``: the rollout hash's
     ``all_rewards_failed`` record (None when absent: rewards score). ``checkpoint_lost``: the progress hash's
-    ``checkpoint_lost`` (None when absent). ``checkpoint``: the checkpoint hash (None when absent or unreadable).
+    ``checkpoint_lost`` (None when absent). ``checkpoint``: the checkpoint hash (None when absent or unreadable). ``updated_at``: unix seconds of trainer rank 0's
+    last write of the progress hash (its own clock).
     """
 
     step: Optional[int] = None
@@ -500,6 +501,7 @@ class Progress:
     reward_failures: Optional[RewardFailures] = None
     checkpoint_lost: Optional[LostCheckpoint] = None
     checkpoint: Optional[CheckpointRecord] = None
+    updated_at: Optional[float] = None
 
 
 def parse_progress(progress: Mapping[Any, Any], rollout: Mapping[Any, Any],
@@ -527,6 +529,7 @@ def parse_progress(progress: Mapping[Any, Any], rollout: Mapping[Any, Any],
         reward_failures=RewardFailures.from_field({text(k): v for k, v in rollout.items()}.get(ROLLOUT_ALL_REWARDS_FAILED)),
         checkpoint_lost=LostCheckpoint.from_field(progress.get(PROGRESS_CHECKPOINT_LOST)),
         checkpoint=CheckpointRecord.from_fields(checkpoint or {}),
+        updated_at=_number(progress.get(PROGRESS_UPDATED_AT), float),
     )
 
 

@@ -119,6 +119,16 @@ class RLTrainingJobStatus(StatusModel):
     last_metrics: dict[str, float] = Field(
         default_factory=dict, description="Loss metrics of the last step by name (DESIGN §4)."
     )
+    progress_percentage: Optional[int] = Field(
+        None, ge=0, le=100, description="Percent of spec.trainer.maxSteps done, rounded down (100 once Succeeded)."
+    )
+    estimated_remaining_seconds: Optional[int] = Field(
+        None, ge=0,
+        description="Seconds left to maxSteps at the step rate of the last 10 minutes (rounded; only while Running).",
+    )
+    estimated_remaining_time_summary: Optional[str] = Field(
+        None, description='estimatedRemainingSeconds for people, e.g. "12m" or "1h20m" (the ETA column).'
+    )
     last_checkpoint: Optional[CheckpointStatus] = Field(
         None,
         description="The newest committed checkpoint: a gang restart goes on from it. Kept when Redis loses its "

@@ -90,6 +90,10 @@ PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "description": "Summary of the conditions."},
     {"name": "DP", "type": "integer", "jsonPath": ".status.dataParallelSize", "description": "Data-parallel size."},
     {"name": "Step", "type": "integer", "jsonPath": ".status.step", "description": "Optimizer steps done."},
+    {"name": "Progress", "type": "integer", "jsonPath": ".status.progressPercentage",
+     "description": "Percent of spec.trainer.maxSteps done."},
+    {"name": "ETA", "type": "string", "jsonPath": ".status.estimatedRemainingTimeSummary",
+     "description": "Time left at the step rate of the last 10 minutes (while Running)."},
     {
         "name": "ModelVersion",
         "type": "integer",

@@ -124,6 +124,8 @@ def test_status_subresource_columns_and_names():
         ("Phase", ".status.phase", 0),
         ("DP", ".status.dataParallelSize", 0),
         ("Step", ".status.step", 0),
+        ("Progress", ".status.progressPercentage", 0),
+        ("ETA", ".status.estimatedRemainingTimeSummary", 0),
         ("ModelVersion", ".status.modelVersion", 0),
         ("Reward", ".status.rolloutReward", 0),
         ("Age", ".metadata.creationTimestamp", 0),
