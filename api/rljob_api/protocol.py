@@ -50,6 +50,8 @@ KEY_MEMBERS = "members"
 workers, read by trainer rank 0 (rljob_trainer.weights)."""
 KEY_DEAD_LETTER = "dead_letter"
 """Stream of malformed entries with their reason (written by trainer ranks)."""
+KEY_ATTEMPT = "attempt"
+"""String: the gang attempt that owns the job's writes (rljob_trainer.fence); set by trainer rank 0 at every start."""
 KEY_CHECKPOINT = "checkpoint"
 """Hash: the last committed checkpoint (:class:`CheckpointRecord`'s fields); written by trainer rank 0's commit thread,
 read by the trainer at start (a lost checkpoint) and by the operator (status.lastCheckpoint)."""
