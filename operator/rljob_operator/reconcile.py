@@ -100,7 +100,8 @@ class _Pass:
         return observed_pods(self.indexed, self.runtime, time.monotonic())
 
     def job(self, spec: RLTrainingJobSpec) -> render.Job:
-        return render.Job(self.meta["name"], self.meta["namespace"], spec, dict(self.meta.get("labels") or {}))
+        return render.Job(self.meta["name"], self.meta["namespace"], spec, dict(self.meta.get("labels") or {}),
+                          self.meta.get("uid") or "")
 
     async def admit(self) -> Decision:
         return await admission.admit(self.body, self.before, self.pods(), self.redis, self.runtime, self.ctx.api)

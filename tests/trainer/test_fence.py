@@ -46,34 +46,54 @@ def test_a_claim_moves_forward_only_and_guarded_writes_run_only_for_the_owner(se
     keys = config.keys
     assert fence.attempt_key(keys) == "rljob:ns:job:attempt"
     assert fence.claim(client, keys, attempt=2) is None  # nobody owned it
-    assert fence.claim(client, keys, attempt=2) == 2  # a restarted rank 0 of the same attempt
+    assert fence.claim(client, keys, attempt=2) == ":2"  # a restarted rank 0 of the same attempt
     with pytest.raises(fence.Fenced, match="belongs to gang attempt 1, but attempt 2 owns the job"):
         fence.claim(client, keys, attempt=1)
-    assert client.get(fence.attempt_key(keys)) == b"2"
+    assert client.get(fence.attempt_key(keys)) == b":2"  # <job uid>:<attempt>, no uid outside the operator
 
     replies = fence.write(client, keys, [("HSET", "h", "a", "1"), ("HINCRBY", "h", "a", "2"), ("GET", "nothing")],
                           attempt=2)
     assert replies == [1, 3, None]
     with pytest.raises(fence.Fenced) as refused:
         fence.write(client, keys, [("HSET", "h", "a", "100"), ("SET", "other", "x")], attempt=1)
-    assert (refused.value.attempt, refused.value.current) == (1, 2)
+    assert (refused.value.attempt, refused.value.current, refused.value.owner) == (1, 2, ":2")
     assert client.hget("h", "a") == b"3" and client.get("other") is None  # nothing of a refused write ran
     with pytest.raises(fence.Fenced, match="gang attempt 3, but attempt 2"):
         fence.check(client, keys, attempt=3)  # a later attempt that has not claimed yet does not own it either
     fence.check(client, keys, attempt=2)
 
-    assert fence.claim(client, keys, attempt=3) == 2
+    assert fence.claim(client, keys, attempt=3) == ":2"
     with pytest.raises(fence.Fenced):
         fence.write(client, keys, [("HSET", "h", "a", "100")], attempt=2)
 
     client.delete(fence.attempt_key(keys))  # Redis forgot (restarted empty, flushed)
     with pytest.raises(fence.Fenced, match="no attempt owns the job") as forgotten:
         fence.write(client, keys, [("HSET", "h", "a", "100")], attempt=3)
-    assert forgotten.value.current is None
+    assert forgotten.value.current is None and forgotten.value.owner is None
 
     fence.claim(client, keys, attempt=4)
     with pytest.raises(redis.ResponseError, match="WRONGTYPE"):  # a failing command is not taken for a refusal
         fence.write(client, keys, [("LPUSH", "h", "x")], attempt=4)
+
+
+def test_a_new_job_object_of_the_same_name_takes_the_keys_over_and_fences_the_old_one(setup, monkeypatch):
+    """A job deleted and created again under the same name on a shared (external) Redis finds the old object's keys:
+    its attempt 0 takes them over, whatever attempt the old object reached, and a leftover of the old object is
+    refused."""
+    config, client = setup
+    keys = config.keys
+    monkeypatch.setenv(c.ENV_JOB_UID, "uid-old")
+    fence.claim(client, keys, attempt=4)
+    monkeypatch.setenv(c.ENV_JOB_UID, "uid-new")
+    assert fence.claim(client, keys, attempt=0) == "uid-old:4"
+    assert client.get(fence.attempt_key(keys)) == b"uid-new:0"
+    assert fence.write(client, keys, [("SET", "k", "new")], attempt=0) == [b"OK"]
+    monkeypatch.setenv(c.ENV_JOB_UID, "uid-old")
+    with pytest.raises(fence.Fenced, match=r"another RLTrainingJob of this name owns its keys \(uid-new:0\)"):
+        fence.write(client, keys, [("SET", "k", "old")], attempt=4)
+    with pytest.raises(fence.Fenced):
+        fence.check(client, keys, attempt=5)
+    assert client.get("k") == b"new"
 
 
 def test_outside_the_operator_nothing_is_claimed_and_writes_are_plain(setup, monkeypatch):
@@ -124,7 +144,7 @@ def test_a_running_attempt_that_loses_the_job_stops_writing_and_the_new_attempt_
         old = Torchrun(config_path, 2, free_port(), redis_server.password, tmp_path, "attempt0")
         wait_until(lambda: client.hget(keys.progress, "step") == b"3", 240, "attempt 0 at step 3", old.logs)
         wait_for_commit(client, config, 2, old.logs)
-        assert client.get(fence.attempt_key(keys)) == b"0"
+        assert client.get(fence.attempt_key(keys)) == b":0"
 
         fence.claim(client, keys, attempt=1)  # attempt 1's rank 0 starts (the old gang is still running)
         events_before = client.xlen(keys.events)
@@ -159,4 +179,4 @@ def test_a_running_attempt_that_loses_the_job_stops_writing_and_the_new_attempt_
     assert sorted(every) == sorted(ids) and len(every) == len(set(every))  # one committed timeline, no gap
     assert [(x["step"], x["documents_seen"]) for x in json_lines(new)] == [(s, 4 * s) for s in range(3, 7)]
     assert read_events(client, config)[-1] == {"type": "training_finished", "step": 6, "documents_seen": 24}
-    assert client.get(fence.attempt_key(keys)) == b"1"
+    assert client.get(fence.attempt_key(keys)) == b":1"

@@ -1,8 +1,10 @@
 """Fencing of the trainer's Redis writes by gang attempt (DESIGN §6 "Fencing").
 
-The operator stamps each trainer pod with its gang attempt (env ``RLJOB_ATTEMPT``). At every start global rank 0
-claims the job for its attempt in the key ``{prefix}attempt`` (:func:`claim`), before it reads a checkpoint; after
-that, the writes that decide what was trained — the checkpoint record, XACK, the trim, the progress hash and the
+The operator stamps each trainer pod with its gang attempt (env ``RLJOB_ATTEMPT``) and the RLTrainingJob's uid (env
+``RLJOB_JOB_UID``). At every start global rank 0 claims the job's keys for its owner ``<uid>:<attempt>`` in the key
+``{prefix}attempt`` (:func:`claim`), before it reads a checkpoint: a later attempt of the same job object, or any
+attempt of a new object of the same name (a job deleted and created again on a shared Redis keeps its keys), takes
+over; an earlier attempt of the same object is refused. After that, the writes that decide what was trained — the checkpoint record, XACK, the trim, the progress hash and the
 weights_ready/training_finished events — go through :func:`write`: one Lua script that compares the key with the
 writer's attempt and runs the commands only when they are equal, atomically (Redis runs a script alone). A process of
 an earlier attempt that is still alive (a partitioned node, a slow teardown, a force-deleted pod whose container
@@ -27,13 +29,17 @@ from rljob_api.config import RedisKeys
 Command = Sequence[Any]
 """One Redis command with its arguments, e.g. ``("XACK", stream, group, "1-0")``."""
 
+# ARGV: the job uid, the attempt. Replies {1 taken | 0 refused, the owner before or false}.
 _CLAIM = """
-local current = tonumber(redis.call('GET', KEYS[1]) or '-1')
-if current > tonumber(ARGV[1]) then return {0, current} end
-redis.call('SET', KEYS[1], ARGV[1])
+local current = redis.call('GET', KEYS[1])
+if current then
+  local uid, attempt = string.match(current, '^(.*):(%d+)$')
+  if uid == ARGV[1] and tonumber(attempt) > tonumber(ARGV[2]) then return {0, current} end
+end
+redis.call('SET', KEYS[1], ARGV[1] .. ':' .. ARGV[2])
 return {1, current}
 """
-# ARGV: the attempt ('' runs unguarded), then each command as its argument count followed by its arguments. A failing
+# ARGV: the owner '<uid>:<attempt>' ('' runs unguarded), then each command as its argument count followed by its arguments. A failing
 # command ends the script there (those after it do not run), as sequential calls would.
 _GUARDED = """
 if ARGV[1] ~= '' then
@@ -59,43 +65,62 @@ def gang_attempt() -> Optional[int]:
         return None
 
 
+def job_uid() -> str:
+    """The RLTrainingJob's uid the operator stamped on this pod (env ``RLJOB_JOB_UID``; "" when absent)."""
+    return os.environ.get(c.ENV_JOB_UID, "")
+
+
 def attempt_key(keys: RedisKeys) -> str:
-    """The key holding the job's current gang attempt (a decimal integer), ``{prefix}attempt``."""
+    """The key holding the owner of the job's writes, ``<job uid>:<gang attempt>``: ``{prefix}attempt``."""
     return keys.prefix + protocol.KEY_ATTEMPT
 
 
 class Fenced(RuntimeError):
-    """A write of gang attempt ``attempt`` refused because attempt ``current`` owns the job (None: no attempt has
-    claimed it, e.g. Redis lost its data). Not a redis.RedisError, so that no retry or log-and-skip path swallows
-    it: the process stops."""
+    """A write of gang attempt ``attempt`` refused because ``owner`` (``<job uid>:<attempt>`` as Redis holds it) owns
+    the job's keys (None: nobody, e.g. Redis lost its data). Not a redis.RedisError, so that no retry or
+    log-and-skip path swallows it: the process stops."""
 
-    def __init__(self, attempt: int, current: Optional[int]) -> None:
-        self.attempt, self.current = attempt, current
-        owner = f"attempt {current} owns the job" if current is not None else "no attempt owns the job"
-        super().__init__(f"fenced: this process belongs to gang attempt {attempt}, but {owner} in Redis; it stops "
-                         "writing (DESIGN §6)")
+    def __init__(self, attempt: int, owner: Optional[str], uid: str = "") -> None:
+        self.attempt, self.owner = attempt, owner
+        self.current = _attempt_of(owner) if owner is not None and owner.rpartition(":")[0] == uid else None
+        if owner is None:
+            holder = "no attempt owns the job in Redis (did Redis lose its data?)"
+        elif self.current is not None:
+            holder = f"attempt {self.current} owns the job"
+        else:
+            holder = f"another RLTrainingJob of this name owns its keys ({owner})"
+        super().__init__(f"fenced: this process belongs to gang attempt {attempt}, but {holder}; it stops writing "
+                         "(DESIGN §6)")
 
 
-def claim(client: redis.Redis, keys: RedisKeys, attempt: Optional[int] = None) -> Optional[int]:
-    """Make ``attempt`` (default: this pod's, :func:`gang_attempt`) the job's current attempt; global rank 0 at every
-    start, before it reads a checkpoint. Returns the attempt that was current before (None: none, or no attempt to
-    claim outside the operator).
+def _attempt_of(owner: str) -> Optional[int]:
+    try:
+        return int(owner.rpartition(":")[2])
+    except ValueError:
+        return None
+
+
+def claim(client: redis.Redis, keys: RedisKeys, attempt: Optional[int] = None, uid: Optional[str] = None) -> Optional[str]:
+    """Make ``<uid>:<attempt>`` (default: this pod's, :func:`job_uid` and :func:`gang_attempt`) the owner of the job's
+    writes; global rank 0 at every start, before it reads a checkpoint. Returns the owner before (None: none, or
+    nothing claimed outside the operator).
 
     Raises:
-        Fenced: a later attempt already owns the job (this process is a leftover).
+        Fenced: a later attempt of the same job object owns the keys (this process is a leftover).
         redis.RedisError: Redis unreachable beyond the client's retries.
     """
-    attempt = gang_or(attempt)
+    attempt, uid = gang_or(attempt), job_uid() if uid is None else uid
     if attempt is None:
         return None
-    took, before = client.eval(_CLAIM, 1, attempt_key(keys), attempt)
+    took, before = client.eval(_CLAIM, 1, attempt_key(keys), uid, attempt)
+    before = None if before is None else protocol.text(before)
     if not took:
-        raise Fenced(attempt, int(before))
-    return None if int(before) < 0 else int(before)
+        raise Fenced(attempt, before, uid)
+    return before
 
 
 def check(client: redis.Redis, keys: RedisKeys, attempt: Optional[int] = None) -> None:
-    """Raise :class:`Fenced` unless ``attempt`` (default: this pod's) owns the job; for a write Redis cannot guard,
+    """Raise :class:`Fenced` unless ``attempt`` (default: this pod's) of this job object owns the job; for a write Redis cannot guard,
     such as a commit file on the checkpoint volume (not atomic with it: the owner may change right after).
 
     Raises:
@@ -107,7 +132,7 @@ def check(client: redis.Redis, keys: RedisKeys, attempt: Optional[int] = None) -
 
 def write(client: redis.Redis, keys: RedisKeys, commands: Sequence[Command],
           attempt: Optional[int] = None) -> list[Any]:
-    """Run ``commands`` atomically (one script) if ``attempt`` (default: this pod's) is the job's current attempt, or
+    """Run ``commands`` atomically (one script) if ``attempt`` (default: this pod's) of this job object owns the job, or
     unguarded without one (outside the operator); return their replies in order (status replies as bytes, b"OK").
 
     Raises:
@@ -128,7 +153,7 @@ def queue(pipe: redis.client.Pipeline, keys: RedisKeys, commands: Sequence[Comma
     by ``attempt`` (default: this pod's; none: unguarded), whose one reply is the list of theirs; run it with
     :func:`execute`."""
     attempt = gang_or(attempt)
-    argv: list[Any] = ["" if attempt is None else attempt]
+    argv: list[Any] = ["" if attempt is None else f"{job_uid()}:{attempt}"]
     for command in commands:
         argv += [len(command), *command]
     pipe.eval(_GUARDED, 1, attempt_key(keys), *argv)
@@ -146,13 +171,13 @@ def execute(pipe: redis.client.Pipeline, attempt: Optional[int] = None) -> list[
     except redis.ResponseError as err:
         if "FENCED " not in str(err):
             raise
-        raise Fenced(gang_or(attempt), owner_of(str(err))) from None
+        raise refusal(str(err), attempt) from None
 
 
-def owner_of(refusal: str) -> Optional[int]:
-    """The attempt named by a refusal of the guarded script (``FENCED <attempt>``; None for ``FENCED none``)."""
-    owner = refusal.rsplit("FENCED ", 1)[1].split()[0]
-    return None if owner == "none" else int(owner)
+def refusal(message: str, attempt: Optional[int] = None) -> Fenced:
+    """The :class:`Fenced` of a refusal of the guarded script (``FENCED <owner>``; ``FENCED none``: no owner)."""
+    owner = message.rsplit("FENCED ", 1)[1].split()[0]
+    return Fenced(gang_or(attempt), None if owner == "none" else owner, job_uid())
 
 
 def flat(mapping: Mapping[Any, Any]) -> list[Any]:

@@ -197,7 +197,7 @@ def publish_start(
     except redis.ResponseError as err:
         if "FENCED " not in str(err):
             raise
-        raise fence.Fenced(attempt, fence.owner_of(str(err))) from None
+        raise fence.refusal(str(err), attempt) from None
 
 
 def publish_checkpointed(client: redis.Redis, config: JobConfig, documents_seen: int) -> None:
