@@ -72,6 +72,8 @@ ENV_POD_NAMESPACE = "POD_NAMESPACE"
 ENV_REPLICA_INDEX = "RLJOB_REPLICA_INDEX"
 """Rollout replica index i (pod ``<job>-rollout-<i>``), or trainer node rank."""
 ENV_ATTEMPT = "RLJOB_ATTEMPT"
+ENV_JOB_UID = "RLJOB_JOB_UID"
+"""The RLTrainingJob's metadata.uid on trainer pods: with the attempt, the owner of the job's Redis writes."""
 
 CONFIG_MOUNT_DIR = "/etc/rljob"
 CONFIG_FILE_NAME = "config.json"

@@ -50,8 +50,11 @@ KEY_MEMBERS = "members"
 workers, read by trainer rank 0 (rljob_trainer.weights)."""
 KEY_DEAD_LETTER = "dead_letter"
 """Stream of malformed entries with their reason (written by trainer ranks)."""
+KEY_ATTEMPT = "attempt"
+"""String: the gang attempt that owns the job's writes (rljob_trainer.fence); set by trainer rank 0 at every start."""
 KEY_CHECKPOINT = "checkpoint"
-"""Hash: last committed checkpoint (``step``, ``documents_seen``, ``path``); written by trainer rank 0."""
+"""Hash: the last committed checkpoint (:class:`CheckpointRecord`'s fields); written by trainer rank 0's commit thread,
+read by the trainer at start (a lost checkpoint) and by the operator (status.lastCheckpoint)."""
 
 
 def key_prefix(namespace: str, job: str) -> str:
@@ -163,6 +166,47 @@ def lost_checkpoint_message(lost: LostCheckpoint, volume: Any = _VOLUME_UNKNOWN)
     start = "started over" + (f" at step {lost.restored_from_step}" if lost.restored_from_step is not None else "")
     which = f"checkpoint step {lost.step}" if lost.step is not None else "the last recorded checkpoint"
     return f"{who} {start}: {which}" + (f" ({lost.path})" if lost.path else "") + f" was lost: {where}"
+
+
+# --- Checkpoint hash (trainer rank 0 writes at each commit; the trainer at start and the operator read) ----------
+CHECKPOINT_STEP = "step"
+CHECKPOINT_DOCUMENTS_SEEN = "documents_seen"
+CHECKPOINT_PATH = "path"
+CHECKPOINT_UPDATED_AT = "updated_at"
+"""Unix seconds of the commit (float repr)."""
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """The checkpoint hash: the newest committed checkpoint, optimizer step ``step`` having trained
+    ``documents_seen`` documents (all ranks), in directory ``path`` of the trainer's checkpoint volume, committed at
+    ``committed_at`` (unix seconds; None when unreadable)."""
+
+    step: int
+    documents_seen: int
+    path: str
+    committed_at: Optional[float] = None
+
+    def to_fields(self) -> dict[str, Any]:
+        """The hash's fields (HSET mapping)."""
+        fields: dict[str, Any] = {CHECKPOINT_STEP: self.step, CHECKPOINT_DOCUMENTS_SEEN: self.documents_seen,
+                                  CHECKPOINT_PATH: self.path}
+        if self.committed_at is not None:
+            fields[CHECKPOINT_UPDATED_AT] = repr(float(self.committed_at))
+        return fields
+
+    @classmethod
+    def from_fields(cls, raw: Mapping[Any, Any]) -> Optional[CheckpointRecord]:
+        """Parse the hash (HGETALL's reply, bytes or str); None when empty or when ``step``, ``documents_seen`` or
+        ``path`` is missing or unreadable (never raises: a bad field must not stop status updates)."""
+        fields = {text(k): v for k, v in raw.items()}
+        step = _number(fields.get(CHECKPOINT_STEP), int)
+        documents_seen = _number(fields.get(CHECKPOINT_DOCUMENTS_SEEN), int)
+        path = text(fields.get(CHECKPOINT_PATH))
+        if step is None or documents_seen is None or step < 0 or documents_seen < 0 or not path:
+            return None
+        return cls(step=step, documents_seen=documents_seen, path=path,
+                   committed_at=_number(fields.get(CHECKPOINT_UPDATED_AT), float))
 
 
 # --- Rollout hash (rollout workers add to it; the operator reads it) ------------------------------
@@ -445,7 +489,8 @@ class Progress:
     ``documents_seen`` and ``model_version`` are in documents; ``rollout_reward`` is the mean raw reward of the
     documents generated with weights version ``rollout_model_version``. ``reward_failures``: the rollout hash's
     ``all_rewards_failed`` record (None when absent: rewards score). ``checkpoint_lost``: the progress hash's
-    ``checkpoint_lost`` (None when absent).
+    ``checkpoint_lost`` (None when absent). ``checkpoint``: the checkpoint hash (None when absent or unreadable). ``updated_at``: unix seconds of trainer rank 0's
+    last write of the progress hash (its own clock).
     """
 
     step: Optional[int] = None
@@ -457,11 +502,15 @@ class Progress:
     rollout_model_version: Optional[int] = None
     reward_failures: Optional[RewardFailures] = None
     checkpoint_lost: Optional[LostCheckpoint] = None
+    checkpoint: Optional[CheckpointRecord] = None
+    updated_at: Optional[float] = None
 
 
-def parse_progress(progress: Mapping[Any, Any], rollout: Mapping[Any, Any]) -> Progress:
-    """Parse the progress and rollout hashes (as HGETALL returns them, bytes or str). Unparseable or non-finite
-    values are skipped (Kubernetes JSON cannot hold NaN), never raised: a bad field must not stop status updates."""
+def parse_progress(progress: Mapping[Any, Any], rollout: Mapping[Any, Any],
+                   checkpoint: Optional[Mapping[Any, Any]] = None) -> Progress:
+    """Parse the progress, rollout and checkpoint hashes (as HGETALL returns them, bytes or str). Unparseable or
+    non-finite values are skipped (Kubernetes JSON cannot hold NaN), never raised: a bad field must not stop status
+    updates."""
     progress = {text(k): v for k, v in progress.items()}
     metrics: dict[str, float] = {}
     decoded = _json_object(progress.get(PROGRESS_METRICS)) or {}
@@ -481,6 +530,8 @@ def parse_progress(progress: Mapping[Any, Any], rollout: Mapping[Any, Any]) -> P
         rollout_model_version=version,
         reward_failures=RewardFailures.from_field({text(k): v for k, v in rollout.items()}.get(ROLLOUT_ALL_REWARDS_FAILED)),
         checkpoint_lost=LostCheckpoint.from_field(progress.get(PROGRESS_CHECKPOINT_LOST)),
+        checkpoint=CheckpointRecord.from_fields(checkpoint or {}),
+        updated_at=_number(progress.get(PROGRESS_UPDATED_AT), float),
     )
 
 

@@ -40,6 +40,16 @@ class Condition(StatusModel):
     )
 
 
+class CheckpointStatus(StatusModel):
+    """The newest committed checkpoint as the trainer recorded it (the Redis checkpoint hash), copied into the
+    job's status at the first reconcile pass after the commit, so that it stays known when Redis forgets."""
+
+    step: int = Field(..., ge=0, description="Optimizer steps the checkpoint holds.")
+    documents_seen: int = Field(..., ge=0, description="Documents trained up to it, all ranks (documents).")
+    path: str = Field(..., description="Its directory on the trainer's checkpoint volume.")
+    time: Optional[datetime] = Field(None, description="When it was committed.")
+
+
 class RLTrainingJobStatus(StatusModel):
     """What the operator observed of an RLTrainingJob: phase, gang attempt, progress and conditions."""
 
@@ -108,6 +118,21 @@ class RLTrainingJobStatus(StatusModel):
     )
     last_metrics: dict[str, float] = Field(
         default_factory=dict, description="Loss metrics of the last step by name (DESIGN §4)."
+    )
+    progress_percentage: Optional[int] = Field(
+        None, ge=0, le=100, description="Percent of spec.trainer.maxSteps done, rounded down (100 once Succeeded)."
+    )
+    estimated_remaining_seconds: Optional[int] = Field(
+        None, ge=0,
+        description="Seconds left to maxSteps at the step rate of the last 10 minutes (rounded; only while Running).",
+    )
+    estimated_remaining_time_summary: Optional[str] = Field(
+        None, description='estimatedRemainingSeconds for people, e.g. "12m" or "1h20m" (the ETA column).'
+    )
+    last_checkpoint: Optional[CheckpointStatus] = Field(
+        None,
+        description="The newest committed checkpoint: a gang restart goes on from it. Kept when Redis loses its "
+        "record; step above it is training not saved yet.",
     )
     conditions: list[Condition] = Field(default_factory=list, description="The latest observations.")
 

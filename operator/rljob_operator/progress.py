@@ -2,7 +2,7 @@
 
 The hashes' fields and their parsing are :mod:`rljob_api.protocol`'s (trainer rank 0 writes the progress hash,
 rollout workers the rollout hash). The operator reports the newest version's mean reward as
-``status.rolloutReward``, the rollout hash's ``all_rewards_failed`` as RolloutReady=False/AllRewardsFailed, and the
+``status.rolloutReward``, the checkpoint hash as ``status.lastCheckpoint``, the rollout hash's ``all_rewards_failed`` as RolloutReady=False/AllRewardsFailed, and the
 progress hash's ``checkpoint_lost`` as Running=True/CheckpointLost and a Warning Event.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import ssl
+from datetime import datetime, timezone
 from typing import Any, Optional
 
 import redis.asyncio as aioredis
@@ -19,6 +20,7 @@ from redis.backoff import NoBackoff
 from rljob_api import protocol
 from rljob_api.config import RedisConnection, RedisKeys
 from rljob_api.protocol import REWARD_DECIMALS, LostCheckpoint, Progress, parse_progress
+from rljob_api.status import CheckpointStatus
 
 __all__ = ["REWARD_DECIMALS", "LostCheckpoint", "Progress", "connect", "fetch", "lost_checkpoint_message",
            "parse_progress", "status_fields", "tls_failure"]
@@ -40,11 +42,16 @@ def status_fields(progress: Progress) -> dict[str, Any]:
     }
     if progress.metrics:
         fields["last_metrics"] = dict(progress.metrics)
+    if progress.checkpoint is not None:
+        record = progress.checkpoint
+        fields["last_checkpoint"] = CheckpointStatus(
+            step=record.step, documents_seen=record.documents_seen, path=record.path,
+            time=None if record.committed_at is None else datetime.fromtimestamp(record.committed_at, timezone.utc))
     return fields
 
 
 async def fetch(client: aioredis.Redis, keys: RedisKeys) -> Progress:
-    """Read both hashes in one round trip and parse them.
+    """Read the progress, rollout and checkpoint hashes in one round trip and parse them.
 
     Raises:
         redis.RedisError: Redis unreachable or the password is wrong.
@@ -52,8 +59,9 @@ async def fetch(client: aioredis.Redis, keys: RedisKeys) -> Progress:
     async with client.pipeline(transaction=False) as pipe:
         pipe.hgetall(keys.progress)
         pipe.hgetall(keys.rollout)
-        progress, rollout = await pipe.execute()
-    return parse_progress(progress, rollout)
+        pipe.hgetall(keys.checkpoint)
+        progress, rollout, checkpoint = await pipe.execute()
+    return parse_progress(progress, rollout, checkpoint)
 
 
 def connect(connection: RedisConnection, password: Optional[str], *, ca_data: Optional[str] = None,

@@ -100,7 +100,8 @@ class _Pass:
         return observed_pods(self.indexed, self.runtime, time.monotonic())
 
     def job(self, spec: RLTrainingJobSpec) -> render.Job:
-        return render.Job(self.meta["name"], self.meta["namespace"], spec, dict(self.meta.get("labels") or {}))
+        return render.Job(self.meta["name"], self.meta["namespace"], spec, dict(self.meta.get("labels") or {}),
+                          self.meta.get("uid") or "")
 
     async def admit(self) -> Decision:
         return await admission.admit(self.body, self.before, self.pods(), self.redis, self.runtime, self.ctx.api)
@@ -232,6 +233,8 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
     if ctx.read_progress and redis_reads.reads_progress(this.before.phase, plan.lifecycle.phase,
                                                         spec.redis.mode == "managed", health.ready):
         fetched = await redis_reads.read_progress(job, config, runtime, ctx)
+        if fetched is not None:
+            runtime.step_rate.add(fetched.updated_at, fetched.step)
         health = redis_reads.health(spec, this.redis, runtime, pods, this.now)
         if fetched is not None and fetched.reward_failures is not None:  # rewards failing: the plan may fail the job
             plan = gang.plan(job.name, spec, this.before, pods, hashes, this.now, rewards=fetched.reward_failures)
@@ -250,7 +253,8 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
     lifecycle = gang.require_redis(lifecycle, *redis_reads.known(health, this.previous))
     new = this.status(lifecycle, problems=problems, data_parallel_size=data_parallel_size(spec), redis=health,
                       pods=status.name_secret_fields(pods, status.secret_fields(spec)), nodes=spec.trainer.nodes,
-                      replicas=spec.rollout.replicas, progress=fetched,
+                      replicas=spec.rollout.replicas, progress=fetched, max_steps=spec.trainer.max_steps,
+                      steps_per_second=runtime.step_rate.per_second(),
                       checkpoint_volume=spec.trainer.checkpoint.volume,
                       reward_deadline_s=spec.rollout.reward_failure_deadline_seconds, kept=note)
     uids = {p.name: p.uid for p in pods}

@@ -85,12 +85,14 @@ _REDIS_UID = 999  # the redis user of the official image
 
 @dataclass(frozen=True)
 class Job:
-    """What rendering needs of an RLTrainingJob: its name, namespace, validated spec and metadata labels."""
+    """What rendering needs of an RLTrainingJob: its name, namespace, validated spec, metadata labels and uid ("" when
+    not known: the trainer pods then carry no RLJOB_JOB_UID)."""
 
     name: str
     namespace: str
     spec: RLTrainingJobSpec
     labels: Mapping[str, str] = field(default_factory=dict)
+    uid: str = ""
 
 
 def redis_connection(job: Job) -> RedisConnection:
@@ -381,6 +383,8 @@ def _env(job: Job, index: int, *, attempt: Optional[int]) -> list[dict[str, Any]
     ]
     if attempt is not None:
         env.append({"name": c.ENV_ATTEMPT, "value": str(attempt)})
+        if job.uid:
+            env.append({"name": c.ENV_JOB_UID, "value": job.uid})
     for name, path in ((c.ENV_POD_IP, "status.podIP"), (c.ENV_POD_NAME, "metadata.name"),
                        (c.ENV_POD_NAMESPACE, "metadata.namespace")):
         env.append({"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}})

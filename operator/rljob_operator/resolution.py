@@ -72,7 +72,7 @@ def effective_config(job: render.Job, generation: Optional[int], recorded: Optio
         return fresh
     if generation is not None and recorded.generation == generation:
         return recorded.config
-    before = render.job_config(render.Job(job.name, job.namespace, recorded.config.spec, job.labels))
+    before = render.job_config(render.Job(job.name, job.namespace, recorded.config.spec, job.labels, job.uid))
     if render.role_config_hash(before, c.Role.TRAINER) != render.role_config_hash(fresh, c.Role.TRAINER):
         return fresh
     merged = json.loads(recorded.config.to_json())

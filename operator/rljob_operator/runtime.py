@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from rljob_api.spec import RLTrainingJobSpec
 
 from rljob_operator.apply import KubeApi
+from rljob_operator.eta import StepRate
 from rljob_operator.observe import PodView
 from rljob_operator.redis_clients import RedisClients
 from rljob_operator.status import Event, RedisHealth
@@ -48,6 +49,8 @@ class JobRuntime:
     """The shared client this job holds (:class:`~rljob_operator.redis_clients.RedisClients`), while active."""
     redis_identity: Optional[tuple] = None
     redis_health: RedisHealth = RedisHealth(None, "not checked yet")
+    step_rate: StepRate = field(default_factory=StepRate)
+    """The trainer's recent step rate (status.estimatedRemainingSeconds)."""
     looping: bool = False
     """True while the job's daemon loop runs (the operator's cleanup waits for it)."""
     seen: Optional[tuple] = None

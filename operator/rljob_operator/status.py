@@ -47,6 +47,7 @@ from rljob_api.spec import RLTrainingJobSpec
 from rljob_api.status import Condition, RLTrainingJobStatus
 from rljob_api.validation import SpecProblem
 
+from rljob_operator import eta
 from rljob_operator.gang import Lifecycle, plural
 from rljob_operator.observe import RESTART_REASONS, PodView
 from rljob_operator.progress import Progress, lost_checkpoint_message, status_fields
@@ -289,6 +290,8 @@ def build_status(
     checkpoint_volume: Optional[str] = None,
     reward_deadline_s: Optional[int] = None,
     kept: Optional[str] = None,
+    max_steps: Optional[int] = None,
+    steps_per_second: Optional[float] = None,
 ) -> RLTrainingJobStatus:
     """The new status. Conditions keep their lastTransitionTime while their status is unchanged; conditions
     that were True once stay listed (False with the current phase's reason) once they no longer hold.
@@ -296,7 +299,10 @@ def build_status(
     ``progress`` is None (Redis not read this pass); RedisReady keeps its saved value while ``redis.ready`` is None
     (not probed yet). ``checkpoint_volume``: spec.trainer.checkpoint.volume (what a lost checkpoint's message
     advises). ``reward_deadline_s``: spec.rollout.rewardFailureDeadlineSeconds (AllRewardsFailed's message says when
-    the job fails for it; None: not said). ``kept``: with ``problems``, what the running job goes on with meanwhile (ends Valid's message)."""
+    the job fails for it; None: not said). ``kept``: with ``problems``, what the running job goes on with meanwhile (ends Valid's message).
+    ``max_steps``: spec.trainer.maxSteps, for progressPercentage (None: the progress fields are kept as they are);
+    ``steps_per_second``: the trainer's recent rate (:class:`.eta.StepRate`) for the estimated time left, which is
+    shown only while Running and kept on a pass that did not read Redis."""
     pods = list(pods)
     old = {cond.type: cond for cond in previous.conditions}
     fresh = _conditions(
@@ -330,7 +336,25 @@ def build_status(
     )
     if progress is not None:
         fields.update(status_fields(progress))
+    if max_steps is not None:
+        fields.update(_progress_estimate(lifecycle.phase, fields.get("step", previous.step), max_steps,
+                                         steps_per_second, read=progress is not None))
     return previous.model_copy(update=fields)
+
+
+def _progress_estimate(phase: Phase, step: Optional[int], max_steps: int, steps_per_second: Optional[float],
+                       read: bool) -> dict[str, Any]:
+    """progressPercentage and the estimated time left (:mod:`.eta`) for a job in ``phase`` at ``step``; ``read``:
+    whether this pass read the progress hash (if not, a Running job keeps its estimate)."""
+    fields: dict[str, Any] = {}
+    if step is not None:
+        fields["progress_percentage"] = 100 if phase == Phase.SUCCEEDED else eta.progress_percentage(step, max_steps)
+    if phase != Phase.RUNNING or (read and (step is None or not steps_per_second)):
+        fields.update(estimated_remaining_seconds=None, estimated_remaining_time_summary=None)
+    elif read:
+        seconds = eta.remaining_seconds(step, max_steps, steps_per_second)
+        fields.update(estimated_remaining_seconds=seconds, estimated_remaining_time_summary=eta.duration_summary(seconds))
+    return fields
 
 
 def _lost_checkpoint(progress: Optional[Progress], attempt: int, checkpoint_volume: Optional[str]) -> Optional[str]:

@@ -1,4 +1,5 @@
-"""Gang behaviour end to end (DESIGN §5, §6) with 2 data-parallel ranks in 1 pod × 2 processes.
+"""Gang behaviour end to end (DESIGN §5, §6) with 2 data-parallel ranks in 1 pod × 2 processes, sharded by FSDP2
+(``parallelism.strategy`` left to its default, ``fsdp``; the resume loads the sharded checkpoint into new shards).
 
 A trainer pod deleted after a checkpoint ends the attempt: every pod of attempt k is gone before any pod of
 attempt k+1 exists (read off one watch stream of the namespace's pods), attempt k+1 resumes from the
@@ -52,6 +53,9 @@ def test_deleted_trainer_pod_restarts_the_whole_gang_from_the_checkpoint(cluster
     assert status["phase"] == "Succeeded", diagnostics()
     assert (status["restarts"], status["attempt"], status["failedAttempts"]) == (1, 1, 1), status
     assert status["dataParallelSize"] == 2 and status["step"] == MAX_STEPS
+    assert status["lastCheckpoint"]["step"] == MAX_STEPS and status["lastCheckpoint"]["documentsSeen"] == (
+        MAX_STEPS * PER_STEP), status
+    assert final["spec"]["trainer"]["parallelism"] == {"strategy": "fsdp", "replicate": 1}, final["spec"]["trainer"]
 
     # The gang was torn down whole before attempt 1 started (one watch stream, API server order).
     lives = pods.lifetimes(c.Role.TRAINER.value)

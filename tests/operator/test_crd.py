@@ -124,12 +124,15 @@ def test_status_subresource_columns_and_names():
         ("Phase", ".status.phase", 0),
         ("DP", ".status.dataParallelSize", 0),
         ("Step", ".status.step", 0),
+        ("Progress", ".status.progressPercentage", 0),
+        ("ETA", ".status.estimatedRemainingTimeSummary", 0),
         ("ModelVersion", ".status.modelVersion", 0),
         ("Reward", ".status.rolloutReward", 0),
         ("Age", ".metadata.creationTimestamp", 0),
         ("Attempt", ".status.attempt", 1),  # -o wide
         ("Restarts", ".status.restarts", 1),
         ("Documents", ".status.documentsSeen", 1),
+        ("Checkpoint", ".status.lastCheckpoint.step", 1),
         ("Staleness", ".status.lastMetrics.staleness", 1),
         ("Tokens/s", ".status.tokensPerSecond", 1),
     ]

@@ -12,7 +12,7 @@ import redis
 from rljob_api import protocol
 from rljob_api.config import RedisConnection
 from rljob_api.constants import ConditionType, Phase, Reason
-from rljob_api.status import RLTrainingJobStatus
+from rljob_api.status import CheckpointStatus, RLTrainingJobStatus
 
 from rljob_operator import gang, progress, redis_reads, render, status
 
@@ -61,6 +61,10 @@ def test_fetch_from_a_real_redis(redis_server):
                                         "metrics": json.dumps({"kl_new_old": 0.01})})
     writer.hincrbyfloat(keys.rollout, "reward_sum:128", 5.0)
     writer.hincrby(keys.rollout, "reward_count:128", 8)
+    # As the trainer's commit thread records checkpoint step 2 (rljob_trainer.checkpoint).
+    writer.hset(keys.checkpoint, mapping=protocol.CheckpointRecord(
+        step=2, documents_seen=128, path="/var/lib/rljob/checkpoints/step-00000002",
+        committed_at=1_800_000_000.25).to_fields())
 
     async def go():
         connection = RedisConnection(host=redis_server.host, port=redis_server.port)
@@ -79,7 +83,19 @@ def test_fetch_from_a_real_redis(redis_server):
     assert progress.status_fields(fetched) == {
         "step": 3, "documents_seen": 192, "model_version": 192, "rollout_reward": 0.625,
         "rollout_model_version": 128, "last_metrics": {"kl_new_old": 0.01},
+        "last_checkpoint": CheckpointStatus(step=2, documents_seen=128, path="/var/lib/rljob/checkpoints/step-00000002",
+                                            time=datetime(2027, 1, 15, 8, 0, 0, 250000, tzinfo=timezone.utc)),
     }
+
+
+def test_a_checkpoint_record_that_cannot_be_read_is_none_and_a_partial_time_is_left_out():
+    good = {b"step": b"10", b"documents_seen": b"640", b"path": b"/ckpt/step-00000010"}
+    assert protocol.CheckpointRecord.from_fields(good) == protocol.CheckpointRecord(10, 640, "/ckpt/step-00000010")
+    assert protocol.CheckpointRecord.from_fields({**good, b"updated_at": b"nan"}).committed_at is None
+    for bad in ({}, {**good, b"step": b"ten"}, {**good, b"documents_seen": b"-1"}, {b"step": b"10", b"path": b"/c"},
+                {**good, b"path": b""}):
+        assert protocol.CheckpointRecord.from_fields(bad) is None, bad
+        assert protocol.parse_progress({}, {}, bad).checkpoint is None
 
 
 def test_fetch_over_tls_verifies_the_server_with_the_ca_bundle_given(redis_tls_server):

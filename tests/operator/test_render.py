@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from pathlib import Path
 
@@ -73,6 +75,9 @@ def test_trainer_pod_labels_env_ports_and_volumes():
     env = _env(container)
     assert env[c.ENV_CONFIG] == "/etc/rljob/config.json"
     assert env[c.ENV_REPLICA_INDEX] == "1" and env[c.ENV_ATTEMPT] == "3"
+    assert c.ENV_JOB_UID not in env  # a Job without a uid (rendering outside a reconcile pass)
+    with_uid = render.trainer_pod(dataclasses.replace(job, uid="0f6c-uid"), config, 1, attempt=3)
+    assert _env(with_uid["spec"]["containers"][0])[c.ENV_JOB_UID] == "0f6c-uid"  # the owner of its Redis writes
     assert env[c.ENV_POD_IP] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert env[c.ENV_POD_NAME] == {"fieldRef": {"fieldPath": "metadata.name"}}
     assert env[c.ENV_POD_NAMESPACE] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
@@ -130,7 +135,7 @@ def test_rollout_pod_command_env_gpus_and_restart_policy():
     assert pod["metadata"]["name"] == "demo-rollout-2"
     assert container["command"] == ["python", "-m", "rljob_rollout"]
     assert _env(container)[c.ENV_REPLICA_INDEX] == "2"
-    assert c.ENV_ATTEMPT not in _env(container)
+    assert c.ENV_ATTEMPT not in _env(container) and c.ENV_JOB_UID not in _env(container)
     assert container["resources"] == {"requests": {"cpu": "4"}, "limits": {"nvidia.com/gpu": 2}}
     assert pod["spec"]["restartPolicy"] == "OnFailure"
     assert c.LABEL_ATTEMPT not in pod["metadata"]["labels"]

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 import pytest
 
 from rljob_api import protocol
 from rljob_api.constants import ConditionType, Phase, Reason
-from rljob_api.status import RLTrainingJobStatus
+from rljob_api.status import CheckpointStatus, RLTrainingJobStatus
 
 from rljob_operator import gang, progress, render, status
 from rljob_operator.observe import pod_view
@@ -310,3 +310,21 @@ def test_a_missing_secret_the_spec_names_is_told_with_its_field():
         '0/2 trainer pods ready; cannot start: demo-trainer-0: container trainer CreateContainerConfigError: secret '
         '"hf" not found (spec.hfTokenSecretRef); demo-trainer-1: container trainer CreateContainerConfigError: '
         "couldn't find key p in Secret ns/pw (spec.redis.passwordSecretRef)")
+
+
+def test_the_last_checkpoint_is_copied_into_status_and_kept_when_redis_forgets_it():
+    """Issue 11 item 2: the status holds the newest committed checkpoint as it happens, so that it stays true when
+    Redis loses its hashes (a managed Redis without persistence restarted empty, an external one flushed)."""
+    pods = [trainer(0, 0), trainer(1, 0)]
+    record = {"step": "30", "documents_seen": "1920", "path": "/var/lib/rljob/checkpoints/step-00000030",
+              "updated_at": "1800000000.0"}
+    fetched = protocol.parse_progress({b"step": b"31"}, {}, {k.encode(): v.encode() for k, v in record.items()})
+    saved = build(RLTrainingJobStatus(), pods, RUNNING, fetched=fetched)
+    assert saved.last_checkpoint == CheckpointStatus(step=30, documents_seen=1920,
+                                                     path="/var/lib/rljob/checkpoints/step-00000030",
+                                                     time=datetime(2027, 1, 15, 8, 0, tzinfo=timezone.utc))
+    assert status.to_json(saved)["lastCheckpoint"] == {"step": 30, "documentsSeen": 1920,
+                                                        "path": "/var/lib/rljob/checkpoints/step-00000030",
+                                                        "time": "2027-01-15T08:00:00Z"}
+    forgotten = build(saved, pods, RUNNING, seconds=5, fetched=protocol.parse_progress({}, {}, {}))
+    assert forgotten.last_checkpoint == saved.last_checkpoint and forgotten.step == 31

@@ -19,7 +19,9 @@ from rljob_api.protocol import LostCheckpoint, lost_checkpoint_message
 from rljob_trainer.checkpoint import COMMIT_FILE, find_lost_checkpoint, step_dir
 from rljob_rollout.writer import DocumentWriter
 from rljob_trainer.stream.reader import DataTimeout
-from rljob_trainer.progress import gang_attempt, publish_start
+from rljob_trainer import fence
+from rljob_trainer.fence import gang_attempt
+from rljob_trainer.progress import publish_start
 from rljob_trainer.train import run
 from train_harness import make_config, make_documents
 
@@ -144,6 +146,7 @@ def test_a_start_drops_the_rollout_rewards_of_an_abandoned_timeline(redis_server
     client.hset(keys.progress, mapping={"step": 12, "documents_seen": 48, "model_version": 48, "metrics": "{}"})
 
     lost = LostCheckpoint(step=12, path="/ckpt/step-00000012", restored_from_step=4)
+    fence.claim(client, keys, attempt=2)  # as rank 0 of attempt 2 does first
     publish_start(client, config, 4, 16, lost, attempt=2)
 
     rollout = {k.decode(): v.decode() for k, v in client.hgetall(keys.rollout).items()}

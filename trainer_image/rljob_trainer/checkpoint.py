@@ -62,9 +62,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from rljob_api import constants as c
 from rljob_api import protocol
 from rljob_api.config import JobConfig
-from rljob_trainer import durable
+from rljob_trainer import durable, fence
 from rljob_trainer.export import DEFAULT_MAX_SHARD_BYTES, export_hugging_face
 from rljob_trainer.parallel import Distributed
+from rljob_trainer.stream.reader import ack_entries
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,8 @@ class CommittedCheckpoint:
     """What a committed checkpoint's commit file says.
 
     ``covered_entry_ids``: consumer name → stream entry ids (``"<ms>-<seq>"``) that consumer consumed
-    (trained, or dropped as over-long) since the previous checkpoint; ``world_size``: ranks that wrote it.
+    (trained, or dropped as over-long) since the previous checkpoint; ``world_size``: ranks that wrote it;
+    ``attempt``: the gang attempt that committed it (None: outside the operator, or written before fencing).
     """
 
     path: str
@@ -89,6 +91,7 @@ class CommittedCheckpoint:
     world_size: int
     covered_entry_ids: dict[str, list[str]] = field(default_factory=dict)
     committed_at: float = 0.0
+    attempt: Optional[int] = None
 
     @classmethod
     def read(cls, directory: Path) -> "CommittedCheckpoint":
@@ -212,20 +215,36 @@ class CheckpointManager:
 
     # --- finding ----------------------------------------------------------------------------------
     def resume_source(self) -> tuple[Optional[Path], bool]:
-        """(checkpoint to start from, whether it is this job's own).
+        """(checkpoint to start from, whether it is this job's own), as global rank 0 finds it and tells every rank
+        (a collective when there are several ranks: a checkpoint committed while the ranks look, by a leftover of an
+        earlier attempt, must not make them load different ones).
 
         The latest committed checkpoint under ``config.checkpoint_dir`` (a resume: its covered entries belong
         to this job's stream), else ``initFrom`` (its bookkeeping is ignored), else ``(None, False)``.
 
         Raises:
-            FileNotFoundError: ``initFrom`` is set but names no committed checkpoint.
+            FileNotFoundError: ``initFrom`` is set but names no committed checkpoint (on every rank).
         """
+        found: list[Any] = [None]
+        if self.where.is_rank_zero:
+            try:
+                found[0] = self._find_source()
+            except FileNotFoundError as err:
+                found[0] = err
+        if dist.is_available() and dist.is_initialized() and self.where.world_size > 1:
+            dist.broadcast_object_list(found, src=0)
+        if isinstance(found[0], FileNotFoundError):
+            raise FileNotFoundError(str(found[0]))
+        path, own = found[0]
+        return (None if path is None else Path(path)), own
+
+    def _find_source(self) -> tuple[Optional[str], bool]:
         own = committed_checkpoints(self.root)
         if own:
-            return own[-1], True
+            return str(own[-1]), True
         init_from = self.config.spec.trainer.checkpoint.init_from
         if init_from:
-            return resolve_init_from(init_from), False
+            return str(resolve_init_from(init_from)), False
         return None, False
 
     # --- loading ----------------------------------------------------------------------------------
@@ -393,7 +412,9 @@ class CheckpointManager:
         """Rank 0's commit thread: once every rank's files are durable, write the commit file, record it in Redis, run
         ``on_commit``, prune. Returns (committed_at unix seconds, milliseconds since the save started)."""
         upload.result()  # rank 0's upload ends after every rank's writes (DCP gathers their results first)
-        committed = dataclasses.replace(checkpoint, committed_at=time.time())
+        if self.client is not None:  # a leftover of an earlier attempt commits nothing (the check narrows the window
+            fence.check(self.client, self.config.keys)  # to this thread's next few milliseconds; DESIGN §6)
+        committed = dataclasses.replace(checkpoint, committed_at=time.time(), attempt=fence.gang_attempt())
         target = Path(committed.path)
         durable.write_text(target / COMMIT_FILE, json.dumps({k: v for k, v in asdict(committed).items() if k != "path"}))
         self._record_in_redis(committed)
@@ -408,14 +429,11 @@ class CheckpointManager:
     def _record_in_redis(self, committed: CommittedCheckpoint) -> None:
         if self.client is None:
             return
-        mapping = {
-            "step": committed.step,
-            "documents_seen": committed.documents_seen,
-            "path": committed.path,
-            "updated_at": repr(committed.committed_at),
-        }
+        mapping = protocol.CheckpointRecord(step=committed.step, documents_seen=committed.documents_seen,
+                                            path=committed.path, committed_at=committed.committed_at).to_fields()
         try:
-            self.client.hset(self.config.keys.checkpoint, mapping=mapping)
+            fence.write(self.client, self.config.keys,
+                        [("HSET", self.config.keys.checkpoint, *fence.flat(mapping))])
         except redis.RedisError as err:
             log.warning("checkpoint: could not record step %d in %s: %s", committed.step, self.config.keys.checkpoint, err)
 
@@ -463,15 +481,16 @@ def find_lost_checkpoint(client: redis.Redis, config: JobConfig,
         ValueError: the hash's ``step`` is not an integer.
     """
     record = {protocol.text(k): protocol.text(v) for k, v in client.hgetall(config.keys.checkpoint).items()}
-    if "step" not in record or "path" not in record:
+    raw_step, path = record.get(protocol.CHECKPOINT_STEP), record.get(protocol.CHECKPOINT_PATH)
+    if raw_step is None or path is None:
         return None
     try:
-        step = int(record["step"])
+        step = int(raw_step)
     except ValueError as err:
-        raise ValueError(f"Redis hash {config.keys.checkpoint}: step {record['step']!r} is not an integer") from err
-    if step <= restored_from_step or (Path(record["path"]) / COMMIT_FILE).is_file():
+        raise ValueError(f"Redis hash {config.keys.checkpoint}: step {raw_step!r} is not an integer") from err
+    if step <= restored_from_step or (Path(path) / COMMIT_FILE).is_file():
         return None
-    return protocol.LostCheckpoint(step=step, path=record["path"], restored_from_step=restored_from_step)
+    return protocol.LostCheckpoint(step=step, path=path, restored_from_step=restored_from_step)
 
 
 def acknowledge_covered(client: redis.Redis, config: JobConfig, committed: CommittedCheckpoint) -> int:
@@ -500,7 +519,7 @@ def acknowledge_covered(client: redis.Redis, config: JobConfig, committed: Commi
             break
         start = "(" + ids[-1]
     if still_pending:
-        client.xack(keys.stream, keys.group, *still_pending)
+        ack_entries(client, keys, still_pending)
         log.info("checkpoint: acked %d entries covered by %s that were still pending", len(still_pending), committed.path)
     return len(still_pending)
 

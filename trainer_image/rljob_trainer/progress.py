@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from rljob_api import constants as c
 from rljob_api import protocol
 from rljob_api.config import JobConfig
+from rljob_trainer import fence
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class RankZeroProgress:
         registry: Optional[CollectorRegistry] = None,
         stdout: TextIO = sys.stdout,
     ) -> None:
-        self._key = config.keys.progress
+        self._key, self._keys = config.keys.progress, config.keys
         self._client = client
         self._stdout = stdout
         self.registry = registry or CollectorRegistry()
@@ -132,7 +133,7 @@ class RankZeroProgress:
         mapping = protocol.step_fields(record.step, record.documents_seen, record.model_version,
                                        record.tokens_per_second, record.metrics, record.stream, time.time())
         try:
-            self._client.hset(self._key, mapping=mapping)
+            fence.write(self._client, self._keys, [("HSET", self._key, *fence.flat(mapping))])
         except redis.RedisError as err:
             log.warning("progress: could not write %s after step %d: %s", self._key, record.step, err)
 
@@ -181,28 +182,25 @@ def publish_start(
     """
     key, rollout = config.keys.progress, config.keys.rollout
 
+    commands: list[fence.Command] = [("HSET", key, *fence.flat(protocol.start_fields(step, documents_seen)))]
+    if lost is None:
+        commands.append(("HDEL", key, protocol.PROGRESS_CHECKPOINT_LOST))
+    else:
+        commands.append(("HSET", key, protocol.PROGRESS_CHECKPOINT_LOST,
+                         dataclasses.replace(lost, attempt=attempt).to_field()))
+
     def write(pipe: redis.client.Pipeline) -> None:
         versions = protocol.reward_field_versions(pipe.hkeys(rollout))
         abandoned = [name for name, version in versions.items() if version > documents_seen]
         pipe.multi()
-        pipe.hset(key, mapping=protocol.start_fields(step, documents_seen))
-        if lost is None:
-            pipe.hdel(key, protocol.PROGRESS_CHECKPOINT_LOST)
-        else:
-            pipe.hset(key, protocol.PROGRESS_CHECKPOINT_LOST, dataclasses.replace(lost, attempt=attempt).to_field())
-        if abandoned:
-            pipe.hdel(rollout, *abandoned)
+        fence.queue(pipe, config.keys, commands + ([("HDEL", rollout, *abandoned)] if abandoned else []), attempt)
 
-    client.transaction(write, rollout)
-
-
-def gang_attempt() -> Optional[int]:
-    """The gang attempt the operator stamped on this pod (env ``RLJOB_ATTEMPT``, status.attempt), or None outside the
-    operator (tests, a manual torchrun) or when the value is not an integer."""
     try:
-        return int(os.environ[c.ENV_ATTEMPT])
-    except (KeyError, ValueError):
-        return None
+        client.transaction(write, rollout)
+    except redis.ResponseError as err:
+        if "FENCED " not in str(err):
+            raise
+        raise fence.refusal(str(err), attempt) from None
 
 
 def publish_checkpointed(client: redis.Redis, config: JobConfig, documents_seen: int) -> None:
@@ -212,4 +210,5 @@ def publish_checkpointed(client: redis.Redis, config: JobConfig, documents_seen:
     Raises:
         redis.RedisError: Redis unreachable beyond the client's retries (the acks that follow would fail as well).
     """
-    client.hset(config.keys.progress, protocol.PROGRESS_CHECKPOINT_DOCUMENTS_SEEN, documents_seen)
+    fence.write(client, config.keys, [("HSET", config.keys.progress, protocol.PROGRESS_CHECKPOINT_DOCUMENTS_SEEN,
+                                       documents_seen)])

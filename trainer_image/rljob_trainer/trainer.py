@@ -61,7 +61,8 @@ from rljob_trainer.metrics_registry import CHECKPOINT_BLOCKING, CHECKPOINT_SAVE,
 from rljob_trainer.model import build_tokenizer, sequence_logprobs
 from rljob_trainer.parallel import DataParallelModel, Distributed
 from rljob_trainer.optim import build_optimizer, learning_rate
-from rljob_trainer.progress import Progress, StepRecord, build_progress, gang_attempt, publish_checkpointed, publish_start
+from rljob_trainer.fence import claim, gang_attempt
+from rljob_trainer.progress import Progress, StepRecord, build_progress, publish_checkpointed, publish_start
 from rljob_trainer.stream.batch import MicroBatch, flat_from_padded, pack_documents
 from rljob_trainer.stream.reader import StreamReader, ack_entries, trim_acked
 from rljob_trainer.stream.redistribute import redistribute_pending
@@ -119,6 +120,8 @@ class Trainer:
         torch.manual_seed(spec.trainer.seed + where.rank)
         self.tokenizer = build_tokenizer(spec.model, spec.rollout.task)
         vocab_size = len(self.tokenizer) if hasattr(self.tokenizer, "__len__") else self.tokenizer.vocab_size
+        if where.is_rank_zero:  # this attempt owns the job's writes from here on (rljob_trainer.fence)
+            claim(client, config.keys)
         self.checkpoints = CheckpointManager(config, where, client, on_commit=self._after_commit)
         # Read once: a checkpoint to load (own or initFrom) makes the initial weights pointless, so none are read.
         self.start_from = self.checkpoints.resume_source()

@@ -52,7 +52,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import redis
 import torch
@@ -61,8 +61,9 @@ from torch.distributed.tensor import DTensor
 
 from rljob_api import constants as c
 from rljob_api import protocol
-from rljob_api.config import JobConfig
+from rljob_api.config import JobConfig, RedisKeys
 from rljob_api.protocol import MEMBER_TTL_S, MemberInfo, TransferTicket, parse_member
+from rljob_trainer import fence
 from rljob_trainer.transfer import TransferCancelled, UpdateSender, open_update, redis_time, send_update, unwrapped_name
 
 log = logging.getLogger(__name__)
@@ -203,6 +204,7 @@ class WeightPublisher:
 
         Raises:
             Whatever ``named_tensors`` raises (a failed gather): the late-joiner copy is then marked incomplete.
+            rljob_trainer.fence.Fenced: a later gang attempt owns the job (the weights_ready event was refused).
         """
         self.settle()
         self._preempt.set()
@@ -350,8 +352,7 @@ class WeightPublisher:
         Raises:
             redis.RedisError: Redis unreachable (after the client's own retries).
         """
-        self._client.xadd(self._keys.events, protocol.training_finished_event(step, documents_seen),
-                          maxlen=protocol.EVENTS_MAXLEN, approximate=True)
+        _add_event(self._client, self._keys, protocol.training_finished_event(step, documents_seen))
 
     def close(self) -> None:
         """Stop the late-joiner thread and the store server."""
@@ -375,8 +376,7 @@ class WeightPublisher:
 
     def _announce(self, step: int, documents_seen: int, ticket: TransferTicket) -> bool:
         try:
-            self._client.xadd(self._keys.events, protocol.weights_ready_event(step, documents_seen, ticket),
-                              maxlen=protocol.EVENTS_MAXLEN, approximate=True)
+            _add_event(self._client, self._keys, protocol.weights_ready_event(step, documents_seen, ticket))
             return True
         except redis.RedisError as error:
             log.warning("weights: cannot write weights_ready for version %d (%s)", documents_seen, error)
@@ -402,6 +402,16 @@ def _chain_first(first: tuple[str, torch.Tensor], rest: Iterator[tuple[str, torc
     yield first
     del first  # before the next tensor is made
     yield from rest
+
+
+def _add_event(client: redis.Redis, keys: RedisKeys, event: Mapping[str, Any]) -> None:
+    """XADD ``event`` to the events stream (capped at about EVENTS_MAXLEN), fenced by the gang attempt.
+
+    Raises:
+        rljob_trainer.fence.Fenced: a later gang attempt owns the job.
+        redis.RedisError: Redis unreachable beyond the client's retries.
+    """
+    fence.write(client, keys, [("XADD", keys.events, "MAXLEN", "~", protocol.EVENTS_MAXLEN, "*", *fence.flat(event))])
 
 
 class LateJoinerCopy:
@@ -538,6 +548,7 @@ def publish_weights(
 
     Raises:
         RuntimeError / DistError: a gather failed. Transfer failures are logged by the publisher, never raised.
+        rljob_trainer.fence.Fenced: (rank 0) a later gang attempt owns the job; the process must stop.
     """
     started = time.perf_counter()
     gather_seconds = [0.0]

@@ -62,6 +62,7 @@ import redis
 
 from rljob_api import protocol
 from rljob_api.config import RedisKeys
+from rljob_trainer import fence
 from rljob_trainer.stream.codec import Document, DocumentTooLong, MalformedEntry, decode_entries
 from rljob_trainer.stream.connection import PipelinedConnection
 
@@ -218,7 +219,7 @@ class StreamReader:
         if not fields:
             log.warning("%s: pending entry %s was deleted from the stream; acking it", self.consumer, entry_id)
             self.counters.lost_pending += 1
-            self.client.xack(self.keys.stream, self.keys.group, entry_id)
+            fence.write(self.client, self.keys, [("XACK", self.keys.stream, self.keys.group, entry_id)])
             return
         if redelivery:
             self.counters.redeliveries += 1
@@ -356,7 +357,7 @@ class StreamReader:
                     accepted.append((entry_id, result))
                 elif isinstance(result, DocumentTooLong):
                     log.warning("%s: dropping entry %s: %s", self.consumer, entry_id, result.reason)
-                    self.client.xack(self.keys.stream, self.keys.group, entry_id)
+                    fence.write(self.client, self.keys, [("XACK", self.keys.stream, self.keys.group, entry_id)])
                     self.counters.dropped_too_long += 1
                 else:
                     self._dead_letter(entry_id, fields, result)
@@ -376,8 +377,10 @@ class StreamReader:
             "consumer": self.consumer,
         }
         record.update({b"original:" + _bytes(name): value for name, value in fields.items()})
-        self.client.xadd(self.keys.dead_letter, record, maxlen=self.dead_letter_maxlen, approximate=True)
-        self.client.xack(self.keys.stream, self.keys.group, entry_id)
+        fence.write(self.client, self.keys, [
+            ("XADD", self.keys.dead_letter, "MAXLEN", "~", self.dead_letter_maxlen, "*", *fence.flat(record)),
+            ("XACK", self.keys.stream, self.keys.group, entry_id),
+        ])
         self.counters.dead_lettered[error.kind] += 1
 
     # --- delivery bookkeeping -----------------------------------------------------------------
@@ -421,12 +424,13 @@ def ack_entries(client: redis.Redis, keys: RedisKeys, ids: Iterable[str | bytes]
         How many of them Redis still had pending (ids acked before count 0).
 
     Raises:
+        rljob_trainer.fence.Fenced: a later gang attempt owns the job (each batch is fenced).
         redis.RedisError: Redis unreachable beyond the client's retries.
     """
     ids = [protocol.text(i) for i in ids]
     acked = 0
     for begin in range(0, len(ids), batch):
-        acked += client.xack(keys.stream, keys.group, *ids[begin : begin + batch])
+        acked += fence.write(client, keys, [("XACK", keys.stream, keys.group, *ids[begin : begin + batch])])[0]
     return acked
 
 
@@ -454,7 +458,7 @@ def trim_acked(client: redis.Redis, keys: RedisKeys) -> int:
         if milliseconds == "0" and sequence == "0":
             return 0
         bound = f"{milliseconds}-{int(sequence) + 1}"
-    return client.xtrim(keys.stream, minid=bound, approximate=False)
+    return fence.write(client, keys, [("XTRIM", keys.stream, "MINID", bound)])[0]
 
 
 def _bytes(value: bytes | str) -> bytes:
