@@ -27,8 +27,8 @@ weights_ready event carrying the ticket:
    torch dtypes) so a stray peer cannot run code. The ready/final handshake is rljob's own.
 
 Speed without changing those bytes (docs/weight-sync.md): the sender queues each tensor's three broadcasts
-without waiting, two tensors ahead (:class:`UpdateSender`); a receiver posts the next object's size
-broadcast while a tensor is still arriving, and may receive into buffers it keeps across updates
+without waiting, two tensors ahead (:class:`UpdateSender`); a receiver reads the next tensor's metadata and posts
+its broadcast while the previous tensor is still arriving, and may receive into buffers it keeps across updates
 (:class:`ReceiveBuffers`), since fresh memory costs page faults on every update. The ticket's ``timeout_s``
 (the publisher's ``transfer_timeout_s``) bounds a whole update on rank 0 (:attr:`UpdateSender.deadline`), not each
 broadcast, so that the other data-parallel ranks, which wait for rank 0 meanwhile, wait at most
@@ -346,10 +346,13 @@ def receive_update(
 ) -> bool:
     """A rollout process's side of one update: join, receive every tensor, hand each to ``sink``.
 
-    ``sink(name, tensor)`` gets each tensor as it arrives ([shape] of the sent dtype, on ``device``): a new tensor,
-    or with ``buffers`` that name's buffer (overwritten by the next update, see :class:`ReceiveBuffers`). If it
-    raises, the rest of the update is still received (so the other receivers are not disturbed) and the first
-    error is raised at the end. Each broadcast may take ``ticket.timeout_s``.
+    ``sink(name, tensor)`` gets each tensor once it has arrived, in the order sent ([shape] of the sent dtype, on
+    ``device``): a new tensor, or with ``buffers`` that name's buffer (overwritten by the next update, see
+    :class:`ReceiveBuffers`). The next tensor's metadata is read and its broadcast posted before the previous one is
+    waited for (gloo sends a tensor only once its receiver has posted it), so without ``buffers`` two received
+    tensors exist at once. If ``sink`` raises, the rest of the update is still received (so the other receivers are
+    not disturbed) and the first error is raised at the end. Each broadcast may take ``ticket.timeout_s``
+    (seconds).
 
     Returns:
         True when the whole update arrived; False when this rank was not invited or was left out of the group
@@ -375,26 +378,34 @@ def receive_update(
         group = _new_group(ticket.backend, PrefixStore("pg/", scoped), rank, 1 + len(final), datetime.timedelta(seconds=seconds))
         size = torch.zeros(1, dtype=torch.int64, device=device)
         size_work = _start_broadcast(group, size)
+        arriving: Optional[tuple[str, torch.Tensor, Any]] = None  # (name, tensor, its Work) still on the wire
         while True:
+            # The next object's metadata is read while the previous tensor may still arrive, so its tensor's
+            # broadcast is posted as soon as the sender can send it.
             meta = _receive_object(group, size, size_work, device=device, seconds=seconds)
-            if meta is None:
+            incoming = None
+            if meta is not None:
+                _shard, name, shape, dtype = meta
+                if buffers is not None:
+                    tensor = buffers.get(name, shape, dtype, device)
+                else:
+                    tensor = torch.empty(tuple(shape), dtype=dtype, device=device)
+                incoming = (name, tensor, _start_broadcast(group, tensor) if tensor.numel() else None)
+                size = torch.zeros(1, dtype=torch.int64, device=device)  # the next object's size
+                size_work = _start_broadcast(group, size)
+            if arriving is not None:
+                arrived_name, arrived, work = arriving
+                if work is not None:
+                    _wait(work, seconds)
+                if sink_error is None:
+                    try:
+                        sink(arrived_name, arrived)
+                        loaded += 1
+                    except Exception as error:  # noqa: BLE001 - reported after the update is drained
+                        sink_error = error
+            if incoming is None:
                 break
-            _shard, name, shape, dtype = meta
-            if buffers is not None:
-                tensor = buffers.get(name, shape, dtype, device)
-            else:
-                tensor = torch.empty(tuple(shape), dtype=dtype, device=device)
-            tensor_work = _start_broadcast(group, tensor) if tensor.numel() else None
-            size = torch.zeros(1, dtype=torch.int64, device=device)  # the next object's size, while the tensor arrives
-            size_work = _start_broadcast(group, size)
-            if tensor_work is not None:
-                _wait(tensor_work, seconds)
-            if sink_error is None:
-                try:
-                    sink(name, tensor)
-                    loaded += 1
-                except Exception as error:  # noqa: BLE001 - reported after the update is drained
-                    sink_error = error
+            arriving = incoming
     except Exception as error:  # noqa: BLE001 - store/gloo/NCCL errors come in many classes
         raise TransferFailed(f"weight update {ticket.id} as transfer rank {transfer_rank} failed: {error}", loaded) from error
     if sink_error is not None:
