@@ -27,7 +27,7 @@ faster of the two raw ways (on a loaded machine gloo has sent the same bytes fas
 flat tensor). The FSDP gather share is a figure only. The rollout's weights are checked bit for bit after the DDP and after the FSDP
 publications.
 
-    python benchmarks/weight_sync.py                      # 125M parameters, float32 (about 2 minutes on 2 cores)
+    python benchmarks/weight_sync.py                      # 125M parameters, float32 (about 1 minute on 2 cores)
     python benchmarks/weight_sync.py --params 500 --repeats 3
     python benchmarks/weight_sync.py --dtype bfloat16     # publish bf16 (cast on rank 0 / on the shards)
 
