@@ -39,7 +39,8 @@ def build(job: render.Job, pods, previous=None, lifecycle=RUNNING, progress=None
 
 
 def test_replicas_zero_is_a_valid_spec_and_below_zero_names_the_field():
-    assert RLTrainingJobSpec.model_validate({"model": {"source": "tiny"}, "rollout": {"replicas": 0}}).rollout.replicas == 0
+    spec = RLTrainingJobSpec.model_validate({"model": {"source": "tiny"}, "rollout": {"replicas": 0}})
+    assert spec.rollout.replicas == 0
     with pytest.raises(ValueError, match=r"rollout\.replicas\n  Input should be greater than or equal to 0"):
         RLTrainingJobSpec.model_validate({"model": {"source": "tiny"}, "rollout": {"replicas": -1}})
 
@@ -96,7 +97,8 @@ def test_status_stream_of_an_external_redis_names_the_prefixed_keys_tls_db_and_t
                           "passwordSecretRef": {"name": "shared-redis", "key": "pw"}})
     stream = status.to_json(build(job, [trainer(0, 0), trainer(1, 0)]))["stream"]
     assert stream == {
-        "redisAddress": "redis.example.com:6380/3", "tls": True, "passwordSecretRef": {"name": "shared-redis", "key": "pw"},
+        "redisAddress": "redis.example.com:6380/3", "tls": True,
+        "passwordSecretRef": {"name": "shared-redis", "key": "pw"},
         "streamKey": "rljob:ns:demo:fast_llm_streaming", "group": "fast_llm_group",
         "eventsKey": "rljob:ns:demo:fast_llm_events", "membersKey": "rljob:ns:demo:members",
         "deadLetterKey": "rljob:ns:demo:dead_letter",

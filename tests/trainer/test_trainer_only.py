@@ -84,7 +84,8 @@ class OutsideProducer:
     (lag + pending, XINFO GROUPS; the stream length before the trainer created the group) is below ``max_pending``."""
 
     def __init__(self, stream: StreamStatus, password: str, messages: list[dict[str, Any]], max_pending: int):
-        self.stream, self.client, self.messages, self.max_pending = stream, connect(stream, password), messages, max_pending
+        self.stream, self.client = stream, connect(stream, password)
+        self.messages, self.max_pending = messages, max_pending
         self.ids: list[str] = []
         self.held = 0
         """Polls that found the backlog at the bound (the producer waited)."""
@@ -244,8 +245,8 @@ def test_with_metrics_on_fast_llm_entries_are_dead_lettered_with_a_counted_reaso
     with pytest.raises(DataTimeout) as raised:
         run(config, client=client, stdout=io.StringIO())
     assert str(raised.value) == (
-        "fast_llm_consumer_0: no valid document on stream 'fast_llm_streaming' for 2 s (have 0 of 2); refused 3 entries: "
-        "missing_metrics_field ×3 dead-lettered to 'rljob:ns:job:dead_letter' (each with its reason)")
+        "fast_llm_consumer_0: no valid document on stream 'fast_llm_streaming' for 2 s (have 0 of 2); refused 3 "
+        "entries: missing_metrics_field ×3 dead-lettered to 'rljob:ns:job:dead_letter' (each with its reason)")
     letters = [fields for _, fields in client.xrange(config.keys.dead_letter)]
     assert [(f[b"kind"], f[b"reason"]) for f in letters] == [
         (b"missing_metrics_field", b"no `model_version` field while metrics are on")] * 3
