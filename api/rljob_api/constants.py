@@ -151,6 +151,9 @@ class Reason(str, Enum):
     POD_LOST = "PodLost"
     GANG_CREATED = "GangCreated"
     ALL_REWARDS_FAILED = "AllRewardsFailed"
+    EXTERNAL_PRODUCERS = "ExternalProducers"
+    """RolloutReady=True of a trainer-only job (``spec.rollout.replicas`` 0): rljob runs no rollout pod, producers
+    outside rljob write the stream; the message names the stream, group, events key and Redis address."""
     REWARDS_FAILING = "RewardsFailing"
     """Failed: the reward function failed on every sample of every rollout batch for
     ``spec.rollout.rewardFailureDeadlineSeconds``; the message counts the exceptions by class and message."""

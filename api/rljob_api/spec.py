@@ -266,7 +266,16 @@ class RolloutSpec(ApiModel):
     backend: Literal["vllm", "cpu"] = Field(
         "cpu", description="`vllm` (GPU) or `cpu` (transformers generate, tests and laptops)."
     )
-    replicas: int = Field(1, ge=1, le=4096, description="Rollout pods.")
+    replicas: int = Field(
+        1,
+        ge=0,
+        le=4096,
+        description="Rollout pods. 0 runs a trainer-only job: the trainer gang and Redis alone, fed by producers outside "
+        "rljob (a PipelineRL actor, any writer of the Fast-LLM stream format) that write to the stream and read "
+        "the events that status.stream names, and that receive weights by heartbeating in its membersKey with "
+        "transfer ranks from status.stream.firstTransferRank up; RolloutReady is then True with reason "
+        "ExternalProducers. Changing it (0 included) scales rollout pods only and never restarts the gang.",
+    )
     gpus_per_replica: int = Field(
         0, ge=0, le=64, description="nvidia.com/gpu per rollout pod (tensor parallel of vLLM)."
     )
@@ -284,7 +293,9 @@ class RolloutSpec(ApiModel):
     max_lag: int = Field(
         1024,
         ge=0,
-        description="Documents a worker may run ahead of the trainer's documents_seen.",
+        description="Documents a worker may run ahead of the trainer's documents_seen. Binds rljob's own rollout "
+        "workers only (they check it before each batch); the trainer does not enforce it, so producers outside rljob "
+        "are bounded by redis.maxPending alone unless they read the progress hash themselves.",
     )
     sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="Generation parameters.")
     task: TaskSpec = Field(default_factory=TaskSpec, description="Prompts and verifiable reward.")
@@ -337,7 +348,12 @@ class RedisSpec(ApiModel):
     )
     events_key: str = Field(protocol.DEFAULT_EVENTS_KEY, min_length=1, description="Event stream key.")
     max_pending: int = Field(
-        4096, ge=1, description="Rollout workers wait while the group's lag exceeds this (documents)."
+        4096,
+        ge=1,
+        description="Back-pressure: rollout workers start a batch only while the consumer group's backlog (its lag, "
+        "entries no trainer rank was handed yet, plus its pending entries, not yet covered by a committed "
+        "checkpoint) is below this (documents). Producers outside rljob are expected to do the same (XINFO GROUPS "
+        "on status.stream.streamKey); nothing is ever trimmed that the trainer has not acknowledged.",
     )
 
 

@@ -36,7 +36,7 @@ from rljob_api import constants as c
 from rljob_api.constants import Phase, Reason
 from rljob_api.config import JobConfig
 from rljob_api.spec import RLTrainingJobSpec
-from rljob_api.status import RLTrainingJobStatus
+from rljob_api.status import RLTrainingJobStatus, StreamStatus
 from rljob_api.validation import data_parallel_size
 
 from rljob_operator import admission, children, gang, redis_reads, render, resolution, status
@@ -113,6 +113,11 @@ class _Pass:
             self.runtime.recorded = await resolution.read_recorded(self.meta["name"], self.meta["namespace"],
                                                                    self.ctx.api)
         return resolution.effective_config(self.job(spec), self.meta.get("generation"), self.runtime.recorded)
+
+    def stream(self, spec: RLTrainingJobSpec, config: Optional[JobConfig] = None) -> StreamStatus:
+        """status.stream for ``spec`` (:func:`.status.stream_status`) from ``config``, else from a fresh resolution."""
+        job = self.job(spec)
+        return status.stream_status(config or render.job_config(job), render.redis_password_ref(job))
 
     def status(self, lifecycle: gang.Lifecycle, **report: Any) -> RLTrainingJobStatus:
         """The new status (:func:`.status.build_status`) for ``lifecycle`` and the rest of the ``report``."""
@@ -200,7 +205,7 @@ def _waiting_for_leftovers(this: _Pass, decision: Decision) -> _Outcome:
         "deleted: " + ", ".join(decision.leftovers)))
     new = this.status(waiting, problems=[], data_parallel_size=data_parallel_size(spec),
                       redis=this.runtime.redis_health, pods=[], nodes=spec.trainer.nodes,
-                      replicas=spec.rollout.replicas, progress=None)
+                      replicas=spec.rollout.replicas, progress=None, stream=this.stream(spec))
     return _Outcome(new, delay=min(this.ctx.active_interval_s, 1.0))
 
 
@@ -256,7 +261,8 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
                       replicas=spec.rollout.replicas, progress=fetched, max_steps=spec.trainer.max_steps,
                       steps_per_second=runtime.step_rate.per_second(),
                       checkpoint_volume=spec.trainer.checkpoint.volume,
-                      reward_deadline_s=spec.rollout.reward_failure_deadline_seconds, kept=note)
+                      reward_deadline_s=spec.rollout.reward_failure_deadline_seconds, kept=note,
+                      stream=this.stream(spec, config))
     uids = {p.name: p.uid for p in pods}
     idle = plan.lifecycle.phase in status.IDLE_PHASES
     interval = ctx.idle_interval_s if idle else ctx.active_interval_s

@@ -235,6 +235,8 @@ def test_schema_and_cel_rules_are_enforced_with_messages_that_name_the_field(kub
     assert 'spec.algorithm.loss: Unsupported value: "ppo"' in refused(job_manifest("enum", algorithm={"loss": "ppo"}))
     assert ("spec.rollout.samplesPerPrompt: Invalid value: 1: spec.rollout.samplesPerPrompt in body should be greater "
             "than or equal to 2") in refused(job_manifest("group", rollout={"samplesPerPrompt": 1}))
+    assert ("spec.rollout.replicas: Invalid value: -1: spec.rollout.replicas in body should be greater than or equal "
+            "to 0") in refused(job_manifest("minus", rollout={"replicas": -1}))
 
     no_model = job_manifest("nomodel")
     del no_model["spec"]["model"]
@@ -541,6 +543,46 @@ def test_rollout_changes_never_restart_the_trainer_gang_and_no_status_write_is_r
     assert (status["attempt"], status["restarts"], status["phase"]) == (0, 0, "Starting")
     assert not [e for e in kube.json("get", "events", "-n", namespace)["items"] if e["reason"] == "ConfigChanged"]
     assert stale_status_writes(operator) == refused_before
+
+
+def test_a_trainer_only_job_runs_no_rollout_pod_says_where_producers_write_and_scales_without_a_restart(
+        kube, operator, namespace):
+    kube.apply(job_manifest("tonly", rollout={"replicas": 0}), namespace)
+
+    def live(role):
+        return {p["metadata"]["name"]: p["metadata"]["uid"] for p in kube.pods(namespace, role)
+                if not p["metadata"].get("deletionTimestamp")}
+
+    ready = wait_for(lambda: kube.condition(namespace, "tonly", "RolloutReady").get("reason") == "ExternalProducers"
+                     and len(live("trainer")) == 2 and kube.condition(namespace, "tonly", "RolloutReady"),
+                     "RolloutReady=ExternalProducers and the gang")
+    assert (ready["status"], ready["message"]) == ("True", (
+        "spec.rollout.replicas is 0: rljob runs no rollout pod; producers outside rljob write documents to stream "
+        "fast_llm_streaming (consumer group fast_llm_group) and read events from fast_llm_events at Redis "
+        f"tonly-redis.{namespace}.svc.cluster.local:6379/0; they receive weights by heartbeating in "
+        f"rljob:{namespace}:tonly:members as transfer rank 1 or above (status.stream)"))
+    assert live("rollout") == {}
+    stream = kube.job(namespace, "tonly")["status"]["stream"]
+    assert stream == {
+        "redisAddress": f"tonly-redis.{namespace}.svc.cluster.local:6379/0", "tls": False,
+        "passwordSecretRef": {"name": "tonly-redis-auth", "key": "password"}, "streamKey": "fast_llm_streaming",
+        "group": "fast_llm_group", "eventsKey": "fast_llm_events", "membersKey": f"rljob:{namespace}:tonly:members",
+        "deadLetterKey": f"rljob:{namespace}:tonly:dead_letter", "firstTransferRank": 1,
+        "weightsAddress": f"tonly-trainer-0.tonly-trainer.{namespace}.svc.cluster.local:29600"}
+    assert kube.json("get", "secret", stream["passwordSecretRef"]["name"], "-n", namespace)["data"]["password"]
+    trainers = live("trainer")
+
+    patch = ["patch", "rljob", "tonly", "-n", namespace, "--type=merge", "-p"]
+    kube.run(*patch, json.dumps({"spec": {"rollout": {"replicas": 1}}}))
+    wait_for(lambda: list(live("rollout")) == ["tonly-rollout-0"]
+             and (kube.job(namespace, "tonly")["status"].get("stream") or {}).get("firstTransferRank") == 2,
+             "a rollout pod, and the first transfer rank above it")
+    kube.run(*patch, json.dumps({"spec": {"rollout": {"replicas": 0}}}))
+    wait_for(lambda: live("rollout") == {} and kube.condition(namespace, "tonly", "RolloutReady").get("reason")
+             == "ExternalProducers", "no rollout pod again")
+    assert live("trainer") == trainers  # neither edit restarted the gang
+    status = kube.job(namespace, "tonly")["status"]
+    assert (status["attempt"], status["restarts"]) == (0, 0)
 
 
 def test_metrics_and_liveness_endpoints(kube, operator, namespace):

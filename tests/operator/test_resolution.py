@@ -49,6 +49,7 @@ def test_an_unedited_job_keeps_its_recorded_config_byte_for_byte():
 
 @pytest.mark.parametrize(("edit", "read_back", "rollout_pods_kept"), [
     ({"replicas": 5}, ("replicas", 5), True),  # no pod reads the replica count
+    ({"replicas": 0}, ("replicas", 0), True),  # a trainer-only job: the gang keeps running, fed from outside
     ({"maxLag": 77}, ("max_lag", 77), False),  # rollout pods read it, the trainer does not
 ])
 def test_an_edit_of_rollout_only_fields_keeps_the_trainers_config_and_hash(edit, read_back, rollout_pods_kept):

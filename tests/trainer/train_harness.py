@@ -53,11 +53,12 @@ def make_config(
     parallelism: Optional[dict[str, Any]] = None,
     micro_batch_tokens: int = 24,
     model: Optional[dict[str, Any]] = None,
+    replicas: int = 1,
 ) -> JobConfig:
     """A resolved config for a one-node trainer of ``processes`` ranks with a tiny model (or spec.model ``model``) and a
     managed Redis (``max_pending`` / ``max_lag``: spec.redis.maxPending / spec.rollout.maxLag, ``parallelism``:
-    spec.trainer.parallelism, the spec's defaults if None)."""
-    rollout: dict[str, Any] = {"sampling": {"temperature": 0.7}, "replicas": 1}
+    spec.trainer.parallelism, the spec's defaults if None; ``replicas``: spec.rollout.replicas, 0 for a trainer-only job)."""
+    rollout: dict[str, Any] = {"sampling": {"temperature": 0.7}, "replicas": replicas}
     if max_lag is not None:
         rollout["maxLag"] = max_lag
     spec = RLTrainingJobSpec.model_validate(

@@ -63,7 +63,7 @@ import redis
 from rljob_api import protocol
 from rljob_api.config import RedisKeys
 from rljob_trainer import fence
-from rljob_trainer.stream.codec import Document, DocumentTooLong, MalformedEntry, decode_entries
+from rljob_trainer.stream.codec import Document, DocumentTooLong, MalformedEntry, MalformedKind, decode_entries
 from rljob_trainer.stream.connection import PipelinedConnection
 
 log = logging.getLogger(__name__)
@@ -250,7 +250,7 @@ class StreamReader:
                 if self._connection.in_flight is None and self._block_ms(deadline) <= 0:
                     raise DataTimeout(
                         f"{self.consumer}: no valid document on stream {self.keys.stream!r} for "
-                        f"{self.data_timeout_seconds:g} s (have {len(self._ready)} of {n})"
+                        f"{self.data_timeout_seconds:g} s (have {len(self._ready)} of {n}){self._refused()}"
                     )
                 self._on_connection(self._receive_next, n, deadline)
                 if not self._backlog:
@@ -265,6 +265,20 @@ class StreamReader:
         self._unacked.update(dict.fromkeys(entry_id for entry_id, _ in out))
         self.counters.documents_read += n
         return out
+
+    def _refused(self) -> str:
+        """What this reader refused since it started, for :class:`DataTimeout`'s message, e.g. "; refused 12 entries:
+        missing_metrics_field ×12 dead-lettered to 'rljob:ns:job:dead_letter' (each with its reason)", or ""."""
+        said = []
+        if self.counters.dead_lettered:
+            kinds = sorted(self.counters.dead_lettered.items(), key=lambda kind: (-kind[1], kind[0]))
+            said.append(", ".join(f"{kind} ×{n}" for kind, n in kinds)
+                        + f" dead-lettered to {self.keys.dead_letter!r} (each with its reason)")
+        if self.counters.dropped_too_long:
+            said.append(f"{MalformedKind.TOO_LONG.value} ×{self.counters.dropped_too_long} dropped (longer than "
+                        f"{self.micro_batch_tokens} tokens)")
+        total = sum(self.counters.dead_lettered.values()) + self.counters.dropped_too_long
+        return f"; refused {total} {'entry' if total == 1 else 'entries'}: {'; '.join(said)}" if total else ""
 
     def close(self) -> None:
         """Give the reader's connection back to the client's pool. Entries of a read still in flight stay pending
