@@ -275,19 +275,20 @@ def test_trainer_pods_stuck_on_a_lost_node_are_force_deleted_and_the_next_attemp
             "conditions": [{"type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown",
                             "message": "Kubelet stopped posting node status.", "lastTransitionTime": since,
                             "lastHeartbeatTime": since}]}}))
-        for pod in ("lost-trainer-0", "lost-trainer-1"):
-            kube.apply({"apiVersion": "v1", "kind": "Binding", "metadata": {"name": pod},
-                        "target": {"apiVersion": "v1", "kind": "Node", "name": node}}, namespace)
-        kube.run("delete", "pod", "lost-trainer-1", "-n", namespace, "--grace-period=1", "--wait=false")
+        for pod in ("lost-trainer-0", "lost-trainer-1"):  # as the scheduler binds a pod (a Binding is only created)
+            kube.run("create", "-n", namespace, "-f", "-", input=json.dumps({
+                "apiVersion": "v1", "kind": "Binding", "metadata": {"name": pod},
+                "target": {"apiVersion": "v1", "kind": "Node", "name": node}}))
+        kube.run("delete", "pod", "lost-trainer-1", "-n", namespace, "--grace-period=3", "--wait=false")
 
         events: list = []
         pass_with_pods(installed, kube, namespace, "lost", events=events, terminating=True)
         job = kube.job(namespace, "lost")
         assert (job["status"]["phase"], job["status"]["attempt"]) == ("Restarting", 1)
         stuck = {p["metadata"]["name"] for p in kube.pods(namespace, "trainer") if p["metadata"].get("deletionTimestamp")}
-        assert stuck == {"lost-trainer-0", "lost-trainer-1"}  # bound to the lost node: nobody confirms their end
+        assert stuck == {"lost-trainer-0", "lost-trainer-1"}, kube.run("get", "pods,events", "-n", namespace, "-o", "wide").stdout
 
-        time.sleep(2)  # lost-trainer-1's grace is over; lost-trainer-0's (30 s) is not: it waits, named
+        time.sleep(4)  # lost-trainer-1's grace is over; lost-trainer-0's (30 s) is not: it waits, named
         requests = pass_with_pods(installed, kube, namespace, "lost", events=events, terminating=True)
         assert requests[("get", "nodes")] == 1
         assert [p["metadata"]["name"] for p in kube.pods(namespace, "trainer")] == ["lost-trainer-0"]
