@@ -38,6 +38,7 @@ PLURALS = {
     "Service": "services",
     "Pod": "pods",
     "Deployment": "deployments",
+    "Node": "nodes",
     c.KIND: c.PLURAL,
 }
 _SERVICE_ACCOUNT_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
@@ -159,11 +160,14 @@ class KubeApi:
             raise
 
     async def delete(self, api_version: str, kind: str, namespace: str, name: str, *,
-                     uid: Optional[str] = None) -> bool:
-        """Delete (background propagation); only the object with ``uid`` when given. False when already gone."""
+                     uid: Optional[str] = None, grace_period_seconds: Optional[int] = None) -> bool:
+        """Delete (background propagation); only the object with ``uid`` when given; ``grace_period_seconds`` 0 forces
+        a pod out of the API at once, without its kubelet's confirmation. False when already gone."""
         options: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
         if uid:
             options["preconditions"] = {"uid": uid}
+        if grace_period_seconds is not None:
+            options["gracePeriodSeconds"] = grace_period_seconds
         try:
             await self._request("DELETE", _path(api_version, PLURALS[kind], namespace, name),
                                 f"delete {kind} {namespace}/{name}", ("delete", PLURALS[kind]), body=options)

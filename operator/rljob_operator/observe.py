@@ -19,6 +19,10 @@ STARTING_REASONS = frozenset({"ContainerCreating", "PodInitializing"})
 """Waiting reasons of a container that is on its way (kubelet): anything else needs a change or a retry."""
 RESTART_REASONS = frozenset({"CrashLoopBackOff", "RunContainerError"})
 """Waiting reasons of a container the kubelet keeps restarting after failed runs or starts (it backs off between)."""
+DEFAULT_LOST_NODE_TOLERATION_S = 300
+"""The tolerationSeconds Kubernetes' DefaultTolerationSeconds admission gives every pod for the unreachable and
+not-ready taints, used for a pod that carries neither."""
+LOST_NODE_TAINTS = ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
 LAST_LINE_MAX = 300
 """Characters of a termination message's last line kept in a view (condition messages stay readable)."""
 
@@ -65,6 +69,14 @@ class PodView:
     (Error): <last line of the termination message>"; "" when none."""
     running_since: Optional[datetime] = None
     """When its current run started (``state.running.startedAt``); None while it does not run."""
+    node: str = ""
+    """The node it is bound to (``spec.nodeName``; "" while unscheduled)."""
+    deletion_at: Optional[datetime] = None
+    """``metadata.deletionTimestamp``: when its grace period ends (set once it is being deleted)."""
+    lost_node_toleration_s: int = DEFAULT_LOST_NODE_TOLERATION_S
+    """Seconds it tolerates its node being unreachable or not ready (its NoExecute tolerations of
+    ``node.kubernetes.io/unreachable`` and ``not-ready``, the shorter; Kubernetes adds 300 s of each by default; -1: a
+    toleration without seconds, forever)."""
 
     @property
     def terminal(self) -> bool:
@@ -117,8 +129,24 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         failure=_failure(status),
         unschedulable=unschedulable,
         owner_uid=controller_uid(pod),
+        node=(pod.get("spec") or {}).get("nodeName") or "",
+        deletion_at=_time(meta.get("deletionTimestamp")),
+        lost_node_toleration_s=_lost_node_toleration(pod),
         **_container_fields(status),
     )
+
+
+def _lost_node_toleration(pod: Mapping[str, Any]) -> int:
+    """See :attr:`PodView.lost_node_toleration_s` (a toleration without seconds tolerates forever: never force)."""
+    seconds = []
+    for toleration in (pod.get("spec") or {}).get("tolerations") or []:
+        if toleration.get("key") in LOST_NODE_TAINTS and toleration.get("effect") in (None, "", "NoExecute"):
+            value = toleration.get("tolerationSeconds")
+            seconds.append(_int(value) if value is not None else None)
+    finite = [s for s in seconds if s is not None]
+    if finite:
+        return max(0, min(finite))
+    return -1 if seconds else DEFAULT_LOST_NODE_TOLERATION_S
 
 
 def _container_fields(status: Mapping[str, Any]) -> dict[str, Any]:
@@ -189,6 +217,31 @@ def _failure(status: Mapping[str, Any]) -> str:
     if status.get("reason") or status.get("message"):
         return ": ".join(x for x in (status.get("reason"), status.get("message")) if x)
     return f"phase {status.get('phase')}"
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """A node as the gang logic needs it when a pod on it does not go away: whether its kubelet reports Ready, and
+    since when its Ready condition has not been True. ``exists`` False: the Node object is gone."""
+
+    name: str
+    exists: bool = True
+    ready: bool = True
+    not_ready_since: Optional[datetime] = None
+    reason: str = ""
+    """The Ready condition's status and reason, e.g. "Unknown (NodeStatusUnknown)"."""
+
+
+def node_view(name: str, node: Optional[Mapping[str, Any]]) -> NodeView:
+    """The :class:`NodeView` of a raw Node object (None: it does not exist)."""
+    if node is None:
+        return NodeView(name, exists=False, ready=False, reason="the Node object is gone")
+    conditions = {cond.get("type"): cond for cond in (node.get("status") or {}).get("conditions") or []}
+    ready = conditions.get("Ready") or {}
+    if ready.get("status") == "True":
+        return NodeView(name)
+    reason = f"{ready.get('status') or 'no Ready condition'}" + (f" ({ready['reason']})" if ready.get("reason") else "")
+    return NodeView(name, ready=False, not_ready_since=_time(ready.get("lastTransitionTime")), reason=reason)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from rljob_api import constants as c
 from rljob_api.constants import Phase, Reason
@@ -42,7 +42,7 @@ from rljob_api.validation import data_parallel_size
 from rljob_operator import admission, children, gang, redis_reads, render, resolution, status
 from rljob_operator.admission import Decision
 from rljob_operator.apply import ApiError
-from rljob_operator.observe import DeploymentView, PodView
+from rljob_operator.observe import DeploymentView, NodeView, PodView, node_view
 from rljob_operator.runtime import Context, JobRuntime
 
 #: How long a pod this process created counts as present before the watch reports it (seconds).
@@ -72,6 +72,18 @@ def observed_pods(indexed: Iterable[PodView], runtime: JobRuntime, now: float) -
             seen[name] = replace(pod, deleting=True)
     return sorted(seen.values(), key=lambda p: (p.role, p.index, p.name))
 
+
+
+async def _lost_nodes(ctx: Context, pods: Sequence[PodView], now: datetime) -> dict[str, NodeView]:
+    """The nodes of the pods whose deletion grace period is over but which are still there (a kubelet that stopped
+    reporting cannot confirm their end): one GET per such node, none in the usual case.
+
+    Raises:
+        ApiError: the API server refused (e.g. RBAC without get nodes).
+    """
+    names = sorted({p.node for p in pods if p.deleting and p.node and p.deletion_at is not None and p.deletion_at <= now})
+    found = await children.gather(ctx.api.get("v1", "Node", "", name) for name in names)
+    return {name: node_view(name, raw) for name, raw in zip(names, found)}
 
 
 @dataclass
@@ -138,6 +150,7 @@ class _Outcome:
     release: bool = False
     restarts: int = 0
     error: Optional[ApiError] = None
+    force_delete: tuple[gang.StuckPod, ...] = ()
 
 
 async def reconcile(
@@ -232,7 +245,8 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
     config = await this.config(spec)
     pods = this.pods()
     hashes = render.config_hashes(config)
-    plan = gang.plan(job.name, spec, this.before, pods, hashes, this.now)
+    nodes = await _lost_nodes(this.ctx, pods, this.now)
+    plan = gang.plan(job.name, spec, this.before, pods, hashes, this.now, nodes=nodes)
     health = redis_reads.health(spec, this.redis, runtime, pods, this.now)
     fetched = None
     if ctx.read_progress and redis_reads.reads_progress(this.before.phase, plan.lifecycle.phase,
@@ -242,7 +256,8 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
             runtime.step_rate.add(fetched.updated_at, fetched.step)
         health = redis_reads.health(spec, this.redis, runtime, pods, this.now)
         if fetched is not None and fetched.reward_failures is not None:  # rewards failing: the plan may fail the job
-            plan = gang.plan(job.name, spec, this.before, pods, hashes, this.now, rewards=fetched.reward_failures)
+            plan = gang.plan(job.name, spec, this.before, pods, hashes, this.now, rewards=fetched.reward_failures,
+                             nodes=nodes)
     manifests = [render.trainer_pod(job, config, i, plan.lifecycle.attempt) for i in plan.create_trainers]
     manifests += [render.rollout_pod(job, config, i) for i in plan.create_rollouts]
     error = await children.create_pods(manifests, this.body, runtime, ctx)
@@ -271,6 +286,7 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
     return _Outcome(
         new, delay=interval,
         delete=tuple((name, uids.get(name, "")) for name in plan.delete), delete_job=plan.delete_job, release=idle,
+        force_delete=plan.force_delete,
         restarts=plan.lifecycle.restarts - this.before.restarts, error=error,
     )
 
@@ -306,6 +322,13 @@ async def _act(this: _Pass, outcome: _Outcome) -> None:
     if outcome.restarts > 0:
         this.ctx.on_restart(outcome.restarts)
     await children.delete_pods(namespace, outcome.delete, this.runtime, this.ctx)
+    for stuck in outcome.force_delete:
+        if await this.ctx.api.delete("v1", "Pod", namespace, stuck.pod.name, uid=stuck.pod.uid or None,
+                                     grace_period_seconds=0):
+            this.ctx.post_event(this.body, status.Event("Warning", "PodForceDeleted", (
+                f"{stuck.why}; force-deleted (grace 0) after the node was not Ready for "
+                f"{stuck.pod.lost_node_toleration_s} s, so that the gang can go on; processes it left on the node "
+                "are fenced from the job's writes (DESIGN §6)")))
     if outcome.release:
         await redis_reads.release(this.runtime, this.ctx, namespace, name)
     if outcome.delete_job:

@@ -23,6 +23,7 @@ NAMESPACED_RULES = {
 }
 CLUSTER_RULES = {
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
+    ("", "nodes"): {"get"},
     ("kopf.dev", "clusterkopfpeerings"): {"list", "watch", "patch"},
 }
 
@@ -82,6 +83,7 @@ def test_watched_namespaces_get_roles_and_the_cluster_role_keeps_only_cluster_ne
     (cluster_role,) = _kind(objs, "ClusterRole")
     assert _rules(cluster_role) == {
         ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
+        ("", "nodes"): {"get"},
         ("", "namespaces"): {"list", "watch"},
     }
     command = _kind(objs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["command"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import Counter
 from datetime import datetime, timedelta, timezone
 from typing import Optional
@@ -83,14 +84,15 @@ def test_the_pass_that_creates_a_gang_writes_the_status_once(kube: Kube, install
 
 
 def pass_with_pods(kubeconfig, kube: Kube, namespace: str, name: str, *, now: Optional[datetime] = None,
-                   events: Optional[list] = None) -> Counter:
+                   events: Optional[list] = None, terminating: bool = False) -> Counter:
     """One pass over job ``name`` by a fresh operator process (new runtime), seeing the job's pods as its watch
-    would; returns the requests by verb and resource. With ``now`` (the pass's clock) the pass also reads the job's
-    Redis, as the operator does; the Events it posts are added to ``events``."""
+    would (``terminating``: pods being deleted too); returns the requests by verb and resource. With ``now`` (the
+    pass's clock) the pass also reads the job's Redis, as the operator does; the Events it posts are added to
+    ``events``."""
     from rljob_operator.observe import pod_view
 
     pods = [pod_view(p) for role in ("trainer", "rollout") for p in kube.pods(namespace, role)
-            if p["metadata"]["name"].startswith(f"{name}-") and not p["metadata"].get("deletionTimestamp")]
+            if p["metadata"]["name"].startswith(f"{name}-") and (terminating or not p["metadata"].get("deletionTimestamp"))]
     requests = Counter()
     posted = events if events is not None else []
 
@@ -253,3 +255,56 @@ def test_rewards_failing_longer_than_the_deadline_fail_the_job_and_a_younger_str
     assert ("Warning", "RewardsFailing", f"Failed=True: {message}") in [(e.type, e.reason, e.message) for e in events]
     assert requests[("delete", "pods")] == 3 and requests[("create", "pods")] == 0
     assert live(kube, namespace, "trainer") == [] and live(kube, namespace, "rollout") == []
+
+
+def test_trainer_pods_stuck_on_a_lost_node_are_force_deleted_and_the_next_attempt_starts(kube: Kube, installed,
+                                                                                         namespace):
+    """No kubelet runs here, so a pod bound to a node stays Terminating once deleted, as on a node that stopped
+    reporting. A Node whose Ready condition has been Unknown for 400 s (what the node lifecycle controller leaves of
+    a node whose kubelet stopped) holds both trainer pods of attempt 0; one is deleted. The passes, under the
+    operator's ServiceAccount (RBAC: get nodes): restart the gang (both pods now Terminating), force-delete both once
+    their grace is over (the node lost for longer than their 300 s toleration) with a Warning Event naming the node,
+    then create attempt 1."""
+    kube.apply(job_manifest("lost"), namespace)
+    pass_with_pods(installed, kube, namespace, "lost")
+    node = f"lost-{namespace}"
+    since = (datetime.now(timezone.utc) - timedelta(seconds=400)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    kube.apply({"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}})
+    try:
+        kube.run("patch", "node", node, "--subresource=status", "--type=merge", "-p", json.dumps({"status": {
+            "conditions": [{"type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown",
+                            "message": "Kubelet stopped posting node status.", "lastTransitionTime": since,
+                            "lastHeartbeatTime": since}]}}))
+        for pod in ("lost-trainer-0", "lost-trainer-1"):  # as the scheduler binds a pod (a Binding is only created)
+            kube.run("create", "-n", namespace, "-f", "-", input=json.dumps({
+                "apiVersion": "v1", "kind": "Binding", "metadata": {"name": pod},
+                "target": {"apiVersion": "v1", "kind": "Node", "name": node}}))
+        kube.run("delete", "pod", "lost-trainer-1", "-n", namespace, "--grace-period=3", "--wait=false")
+
+        events: list = []
+        pass_with_pods(installed, kube, namespace, "lost", events=events, terminating=True)
+        job = kube.job(namespace, "lost")
+        assert (job["status"]["phase"], job["status"]["attempt"]) == ("Restarting", 1)
+        stuck = {p["metadata"]["name"] for p in kube.pods(namespace, "trainer") if p["metadata"].get("deletionTimestamp")}
+        assert stuck == {"lost-trainer-0", "lost-trainer-1"}, kube.run("get", "pods,events", "-n", namespace, "-o", "wide").stdout
+
+        time.sleep(4)  # lost-trainer-1's grace is over; lost-trainer-0's (30 s) is not: it waits, named
+        requests = pass_with_pods(installed, kube, namespace, "lost", events=events, terminating=True)
+        assert requests[("get", "nodes")] == 1
+        assert [p["metadata"]["name"] for p in kube.pods(namespace, "trainer")] == ["lost-trainer-0"]
+        forced = [e for e in events if e.reason == "PodForceDeleted"]
+        assert [(e.type, e.message.split(";")[0]) for e in forced] == [("Warning", (
+            f"trainer pod lost-trainer-1 is stuck terminating: node {node} is not Ready since "
+            f"{since[11:19]}: Unknown (NodeStatusUnknown)"))]
+        assert "processes it left on the node are fenced" in forced[0].message
+
+        deadline = time.monotonic() + 60  # lost-trainer-0 was deleted by the first pass, with a 30 s grace
+        while kube.pods(namespace, "trainer"):
+            assert time.monotonic() < deadline, "lost-trainer-0 was not force-deleted once its grace was over"
+            time.sleep(2)
+            pass_with_pods(installed, kube, namespace, "lost", events=events, terminating=True)
+        pass_with_pods(installed, kube, namespace, "lost")
+        assert sorted(p["metadata"]["labels"]["rljob.dev/attempt"] for p in kube.pods(namespace, "trainer")) == ["1", "1"]
+        assert len([e for e in events if e.reason == "PodForceDeleted"]) == 2
+    finally:
+        kube.run("delete", "node", node, "--wait=false", check=False)
