@@ -230,7 +230,12 @@ def test_a_start_from_a_checkpoint_reads_no_pretrained_weights(redis_server, tmp
             for parameter in trained.parameters():
                 parameter.add_(0.5)  # not the file's weights any more
         optimizer = torch.optim.AdamW(trained.parameters())
-        CheckpointManager(other, where, client).save(3, 12, trained, optimizer, [])
+        manager = CheckpointManager(other, where, client)
+        try:
+            manager.save(3, 12, trained, optimizer, [])
+            manager.wait()  # the save is asynchronous: committed before the process group goes
+        finally:
+            manager.close()
     finally:
         shutdown_distributed()
     for weights in (tmp_path / "model").glob("*.safetensors"):
