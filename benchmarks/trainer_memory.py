@@ -244,18 +244,20 @@ class ModelFacts:
 
 def save_model(model_config: dict, directory: Path) -> ModelFacts:
     """Write the seeded random Llama of ``model_config`` with ``save_pretrained`` (float32 safetensors) and measure it:
-    the units are those ``wrap_model`` shards (each decoder block, then the root with what is left)."""
+    the units are those ``wrap_model`` shards (:func:`~rljob_trainer.parallel.fsdp_units`: each decoder block, the
+    embedding and the output projection when untied, then the root with what is left)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rljob_trainer.parallel import fsdp_units
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**model_config))
     model.save_pretrained(directory)
-    blocks = set(model._no_split_modules)
-    units = {name: sum(p.numel() for p in module.parameters())
-             for name, module in model.named_modules() if type(module).__name__ in blocks}
+    names = {module: name for name, module in model.named_modules()}
+    units = {names[module]: sum(p.numel() for p in module.parameters()) for module in fsdp_units(model)}
     total = sum(p.numel() for p in model.parameters())
-    units["root (embedding, lm_head, final norm)"] = total - sum(units.values())
+    units["root (what no other unit holds)"] = total - sum(units.values())
     name = max(units, key=units.get)
     return ModelFacts(total, max(p.numel() for p in model.parameters()), units[name], name)
 
