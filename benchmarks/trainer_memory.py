@@ -27,7 +27,7 @@ that every tensor's storage of 128 KiB or more is a mapping of its own, returned
 With glibc's default the threshold rises to the size of each large block freed (up to 32 MiB): FSDP's per-unit
 all-gather and reduce-scatter buffers, activations and optimizer temporaries are then carved from the heap, and the
 heap keeps their pages after they are freed, so RssAnon reports what the allocator retains rather than what the
-trainer holds (measured: 3.46 GB against 1.82 GB for the same FSDP rank; docs/trainer-memory.md).
+trainer holds (measured: 3.49 GB against 1.71 GB for the same FSDP rank at 2 ranks; docs/trainer-memory.md).
 ``--glibc-dynamic`` measures with glibc's default instead.
 
 Targets (exit 0 only when all are met, 1 otherwise, 2 on an error):
