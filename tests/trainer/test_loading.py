@@ -195,6 +195,37 @@ def test_each_fsdp_rank_holds_only_its_rows(two_rank_loads, tag, rows):
     assert (rank0["embedding_rows_0"], rank1["embedding_rows_1"]) == rows
 
 
+# --- one rank -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tie,dtype,shard", [(False, torch.float32, False), (True, torch.bfloat16, True)],
+                         ids=["fp32", "bf16-tied-sharded"])
+def test_one_fsdp_rank_loads_the_same_logits_as_from_pretrained(no_torchrun_env, tmp_path, tie, dtype, shard):
+    """A world of one (``init_distributed`` without torchrun): ``load_model`` under fsdp shards over a mesh of one
+    rank, so its DTensors hold every row; the logits and every parameter equal ``from_pretrained``'s."""
+    from rljob_trainer.loading import load_model
+    from rljob_trainer.parallel import init_distributed, shutdown_distributed
+
+    save_llama(tmp_path / "m", tie=tie, dtype=dtype, shard=shard)
+    spec = {"source": "path", "path": str(tmp_path / "m")}
+    config = make_config(SimpleNamespace(host="127.0.0.1", port=1), tmp_path / "checkpoints", processes=1,
+                         parallelism={"strategy": "fsdp"}, model=spec)  # Redis is never contacted
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
+    where = init_distributed(config)
+    try:
+        parallel = load_model(config.spec.model, 0, SEED, where, config.spec.trainer)
+        assert parallel.sharded and where.mesh.size() == 1
+        with torch.no_grad():
+            logits = parallel.module(input_ids=IDS, attention_mask=MASK).logits
+            expected_logits = expected(input_ids=IDS, attention_mask=MASK).logits
+        state = {name: value.full_tensor() for name, value in parallel.model.state_dict().items()}
+    finally:
+        shutdown_distributed()
+
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-6, atol=1e-6)
+    assert state.keys() == expected.state_dict().keys()
+    for name, value in expected.state_dict().items():
+        assert torch.equal(state[name], value), name
+
+
 # --- a start from a checkpoint --------------------------------------------------------------------------------------
 def save_tokenizer(directory: Path) -> None:
     """A character-level fast tokenizer with the special tokens the trainer needs, for ``AutoTokenizer``."""
@@ -208,9 +239,11 @@ def save_tokenizer(directory: Path) -> None:
                             eos_token="<eos>").save_pretrained(directory)
 
 
-def test_a_start_from_a_checkpoint_reads_no_pretrained_weights(redis_server, tmp_path, monkeypatch):
-    """``model.source: path`` whose safetensors are gone, ``initFrom`` a checkpoint of that model: the trainer starts
-    (it never reads the Hugging Face weights) and holds the checkpoint's weights after ``resume``."""
+@pytest.mark.parametrize("start", ["initFrom", "own"])
+def test_a_start_from_a_checkpoint_reads_no_pretrained_weights(redis_server, tmp_path, monkeypatch, start):
+    """``model.source: path`` whose safetensors are gone, and a checkpoint of that model to start from: another job's
+    (``initFrom``) or the job's own (a resume): the trainer starts (it never reads the Hugging Face weights) and holds
+    the checkpoint's weights after ``resume``."""
     from rljob_trainer.checkpoint import CheckpointManager
     from rljob_trainer.parallel import init_distributed, shutdown_distributed
     from rljob_trainer.trainer import Trainer
@@ -222,25 +255,30 @@ def test_a_start_from_a_checkpoint_reads_no_pretrained_weights(redis_server, tmp
     model_spec = {"source": "path", "path": str(tmp_path / "model")}
     client = redis_server.client()
 
-    other = make_config(redis_server, tmp_path / "other-job", processes=1, model=model_spec)
-    where = init_distributed(other)
+    config = make_config(redis_server, tmp_path / "job", processes=1, model=model_spec,
+                         init_from=str(tmp_path / "other-job") if start == "initFrom" else None,
+                         parallelism={"strategy": "fsdp"})
+    # The job that writes the checkpoint: another one (its default strategy), or this one.
+    writer = make_config(redis_server, tmp_path / "other-job", processes=1, model=model_spec) if start == "initFrom" \
+        else config
+    where = init_distributed(writer)
     try:
         trained = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
         with torch.no_grad():
             for parameter in trained.parameters():
                 parameter.add_(0.5)  # not the file's weights any more
         optimizer = torch.optim.AdamW(trained.parameters())
-        manager = CheckpointManager(other, where, client)
-        manager.save(3, 12, trained, optimizer, [])
-        manager.wait()  # the save is asynchronous: committed before the process group goes
-        manager.close()
+        manager = CheckpointManager(writer, where, client)
+        try:
+            manager.save(3, 12, trained, optimizer, [])
+            manager.wait()  # the save is asynchronous: committed before the process group goes
+        finally:
+            manager.close()
     finally:
         shutdown_distributed()
     for weights in (tmp_path / "model").glob("*.safetensors"):
         weights.unlink()
 
-    config = make_config(redis_server, tmp_path / "job", processes=1, model=model_spec,
-                         init_from=str(tmp_path / "other-job"), parallelism={"strategy": "fsdp"})
     where = init_distributed(config)
     trainer = None
     try:
