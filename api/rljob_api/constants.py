@@ -163,6 +163,10 @@ class Reason(str, Enum):
     CONTAINER_FAILING = "ContainerFailing"
     """A pod's container keeps exiting with an error and being restarted (CrashLoopBackOff); the message gives the
     restart count and the last exit code and termination message."""
+    STREAM_LOST = "StreamLost"
+    """Redis forgot the job's stream (its identity key changed or vanished: a managed Redis without persistence
+    restarted, an external one flushed or failed over): a Warning Event says what was lost; the gang restart that
+    follows is not counted against backoffLimit."""
     CHECKPOINT_LOST = "CheckpointLost"
     """Running=True, but the attempt started below the last recorded checkpoint because it is gone from the checkpoint
     volume (the progress hash's ``checkpoint_lost``)."""

@@ -50,6 +50,9 @@ KEY_MEMBERS = "members"
 workers, read by trainer rank 0 (rljob_trainer.weights)."""
 KEY_DEAD_LETTER = "dead_letter"
 """Stream of malformed entries with their reason (written by trainer ranks)."""
+KEY_STREAM_ID = "stream_id"
+"""String: a random identity of the job's stream, set by trainer rank 0 at every start when absent (SET NX). The
+operator keeps the one it saw (status.streamIdentity): another one, or none, means Redis forgot the stream."""
 KEY_ATTEMPT = "attempt"
 """String: the gang attempt that owns the job's writes (rljob_trainer.fence); set by trainer rank 0 at every start."""
 KEY_CHECKPOINT = "checkpoint"
@@ -357,6 +360,8 @@ class RewardFailures:
 
     since: Optional[float] = None
     updated_at: Optional[float] = None
+    stream_id: Optional[str] = None
+    backlog: Optional["Backlog"] = None
     batches: int = 0
     samples: int = 0
     errors: dict[str, int] = field(default_factory=dict)
@@ -490,7 +495,8 @@ class Progress:
     documents generated with weights version ``rollout_model_version``. ``reward_failures``: the rollout hash's
     ``all_rewards_failed`` record (None when absent: rewards score). ``checkpoint_lost``: the progress hash's
     ``checkpoint_lost`` (None when absent). ``checkpoint``: the checkpoint hash (None when absent or unreadable). ``updated_at``: unix seconds of trainer rank 0's
-    last write of the progress hash (its own clock).
+    last write of the progress hash (its own clock). ``stream_id``: the stream identity key (None: absent).
+    ``backlog``: the consumer group's entries (None: no stream or no group).
     """
 
     step: Optional[int] = None
@@ -504,6 +510,28 @@ class Progress:
     checkpoint_lost: Optional[LostCheckpoint] = None
     checkpoint: Optional[CheckpointRecord] = None
     updated_at: Optional[float] = None
+    stream_id: Optional[str] = None
+    backlog: Optional["Backlog"] = None
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """The consumer group's entries as XINFO GROUPS counts them (documents): ``pending`` delivered to a trainer rank
+    and not acked yet (trained, or being trained, since the last checkpoint), ``undelivered`` written and not read
+    yet (the group's lag; None when Redis cannot tell, e.g. after entries were deleted)."""
+
+    pending: int
+    undelivered: Optional[int]
+
+    @classmethod
+    def from_groups(cls, groups: Any, group: str) -> Optional[Backlog]:
+        """The entry of ``group`` in XINFO GROUPS' reply (a list of dicts, bytes or str); None when absent."""
+        for info in groups or []:
+            fields = {text(k): v for k, v in info.items()}
+            if text(fields.get("name")) == group:
+                pending = _number(fields.get("pending"), int)
+                return cls(pending=pending or 0, undelivered=_number(fields.get("lag"), int))
+        return None
 
 
 def parse_progress(progress: Mapping[Any, Any], rollout: Mapping[Any, Any],
@@ -533,6 +561,27 @@ def parse_progress(progress: Mapping[Any, Any], rollout: Mapping[Any, Any],
         checkpoint=CheckpointRecord.from_fields(checkpoint or {}),
         updated_at=_number(progress.get(PROGRESS_UPDATED_AT), float),
     )
+
+
+def stream_lost_message(old: str, new: Optional[str], backlog: Optional[Backlog], checkpoint: Any,
+                        attempt: int) -> str:
+    """The one description of a stream Redis forgot (operator Event and Running message). ``backlog``: the group's
+    last counts the operator read before (None: never read); ``checkpoint``: status.lastCheckpoint (its ``step`` and
+    ``documents_seen``; None: none committed)."""
+    now = f"holds another one ({new})" if new else "holds none"
+    lost = "what it held is gone"
+    if backlog is not None:
+        undelivered = "an unknown number of" if backlog.undelivered is None else str(backlog.undelivered)
+        lost = (f"at the last read it held {backlog.pending} entries trained since the last checkpoint (pending) and "
+                f"{undelivered} written but not delivered yet: those are gone")
+    if checkpoint is not None:
+        goes_on = (f"the gang goes on from checkpoint step {checkpoint.step} ({checkpoint.documents_seen} documents), "
+                   "recreating the stream and its consumer group")
+    else:
+        goes_on = "the gang starts over (no checkpoint was committed), recreating the stream and its consumer group"
+    return (f"Redis forgot the job's stream during attempt {attempt} (its identity was {old}, Redis {now}; a managed "
+            f"Redis without persistence restarted, or an external one was flushed or failed over): {lost}; "
+            f"{goes_on}; the restart is not counted against backoffLimit")
 
 
 def _newest_reward(rewards: Mapping[int, tuple[float, int]],

@@ -164,6 +164,14 @@ class RLTrainingJobStatus(StatusModel):
         description="The newest committed checkpoint: a gang restart goes on from it. Kept when Redis loses its "
         "record; step above it is training not saved yet.",
     )
+    stream_identity: Optional[str] = Field(
+        None, description="The identity of the job's stream in Redis (key {prefix}stream_id) as last read; another "
+        "one, or none, means Redis forgot the stream (Event StreamLost).",
+    )
+    stream_lost_attempt: Optional[int] = Field(
+        None, ge=0, description="The gang attempt during which Redis last forgot the stream; its restart is not "
+        "counted against backoffLimit.",
+    )
     stream: Optional[StreamStatus] = Field(
         None,
         description="The stream, events and weight-transfer addresses of the job, for producers outside rljob "

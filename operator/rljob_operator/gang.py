@@ -22,6 +22,9 @@ Rules (JobSet's BlockingRecreate, Kubernetes Job's backoffLimit, suspend and dea
   (RewardsFailing) instead of starving the trainer until its ranks time out and burn ``backoffLimit``.
 - Finished jobs: pods are cleaned per ``cleanPodPolicy``; the job is deleted ``ttlSecondsAfterFinished``
   after ``completionTime``.
+- A gang attempt during which Redis forgot the stream (the operator saw its identity key change or vanish) ends
+  with reason StreamLost when its ranks stop, not counted against ``backoffLimit``: the next attempt recreates the
+  stream and its group and goes on from the newest checkpoint.
 - A pod whose node stopped reporting (NotReady, unreachable or gone) stays Terminating once deleted: its kubelet
   cannot confirm, and its name cannot be reused. Once the node has not been Ready for the pod's unreachable/not-ready
   toleration (300 s by default) and the pod's grace period is over, the pod is force-deleted (grace 0) and a Warning
@@ -204,6 +207,7 @@ class _Observed:
 def plan(
     job: str, spec: RLTrainingJobSpec, previous: Lifecycle, pods: Iterable[PodView], hashes: ConfigHashes,
     now: datetime, rewards: Optional[RewardFailures] = None, nodes: Mapping[str, NodeView] = {},
+    stream_lost: bool = False,
 ) -> Plan:
     """Decide one reconcile pass of a valid job (see the module docstring for the rules).
 
@@ -216,9 +220,10 @@ def plan(
         now: the current time (timezone-aware).
         rewards: the rollout hash's reward-failure streak when this pass read one (None: none, or not read).
         nodes: the nodes of the pods being deleted that are not Ready (others may be left out): stuck pods.
+        stream_lost: Redis forgot the stream during the saved attempt: its end is StreamLost, not counted.
     """
     pods = list(pods)
-    decided = _plan(job, spec, previous, pods, hashes, now, rewards)
+    decided = _plan(job, spec, previous, pods, hashes, now, rewards, stream_lost)
     return _with_stuck(decided, stuck_pods(pods, nodes), now)
 
 
@@ -244,7 +249,7 @@ def _with_stuck(decided: Plan, stuck: Sequence[StuckPod], now: datetime) -> Plan
 
 
 def _plan(job: str, spec: RLTrainingJobSpec, previous: Lifecycle, pods: list[PodView], hashes: ConfigHashes,
-          now: datetime, rewards: Optional[RewardFailures]) -> Plan:
+          now: datetime, rewards: Optional[RewardFailures], stream_lost: bool) -> Plan:
     trainers = [p for p in pods if p.role == c.Role.TRAINER]
     obs = _Observed(
         trainers=trainers,
@@ -256,7 +261,7 @@ def _plan(job: str, spec: RLTrainingJobSpec, previous: Lifecycle, pods: list[Pod
         return _finished(spec, previous, obs, now)
     if spec.run_policy.suspend:
         return _suspend(spec, previous, obs)
-    return _active(job, spec, previous, obs, hashes, now, rewards)
+    return _active(job, spec, previous, obs, hashes, now, rewards, stream_lost)
 
 
 def require_redis(lc: Lifecycle, redis_ready: Optional[bool], why: str) -> Lifecycle:
@@ -359,7 +364,7 @@ def _rewards_failing(spec: RLTrainingJobSpec, lc: Lifecycle, rewards: Optional[R
 
 def _active(
     job: str, spec: RLTrainingJobSpec, lc: Lifecycle, obs: _Observed, hashes: ConfigHashes, now: datetime,
-    rewards: Optional[RewardFailures] = None,
+    rewards: Optional[RewardFailures] = None, stream_lost: bool = False,
 ) -> Plan:
     rp = spec.run_policy
     if lc.start_time is None:
@@ -388,6 +393,9 @@ def _active(
         return _fail(spec, lc, obs, Reason.REWARDS_FAILING, failing, now)
 
     failures = _failures(job, spec, lc, obs.current, hashes)
+    if failures and stream_lost:  # the ranks stopped because Redis forgot their stream, not for their own fault
+        failures = [replace(f, reason=Reason.STREAM_LOST, counted=False,
+                            detail=f"{f.detail} after Redis forgot the stream") for f in failures]
     if failures:
         return _restart_or_fail(spec, lc, obs, failures, delete_rollouts, create_rollouts, requeue, now)
     delete_old = _names(p for p in obs.old if not p.deleting)

@@ -33,6 +33,7 @@ from datetime import datetime
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from rljob_api import constants as c
+from rljob_api import protocol
 from rljob_api.constants import Phase, Reason
 from rljob_api.config import JobConfig
 from rljob_api.spec import RLTrainingJobSpec
@@ -40,6 +41,7 @@ from rljob_api.status import RLTrainingJobStatus, StreamStatus
 from rljob_api.validation import data_parallel_size
 
 from rljob_operator import admission, children, gang, redis_reads, render, resolution, status
+from rljob_operator import progress as progress_reads
 from rljob_operator.admission import Decision
 from rljob_operator.apply import ApiError
 from rljob_operator.observe import DeploymentView, NodeView, PodView, node_view
@@ -72,6 +74,30 @@ def observed_pods(indexed: Iterable[PodView], runtime: JobRuntime, now: float) -
             seen[name] = replace(pod, deleting=True)
     return sorted(seen.values(), key=lambda p: (p.role, p.index, p.name))
 
+
+
+def _forgotten_stream(this: _Pass, fetched: progress_reads.Progress) -> Optional[str]:
+    """What Redis forgot when the stream identity it holds (``fetched.stream_id``) is not the one the status saved
+    (another one, or none); None when it did not forget (or no identity was ever saved). Keeps the group's counts of
+    each read in the job's runtime: the last ones before a loss are what was lost, as far as known."""
+    saved, now_held = this.previous.stream_identity, fetched.stream_id
+    last_backlog, this.runtime.backlog = this.runtime.backlog, fetched.backlog
+    if not saved or now_held == saved:
+        return None
+    return protocol.stream_lost_message(saved, now_held, last_backlog, this.previous.last_checkpoint,
+                                        this.before.attempt)
+
+
+def _stream_identity(this: _Pass, new: RLTrainingJobStatus, fetched: progress_reads.Progress,
+                     forgot: Optional[str]) -> RLTrainingJobStatus:
+    """``new`` with the stream identity Redis holds now (kept while Redis holds none, unless that is the loss) and
+    the attempt of a loss seen in this pass."""
+    update: dict[str, Any] = {}
+    if fetched.stream_id is not None or forgot is not None:
+        update["stream_identity"] = fetched.stream_id
+    if forgot is not None:
+        update["stream_lost_attempt"] = this.before.attempt
+    return new.model_copy(update=update) if update else new
 
 
 async def _lost_nodes(ctx: Context, pods: Sequence[PodView], now: datetime) -> dict[str, NodeView]:
@@ -151,6 +177,8 @@ class _Outcome:
     restarts: int = 0
     error: Optional[ApiError] = None
     force_delete: tuple[gang.StuckPod, ...] = ()
+    events: tuple[status.Event, ...] = ()
+    """Events of this pass that no condition transition tells (posted after the status write)."""
 
 
 async def reconcile(
@@ -246,18 +274,20 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
     pods = this.pods()
     hashes = render.config_hashes(config)
     nodes = await _lost_nodes(this.ctx, pods, this.now)
-    plan = gang.plan(job.name, spec, this.before, pods, hashes, this.now, nodes=nodes)
+    stream_lost = this.previous.stream_lost_attempt == this.before.attempt
+    plan = gang.plan(job.name, spec, this.before, pods, hashes, this.now, nodes=nodes, stream_lost=stream_lost)
     health = redis_reads.health(spec, this.redis, runtime, pods, this.now)
-    fetched = None
+    fetched, forgot = None, None
     if ctx.read_progress and redis_reads.reads_progress(this.before.phase, plan.lifecycle.phase,
                                                         spec.redis.mode == "managed", health.ready):
         fetched = await redis_reads.read_progress(job, config, runtime, ctx)
         if fetched is not None:
             runtime.step_rate.add(fetched.updated_at, fetched.step)
+            forgot = _forgotten_stream(this, fetched)
         health = redis_reads.health(spec, this.redis, runtime, pods, this.now)
-        if fetched is not None and fetched.reward_failures is not None:  # rewards failing: the plan may fail the job
+        if fetched is not None and (fetched.reward_failures is not None or forgot):  # the plan may change
             plan = gang.plan(job.name, spec, this.before, pods, hashes, this.now, rewards=fetched.reward_failures,
-                             nodes=nodes)
+                             nodes=nodes, stream_lost=stream_lost or forgot is not None)
     manifests = [render.trainer_pod(job, config, i, plan.lifecycle.attempt) for i in plan.create_trainers]
     manifests += [render.rollout_pod(job, config, i) for i in plan.create_rollouts]
     error = await children.create_pods(manifests, this.body, runtime, ctx)
@@ -278,6 +308,8 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
                       checkpoint_volume=spec.trainer.checkpoint.volume,
                       reward_deadline_s=spec.rollout.reward_failure_deadline_seconds, kept=note,
                       stream=this.stream(spec, config))
+    if fetched is not None:
+        new = _stream_identity(this, new, fetched, forgot)
     uids = {p.name: p.uid for p in pods}
     idle = plan.lifecycle.phase in status.IDLE_PHASES
     interval = ctx.idle_interval_s if idle else ctx.active_interval_s
@@ -287,6 +319,7 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
         new, delay=interval,
         delete=tuple((name, uids.get(name, "")) for name in plan.delete), delete_job=plan.delete_job, release=idle,
         force_delete=plan.force_delete,
+        events=() if forgot is None else (status.Event("Warning", Reason.STREAM_LOST.value, forgot),),
         restarts=plan.lifecycle.restarts - this.before.restarts, error=error,
     )
 
@@ -322,6 +355,8 @@ async def _act(this: _Pass, outcome: _Outcome) -> None:
     if outcome.restarts > 0:
         this.ctx.on_restart(outcome.restarts)
     await children.delete_pods(namespace, outcome.delete, this.runtime, this.ctx)
+    for event in outcome.events:
+        this.ctx.post_event(this.body, event)
     for stuck in outcome.force_delete:
         if await this.ctx.api.delete("v1", "Pod", namespace, stuck.pod.name, uid=stuck.pod.uid or None,
                                      grace_period_seconds=0):

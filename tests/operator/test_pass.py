@@ -84,11 +84,12 @@ def test_the_pass_that_creates_a_gang_writes_the_status_once(kube: Kube, install
 
 
 def pass_with_pods(kubeconfig, kube: Kube, namespace: str, name: str, *, now: Optional[datetime] = None,
-                   events: Optional[list] = None, terminating: bool = False) -> Counter:
+                   events: Optional[list] = None, terminating: bool = False,
+                   runtime: Optional[JobRuntime] = None) -> Counter:
     """One pass over job ``name`` by a fresh operator process (new runtime), seeing the job's pods as its watch
     would (``terminating``: pods being deleted too); returns the requests by verb and resource. With ``now`` (the
     pass's clock) the pass also reads the job's Redis, as the operator does; the Events it posts are added to
-    ``events``."""
+    ``events``. ``runtime``: the job's state in one operator process across passes (default: a new process)."""
     from rljob_operator.observe import pod_view
 
     pods = [pod_view(p) for role in ("trainer", "rollout") for p in kube.pods(namespace, role)
@@ -103,7 +104,7 @@ def pass_with_pods(kubeconfig, kube: Kube, namespace: str, name: str, *, now: Op
         if now is not None:
             ctx.clock = lambda: now
         try:
-            await reconcile(kube.job(namespace, name), pods, None, JobRuntime(), ctx)
+            await reconcile(kube.job(namespace, name), pods, None, runtime or JobRuntime(), ctx)
         finally:
             await ctx.redis_clients.close()
             await api.close()
@@ -308,3 +309,65 @@ def test_trainer_pods_stuck_on_a_lost_node_are_force_deleted_and_the_next_attemp
         assert len([e for e in events if e.reason == "PodForceDeleted"]) == 2
     finally:
         kube.run("delete", "node", node, "--wait=false", check=False)
+
+
+def test_a_stream_redis_forgot_is_reported_with_what_it_held_and_its_restart_is_not_counted(kube: Kube, installed,
+                                                                                          namespace, redis_server):
+    """Issue 11 item 2: an external Redis flushed under a running job. The operator saw the stream identity the
+    trainer made and the group's counts; after FLUSHALL the identity is gone: a Warning Event StreamLost says what was
+    lost (the last counts read) and the checkpoint the gang goes on from, and the trainer pod that then fails (as its
+    ranks do: fenced, or NOGROUP) restarts the gang without counting against backoffLimit 0."""
+    from rljob_api import protocol
+
+    kube.run("create", "secret", "generic", "shared-redis", "-n", namespace,
+             f"--from-literal=password={redis_server.password}")
+    kube.apply(job_manifest("forgot", runPolicy={"backoffLimit": 0},
+                            redis={"mode": "external", "url": redis_server.url,
+                                   "passwordSecretRef": {"name": "shared-redis", "key": "password"}}), namespace)
+    prefix = f"rljob:{namespace}:forgot:"
+    start = datetime.now(timezone.utc).replace(microsecond=0)
+    events: list = []
+    memory = JobRuntime()  # what one operator process remembers between passes (a new runtime per event loop)
+
+    def next_pass(seconds: float) -> None:
+        runtime = JobRuntime(backlog=memory.backlog)
+        pass_with_pods(installed, kube, namespace, "forgot", now=start + timedelta(seconds=seconds), runtime=runtime,
+                       events=events)
+        memory.backlog = runtime.backlog
+
+    next_pass(0)  # creates attempt 0
+
+    client = redis_server.client()  # as the trainer and the rollout leave it: identity, stream, group, a checkpoint
+    client.set(prefix + protocol.KEY_STREAM_ID, "id-a")
+    stream, group = prefix + "fast_llm_streaming", "fast_llm_group"
+    for i in range(5):
+        client.xadd(stream, {"tokens": b"x" * 8, "i": i})
+    client.xgroup_create(stream, group, id="0")
+    client.xreadgroup(group, "fast_llm_consumer_0", {stream: ">"}, count=3)  # 3 pending, 2 undelivered
+    client.hset(prefix + "checkpoint", mapping=protocol.CheckpointRecord(30, 1920, "/ckpt/step-00000030").to_fields())
+    next_pass(5)
+    status = kube.job(namespace, "forgot")["status"]
+    assert status["streamIdentity"] == "id-a" and "streamLostAttempt" not in status
+    assert status["lastCheckpoint"]["step"] == 30 and "StreamLost" not in [e.reason for e in events]
+
+    client.flushall()
+    kube.fail_pod(namespace, "forgot-trainer-0")
+    next_pass(10)
+    status = kube.job(namespace, "forgot")["status"]
+    assert (status["phase"], status["attempt"], status["failedAttempts"], status["streamLostAttempt"]) == (
+        "Restarting", 1, 0, 0)
+    assert "streamIdentity" not in status
+    restarting = next(c for c in status["conditions"] if c["type"] == "Restarting")
+    assert restarting["reason"] == "StreamLost" and "after Redis forgot the stream" in restarting["message"]
+    lost = [e for e in events if e.reason == "StreamLost" and not e.message.startswith("Restarting=True")]
+    assert [(e.type, e.message) for e in lost] == [("Warning", (
+        "Redis forgot the job's stream during attempt 0 (its identity was id-a, Redis holds none; a managed Redis "
+        "without persistence restarted, or an external one was flushed or failed over): at the last read it held 3 "
+        "entries trained since the last checkpoint (pending) and 2 written but not delivered yet: those are gone; the "
+        "gang goes on from checkpoint step 30 (1920 documents), recreating the stream and its consumer group; the "
+        "restart is not counted against backoffLimit"))]
+
+    client.set(prefix + protocol.KEY_STREAM_ID, "id-b")  # attempt 1's rank 0 made a new stream
+    next_pass(15)
+    assert kube.job(namespace, "forgot")["status"]["streamIdentity"] == "id-b"
+    assert len([e for e in events if e.message.startswith("Redis forgot")]) == 1

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Protocol, TextIO
 
@@ -198,6 +199,19 @@ def publish_start(
         if "FENCED " not in str(err):
             raise
         raise fence.refusal(str(err), attempt) from None
+
+
+def stream_identity(client: redis.Redis, config: JobConfig) -> str:
+    """Rank 0 at every start: the job's stream identity (``{prefix}stream_id``), made now (a random hex string, SET NX)
+    when Redis holds none: at the first start, or after Redis forgot everything. The operator compares it on every
+    read (status.streamIdentity): another identity, or none, tells it that the stream was lost.
+
+    Raises:
+        redis.RedisError: Redis unreachable beyond the client's retries.
+    """
+    key = config.keys.prefix + protocol.KEY_STREAM_ID
+    client.set(key, uuid.uuid4().hex, nx=True)
+    return protocol.text(client.get(key)) or ""
 
 
 def publish_checkpointed(client: redis.Redis, config: JobConfig, documents_seen: int) -> None:

@@ -60,7 +60,8 @@ from rljob_trainer.model import build_tokenizer, sequence_logprobs
 from rljob_trainer.parallel import DataParallelModel, Distributed
 from rljob_trainer.optim import build_optimizer, learning_rate
 from rljob_trainer.fence import claim, gang_attempt
-from rljob_trainer.progress import Progress, StepRecord, build_progress, publish_checkpointed, publish_start
+from rljob_trainer.progress import (Progress, StepRecord, build_progress, publish_checkpointed, publish_start,
+                                    stream_identity)
 from rljob_trainer.stream.batch import MicroBatch, flat_from_padded, pack_documents
 from rljob_trainer.stream.reader import StreamReader, ack_entries, trim_acked
 from rljob_trainer.stream.redistribute import redistribute_pending
@@ -120,6 +121,7 @@ class Trainer:
         vocab_size = len(self.tokenizer) if hasattr(self.tokenizer, "__len__") else self.tokenizer.vocab_size
         if where.is_rank_zero:  # this attempt owns the job's writes from here on (rljob_trainer.fence)
             claim(client, config.keys)
+            log.info("stream identity %s", stream_identity(client, config))
         self.checkpoints = CheckpointManager(config, where, client, on_commit=self._after_commit)
         # Read once: a checkpoint to load (own or initFrom) makes the initial weights pointless, so none are read.
         self.start_from = self.checkpoints.resume_source()
