@@ -11,6 +11,7 @@ import pytest
 import torch
 from rljob_trainer.loss import NO_CORRECTIONS, Corrections, grpo_loss, gspo_loss
 from rljob_trainer.loss_metrics import StepMetrics
+from test_loss import random_micro_batch as loss_micro_batch
 
 torch.set_num_threads(1)
 F64 = torch.float64
@@ -160,16 +161,9 @@ def test_kl_needs_the_reference_log_probabilities_and_corrections_check_their_ra
 
 # --- against an autograd reference, one token (one document) at a time ----------------------------------------------
 def random_micro_batch(seed: int, num_docs: int = 8, noise: float = 0.8):
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(2, 9, (num_docs,), generator=g)
-    docs = torch.repeat_interleave(torch.arange(num_docs), lengths)
-    prompt = torch.cat([torch.arange(n) < torch.randint(1, n, (1,), generator=g) for n in lengths.tolist()])
-    mask = ~prompt
-    mask[docs == num_docs - 1] = False  # one document without labels
-    old = -torch.rand(docs.shape[0], generator=g, dtype=F64) * 4
-    new = (old + torch.randn(docs.shape[0], generator=g, dtype=F64) * noise).requires_grad_()
-    adv = torch.randn(num_docs, generator=g, dtype=F64)[docs]
-    ref = old + torch.randn(docs.shape[0], generator=g, dtype=F64) * 0.5
+    """test_loss's random micro-batch (one document unlabelled) and reference log-probabilities near the old ones."""
+    new, old, adv, mask, docs = loss_micro_batch(seed, num_docs=num_docs, noise=noise)
+    ref = old + torch.randn(docs.shape[0], generator=torch.Generator().manual_seed(seed + 1000), dtype=F64) * 0.5
     return new, old, adv, mask, docs, ref
 
 

@@ -238,7 +238,7 @@ def test_mixed_presence_raises_the_same_error_on_every_rank(tmp_path):
 def totals_worker(rank: int, world_size: int, tmp_dir: str) -> None:
     init_gloo(rank, world_size, tmp_dir)
     totals = {"loss": 0.25 * (rank + 1), "redeliveries": rank, "dropped_too_long": 1, "dead_lettered": 0,
-              "lost_pending": 2 * rank}
+              "lost_pending": 2 * rank, "dropped_stale": 3 * rank}
     results = [StepMetrics(level).reduce(totals=totals) for level in ("none", "basic")]
     Path(f"{tmp_dir}/totals_{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -248,7 +248,8 @@ def test_step_totals_are_summed_over_ranks_at_every_level(tmp_path):
     # Level none still reduces the loss and the stream counters: every rank joins the SUM every step.
     run_ranks(totals_worker, 2, tmp_path)
     per_rank = [json.loads((tmp_path / f"totals_{r}.json").read_text()) for r in range(2)]
-    expected = {"loss": 0.75, "redeliveries": 1, "dropped_too_long": 2, "dead_lettered": 0, "lost_pending": 2}
+    expected = {"loss": 0.75, "redeliveries": 1, "dropped_too_long": 2, "dead_lettered": 0, "lost_pending": 2,
+                "dropped_stale": 3}
     assert per_rank[0] == per_rank[1]
     none, basic = per_rank[0]
     assert none == expected

@@ -382,7 +382,7 @@ def test_one_pass_metrics_equal_the_formulas_and_segment_once(monkeypatch, loss,
     expected = reference_metrics(batches, loss, *eps, documents_seen=2**40)
     assert 0 < expected["clipped_ratio_fraction"] < 1  # both clipped and unclipped ratios are exercised
     assert 0 < expected["sampler_mismatch_tokens"] < expected["num_tokens"]  # current and older tokens
-    counters = {"redeliveries": 3, "dropped_too_long": 1, "dead_lettered": 0, "lost_pending": 2}
+    counters = {"redeliveries": 3, "dropped_too_long": 1, "dead_lettered": 0, "lost_pending": 2, "dropped_stale": 5}
     out = metrics.reduce(totals={"loss": torch.tensor(loss_sum, dtype=F64), **counters})
     assert list(out) == BASIC_NAMES + ["loss", *counters]
     assert {k: out[k] for k in BASIC_NAMES} == pytest.approx(expected, rel=1e-12, abs=1e-12)
@@ -390,7 +390,8 @@ def test_one_pass_metrics_equal_the_formulas_and_segment_once(monkeypatch, loss,
 
 
 def test_step_totals_are_reduced_at_every_level_and_must_be_complete():
-    totals = {"loss": 0.5, "redeliveries": 1, "dropped_too_long": 2, "dead_lettered": 3, "lost_pending": 4}
+    totals = {"loss": 0.5, "redeliveries": 1, "dropped_too_long": 2, "dead_lettered": 3, "lost_pending": 4,
+              "dropped_stale": 5}
     assert StepMetrics("none").reduce(totals=totals) == totals
     with pytest.raises(ValueError, match=r"totals must name exactly the step totals .* got \['loss'\]"):
         StepMetrics("none").reduce(totals={"loss": 0.5})

@@ -83,6 +83,8 @@ STEP_TOTALS: tuple[MetricDef, ...] = (
     MetricDef("dropped_too_long", "sum", "always", "documents over microBatchTokens dropped, all ranks (count)"),
     MetricDef("dead_lettered", "sum", "always", "malformed entries dead-lettered, all ranks (count)"),
     MetricDef("lost_pending", "sum", "always", "pending entries deleted from the stream before re-reading (count)"),
+    MetricDef("dropped_stale", "sum", "always", "documents staler than algorithm.maxStaleness dropped before the loss, "
+              "all ranks (count; acked with the next checkpoint)"),
 )
 """The totals every step reduces whatever the level, passed to :meth:`StepMetrics.reduce`: the loss (logged with
 the metrics) and the readers' counters since this attempt started (logged as ``stream``)."""
