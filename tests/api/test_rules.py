@@ -74,5 +74,4 @@ def test_the_operators_check_names_the_learning_rate_floor_and_both_values():
         "spec.trainer.optimizer.minLearningRate: minLearningRate = 3e-05 must not exceed learningRate = 1e-05"]
     rule = rules.CEL_MIN_LEARNING_RATE
     assert rule["rule"] == "self.minLearningRate <= self.learningRate" and rule["fieldPath"] == ".minLearningRate"
-    assert "string(self.minLearningRate)" in rule["messageExpression"]
-    assert "string(self.learningRate)" in rule["messageExpression"]
+    assert "messageExpression" not in rule  # string(double) blows the CRD's CEL cost budget: the API server refuses it
