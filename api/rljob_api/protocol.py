@@ -81,6 +81,14 @@ PROGRESS_CHECKPOINT_DOCUMENTS_SEEN = "checkpoint_documents_seen"
 documents trained since then (documents_seen − this) are still pending in the stream's group, acked by the next
 checkpoint. Written by trainer rank 0 at every start and before each checkpoint's acks; rollout workers read it
 (rljob_rollout.writer: max lag)."""
+PROGRESS_DROPPED_STALE = "dropped_stale"
+"""Documents the trainer's current attempt dropped before the loss as staler than ``algorithm.maxStaleness``, all ranks
+(each reader adds its drops with HINCRBY as it makes them; 0 at every start). They stay pending until the next
+checkpoint acks them, like trained documents: rollout workers count dropped_stale − checkpoint_dropped_stale as done
+with, not ahead (rljob_rollout.writer), or drops would hold them at max lag while the trainer waits to refill."""
+PROGRESS_CHECKPOINT_DROPPED_STALE = "checkpoint_dropped_stale"
+"""Of :data:`PROGRESS_DROPPED_STALE`, those the last committed checkpoint covers (acked); 0 at every start. Written by
+trainer rank 0 with :data:`PROGRESS_CHECKPOINT_DOCUMENTS_SEEN`."""
 PROGRESS_RESTORED_FROM_STEP = "restored_from_step"
 """Step of the checkpoint the trainer's current attempt started from (0 from scratch); written at every start."""
 PROGRESS_CHECKPOINT_LOST = "checkpoint_lost"
@@ -92,9 +100,11 @@ loses none. Trainer rank 0 writes it; the operator reports it."""
 def start_fields(step: int, documents_seen: int) -> dict[str, int]:
     """The progress fields trainer rank 0 sets at every start: the loaded checkpoint's ``step`` and
     ``documents_seen`` (0 from scratch) as step, documents_seen, model_version (= documents_seen, DESIGN §6),
-    restored_from_step and checkpoint_documents_seen (nothing trained yet is unacked)."""
+    restored_from_step and checkpoint_documents_seen (nothing trained yet is unacked), and the stale-drop counts of
+    this attempt at 0."""
     return {PROGRESS_STEP: step, PROGRESS_DOCUMENTS_SEEN: documents_seen, PROGRESS_MODEL_VERSION: documents_seen,
-            PROGRESS_RESTORED_FROM_STEP: step, PROGRESS_CHECKPOINT_DOCUMENTS_SEEN: documents_seen}
+            PROGRESS_RESTORED_FROM_STEP: step, PROGRESS_CHECKPOINT_DOCUMENTS_SEEN: documents_seen,
+            PROGRESS_DROPPED_STALE: 0, PROGRESS_CHECKPOINT_DROPPED_STALE: 0}
 
 
 def step_fields(step: int, documents_seen: int, model_version: int, tokens_per_second: float,

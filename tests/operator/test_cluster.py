@@ -266,6 +266,19 @@ def test_schema_and_cel_rules_are_enforced_with_messages_that_name_the_field(kub
     explained = kube.run("explain", "rljob.spec.trainer.parallelism.strategy").stdout
     assert "fsdp (the default): parameters, gradients and optimizer state are sharded" in " ".join(explained.split())
 
+    # issue 13: the corrections' bounds and the learning-rate floor; their defaults fill the stored job, off
+    assert ('spec.trainer.optimizer.minLearningRate: Invalid value: "object": optimizer.minLearningRate must not '
+            'exceed optimizer.learningRate') in refused(job_manifest("floor", trainer={"optimizer": {
+                "learningRate": 1e-5, "minLearningRate": 3e-5, "schedule": "cosine"}}))
+    assert ("spec.algorithm.dualClip: Invalid value: 1: spec.algorithm.dualClip in body should be greater than 1"
+            in refused(job_manifest("dual", algorithm={"dualClip": 1})))
+    assert ("spec.algorithm.importanceSampling.cap: Invalid value: 0.5: spec.algorithm.importanceSampling.cap in body "
+            "should be greater than or equal to 1") in refused(job_manifest("cap", algorithm={
+                "importanceSampling": {"enabled": True, "cap": 0.5}}))
+    assert stored["spec"]["algorithm"]["importanceSampling"] == {"enabled": False, "cap": 2}
+    assert (stored["spec"]["algorithm"]["klCoef"], stored["spec"]["trainer"]["optimizer"]["schedule"]) == (0, "constant")
+    assert "dualClip" not in stored["spec"]["algorithm"] and "maxStaleness" not in stored["spec"]["algorithm"]
+
 
 # --- the operator under its own ServiceAccount ------------------------------------------------------------
 def test_children_owner_references_and_gpu_pending_status(kube, operator, namespace):

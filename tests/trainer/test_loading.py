@@ -125,17 +125,20 @@ def load_worker(rank: int, world_size: int, tmp_dir: str, port: int, cases: dict
     where = init_distributed(config)
     try:
         out = {}
-        for tag, (spec_json, strategy) in cases.items():
+        for tag, (spec_json, strategy, frozen) in cases.items():
             trainer = config.spec.trainer
             trainer = trainer.model_copy(update={"parallelism": trainer.parallelism.model_copy(update={"strategy": strategy})})
-            parallel = load_model(ModelSpec.model_validate_json(spec_json), DigitTokenizer().vocab_size, SEED, where, trainer)
+            parallel = load_model(ModelSpec.model_validate_json(spec_json), DigitTokenizer().vocab_size, SEED, where, trainer,
+                                  frozen=frozen)
             with torch.no_grad():
                 logits = parallel.module(input_ids=IDS, attention_mask=MASK).logits
             full = {name: value.full_tensor() if hasattr(value, "full_tensor") else value.detach()
                     for name, value in parallel.model.state_dict().items()}
             embedding = parallel.model.get_input_embeddings().weight
             rows = (embedding.to_local() if hasattr(embedding, "to_local") else embedding).shape[0]
-            out[tag] = {"logits": logits, "state": full, f"embedding_rows_{rank}": rows}
+            out[tag] = {"logits": logits, "state": full, f"embedding_rows_{rank}": rows,
+                        "requires_grad": sorted({p.requires_grad for p in parallel.model.parameters()}),
+                        "module": type(parallel.module).__name__, "training": parallel.model.training}
         torch.save(out, Path(tmp_dir, f"rank-{rank}.pt"))
     finally:
         shutdown_distributed()
@@ -157,9 +160,12 @@ def two_rank_loads(tmp_path_factory):
     def path(name: str) -> ModelSpec:
         return ModelSpec(source="path", path=str(tmp / name))
 
-    specs = {"tiny-fsdp": (tiny_spec(TINY), "fsdp"), "fp32-fsdp": (path("fp32"), "fsdp"),
-             "bf16-tied-sharded-fsdp": (path("bf16-tied"), "fsdp"), "fp32-ddp": (path("fp32"), "ddp")}
-    run_ranks(load_worker, 2, tmp, free_port(), {tag: (spec.model_dump_json(), s) for tag, (spec, s) in specs.items()})
+    specs = {"tiny-fsdp": (tiny_spec(TINY), "fsdp", False), "fp32-fsdp": (path("fp32"), "fsdp", False),
+             "bf16-tied-sharded-fsdp": (path("bf16-tied"), "fsdp", False), "fp32-ddp": (path("fp32"), "ddp", False),
+             # the KL penalty's reference policy: frozen, sharded like the trained model
+             "tiny-fsdp-frozen": (tiny_spec(TINY), "fsdp", True), "fp32-ddp-frozen": (path("fp32"), "ddp", True)}
+    run_ranks(load_worker, 2, tmp, free_port(),
+              {tag: (spec.model_dump_json(), s, frozen) for tag, (spec, s, frozen) in specs.items()})
     outputs = [torch.load(tmp / f"rank-{rank}.pt", weights_only=False) for rank in (0, 1)]
     expected = {
         "tiny-fsdp": build_model(tiny_spec(TINY), DigitTokenizer().vocab_size, SEED),
@@ -167,10 +173,12 @@ def two_rank_loads(tmp_path_factory):
         "bf16-tied-sharded-fsdp": AutoModelForCausalLM.from_pretrained(tmp / "bf16-tied", dtype=torch.float32),
         "fp32-ddp": AutoModelForCausalLM.from_pretrained(tmp / "fp32", dtype=torch.float32),
     }
+    expected["tiny-fsdp-frozen"], expected["fp32-ddp-frozen"] = expected["tiny-fsdp"], expected["fp32-ddp"]
     return {tag: (outputs[0][tag], outputs[1][tag], expected[tag]) for tag in specs}
 
 
-@pytest.mark.parametrize("tag", ["tiny-fsdp", "fp32-fsdp", "bf16-tied-sharded-fsdp", "fp32-ddp"])
+@pytest.mark.parametrize("tag", ["tiny-fsdp", "fp32-fsdp", "bf16-tied-sharded-fsdp", "fp32-ddp", "tiny-fsdp-frozen",
+                                 "fp32-ddp-frozen"])
 def test_two_ranks_load_the_same_model_as_one_process(two_rank_loads, tag):
     rank0, rank1, expected = two_rank_loads[tag]
     threads = torch.get_num_threads()
@@ -189,7 +197,8 @@ def test_two_ranks_load_the_same_model_as_one_process(two_rank_loads, tag):
         assert torch.equal(rank0["state"][name], value), name
 
 
-@pytest.mark.parametrize("tag,rows", [("tiny-fsdp", (7, 7)), ("fp32-fsdp", (21, 20)), ("fp32-ddp", (41, 41))])
+@pytest.mark.parametrize("tag,rows", [("tiny-fsdp", (7, 7)), ("fp32-fsdp", (21, 20)), ("fp32-ddp", (41, 41)),
+                                      ("tiny-fsdp-frozen", (7, 7)), ("fp32-ddp-frozen", (41, 41))])
 def test_each_fsdp_rank_holds_only_its_rows(two_rank_loads, tag, rows):
     rank0, rank1, _ = two_rank_loads[tag]
     assert (rank0["embedding_rows_0"], rank1["embedding_rows_1"]) == rows
@@ -224,6 +233,17 @@ def test_one_fsdp_rank_loads_the_same_logits_as_from_pretrained(no_torchrun_env,
     assert state.keys() == expected.state_dict().keys()
     for name, value in expected.state_dict().items():
         assert torch.equal(state[name], value), name
+
+
+@pytest.mark.parametrize("tag, module", [("tiny-fsdp", "LlamaForCausalLM"), ("fp32-ddp", "DistributedDataParallel"),
+                                         ("tiny-fsdp-frozen", "LlamaForCausalLM"), ("fp32-ddp-frozen", "LlamaForCausalLM")])
+def test_a_frozen_reference_is_sharded_like_the_policy_and_needs_no_gradient(two_rank_loads, tag, module):
+    """The KL penalty's reference (``frozen``): fsdp shards it as the trained model (same rows above), ddp keeps its
+    replica without the DDP wrapper (nothing to reduce); no parameter requires a gradient, and it is in eval mode."""
+    for out in two_rank_loads[tag][:2]:
+        frozen = tag.endswith("frozen")
+        assert (out["requires_grad"], out["training"]) == ([not frozen], not frozen)
+        assert out["module"].endswith(module)
 
 
 # --- a start from a checkpoint --------------------------------------------------------------------------------------

@@ -208,10 +208,14 @@ class DataParallelModel:
         return float(norm)
 
 
-def wrap_model(model: torch.nn.Module, where: Distributed, trainer: Any) -> DataParallelModel:
+def wrap_model(model: torch.nn.Module, where: Distributed, trainer: Any, frozen: bool = False) -> DataParallelModel:
     """Apply ``trainer.parallelism`` (a :class:`~rljob_api.spec.TrainerSpec`) to ``model`` (float32; under ddp on
     ``where.device`` and identical on every rank; under fsdp on the meta device, to be materialised afterwards
     (:func:`rljob_trainer.loading.build_parallel_model`), or already on ``where.device``).
+
+    ``frozen``: a model that is only evaluated (the reference policy of the KL penalty): its parameters stop requiring
+    gradients and it is put in eval mode; fsdp shards it exactly like the trained model, ddp keeps its replica
+    unwrapped (DDP has no gradient to reduce), and activation checkpointing is skipped (there is no backward).
 
     - ``activationCheckpointing: full``: the transformers model's own (non-reentrant) gradient checkpointing of
       every decoder block, applied first.
@@ -230,9 +234,14 @@ def wrap_model(model: torch.nn.Module, where: Distributed, trainer: Any) -> Data
     on_gpu = where.device.type == "cuda"
     precision = trainer.precision
     compute_dtype = torch.bfloat16 if on_gpu and precision.param == "bf16" else torch.float32
-    if trainer.activation_checkpointing == "full":
+    if frozen:
+        model.requires_grad_(False)
+        model.eval()
+    elif trainer.activation_checkpointing == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if trainer.parallelism.strategy == "ddp":
+        if frozen:
+            return DataParallelModel(model, model, where, compute_dtype)
         device_ids = [where.device.index] if on_gpu else None
         return DataParallelModel(DistributedDataParallel(model, device_ids=device_ids), model, where, compute_dtype)
     if where.mesh is None:
