@@ -252,3 +252,21 @@ def test_stale_drops_waiting_for_a_checkpoint_hold_back_no_worker(redis_server):
     assert writer.snapshot() == StreamBacklog(undelivered=0, pending=8, trained_unacked=0, dropped_unacked=0)
     reader.ack(reader.take_pending_ids())
     assert writer.snapshot() == StreamBacklog(undelivered=0, pending=0, trained_unacked=0, dropped_unacked=0)
+
+
+def test_a_batch_of_a_timeline_the_trainer_abandoned_is_dropped_and_counted(redis_server):
+    """Issue 11 item 4: the trainer trained to version 640, the worker loaded it and generated a batch; meanwhile the
+    gang restarted from the checkpoint at 384 (publish_start sets model_version back). The batch is not written:
+    counted as documents_abandoned. Once the worker holds the resumed weights (version <= 384) its batches go in."""
+    config = make_config(redis_server)
+    client = redis_server.client()
+    writer = DocumentWriter(client, config, 0)
+    assert writer.write(_docs(2, version=5)) == 2  # no trainer yet: nothing to compare with
+    client.hset(config.keys.progress, protocol.PROGRESS_MODEL_VERSION, 640)
+    assert writer.write(_docs(3, version=640), 640) == 3
+    publish_start(client, config, 6, 384, None)  # the new attempt resumes from an older checkpoint
+    assert writer.write(_docs(4, version=640), 640) == 0
+    assert client.xlen(config.keys.stream) == 5
+    rollout = {k.decode(): v.decode() for k, v in client.hgetall(config.keys.rollout).items()}
+    assert (rollout["documents_written"], rollout["documents_abandoned"]) == ("5", "4")
+    assert writer.write(_docs(2, version=384), 384) == 2 and client.xlen(config.keys.stream) == 7

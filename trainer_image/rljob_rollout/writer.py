@@ -230,15 +230,35 @@ class DocumentWriter:
             )
         return None
 
-    def write(self, documents: Sequence[Document]) -> None:
-        """XADD every document and add their count to ``documents_written``, in one MULTI/EXEC. Raises RedisError."""
+    def write(self, documents: Sequence[Document], version: Optional[int] = None) -> int:
+        """XADD every document and add their count to ``documents_written``, in one MULTI/EXEC, unless they belong to
+        a timeline the trainer abandoned: ``version`` (the weights they were sampled with, documents) above the progress
+        hash's ``model_version`` (the trainer's current weights; set back to the checkpoint's documents_seen when it
+        resumes from an older one). Those are dropped and counted in ``documents_abandoned`` instead; the check and the
+        write are one WATCH/MULTI/EXEC on the progress hash, so a trainer start between them reruns the check. Returns
+        the documents written (0 when abandoned). Raises RedisError."""
         if not documents:
-            return
-        pipe = self._client.pipeline(transaction=True)
-        for doc in documents:
-            pipe.xadd(self._keys.stream, encode_document(doc))
-        pipe.hincrby(self._keys.rollout, protocol.ROLLOUT_DOCUMENTS_WRITTEN, len(documents))
-        pipe.execute()
+            return 0
+        outcome: list[bool] = []
+
+        def add(pipe: redis.client.Pipeline) -> None:
+            current = pipe.hget(self._keys.progress, protocol.PROGRESS_MODEL_VERSION)
+            abandoned = version is not None and current is not None and version > int(current)
+            outcome[:] = [abandoned]
+            pipe.multi()
+            if abandoned:
+                pipe.hincrby(self._keys.rollout, protocol.ROLLOUT_DOCUMENTS_ABANDONED, len(documents))
+                return
+            for doc in documents:
+                pipe.xadd(self._keys.stream, encode_document(doc))
+            pipe.hincrby(self._keys.rollout, protocol.ROLLOUT_DOCUMENTS_WRITTEN, len(documents))
+
+        self._client.transaction(add, self._keys.progress)
+        if outcome[0]:
+            log.warning("rollout: dropped %d documents sampled with weights version %s: the trainer went back to an "
+                        "older checkpoint (model_version below it); loading its weights next", len(documents), version)
+            return 0
+        return len(documents)
 
     def report(self, batch: BatchReport) -> None:
         """Add one batch to the rollout hash, prune per-version reward pairs beyond the newest
