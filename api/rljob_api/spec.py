@@ -301,6 +301,40 @@ class SecretKeyRef(ApiModel):
     key: str = Field(..., min_length=1, max_length=253, description="Key inside the Secret.")
 
 
+STORAGE_QUANTITY = r"^[1-9][0-9]*(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+"""A positive storage quantity as Kubernetes writes one, e.g. ``10Gi``, ``500Mi`` (no exponent forms, no zero)."""
+
+
+class RedisPersistenceSpec(ApiModel):
+    """Where the managed Redis keeps its data (DESIGN §6 "Durability of the managed Redis")."""
+
+    enabled: bool = Field(
+        True,
+        description="Keeps the managed Redis's data on a PersistentVolumeClaim `<job>-redis-data` (owned by the job, "
+        "deleted with it), so that a restart of the Redis pod (node drain, OOM kill, eviction) keeps the stream, its "
+        "consumer group and pending entries and the progress and checkpoint hashes. Redis writes an append-only file "
+        "there with appendfsync everysec: a SIGKILL of Redis can lose the last second of writes. false keeps them in "
+        "an emptyDir that goes with the pod: for clusters without a StorageClass. Switching it on a job whose managed "
+        "Redis exists replaces the Redis pod, whose data then starts empty (Warning Event RedisReplaced), and restarts "
+        "a running gang from its newest checkpoint; switching it off deletes the claim. A Redis made by an operator "
+        "before this field existed stays on its emptyDir until spec.redis.persistence, image or mode is edited. "
+        "Ignored with mode=external.",
+    )
+    storage_class_name: Optional[str] = Field(
+        None,
+        max_length=253,
+        description="StorageClass of the claim; unset: the cluster's default class; \"\": no class (binds a "
+        "PersistentVolume made beforehand). Applies when the claim is created: a claim is not changed afterwards.",
+    )
+    size: str = Field(
+        "10Gi",
+        pattern=STORAGE_QUANTITY,
+        description="Storage the claim requests, a quantity such as 10Gi. It holds Redis's append-only file: the "
+        "stream's entries not yet trimmed (up to maxPending documents plus those not yet acked) about twice over "
+        "between rewrites. Applies when the claim is created: a claim is not resized.",
+    )
+
+
 class RedisSpec(ApiModel):
     mode: Literal["managed", "external"] = Field(
         "managed",
@@ -327,6 +361,10 @@ class RedisSpec(ApiModel):
     events_key: str = Field(protocol.DEFAULT_EVENTS_KEY, min_length=1, description="Event stream key.")
     max_pending: int = Field(
         4096, ge=1, description="Rollout workers wait while the group's lag exceeds this (documents)."
+    )
+    persistence: RedisPersistenceSpec = Field(
+        default_factory=RedisPersistenceSpec,
+        description="Durable managed Redis: an append-only file on a PersistentVolumeClaim (mode=managed).",
     )
 
 

