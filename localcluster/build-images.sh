@@ -45,11 +45,16 @@
 #   RLJOB_PIP_CACHE         pip cache + wheelhouse of the builds (default $HOME/.cache/rljob/pip)
 #   RLJOB_EXTRA_CA_DIR      CA certificates (*.crt) for the base (default /usr/local/share/ca-certificates)
 #   RLJOB_IMAGES_QUIET=1    say nothing about cached images
+#   RLJOB_SOURCE_DIR        the source tree whose Dockerfiles and files are built (default: the repository
+#                           holding this script); the base is always this script's (localcluster/images/base),
+#                           so an earlier commit's tree (build-release.sh) shares the base and its layers
+#   RLJOB_IMAGE_TAG         the tag of rljob/operator and rljob/trainer-cpu (default: the version in the source
+#                           tree's pyproject.toml); build-release.sh tags an earlier commit's images <version>-<commit>
 # Needs root, buildah, debootstrap (base), gcc + static libc (pause), flock, sha256sum; git for the hash.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-REPO="$(cd "$HERE/.." && pwd)"
+REPO="$(cd "${RLJOB_SOURCE_DIR:-$HERE/..}" && pwd)"
 IMAGES_DIR="${RLJOB_IMAGES_DIR:-${HOME:-/root}/.cache/rljob/images}"
 BUILDAH_DIR="${RLJOB_BUILDAH_DIR:-${HOME:-/root}/.cache/rljob/buildah}"
 TORCH_INDEX_URL="${RLJOB_TORCH_INDEX_URL:-https://pypi.org/simple}"
@@ -87,12 +92,14 @@ selected() { [[ ${#ONLY[@]} -eq 0 || " ${ONLY[*]} " == *" $1 "* ]]; }
 
 VERSION="$(sed -n 's/^version *= *"\([^"]*\)".*/\1/p' "$REPO/pyproject.toml" | head -1)"
 [[ -n "$VERSION" ]] || die "no version in $REPO/pyproject.toml"
+TAG="${RLJOB_IMAGE_TAG:-$VERSION}"
+[[ "$TAG" =~ ^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$ ]] || die "RLJOB_IMAGE_TAG '$TAG' is not a valid image tag"
 
 image_name() { # <key>
   case "$1" in
     base) echo "$BASE_NAME";;
-    operator) echo "docker.io/rljob/operator:$VERSION";;
-    trainer-cpu) echo "docker.io/rljob/trainer-cpu:$VERSION";;
+    operator) echo "docker.io/rljob/operator:$TAG";;
+    trainer-cpu) echo "docker.io/rljob/trainer-cpu:$TAG";;
     redis) echo "$REDIS_NAME";;
     pause) echo "$PAUSE_NAME";;
   esac
@@ -403,7 +410,7 @@ write_index() {
       if [[ -f "$meta" && -f "$(archive_path "$key")" ]]; then
         [[ $first == 1 ]] || echo ','
         printf '  %s' "$(cat "$meta")"; first=0
-      else
+      elif selected "$key"; then
         log "WARNING: $key ($(image_name "$key")) has no archive for its current inputs; not in the index"
       fi
     done

@@ -4,7 +4,8 @@
 # conntrack for the local cluster's nodes; buildah and debootstrap for its images), the Python package with
 # its trainer and test extras, the Go-built control plane, node components and helm (cached under
 # ~/.cache/rljob/tools by version), and the images built from the project's Dockerfiles (cached under
-# ~/.cache/rljob/images by a hash of their inputs).
+# ~/.cache/rljob/images by a hash of their inputs), and the operator image of the commit the e2e upgrade test
+# starts from (tests/e2e/upgrade-from; ~/.cache/rljob/releases, by commit).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -41,4 +42,9 @@ fi
 if [ -x localcluster/build-images.sh ]; then
   echo "setup: images (operator, CPU trainer, Redis, pause) from the project's Dockerfiles"
   localcluster/build-images.sh >/dev/null
+fi
+
+if [ -x localcluster/build-release.sh ]; then
+  echo "setup: the earlier operator the upgrade test starts from (tests/e2e/upgrade-from)"
+  localcluster/build-release.sh "$(grep -v '^#' tests/e2e/upgrade-from | head -1)" >/dev/null
 fi

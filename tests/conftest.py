@@ -105,6 +105,17 @@ def _spawn_redis(port: int, password: str, data_dir: Path, tls: Optional[TlsFile
 @pytest.fixture()
 def redis_server() -> Iterator[RedisServer]:
     """A fresh Redis with a password, per test; its append-only file survives :meth:`RedisServer.stop`."""
+    yield from _redis_server()
+
+
+@pytest.fixture(scope="module")
+def module_redis_server() -> Iterator[RedisServer]:
+    """One Redis for a module whose tests share expensive runs (module-scoped fixtures); each run sets up the keys it
+    needs (FLUSHALL, then its own data)."""
+    yield from _redis_server()
+
+
+def _redis_server() -> Iterator[RedisServer]:
     data_dir = Path(tempfile.mkdtemp(prefix="rljob-redis-"))
     port = free_port()
     server = RedisServer("127.0.0.1", port, "test-password", _spawn_redis(port, "test-password", data_dir), data_dir)

@@ -149,6 +149,9 @@ class Reason(str, Enum):
     POD_LOST = "PodLost"
     GANG_CREATED = "GangCreated"
     ALL_REWARDS_FAILED = "AllRewardsFailed"
+    REWARDS_FAILING = "RewardsFailing"
+    """Failed: the reward function failed on every sample of every rollout batch for
+    ``spec.rollout.rewardFailureDeadlineSeconds``; the message counts the exceptions by class and message."""
     CONTAINER_CANNOT_START = "ContainerCannotStart"
     """A pod's container waits for something that will not come by itself (CreateContainerConfigError such as a
     missing Secret, ImagePullBackOff, ErrImagePull, CreateContainerError ...); the message names the kubelet's reason."""

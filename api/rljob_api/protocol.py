@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from typing import Any, Iterable, Mapping, Optional
 
 
@@ -179,9 +180,11 @@ ROLLOUT_REWARD = "reward"
 """Mean reward of ``reward_version`` (sum / count over every worker), set by the worker that wrote last."""
 ROLLOUT_REWARD_VERSION = "reward_version"
 ROLLOUT_ALL_REWARDS_FAILED = "all_rewards_failed"
-"""Present (:func:`all_rewards_failed_field`) while a worker's last batch had no sample whose reward function
-returned; deleted by the next batch that has one. The operator reports it (Reason.ALL_REWARDS_FAILED) instead of
-letting the job train on nothing."""
+"""Present (:meth:`RewardFailures.to_field`) while rewards fail: the batches written since the streak began, by every
+worker, had no sample whose reward function returned; deleted by the next batch that has one. A worker sets it in the
+transaction that adds its batch (:func:`after_failing_batch`). The operator reports it as RolloutReady=False/
+AllRewardsFailed and, once the streak has lasted ``spec.rollout.rewardFailureDeadlineSeconds``, ends the job
+Failed/RewardsFailing."""
 ROLLOUT_REWARD_ERRORS_PREFIX = "reward_errors:"
 """``reward_errors:{exception class}``: samples dropped because the reward function raised that (count)."""
 ROLLOUT_REWARD_ERRORS = "reward_errors"
@@ -192,6 +195,16 @@ ROLLOUT_SAMPLES_FILTERED = "samples_filtered"
 ROLLOUT_UPDATED_AT = "updated_at"
 ROLLOUT_WORKER_PREFIX = "worker:"
 """``worker:{replica}``: JSON {version, samples_per_second, updated_at} of that worker's last batch."""
+REWARD_ERROR_MESSAGE_CHARS = 200
+"""An exception's message is cut to this many characters (its first line) in :func:`reward_error_key`."""
+REWARD_ERROR_KINDS_KEPT = 8
+"""A failure streak counts at most this many ``"Class: message"`` kinds by name (the most frequent); the samples of
+the others are counted together, so the record stays bounded whatever the reward function raises."""
+REWARD_FAILURE_GAP_S = 300.0
+"""A worker whose own previous batch did not fail (a new or restarted pod, or one whose last batch scored) continues
+the streak in the rollout hash only when the streak's last failing batch is at most this old (seconds, Redis clock);
+otherwise it starts a new one; a worker that failed its previous batch too always continues it. Longer than a rollout pod's restart plus a back-off wait (at most 60 s); a pause longer than this
+(rollout pods down, a suspended job) does not count as failing."""
 
 
 def reward_field_versions(fields: Iterable[bytes | str]) -> dict[str, int]:
@@ -237,28 +250,187 @@ def rewards_by_version(rollout: Mapping[Any, Any]) -> dict[int, tuple[float, int
     return dict(sorted(out.items()))
 
 
-def all_rewards_failed_field(version: int, samples: int, errors: Mapping[str, int]) -> str:
-    """The ``all_rewards_failed`` JSON {version, samples, errors: {exception class: count}, message}."""
-    return json.dumps({"version": version, "samples": samples, "errors": dict(errors),
-                       "message": f"every one of {samples} samples failed its reward function: {dict(errors)}"})
+def reward_error_key(kind: str, message: str) -> str:
+    """How a reward failure is counted: ``"ZeroDivisionError: division by zero"``, the exception class ``kind`` and
+    the first line of its ``message`` cut to :data:`REWARD_ERROR_MESSAGE_CHARS`; the class alone when the message is
+    empty."""
+    first = (message.strip().splitlines() or [""])[0].strip()
+    if len(first) > REWARD_ERROR_MESSAGE_CHARS:
+        first = first[: REWARD_ERROR_MESSAGE_CHARS - 1] + "…"
+    return f"{kind}: {first}" if first else kind
 
 
-def rewards_failure(raw: Any) -> Optional[str]:
-    """The message of RolloutReady=False/AllRewardsFailed from the rollout hash's ``all_rewards_failed`` field, or
-    None when the field is absent. Unreadable details still give a message, never an error."""
-    info = _json_object(raw)
-    if info is None:
-        return None
-    samples, version, errors = info.get("samples"), info.get("version"), info.get("errors")
-    counted = {str(kind): n for kind, n in errors.items() if isinstance(n, int)} if isinstance(errors, dict) else {}
-    kinds = ", ".join(f"{kind} ×{n}" for kind, n in sorted(counted.items(), key=lambda kv: (-kv[1], kv[0])))
-    which = f"every one of the {samples} samples" if isinstance(samples, int) and samples > 0 else "every sample"
-    batch = f" (weights version {version})" if isinstance(version, int) else ""
-    return (
-        f"{which} of a rollout worker's last batch{batch} failed its reward function: {kinds or 'error kind unknown'}; "
-        "no document reaches the trainer until rewards succeed again: fix spec.rollout.task (rewardFunction, "
-        "datasetPath) or the reward code; the rollout pods' logs hold the tracebacks"
-    )
+def reward_error_class(key: str) -> str:
+    """The exception class of a :func:`reward_error_key`."""
+    return key.partition(": ")[0]
+
+
+def _utc(seconds: float) -> str:
+    """Unix ``seconds`` as RFC 3339 UTC, e.g. 2026-01-01T12:00:00Z."""
+    return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _counts(raw: Any) -> dict[str, int]:
+    """A JSON object of counts as {str: int}; entries that are not non-negative integers left out."""
+    if not isinstance(raw, dict):
+        return {}
+    return {str(k): n for k, n in raw.items() if _integer(n) is not None and n >= 0}
+
+
+def _most_frequent(counts: Mapping[str, int], keep: int) -> tuple[dict[str, int], int]:
+    """(the ``keep`` largest counts, the sum of the rest); ties by name."""
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    return dict(ranked[:keep]), sum(n for _, n in ranked[keep:])
+
+
+def _listed(counts: Mapping[str, int]) -> str:
+    """"A ×3, B ×1", most frequent first."""
+    return ", ".join(f"{kind} ×{n}" for kind, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+_FIX = ("fix the reward code or spec.rollout.task (rewardFunction, datasetPath); the rollout pods' logs hold the "
+        "tracebacks")
+
+
+@dataclass(frozen=True)
+class RewardFailures:
+    """The rollout hash's ``all_rewards_failed`` record: a streak of batches, over every worker, in which no sample's
+    reward function returned.
+
+    Attributes:
+        since: Redis time (unix seconds) of the streak's first failing batch; None in a record written by a worker
+            that kept no streak (before this field existed): then only the last batch is known.
+        updated_at: Redis time (unix seconds) of the streak's last failing batch (None likewise).
+        batches: failing batches in the streak.
+        samples: their samples, every one failed.
+        errors: failed samples per :func:`reward_error_key` over the streak, at most :data:`REWARD_ERROR_KINDS_KEPT`
+            kinds (the most frequent).
+        other_errors: failed samples of the kinds left out of ``errors``.
+        version: weights version (documents) of the last failing batch.
+        last_samples: samples of the last failing batch.
+        last_errors: the last batch's failed samples per exception class.
+    """
+
+    since: Optional[float] = None
+    updated_at: Optional[float] = None
+    batches: int = 0
+    samples: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    other_errors: int = 0
+    version: Optional[int] = None
+    last_samples: Optional[int] = None
+    last_errors: dict[str, int] = field(default_factory=dict)
+
+    def to_field(self) -> str:
+        """The field's JSON: {version, samples, errors} of the last batch (errors per exception class; the keys
+        workers before the streak wrote), the streak {since, updated_at, batches, failed_samples, failures,
+        other_failures}, and ``message`` for humans reading the hash."""
+        return json.dumps({
+            "version": self.version, "samples": self.last_samples, "errors": self.last_errors,
+            "since": self.since, "updated_at": self.updated_at, "batches": self.batches,
+            "failed_samples": self.samples, "failures": self.errors, "other_failures": self.other_errors,
+            "message": self.describe(),
+        })
+
+    @classmethod
+    def from_field(cls, raw: Any) -> Optional[RewardFailures]:
+        """Parse the field (bytes or str); None when absent. Never raises: a bad field must not stop status updates,
+        so an unreadable record still counts, its unreadable parts None or empty."""
+        info = _json_object(raw)
+        if info is None:
+            return None
+        since, updated = (_number(info.get(k), float) for k in ("since", "updated_at"))
+        return cls(
+            since=since, updated_at=updated if since is not None else None,
+            batches=max(_integer(info.get("batches")) or 0, 0), samples=max(_integer(info.get("failed_samples")) or 0, 0),
+            errors=_counts(info.get("failures")), other_errors=max(_integer(info.get("other_failures")) or 0, 0),
+            version=_integer(info.get("version")), last_samples=_integer(info.get("samples")),
+            last_errors=_counts(info.get("errors")),
+        )
+
+    def failing_since(self, started: Optional[float] = None) -> Optional[float]:
+        """When the failing counted against a deadline began (unix seconds): ``since``, or ``started`` (the job's
+        ``status.startTime``, which a resume resets) when later — a suspended job's pause is not failing time. None
+        when the record keeps no streak."""
+        if self.since is None:
+            return None
+        return self.since if started is None else max(self.since, started)
+
+    def failing_seconds(self, started: Optional[float] = None) -> Optional[float]:
+        """Seconds from :meth:`failing_since` to the last failing batch (None when the record keeps no streak):
+        measured between batches that failed, so time without batches after the last one does not count."""
+        begin = self.failing_since(started)
+        if begin is None or self.updated_at is None:
+            return None
+        return max(0.0, self.updated_at - begin)
+
+    def describe(self) -> str:
+        """The failures counted in the streak, e.g. "ZeroDivisionError: division by zero ×512, KeyError: 'x' ×3 (and
+        4 samples of other errors)"; the last batch's classes when the record keeps no streak."""
+        listed = _listed(self.errors) or _listed(self.last_errors) or "error kind unknown"
+        return listed + (f" (and {self.other_errors} samples of other errors)" if self.other_errors else "")
+
+    def ready_message(self, deadline_s: Optional[int] = None, started: Optional[float] = None) -> str:
+        """RolloutReady=False/AllRewardsFailed's message: what failed, since when, and (``deadline_s``:
+        spec.rollout.rewardFailureDeadlineSeconds; ``started``: the job's startTime, unix seconds) when the job
+        fails if no sample scores. Stable while a streak lasts (no count of batches), so it is not rewritten on
+        every batch."""
+        samples = self.last_samples
+        which = f"every one of the {samples} samples" if isinstance(samples, int) and samples > 0 else "every sample"
+        batch = f" (weights version {self.version})" if self.version is not None else ""
+        last = _listed(self.last_errors) or "error kind unknown"
+        message = (f"{which} of a rollout worker's last batch{batch} failed its reward function: {last}; no document "
+                   f"reaches the trainer until rewards succeed again: {_FIX}")
+        begin = self.failing_since(started)
+        if begin is not None:
+            message += f"; failing since {_utc(begin)}"
+            if deadline_s is not None:
+                message += (f": the job fails (RewardsFailing) if no sample scores by {_utc(begin + deadline_s)} "
+                            f"(spec.rollout.rewardFailureDeadlineSeconds = {deadline_s})")
+        return message
+
+    def failed_message(self, deadline_s: int, started: Optional[float] = None) -> str:
+        """Failed/RewardsFailing's message, e.g. "ZeroDivisionError: division by zero ×512 in spec.rollout.task's
+        reward function since 2026-01-01T12:00:00Z: ..."."""
+        begin = self.failing_since(started)
+        since = f" since {_utc(begin)}" if begin is not None else ""
+        seconds = self.failing_seconds(started)
+        lasted = f" for {seconds:.0f} s" if seconds is not None else ""
+        batches = f"{self.batches} rollout batch" + ("" if self.batches == 1 else "es")
+        return (f"{self.describe()} in spec.rollout.task's reward function{since}: every sample of "
+                f"{batches} failed{lasted}, reaching spec.rollout.rewardFailureDeadlineSeconds = "
+                f"{deadline_s}; {_FIX} (kept when runPolicy.cleanPodPolicy is None)")
+
+
+def after_failing_batch(previous: Optional[RewardFailures], *, version: int, samples: int, errors: Mapping[str, int],
+                        now: float, own_streak: bool) -> RewardFailures:
+    """The record once a batch whose every sample failed is added to ``previous`` (the hash's record, None when
+    absent).
+
+    Args:
+        version: the batch's weights version (documents).
+        samples: its samples (all failed).
+        errors: its failed samples per :func:`reward_error_key`.
+        now: Redis time (unix seconds).
+        own_streak: the writing worker's own previous batch failed too (it saw the failing go on).
+
+    The streak goes on (``since`` kept, counts added) when ``previous`` keeps one and either ``own_streak`` or its
+    last failing batch is at most :data:`REWARD_FAILURE_GAP_S` old; otherwise a new streak starts at ``now``.
+    """
+    last_errors: dict[str, int] = {}
+    for key, n in errors.items():
+        kind = reward_error_class(key)
+        last_errors[kind] = last_errors.get(kind, 0) + n
+    goes_on = (previous is not None and previous.since is not None and previous.updated_at is not None
+               and (own_streak or now - previous.updated_at <= REWARD_FAILURE_GAP_S))
+    base = previous if goes_on else RewardFailures(since=now)
+    merged = dict(base.errors)
+    for key, n in errors.items():
+        merged[key] = merged.get(key, 0) + n
+    kept, folded = _most_frequent(merged, REWARD_ERROR_KINDS_KEPT)
+    return RewardFailures(since=base.since, updated_at=now, batches=base.batches + 1, samples=base.samples + samples,
+                          errors=kept, other_errors=base.other_errors + folded, version=version,
+                          last_samples=samples, last_errors=last_errors)
 
 
 # --- Reading both hashes (the operator's view) ----------------------------------------------------
@@ -271,9 +443,9 @@ class Progress:
     """Trainer and rollout progress as the two hashes report it; None where not reported yet.
 
     ``documents_seen`` and ``model_version`` are in documents; ``rollout_reward`` is the mean raw reward of the
-    documents generated with weights version ``rollout_model_version``. ``rewards_failure``: what to tell the user
-    while the rollout hash holds ``all_rewards_failed`` (None when it does not). ``checkpoint_lost``: the progress
-    hash's ``checkpoint_lost`` (None when absent).
+    documents generated with weights version ``rollout_model_version``. ``reward_failures``: the rollout hash's
+    ``all_rewards_failed`` record (None when absent: rewards score). ``checkpoint_lost``: the progress hash's
+    ``checkpoint_lost`` (None when absent).
     """
 
     step: Optional[int] = None
@@ -283,7 +455,7 @@ class Progress:
     metrics: dict[str, float] = field(default_factory=dict)
     rollout_reward: Optional[float] = None
     rollout_model_version: Optional[int] = None
-    rewards_failure: Optional[str] = None
+    reward_failures: Optional[RewardFailures] = None
     checkpoint_lost: Optional[LostCheckpoint] = None
 
 
@@ -307,7 +479,7 @@ def parse_progress(progress: Mapping[Any, Any], rollout: Mapping[Any, Any]) -> P
         metrics=metrics,
         rollout_reward=reward,
         rollout_model_version=version,
-        rewards_failure=rewards_failure({text(k): v for k, v in rollout.items()}.get(ROLLOUT_ALL_REWARDS_FAILED)),
+        reward_failures=RewardFailures.from_field({text(k): v for k, v in rollout.items()}.get(ROLLOUT_ALL_REWARDS_FAILED)),
         checkpoint_lost=LostCheckpoint.from_field(progress.get(PROGRESS_CHECKPOINT_LOST)),
     )
 

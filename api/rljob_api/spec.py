@@ -293,6 +293,17 @@ class RolloutSpec(ApiModel):
         False, description="Drop groups whose rewards are all equal (counted)."
     )
     seed: int = Field(0, ge=0, description="Sampling seed (each replica adds its index).")
+    reward_failure_deadline_seconds: int = Field(
+        600,
+        ge=1,
+        description="Ends the job Failed (reason RewardsFailing, the exceptions counted by class and message in the "
+        "message) once the reward function has failed on every sample of every rollout batch for this long, from "
+        "the first such batch (a suspended job counts from its resume). Meanwhile RolloutReady is False "
+        "(AllRewardsFailed) and the workers back off between batches (1 s doubling to 60 s). Default 600 s, as a "
+        "Deployment's progressDeadlineSeconds: long enough for a reward service that is down for a few minutes, "
+        "and well below trainer.dataTimeoutSeconds (30 min by default), after which the starved trainer ranks would "
+        "exit and burn a gang restart of backoffLimit. Read by the operator only: changing it replaces no pod.",
+    )
 
 
 # --- redis ------------------------------------------------------------------------------------

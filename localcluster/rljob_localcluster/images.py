@@ -183,3 +183,17 @@ def import_into(ctr_socket: str, images: Optional[Sequence[Image]] = None, *, ti
         raise RuntimeError(f"image import into {ctr_socket} timed out after {timeout:.0f}s "
                            f"({' '.join(map(str, e.cmd[-2:]))} killed)") from None
     return imported
+
+
+def build_release(commit: str, source_only: bool = False) -> Path:
+    """Run ``build-release.sh [--source-only] COMMIT`` (cached: seconds when done before) and return the release
+    directory: ``src/`` (the commit's tree) and, unless ``source_only``, ``images/index.json`` (its operator image,
+    ``docker.io/rljob/operator:<version>-<commit, 12 hex>``).
+
+    Raises RuntimeError when the script fails (e.g. the commit is not in this clone's history).
+    """
+    path = script("build-release.sh")
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found; set RLJOB_REPO_ROOT")
+    cmd = [str(path), *(["--source-only"] if source_only else []), commit]
+    return run_build_script(cmd, {"RLJOB_IMAGES_QUIET": "1"}, "release directory")

@@ -17,6 +17,9 @@ Rules (JobSet's BlockingRecreate, Kubernetes Job's backoffLimit, suspend and dea
   ``startTime`` is cleared, so ``activeDeadlineSeconds`` counts again from the resume; the next gang is a
   new attempt (not a restart).
 - ``activeDeadlineSeconds`` past ``startTime`` fails the job (DeadlineExceeded).
+- Rewards that fail on every sample of every rollout batch for ``spec.rollout.rewardFailureDeadlineSeconds`` (the
+  rollout hash's streak, counted from ``startTime`` at the earliest, so a suspension is not failing time) fail the job
+  (RewardsFailing) instead of starving the trainer until its ranks time out and burn ``backoffLimit``.
 - Finished jobs: pods are cleaned per ``cleanPodPolicy``; the job is deleted ``ttlSecondsAfterFinished``
   after ``completionTime``.
 - Rollout pods are reconciled apart: a missing one is created, a failed or outdated one deleted (and
@@ -34,6 +37,7 @@ from typing import Iterable, Optional, Sequence
 from rljob_api import constants as c
 from rljob_api import names
 from rljob_api.constants import ConditionType, Phase, Reason
+from rljob_api.protocol import RewardFailures
 from rljob_api.spec import RLTrainingJobSpec
 from rljob_api.status import RLTrainingJobStatus
 
@@ -148,7 +152,7 @@ class _Observed:
 
 def plan(
     job: str, spec: RLTrainingJobSpec, previous: Lifecycle, pods: Iterable[PodView], hashes: ConfigHashes,
-    now: datetime,
+    now: datetime, rewards: Optional[RewardFailures] = None,
 ) -> Plan:
     """Decide one reconcile pass of a valid job (see the module docstring for the rules).
 
@@ -159,6 +163,7 @@ def plan(
         pods: every trainer and rollout pod of the job (other roles are ignored).
         hashes: the config hashes of pods made now; a pod that differs in its role's hash is outdated.
         now: the current time (timezone-aware).
+        rewards: the rollout hash's reward-failure streak when this pass read one (None: none, or not read).
     """
     pods = list(pods)
     trainers = [p for p in pods if p.role == c.Role.TRAINER]
@@ -172,7 +177,7 @@ def plan(
         return _finished(spec, previous, obs, now)
     if spec.run_policy.suspend:
         return _suspend(spec, previous, obs)
-    return _active(job, spec, previous, obs, hashes, now)
+    return _active(job, spec, previous, obs, hashes, now, rewards)
 
 
 def require_redis(lc: Lifecycle, redis_ready: Optional[bool], why: str) -> Lifecycle:
@@ -251,8 +256,31 @@ def _suspend(spec: RLTrainingJobSpec, lc: Lifecycle, obs: _Observed) -> Plan:
     return Plan(suspended, delete=_names(p for p in left if not p.deleting))
 
 
+def _fail(spec: RLTrainingJobSpec, lc: Lifecycle, obs: _Observed, reason: Reason, message: str,
+          now: datetime) -> Plan:
+    """The job ends Failed with ``reason`` and ``message``; its pods are deleted per ``cleanPodPolicy``."""
+    failed = replace(lc, phase=Phase.FAILED, completion_time=now, reason=reason, message=message)
+    return Plan(failed, delete=_cleanup(spec.run_policy.clean_pod_policy, [*obs.trainers, *obs.rollouts]))
+
+
+def _rewards_failing(spec: RLTrainingJobSpec, lc: Lifecycle, rewards: Optional[RewardFailures]) -> Optional[str]:
+    """Failed/RewardsFailing's message when ``rewards`` (the rollout hash's streak) has failed for at least
+    ``spec.rollout.rewardFailureDeadlineSeconds``, measured between failing batches from the later of the streak's
+    start and ``lc.start_time`` (:meth:`RewardFailures.failing_seconds`); else None (also for a record that keeps no
+    streak, written by a worker that predates it)."""
+    if rewards is None:
+        return None
+    deadline = spec.rollout.reward_failure_deadline_seconds
+    started = lc.start_time.timestamp() if lc.start_time is not None else None
+    seconds = rewards.failing_seconds(started)
+    if seconds is None or seconds < deadline:
+        return None
+    return rewards.failed_message(deadline, started)
+
+
 def _active(
-    job: str, spec: RLTrainingJobSpec, lc: Lifecycle, obs: _Observed, hashes: ConfigHashes, now: datetime
+    job: str, spec: RLTrainingJobSpec, lc: Lifecycle, obs: _Observed, hashes: ConfigHashes, now: datetime,
+    rewards: Optional[RewardFailures] = None,
 ) -> Plan:
     rp = spec.run_policy
     if lc.start_time is None:
@@ -261,14 +289,8 @@ def _active(
     if rp.active_deadline_seconds is not None:
         left = (lc.start_time + timedelta(seconds=rp.active_deadline_seconds) - now).total_seconds()
         if left <= 0:
-            failed = replace(
-                lc,
-                phase=Phase.FAILED,
-                completion_time=now,
-                reason=Reason.DEADLINE_EXCEEDED,
-                message=f"the job was active for more than activeDeadlineSeconds = {rp.active_deadline_seconds} s",
-            )
-            return Plan(failed, delete=_cleanup(rp.clean_pod_policy, [*obs.trainers, *obs.rollouts]))
+            return _fail(spec, lc, obs, Reason.DEADLINE_EXCEEDED,
+                         f"the job was active for more than activeDeadlineSeconds = {rp.active_deadline_seconds} s", now)
         requeue = left
 
     delete_rollouts, create_rollouts = _rollouts(spec, obs.rollouts, hashes)
@@ -282,6 +304,9 @@ def _active(
             message=f"trainer pod {pod0.name} (global rank 0) of attempt {lc.attempt} exited 0; {_export(spec)}",
         )
         return Plan(done, delete=_cleanup(rp.clean_pod_policy, [*obs.trainers, *obs.rollouts]))
+    failing = _rewards_failing(spec, lc, rewards)
+    if failing is not None:
+        return _fail(spec, lc, obs, Reason.REWARDS_FAILING, failing, now)
 
     failures = _failures(job, spec, lc, obs.current, hashes)
     if failures:

@@ -13,7 +13,8 @@ Everything decided here comes from :mod:`.admission` and the pure modules (:mod:
    between an emptyDir and its claim is told in a RedisReplaced Event;
 3. decide the pass's outcome: waiting for an earlier job's children; Invalid (nothing runs, no retry until the spec
    changes); or the gang's plan (:func:`.gang.plan`) over the observed pods (the kopf index, plus pods this process
-   created or deleted that the watch has not reported yet), Redis's health and the progress hashes — with the plan's
+   created or deleted that the watch has not reported yet), Redis's health and the progress hashes (planned again
+   with the rollout hash's reward-failure streak when it holds one: past its deadline the job fails) — with the plan's
    pods created first: trainer pods only of the saved attempt, so the status that records the gang as created is
    written once they exist, and a refused pod makes the job Invalid in the same pass;
 4. write the status once (merge patch with a resourceVersion precondition: a stale view is refused, not written),
@@ -231,7 +232,8 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
     job = this.job(spec)
     config = await this.config(spec)
     pods = this.pods()
-    plan = gang.plan(job.name, spec, this.before, pods, render.config_hashes(config), this.now)
+    hashes = render.config_hashes(config)
+    plan = gang.plan(job.name, spec, this.before, pods, hashes, this.now)
     claim = await redis_reads.read_claim(job.name, job.namespace, config, this.redis, ctx)
     health = redis_reads.health(spec, this.redis, runtime, pods, this.now, claim)
     fetched = None
@@ -239,6 +241,8 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
                                                         spec.redis.mode == "managed", health.ready):
         fetched = await redis_reads.read_progress(job, config, runtime, ctx)
         health = redis_reads.health(spec, this.redis, runtime, pods, this.now, claim)
+        if fetched is not None and fetched.reward_failures is not None:  # rewards failing: the plan may fail the job
+            plan = gang.plan(job.name, spec, this.before, pods, hashes, this.now, rewards=fetched.reward_failures)
     manifests = [render.trainer_pod(job, config, i, plan.lifecycle.attempt) for i in plan.create_trainers]
     manifests += [render.rollout_pod(job, config, i) for i in plan.create_rollouts]
     error = await children.create_pods(manifests, this.body, runtime, ctx)
@@ -255,7 +259,8 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
     new = this.status(lifecycle, problems=problems, data_parallel_size=data_parallel_size(spec), redis=health,
                       pods=status.name_secret_fields(pods, status.secret_fields(spec)), nodes=spec.trainer.nodes,
                       replicas=spec.rollout.replicas, progress=fetched,
-                      checkpoint_volume=spec.trainer.checkpoint.volume, kept=note)
+                      checkpoint_volume=spec.trainer.checkpoint.volume,
+                      reward_deadline_s=spec.rollout.reward_failure_deadline_seconds, kept=note)
     uids = {p.name: p.uid for p in pods}
     idle = plan.lifecycle.phase in status.IDLE_PHASES
     interval = ctx.idle_interval_s if idle else ctx.active_interval_s

@@ -66,15 +66,17 @@ ROLLOUT_ONLY_FIELDS = (
     "image", "backend", "replicas", "gpus_per_replica", "resources", "node_selector", "tolerations",
     "prompts_per_batch", "samples_per_prompt", "max_lag", "sampling.top_p", "sampling.max_new_tokens",
     "task.dataset_path", "task.reward_function", "task.digits", "advantage", "filter_zero_variance", "seed",
+    "reward_failure_deadline_seconds",
 )
 """Fields (or whole sections) of ``spec.rollout`` that no trainer process reads: left out of the trainer pods'
 :func:`role_config_hash`. Every rollout field is in exactly one of the two lists (tests check it), so a new field
 restarts the gang until someone classifies it."""
 POD_ROLES = (c.Role.TRAINER, c.Role.ROLLOUT)
 """The roles whose pods read the config."""
-ROLLOUT_POD_IGNORES = ("replicas",)
+ROLLOUT_POD_IGNORES = ("replicas", "reward_failure_deadline_seconds")
 """Fields of ``spec.rollout`` left out of the rollout pods' :func:`role_config_hash`: a kept replica runs the same
-whatever the replica count (a worker checks only that its index is below it, and pods above it are deleted)."""
+whatever the replica count (a worker checks only that its index is below it, and pods above it are deleted), and
+only the operator reads the reward-failure deadline."""
 
 _CONFIG_VOLUME = "config"
 _SHM_VOLUME = "dshm"

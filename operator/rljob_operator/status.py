@@ -19,7 +19,8 @@ RolloutReady            every rollout pod is ready; Unschedulable names pods the
                         (CrashLoopBackOff), with its restart count and last exit code and termination message, and
                         stays so between restarts (:func:`failing`); AllRewardsFailed: every sample of a worker's last
                         batch failed its reward function (the rollout hash's ``all_rewards_failed``), so nothing
-                        reaches the trainer; cleared when a batch scores again.
+                        reaches the trainer; the message says since when and when the job fails for it
+                        (rewardFailureDeadlineSeconds, then Failed/RewardsFailing); cleared when a batch scores again.
 TrainerReady            every trainer pod of the current attempt is running; Unschedulable names pods the
                         scheduler cannot place (scheduled ranks wait in rendezvous; not a failure);
                         ContainerCannotStart and ContainerFailing as for RolloutReady.
@@ -307,6 +308,7 @@ def build_status(
     progress: Optional[Progress],
     now: datetime,
     checkpoint_volume: Optional[str] = None,
+    reward_deadline_s: Optional[int] = None,
     kept: Optional[str] = None,
 ) -> RLTrainingJobStatus:
     """The new status. Conditions keep their lastTransitionTime while their status is unchanged; conditions
@@ -314,7 +316,8 @@ def build_status(
     Progress fields, RolloutReady=False/AllRewardsFailed and Running=True/CheckpointLost keep their old values when
     ``progress`` is None (Redis not read this pass); RedisReady keeps its saved value while ``redis.ready`` is None
     (not probed yet). ``checkpoint_volume``: spec.trainer.checkpoint.volume (what a lost checkpoint's message
-    advises). ``kept``: with ``problems``, what the running job goes on with meanwhile (ends Valid's message)."""
+    advises). ``reward_deadline_s``: spec.rollout.rewardFailureDeadlineSeconds (AllRewardsFailed's message says when
+    the job fails for it; None: not said). ``kept``: with ``problems``, what the running job goes on with meanwhile (ends Valid's message)."""
     pods = list(pods)
     old = {cond.type: cond for cond in previous.conditions}
     fresh = _conditions(
@@ -325,7 +328,7 @@ def build_status(
         [p for p in pods if p.role == Role.ROLLOUT],
         nodes,
         replicas,
-        _rewards_failure(progress, old.get(ConditionType.ROLLOUT_READY)),
+        _rewards_failure(progress, old.get(ConditionType.ROLLOUT_READY), reward_deadline_s, lifecycle.start_time),
         old.get(ConditionType.REDIS_READY),
         _lost_checkpoint(progress, lifecycle.attempt, checkpoint_volume),
         now,
@@ -359,11 +362,16 @@ def _lost_checkpoint(progress: Optional[Progress], attempt: int, checkpoint_volu
     return lost_checkpoint_message(record, attempt, checkpoint_volume)
 
 
-def _rewards_failure(progress: Optional[Progress], rollout_ready: Optional[Condition]) -> Optional[str]:
-    """Why every reward of a worker's last batch failed: from ``progress`` when read, else the saved RolloutReady's
-    AllRewardsFailed message; None when rewards score."""
+def _rewards_failure(progress: Optional[Progress], rollout_ready: Optional[Condition], deadline_s: Optional[int],
+                     start_time: Optional[datetime]) -> Optional[str]:
+    """Why every reward of a worker's last batch failed (:meth:`rljob_api.protocol.RewardFailures.ready_message`,
+    with the deadline ``deadline_s`` counted from the streak's start, at the earliest the job's ``start_time``): from
+    ``progress`` when read, else the saved RolloutReady's AllRewardsFailed message; None when rewards score."""
     if progress is not None:
-        return progress.rewards_failure
+        if progress.reward_failures is None:
+            return None
+        started = start_time.timestamp() if start_time is not None else None
+        return progress.reward_failures.ready_message(deadline_s, started)
     if rollout_ready is not None and rollout_ready.reason == Reason.ALL_REWARDS_FAILED.value:
         return rollout_ready.message
     return None

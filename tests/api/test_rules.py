@@ -39,3 +39,24 @@ def test_the_operators_check_applies_the_same_rules():
     spec = RLTrainingJobSpec.model_validate({"model": {"source": "tiny"}, "algorithm": {"metrics": "full"},
                                              "trainer": {"nodes": 2, "pipelineParallel": 2}})
     assert "spec.algorithm.metrics" in {p.field for p in check_spec(spec)}
+
+
+@pytest.mark.parametrize("strategy, replicate, dp, allowed", [
+    ("fsdp", 1, 4, True), ("fsdp", 2, 4, True), ("fsdp", 4, 4, True), ("fsdp", 3, 4, False), ("fsdp", 8, 4, False),
+    ("ddp", 1, 4, True), ("ddp", 2, 4, False),
+])
+def test_replicate_allowed(strategy, replicate, dp, allowed):
+    assert rules.replicate_allowed(strategy, replicate, dp) is allowed
+
+
+def test_the_operators_check_names_the_replicate_and_its_numbers():
+    def problems(**parallelism) -> list[str]:
+        spec = RLTrainingJobSpec.model_validate({"model": {"source": "tiny"}, "trainer": {
+            "nodes": 2, "processesPerNode": 2, "batch": {"documentsPerStep": 64}, "parallelism": parallelism}})
+        return [str(p) for p in check_spec(spec)]
+
+    assert problems(strategy="fsdp", replicate=2) == []
+    assert problems(strategy="fsdp", replicate=3) == [
+        "spec.trainer.parallelism.replicate: replicate = 3 does not divide the data-parallel size 4"]
+    assert problems(strategy="ddp", replicate=2) == [
+        "spec.trainer.parallelism.replicate: replicate = 2 (HSDP) requires strategy fsdp, not ddp"]

@@ -59,6 +59,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     "'existing' uses KUBECONFIG (e.g. kind)")
     group.addoption("--operator-image", default=None,
                     help="operator image REPOSITORY:TAG (default: the chart's, which the local nodes have imported)")
+    group.addoption("--earlier-operator-image", default=None,
+                    help="the operator image of the commit in tests/e2e/upgrade-from, REPOSITORY:TAG, which the upgrade "
+                    "test installs first (--cluster=existing only: on the local cluster it is built and imported)")
 
 
 # --- the cluster ------------------------------------------------------------------------------------------------
@@ -70,6 +73,8 @@ class Cluster:
     bin_dir: Path | None
     mode: str
     helm_home: Path = field(default_factory=lambda: Path("/tmp/rljob-e2e-helm"))
+    nodes: Any = None
+    """The local nodes (``rljob_localcluster.nodes.LocalNodes``: ``import_images``) in ``local`` mode, else None."""
 
     def _tool(self, name: str) -> str:
         if self.bin_dir is not None and (self.bin_dir / name).exists():
@@ -152,7 +157,7 @@ def _start_local(request: pytest.FixtureRequest, stack) -> Cluster:
                        gpus_per_node=GPUS_PER_NODE)
     nodes.start()
     stack.append(nodes.stop)
-    return Cluster(kubeconfig=cp.kubeconfig, bin_dir=Path(cp.bin_dir), mode="local")
+    return Cluster(kubeconfig=cp.kubeconfig, bin_dir=Path(cp.bin_dir), mode="local", nodes=nodes)
 
 
 @pytest.fixture(scope="package")
@@ -181,6 +186,8 @@ class Operator:
     cluster: Cluster
     namespace: str = OPERATOR_NAMESPACE
     release: str = RELEASE
+    values: list[str] = field(default_factory=list)
+    """The ``--set`` arguments of the suite's install (the image given by ``--operator-image``)."""
 
     @property
     def service_account(self) -> str:
@@ -204,6 +211,13 @@ class Operator:
                         120, "a new ready operator pod", self.logs)
 
 
+def image_values(image: str) -> list[str]:
+    """The chart's ``--set`` arguments for the operator image ``REPOSITORY:TAG`` (on a cluster that has it)."""
+    repository, _, tag = image.rpartition(":")
+    return ["--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
+            "--set", "image.pullPolicy=IfNotPresent"]
+
+
 def _ready(pod: dict[str, Any]) -> bool:
     return any(cond["type"] == "Ready" and cond["status"] == "True"
                for cond in (pod.get("status") or {}).get("conditions") or [])
@@ -214,13 +228,9 @@ def operator(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[Opera
     """``helm install rljob-operator helm/rljob-operator -n rljob-system --create-namespace --wait``; the
     release is uninstalled at the end (after every test namespace, whose jobs need the running operator to
     drop their finalizers)."""
-    op = Operator(cluster)
-    values = []
     image = request.config.getoption("--operator-image", default=None)
-    if image:
-        repository, _, tag = image.rpartition(":")
-        values += ["--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
-                   "--set", "image.pullPolicy=IfNotPresent"]
+    op = Operator(cluster, values=image_values(image) if image else [])
+    values = op.values
     cluster.helm("uninstall", op.release, "-n", op.namespace, "--wait", check=False)  # a leftover of a killed run
     try:
         cluster.helm("install", op.release, str(CHART), "-n", op.namespace, "--create-namespace", "--wait",
@@ -337,7 +347,9 @@ class Recorder:
 
     One watch stream, resumed at its last resourceVersion when the server closes it, keeps the API server's
     order, so "every pod of attempt k was DELETED before any pod of attempt k+1 was ADDED" and the sequence of
-    a job's status changes can be read off :attr:`events`.
+    a job's status changes can be read off :attr:`events`. When the server cannot resume it (410 Gone: an RLTrainingJob
+    watch after the CRD was changed), the objects are listed again (type RELISTED: what changed in between is not
+    seen) and the watch goes on from that list.
     """
 
     def __init__(self, cluster: Cluster, namespace: str, resource: str = "pods", selector: str = "") -> None:
@@ -373,10 +385,7 @@ class Recorder:
         api_client = self.cluster.api_client()
         list_fn = self._list(api_client)
         try:
-            listed = api_client.sanitize_for_serialization(list_fn())
-            version = listed["metadata"]["resourceVersion"]
-            for obj in listed.get("items", []):
-                self._record("EXISTING", obj)
+            version = self._relist(list_fn, api_client, "EXISTING")
             self._ready.set()
             while not self._stop.is_set():
                 self._watch = kube_watch.Watch()
@@ -393,9 +402,20 @@ class Recorder:
                             break
                 except urllib3.exceptions.ProtocolError:  # the server ended the stream: resume where it was
                     continue
+                except kube_client.exceptions.ApiException as err:
+                    if err.status != 410:
+                        raise
+                    version = self._relist(list_fn, api_client, "RELISTED")
         except BaseException as err:  # noqa: BLE001 - the tests read it from .error
             self.error = err
             self._ready.set()
+
+    def _relist(self, list_fn, api_client, kind: str) -> str:
+        """Record every object listed now as ``kind``; the list's resourceVersion."""
+        listed = api_client.sanitize_for_serialization(list_fn())
+        for obj in listed.get("items", []):
+            self._record(kind, obj)
+        return listed["metadata"]["resourceVersion"]
 
     def _record(self, kind: str, obj: dict[str, Any]) -> None:
         self.events.append(WatchEvent(len(self.events), kind, obj, time.monotonic()))

@@ -8,6 +8,7 @@ from datetime import timedelta
 import pytest
 
 from rljob_api.constants import Phase, Reason
+from rljob_api.protocol import RewardFailures
 
 from rljob_operator import gang, render
 from rljob_operator.observe import PodView
@@ -31,9 +32,9 @@ class Sim:
     def hashes(self) -> gang.ConfigHashes:
         return render.config_hashes(render.job_config(render.Job("demo", "ns", self.spec)))
 
-    def step(self) -> gang.Plan:
+    def step(self, rewards=None) -> gang.Plan:
         hashes = self.hashes
-        plan = gang.plan("demo", self.spec, self.lc, list(self.pods.values()), hashes, self.now)
+        plan = gang.plan("demo", self.spec, self.lc, list(self.pods.values()), hashes, self.now, rewards)
         self.plans.append(plan)
         for name in plan.delete:
             self.pods[name] = replace(self.pods[name], deleting=True)
@@ -283,6 +284,60 @@ def test_active_deadline_fails_the_job():
     assert plan.lifecycle.phase == Phase.FAILED and plan.lifecycle.reason == Reason.DEADLINE_EXCEEDED
     assert plan.lifecycle.message == "the job was active for more than activeDeadlineSeconds = 60 s"
     assert set(plan.delete) == {"demo-trainer-0", "demo-trainer-1", "demo-rollout-0"}
+
+
+def failing_rewards(since_s: float, lasted_s: float) -> RewardFailures:
+    """A streak of failing batches from T0 + ``since_s`` for ``lasted_s`` seconds (first to last batch)."""
+    since = T0.timestamp() + since_s
+    return RewardFailures(since=since, updated_at=since + lasted_s, batches=14, samples=512,
+                          errors={"ZeroDivisionError: division by zero": 512}, version=64, last_samples=16,
+                          last_errors={"ZeroDivisionError": 16})
+
+
+def test_rewards_failing_for_the_deadline_fail_the_job_and_a_shorter_streak_does_not():
+    sim = running_sim(rollout={"rewardFailureDeadlineSeconds": 600})
+    sim.now = T0 + timedelta(seconds=900)
+    plan = sim.step(failing_rewards(10, 599))
+    assert plan.lifecycle.phase == Phase.RUNNING and not plan.delete
+    streak = failing_rewards(10, 600)
+    plan = sim.step(streak)
+    assert (plan.lifecycle.phase, plan.lifecycle.reason) == (Phase.FAILED, Reason.REWARDS_FAILING)
+    assert plan.lifecycle.message == streak.failed_message(600, T0.timestamp())
+    assert plan.lifecycle.message.startswith(
+        "ZeroDivisionError: division by zero ×512 in spec.rollout.task's reward function since 2026-01-01T12:00:10Z: "
+        "every sample of 14 rollout batches failed for 600 s")
+    assert plan.lifecycle.completion_time == sim.now and plan.lifecycle.failed_attempts == 0
+    assert set(plan.delete) == {"demo-trainer-0", "demo-trainer-1", "demo-rollout-0"}  # cleanPodPolicy All
+    sim.kubelet_removes_deleted()
+    assert sim.step(None).lifecycle.phase == Phase.FAILED  # final: a later pass without the record keeps it
+
+
+def test_a_streak_counts_from_the_start_time_at_the_earliest_so_a_suspension_is_not_failing_time():
+    sim = running_sim(rollout={"rewardFailureDeadlineSeconds": 600})  # started (or resumed) at T0
+    sim.now = T0 + timedelta(seconds=700)
+    assert sim.step(failing_rewards(-5000, 5599)).lifecycle.phase == Phase.RUNNING  # 599 s since T0
+    plan = sim.step(failing_rewards(-5000, 5600))
+    assert plan.lifecycle.reason == Reason.REWARDS_FAILING and " since 2026-01-01T12:00:00Z: " in plan.lifecycle.message
+
+
+def test_rewards_failing_delete_pods_per_clean_pod_policy_and_never_touch_a_suspended_or_succeeded_job():
+    streak = failing_rewards(0, 3600)
+    sim = running_sim(runPolicy={"cleanPodPolicy": "None"})
+    plan = sim.step(streak)
+    assert plan.lifecycle.reason == Reason.REWARDS_FAILING and plan.delete == ()
+    succeeded = running_sim()
+    succeeded.set("demo-trainer-0", phase="Succeeded")
+    assert succeeded.step(streak).lifecycle.phase == Phase.SUCCEEDED
+    suspended = running_sim()
+    suspended.spec = make_spec(trainer={"nodes": 2}, runPolicy={"suspend": True})
+    assert suspended.step(streak).lifecycle.phase == Phase.SUSPENDED
+
+
+def test_a_record_that_keeps_no_streak_never_fails_the_job():
+    sim = running_sim(rollout={"rewardFailureDeadlineSeconds": 1})
+    sim.now = T0 + timedelta(days=1)
+    old_worker = RewardFailures(version=64, last_samples=16, last_errors={"KeyError": 16})  # a worker before the streak
+    assert sim.step(old_worker).lifecycle.phase == Phase.RUNNING
 
 
 @pytest.mark.parametrize(("policy", "deleted"), [

@@ -4,7 +4,10 @@ runs beside it in this module): what a single pass writes and reports."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
+from datetime import datetime, timedelta, timezone
+from typing import Optional
 
 import pytest
 
@@ -79,22 +82,28 @@ def test_the_pass_that_creates_a_gang_writes_the_status_once(kube: Kube, install
     assert delay == 1.0
 
 
-def pass_with_pods(kubeconfig, kube: Kube, namespace: str, name: str, events: list | None = None) -> Counter:
+def pass_with_pods(kubeconfig, kube: Kube, namespace: str, name: str, *, now: Optional[datetime] = None,
+                   events: Optional[list] = None) -> Counter:
     """One pass over job ``name`` by a fresh operator process (new runtime), seeing the job's pods as its watch
-    would; returns the requests by verb and resource (the Events it posts go to ``events``)."""
+    would; returns the requests by verb and resource. With ``now`` (the pass's clock) the pass also reads the job's
+    Redis, as the operator does; the Events it posts are added to ``events``."""
     from rljob_operator.observe import pod_view
 
     pods = [pod_view(p) for role in ("trainer", "rollout") for p in kube.pods(namespace, role)
             if p["metadata"]["name"].startswith(f"{name}-") and not p["metadata"].get("deletionTimestamp")]
     requests = Counter()
+    posted = events if events is not None else []
 
     async def run():
         api = await KubeApi.connect(str(kubeconfig), on_request=lambda verb, resource: requests.update([(verb, resource)]))
+        ctx = Context(api=api, post_event=lambda job, event: posted.append(event), read_progress=now is not None,
+                      active_interval_s=1.0, idle_interval_s=30.0)
+        if now is not None:
+            ctx.clock = lambda: now
         try:
-            ctx = Context(api=api, post_event=lambda job, event: (events if events is not None else []).append(event),
-                          read_progress=False, active_interval_s=1.0, idle_interval_s=30.0)
             await reconcile(kube.job(namespace, name), pods, None, JobRuntime(), ctx)
         finally:
+            await ctx.redis_clients.close()
             await api.close()
 
     asyncio.run(run())
@@ -196,7 +205,7 @@ def test_an_upgraded_operator_keeps_a_running_redis_on_its_emptydir_until_the_us
 
     kube.apply(job_manifest("keep", trainer={"maxSteps": 999}), namespace)  # an edit elsewhere: a new resolution
     events = []
-    requests = pass_with_pods(installed, kube, namespace, "keep", events)
+    requests = pass_with_pods(installed, kube, namespace, "keep", events=events)
     text = kube.json("get", "configmap", "keep-config", "-n", namespace)["data"]["config.json"]
     assert json.loads(text)["spec"]["trainer"]["maxSteps"] == 999 and "persistence" not in json.loads(text)["spec"]["redis"]
     assert requests[("apply", "deployments")] == 0 and claim() is None
@@ -205,7 +214,7 @@ def test_an_upgraded_operator_keeps_a_running_redis_on_its_emptydir_until_the_us
 
     kube.apply(job_manifest("keep", trainer={"maxSteps": 999}, redis={"persistence": {"size": "2Gi"}}), namespace)
     events = []
-    requests = pass_with_pods(installed, kube, namespace, "keep", events)
+    requests = pass_with_pods(installed, kube, namespace, "keep", events=events)
     assert (requests[("apply", "deployments")], requests[("create", "persistentvolumeclaims")]) == (1, 1)
     made = claim()
     (ref,) = made["metadata"]["ownerReferences"]
@@ -224,10 +233,109 @@ def test_an_upgraded_operator_keeps_a_running_redis_on_its_emptydir_until_the_us
     kube.apply(job_manifest("keep", trainer={"maxSteps": 999}, redis={"persistence": {"size": "2Gi", "enabled": False}}),
                namespace)
     events = []
-    requests = pass_with_pods(installed, kube, namespace, "keep", events)
+    requests = pass_with_pods(installed, kube, namespace, "keep", events=events)
     assert (requests[("apply", "deployments")], requests[("delete", "persistentvolumeclaims")]) == (1, 1)
     volumes = kube.json("get", "deployment", "keep-redis", "-n", namespace)["spec"]["template"]["spec"]["volumes"]
     assert volumes == [{"name": "data", "emptyDir": {}}]
     gone = claim()
     assert gone is None or gone["metadata"].get("deletionTimestamp")  # kept while the old Redis pod holds it
     assert [e.reason for e in events].count("RedisReplaced") == 1
+
+
+def test_an_upgrade_that_adds_the_reward_failure_deadline_replaces_no_pod_nor_does_editing_it(kube: Kube, installed,
+                                                                                                namespace):
+    """A job made before spec.rollout.rewardFailureDeadlineSeconds existed: this version's CRD fills in its default
+    (600) without a new generation, so the recorded config (without the field) and the pods' hashes stay. An edit of
+    the deadline alone replaces no pod either (only the operator reads it): the ConfigMap records the new value, the
+    pods keep their hashes."""
+    kube.apply(job_manifest("deadline"), namespace)
+    pass_with_pods(installed, kube, namespace, "deadline")
+    trainers, rollouts = uids(kube, namespace, "trainer"), uids(kube, namespace, "rollout")
+    assert len(trainers) == 2 and len(rollouts) == 1
+
+    cm = kube.json("get", "configmap", "deadline-config", "-n", namespace)
+    data = json.loads(cm["data"]["config.json"])
+    del data["spec"]["rollout"]["rewardFailureDeadlineSeconds"]  # what the earlier operator resolved and recorded
+    earlier_text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    cm["data"]["config.json"] = earlier_text
+    earlier_hashes = json.dumps({"trainer": "earlier-t", "rollout": "earlier-r"})
+    cm["metadata"]["annotations"]["rljob.dev/role-config-hashes"] = earlier_hashes
+    kube.run("replace", "-f", "-", input=json.dumps(cm))
+    for pod, role in [*[(n, "t") for n in trainers], *[(n, "r") for n in rollouts]]:
+        kube.run("label", "pod", pod, "-n", namespace, "--overwrite", f"rljob.dev/role-config-hash=earlier-{role}")
+    job = kube.job(namespace, "deadline")
+    assert job["spec"]["rollout"]["rewardFailureDeadlineSeconds"] == 600 and job["metadata"]["generation"] == 1
+
+    requests = pass_with_pods(installed, kube, namespace, "deadline")
+    assert requests[("create", "pods")] == 0 and requests[("delete", "pods")] == 0
+    assert (uids(kube, namespace, "trainer"), uids(kube, namespace, "rollout")) == (trainers, rollouts)
+    assert kube.json("get", "configmap", "deadline-config", "-n", namespace)["data"]["config.json"] == earlier_text
+
+    kube.apply(job_manifest("deadline", rollout={"rewardFailureDeadlineSeconds": 120}), namespace)
+    requests = pass_with_pods(installed, kube, namespace, "deadline")
+    assert requests[("create", "pods")] == 0 and requests[("delete", "pods")] == 0
+    assert (uids(kube, namespace, "trainer"), uids(kube, namespace, "rollout")) == (trainers, rollouts)
+    cm = kube.json("get", "configmap", "deadline-config", "-n", namespace)
+    assert json.loads(cm["data"]["config.json"])["spec"]["rollout"]["rewardFailureDeadlineSeconds"] == 120
+    assert json.loads(cm["metadata"]["annotations"]["rljob.dev/role-config-hashes"]) == json.loads(earlier_hashes)
+
+
+def test_rewards_failing_longer_than_the_deadline_fail_the_job_and_a_younger_streak_does_not(
+        kube: Kube, installed, namespace, redis_server):
+    """Passes over a job on an external Redis whose rollout hash holds a reward-failure streak (as workers write it):
+    599 s of failing batches since the job started keep it running with RolloutReady=False/AllRewardsFailed saying
+    when it fails; 600 s end it Failed/RewardsFailing with the exception counts, a Warning Event, and its pods
+    deleted (cleanPodPolicy All)."""
+    from rljob_api import protocol
+
+    kube.run("create", "secret", "generic", "shared-redis", "-n", namespace,
+             f"--from-literal=password={redis_server.password}")
+    kube.apply(job_manifest("rewards", rollout={"rewardFailureDeadlineSeconds": 600},
+                            redis={"mode": "external", "url": redis_server.url,
+                                   "passwordSecretRef": {"name": "shared-redis", "key": "password"}}), namespace)
+    start = datetime.now(timezone.utc).replace(microsecond=0)
+    pass_with_pods(installed, kube, namespace, "rewards", now=start)  # creates the gang; startTime = start
+    assert kube.job(namespace, "rewards")["status"]["startTime"] == f"{start:%Y-%m-%dT%H:%M:%SZ}"
+    assert len(live(kube, namespace, "trainer")) == 2 and len(live(kube, namespace, "rollout")) == 1
+
+    key, field = f"rljob:{namespace}:rewards:rollout", protocol.ROLLOUT_ALL_REWARDS_FAILED
+    since = start.timestamp() + 30
+    zero = "ZeroDivisionError: division by zero"
+
+    def streak(lasted: float) -> protocol.RewardFailures:
+        return protocol.RewardFailures(since=since, updated_at=since + lasted, batches=14, samples=512,
+                                       errors={zero: 512}, version=64, last_samples=16,
+                                       last_errors={"ZeroDivisionError": 16})
+
+    client = redis_server.client()
+    client.hset(key, field, streak(599).to_field())
+    later = start + timedelta(seconds=700)
+    events: list = []
+    pass_with_pods(installed, kube, namespace, "rewards", now=later, events=events)
+    status = kube.job(namespace, "rewards")["status"]
+    assert status["phase"] == "Starting" and "completionTime" not in status  # no node here: the gang stays Pending
+    ready = next(c for c in status["conditions"] if c["type"] == "RolloutReady")
+    assert (ready["status"], ready["reason"]) == ("False", "AllRewardsFailed")
+    failing_since = start + timedelta(seconds=30)
+    assert ready["message"].endswith(
+        f"failing since {failing_since:%Y-%m-%dT%H:%M:%SZ}: the job fails (RewardsFailing) if no sample scores by "
+        f"{failing_since + timedelta(seconds=600):%Y-%m-%dT%H:%M:%SZ} (spec.rollout.rewardFailureDeadlineSeconds = 600)")
+    assert ("Warning", "AllRewardsFailed") in [(e.type, e.reason) for e in events]
+    assert "RewardsFailing" not in [e.reason for e in events]
+
+    client.hset(key, field, streak(600).to_field())
+    events.clear()
+    requests = pass_with_pods(installed, kube, namespace, "rewards", now=later, events=events)
+    status = kube.job(namespace, "rewards")["status"]
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    message = (f"ZeroDivisionError: division by zero ×512 in spec.rollout.task's reward function since "
+               f"{failing_since:%Y-%m-%dT%H:%M:%SZ}: every sample of 14 rollout batches failed for 600 s, reaching "
+               "spec.rollout.rewardFailureDeadlineSeconds = 600; fix the reward code or spec.rollout.task "
+               "(rewardFunction, datasetPath); the rollout pods' logs hold the tracebacks (kept when "
+               "runPolicy.cleanPodPolicy is None)")
+    assert (status["phase"], failed["status"], failed["reason"], failed["message"]) == (
+        "Failed", "True", "RewardsFailing", message)
+    assert status["completionTime"] == f"{later:%Y-%m-%dT%H:%M:%SZ}" and status["failedAttempts"] == 0
+    assert ("Warning", "RewardsFailing", f"Failed=True: {message}") in [(e.type, e.reason, e.message) for e in events]
+    assert requests[("delete", "pods")] == 3 and requests[("create", "pods")] == 0
+    assert live(kube, namespace, "trainer") == [] and live(kube, namespace, "rollout") == []

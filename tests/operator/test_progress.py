@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from datetime import datetime, timedelta, timezone
 
 import pytest
 import redis
@@ -129,10 +130,11 @@ def test_all_rewards_failed_becomes_a_warning_condition_and_clears_when_rewards_
     running = gang.Lifecycle(phase=Phase.RUNNING, gang_created=True, reason=Reason.TRAINING, message="runs")
     pods = [trainer(0, 0), rollout(0)]
 
-    def build(previous, fetched):
+    def build(previous, fetched, **deadline):
         return status.build_status(
             previous, generation=1, lifecycle=running, problems=[], data_parallel_size=1,
             redis=status.RedisHealth(True, "reached"), pods=pods, nodes=1, replicas=1, progress=fetched, now=T0,
+            **deadline,
         )
 
     async def fetch():
@@ -143,15 +145,17 @@ def test_all_rewards_failed_becomes_a_warning_condition_and_clears_when_rewards_
             worker.report(BatchReport(0, [1.0, 0.0], 2, Counter(), 0, 0, 0.1))
             healthy = build(RLTrainingJobStatus(), await fetch())
             worker.report(BatchReport(64, [], 16, Counter(ValueError=12, KeyError=4), 0, 0, 0.1))
-            failing = build(healthy, await fetch())
+            read = await fetch()
+            failing = build(healthy, read)
+            told = build(healthy, read, reward_deadline_s=600)
             kept = build(failing, None)  # a pass that did not read Redis
             worker.report(BatchReport(64, [0.5], 2, Counter(KeyError=1), 0, 0, 0.1))
             recovered = build(kept, await fetch())
         finally:
             await client.aclose()
-        return healthy, failing, kept, recovered
+        return healthy, failing, told, kept, recovered, read.reward_failures
 
-    healthy, failing, kept, recovered = asyncio.run(go())
+    healthy, failing, told, kept, recovered, streak = asyncio.run(go())
     ready = failing.condition(ConditionType.ROLLOUT_READY)
     assert (ready.status, ready.reason) == ("False", "AllRewardsFailed")
     assert ready.message.startswith(
@@ -163,6 +167,10 @@ def test_all_rewards_failed_becomes_a_warning_condition_and_clears_when_rewards_
     assert (event.type, event.reason) == ("Warning", "AllRewardsFailed")
     assert event.message == f"RolloutReady=False: {ready.message}"
     assert failing.phase == Phase.RUNNING  # the job keeps waiting for data; it is not failed
+    since = datetime.fromtimestamp(streak.since, timezone.utc)
+    assert told.condition(ConditionType.ROLLOUT_READY).message.endswith(
+        f"; failing since {since:%Y-%m-%dT%H:%M:%SZ}: the job fails (RewardsFailing) if no sample scores by "
+        f"{since + timedelta(seconds=600):%Y-%m-%dT%H:%M:%SZ} (spec.rollout.rewardFailureDeadlineSeconds = 600)")
 
     assert status.status_patch(status.to_json(failing), kept) is None and not status.transition_events(failing, kept)
 
@@ -180,8 +188,8 @@ def test_all_rewards_failed_becomes_a_warning_condition_and_clears_when_rewards_
 ])
 def test_unreadable_failure_details_still_give_a_message(raw, start):
     parsed = protocol.parse_progress({}, {"all_rewards_failed": raw})
-    assert parsed.rewards_failure.startswith(start)
-    assert protocol.parse_progress({}, {}).rewards_failure is None
+    assert parsed.reward_failures.ready_message().startswith(start)
+    assert protocol.parse_progress({}, {}).reward_failures is None
 
 
 @pytest.mark.parametrize(("before", "after", "managed", "ready", "reads"), [

@@ -161,7 +161,7 @@ ROLLOUT_ONLY_CHANGES = [
     {"tolerations": [{"key": "k", "operator": "Exists"}]}, {"promptsPerBatch": 2}, {"samplesPerPrompt": 2},
     {"maxLag": 7}, {"sampling": {"topP": 0.5, "maxNewTokens": 9}}, {"task": {"digits": 6}},
     {"task": {"datasetPath": "/d.jsonl", "rewardFunction": "m:f"}}, {"advantage": {"epsilon": 0.1}},
-    {"filterZeroVariance": True}, {"seed": 3},
+    {"filterZeroVariance": True}, {"seed": 3}, {"rewardFailureDeadlineSeconds": 60},
 ]
 
 
@@ -171,9 +171,9 @@ def test_rollout_only_fields_leave_the_trainer_pods_hash_alone(rollout):
     changed = render.job_config(make_job(rollout=rollout))
     assert changed.config_hash() != base.config_hash()  # the ConfigMap does change
     assert render.role_config_hash(changed, c.Role.TRAINER) == render.role_config_hash(base, c.Role.TRAINER)
-    replicas_only = set(rollout) == {"replicas"}
+    no_pod_reads = set(rollout) <= {"replicas", "rewardFailureDeadlineSeconds"}  # render.ROLLOUT_POD_IGNORES
     assert (render.role_config_hash(changed, c.Role.ROLLOUT) == render.role_config_hash(base, c.Role.ROLLOUT)) \
-        == replicas_only
+        == no_pod_reads
 
 
 @pytest.mark.parametrize("change", [
@@ -296,10 +296,10 @@ def test_adopt_sets_owner_reference_and_namespace_but_copies_no_labels(owner):
 #: recorded with their ConfigMap (operator/rljob_operator/resolution.py), so a change here restarts nothing on an
 #: upgrade; it changes what a new job or an edited role gets. Changed on purpose by issue 10
 #: (spec.trainer.parallelism, precision and activationCheckpointing with their defaults) and issue 11
-#: (spec.redis.persistence with its defaults).
+#: (spec.redis.persistence with its defaults; spec.rollout.rewardFailureDeadlineSeconds with its default).
 EXAMPLE_HASHES = {
-    "grpo-digits-cpu": ("b907ec769d66369c", "00e085a09a00133c", "adb4dfdb5b0d115c"),
-    "grpo-qwen-math": ("f07da6c10277254d", "fec8b9b8eecdfc0b", "c14c9c781a0805c3"),
+    "grpo-digits-cpu": ("797390a1373bb61a", "360e27b35132a232", "4968b69c1698ec2a"),
+    "grpo-qwen-math": ("dfe81c83a9716c45", "e2d974bfb04919ef", "0df5b7a7cf14d34e"),
 }
 
 

@@ -18,6 +18,8 @@ from rollout_harness import make_config, make_worker, running, tiny_model, wait_
 from rljob_api import protocol
 from rljob_trainer.model import sequence_logprobs
 from rljob_rollout.__main__ import replica_index
+from rljob_rollout.backoff import JITTER_LOW, Backoff
+from rljob_rollout.worker import REWARD_BACKOFF_CAP_S, REWARD_BACKOFF_INITIAL_S
 from rollout_harness import rollout_rewards
 from rljob_trainer.stream.codec import decode_entry
 from rljob_trainer.weights import WeightPublisher
@@ -169,6 +171,12 @@ def fails_on_flagged(prompt, completion, record):
 
 def always_fails(prompt, completion, record):
     raise KeyError("no reward for you")
+
+def fails_while_flagged_file(prompt, completion, record):
+    import os
+    if os.path.exists(os.path.join(os.path.dirname(__file__), "failing")):
+        return 1 / 0
+    return 1.0
 '''
 
 
@@ -222,6 +230,50 @@ def test_a_job_where_every_reward_fails_says_so_and_writes_nothing(redis_server,
     failed = json.loads(client.hget(config.keys.rollout, protocol.ROLLOUT_ALL_REWARDS_FAILED))
     assert failed["errors"] == {"KeyError": 16} and failed["version"] == 0
     assert client.xlen(config.keys.stream) == 0
+
+
+def test_rewards_that_all_fail_back_off_exponentially_serve_weights_meanwhile_and_recover(
+        redis_server, publisher_for, custom_task, tmp_path, caplog):
+    """The waits between failing batches follow the schedule (1 s doubling, each drawn in [0.5, 1] × the nominal
+    delay) and the batches really are that far apart; new weights are loaded during a wait of at least 4 s (the
+    publisher's join timeout is 3 s); the first scored batch ends the streak and the back-off, and batches follow at
+    full speed again."""
+    (tmp_path / "failing").write_text("")
+    config = make_config(redis_server, rollout={"task": custom_task("fails_while_flagged_file"), "maxLag": 10_000_000,
+                                                "sampling": {"maxNewTokens": 4}}, redis={"maxPending": 10_000_000})
+    client = redis_server.client()
+    publisher = publisher_for(config)
+    worker = make_worker(config, redis_server.password)
+    schedule = Backoff(REWARD_BACKOFF_INITIAL_S, REWARD_BACKOFF_CAP_S)
+    with caplog.at_level(logging.INFO, logger="rljob_rollout.worker"), running(worker) as result:
+        publisher.publish(tiny_model(config, 1).named_parameters(), step=0, documents_seen=0)
+        wait_until(lambda: worker.batches >= 4, 60, "four failing batches")
+        assert worker.reward_backoff.waits == 4  # the 4th wait is drawn in [4, 8] s
+        # Received whole within the publisher's 3 s join timeout, so while the worker was backing off:
+        assert publisher.publish(tiny_model(config, 2).named_parameters(), step=3, documents_seen=48) == 1
+        wait_until(lambda: worker.version == 48, 10, "version 48 loaded")
+        streak = protocol.RewardFailures.from_field(client.hget(config.keys.rollout, protocol.ROLLOUT_ALL_REWARDS_FAILED))
+        (tmp_path / "failing").unlink()
+        wait_until(lambda: client.xlen(config.keys.stream) > 0, 30, "the first scored batch after the back-off")
+        recovered = worker.batches
+        wait_until(lambda: worker.batches >= recovered + 10, 20, "10 batches at full speed after the recovery")
+    assert "error" not in result
+
+    failing = [r for r in caplog.records if "(back-off)" in r.getMessage()]
+    waits = [r.args[1] for r in failing]
+    assert len(waits) == 4, [r.getMessage() for r in failing]  # the 5th batch scored
+    for n, wait in enumerate(waits):
+        assert JITTER_LOW * schedule.nominal(n) <= wait <= schedule.nominal(n), (n, wait)
+    gaps = [later.created - earlier.created for earlier, later in zip(failing, failing[1:])]
+    assert all(gap >= wait - 0.01 for gap, wait in zip(gaps, waits)), (gaps, waits)
+    assert [schedule.nominal(n) for n in range(4)] == [1, 2, 4, 8]
+
+    zero = "ZeroDivisionError: division by zero"
+    assert (streak.batches, streak.samples, streak.errors, streak.version) == (4, 64, {zero: 64}, 0)
+    assert streak.failing_seconds() >= sum(waits[:3]) - 0.01  # Redis clock, first to last failing batch
+    assert client.hget(config.keys.rollout, protocol.ROLLOUT_ALL_REWARDS_FAILED) is None
+    assert worker.reward_backoff.waits == 0
+    assert {int(v) for d in _documents(client, config) for v in d.model_version} == {48}  # loaded before batch 5
 
 
 def test_the_worker_rides_out_a_redis_restart(redis_server, publisher_for):

@@ -174,3 +174,50 @@ def test_rollout_hash_sums_rewards_per_version_over_workers_and_reports_all_fail
     a.report(BatchReport(16, [0.0], 1, Counter(), 0, 0, 0.1))
     assert client.hget(key, protocol.ROLLOUT_ALL_REWARDS_FAILED) is None
     np.testing.assert_allclose(rollout_rewards(client, key)[16][0], 2 / 3)
+
+
+def test_batches_that_all_fail_extend_one_streak_over_workers_on_the_redis_clock(redis_server):
+    """Every worker's failing batch extends the same record in the transaction that adds it (Redis TIME, failures by
+    class and message); a stale record is continued only by a worker that kept failing itself; a scored batch from
+    any worker ends the streak."""
+    from dataclasses import replace
+
+    config = make_config(redis_server)
+    client = redis_server.client()
+    key, field = config.keys.rollout, protocol.ROLLOUT_ALL_REWARDS_FAILED
+    zero, missing = "ZeroDivisionError: division by zero", "KeyError: 'x'"
+
+    def redis_now() -> float:
+        seconds, microseconds = client.time()
+        return seconds + microseconds / 1e6
+
+    def record() -> protocol.RewardFailures:
+        return protocol.RewardFailures.from_field(client.hget(key, field))
+
+    a, b, c = (DocumentWriter(client, config, i) for i in range(3))
+    before = redis_now()
+    a.report(BatchReport(0, [], 4, Counter({zero: 4}), 0, 0, 0.1))
+    b.report(BatchReport(16, [], 4, Counter({zero: 3, missing: 1}), 0, 0, 0.1))
+    streak = record()
+    assert (streak.batches, streak.samples, streak.errors, streak.other_errors) == (2, 8, {zero: 7, missing: 1}, 0)
+    assert (streak.version, streak.last_samples, streak.last_errors) == (16, 4, {"ZeroDivisionError": 3, "KeyError": 1})
+    assert before <= streak.since <= streak.updated_at <= redis_now()
+    stored = client.hgetall(key)
+    assert (stored[b"reward_errors:ZeroDivisionError"], stored[b"reward_errors:KeyError"], stored[b"reward_errors"]) == (
+        b"7", b"1", b"8")  # the counters stay per class
+
+    # The last failing batch 400 s ago (say the job was suspended): a worker that was not failing starts over ...
+    now = redis_now()
+    stale = replace(streak, since=now - 1000, updated_at=now - protocol.REWARD_FAILURE_GAP_S - 100)
+    client.hset(key, field, stale.to_field())
+    c.report(BatchReport(16, [], 4, Counter({zero: 4}), 0, 0, 0.1))
+    assert record().since >= now and (record().batches, record().samples) == (1, 4)
+    # ... one whose own last batch failed too goes on with it.
+    client.hset(key, field, stale.to_field())
+    b.report(BatchReport(16, [], 4, Counter({zero: 4}), 0, 0, 0.1))
+    assert (record().since, record().batches, record().samples) == (now - 1000, 3, 12)
+
+    c.report(BatchReport(16, [0.5], 4, Counter({zero: 3}), 0, 0, 0.1))  # one sample scored
+    assert client.hget(key, field) is None
+    b.report(BatchReport(16, [], 4, Counter({zero: 4}), 0, 0, 0.1))  # b failed throughout, but the streak ended
+    assert record().batches == 1 and record().since >= now

@@ -29,10 +29,7 @@ GONE = ("was lost: an emptyDir checkpoint volume does not survive a gang restart
         "spec.trainer.checkpoint.volume to a PersistentVolumeClaim), and a claim's data can be replaced or cleaned")
 
 
-@pytest.fixture(autouse=True)
-def no_torchrun_env(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("no_torchrun_env")
 
 
 def test_find_lost_checkpoint_compares_the_redis_record_with_the_volume(redis_server, tmp_path):

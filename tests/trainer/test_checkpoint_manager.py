@@ -1,5 +1,6 @@
-"""CheckpointManager in one process (a world of one over gloo): save/commit/prune, load, export, initFrom,
-and the resume-time ack of covered entries against a real Redis."""
+"""CheckpointManager in one process (a world of one over gloo): save/commit/prune, load, export, initFrom, the
+resume-time ack of covered entries against a real Redis, and the asynchronous save: the snapshot of the moment of
+save(), a write the OS refuses and a failing commit hook raised by wait()."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from safetensors.torch import load_file
 from rljob_trainer.checkpoint import (
     COMMIT_FILE,
     CheckpointManager,
+    CheckpointSaveFailed,
     CommittedCheckpoint,
     acknowledge_covered,
     committed_checkpoints,
@@ -59,7 +61,11 @@ def test_save_commit_prune_and_load_round_trip(redis_server, tmp_path, world_of_
     (step_dir(manager.root, 2)).mkdir(parents=True)
     for step in (1, 3, 4):
         train_one_step(model, optimizer, step)
-        committed = manager.save(step, step * 10, model, optimizer, [f"{step}-0", f"{step}-1"])
+        manager.save(step, step * 10, model, optimizer, [f"{step}-0", f"{step}-1"])
+    finished = manager.wait()
+    assert [f.checkpoint.step for f in finished] == [1, 3, 4]  # 1 finished inside save(3), 3 inside save(4)
+    assert all(f.save_ms >= f.blocking_ms > 0 for f in finished)
+    committed = finished[-1].checkpoint
     assert [p.name for p in committed_checkpoints(manager.root)] == ["step-00000003", "step-00000004"]
     assert not step_dir(manager.root, 1).exists() and not step_dir(manager.root, 2).exists()
     on_disk = json.loads((step_dir(manager.root, 4) / COMMIT_FILE).read_text())
@@ -111,12 +117,15 @@ def test_init_from_used_only_without_own_checkpoint(redis_server, tmp_path, worl
     source_config = make_config(redis_server, tmp_path / "other-job", processes=1)
     where = init_distributed(source_config)
     model, optimizer = model_and_optimizer(source_config)
-    CheckpointManager(source_config, where).save(5, 50, model, optimizer, ["9-0"])
+    source = CheckpointManager(source_config, where)
+    source.save(5, 50, model, optimizer, ["9-0"])
+    source.close()
 
     config = make_config(redis_server, tmp_path / "ckpt", processes=1, init_from=str(tmp_path / "other-job"))
     manager = CheckpointManager(config, where)
     assert manager.resume_source() == (step_dir(tmp_path / "other-job", 5), False)
     manager.save(6, 60, model, optimizer, [])
+    assert [f.checkpoint.step for f in manager.wait()] == [6]
     assert manager.resume_source() == (step_dir(tmp_path / "ckpt", 6), True)
 
     assert resolve_init_from(str(step_dir(tmp_path / "other-job", 5))) == step_dir(tmp_path / "other-job", 5)
@@ -149,3 +158,92 @@ def test_acknowledge_covered_on_a_redis_without_the_group_acks_nothing(redis_ser
     client.xadd(config.keys.stream, {"x": "1"})
     assert acknowledge_covered(client, config, committed) == 0  # a stream, no group
     assert client.xinfo_groups(config.keys.stream) == []
+
+
+def test_the_snapshot_is_taken_at_save_and_training_continues_meanwhile(redis_server, tmp_path, world_of_one):
+    """The files hold the state of the moment save() returned, although the model and optimizer change right after
+    (the write runs in the background from a host copy)."""
+    config = make_config(redis_server, tmp_path / "ckpt", processes=1)
+    where = init_distributed(config)
+    committed = []
+    manager = CheckpointManager(config, where, redis_server.client(), on_commit=committed.append)
+    model, optimizer = model_and_optimizer(config)
+    train_one_step(model, optimizer, 1)
+    snapshot = {name: value.clone() for name, value in model.state_dict().items()}
+    moments = {k: v["exp_avg"].clone() for k, v in optimizer.state_dict()["state"].items()}
+    started = manager.save(2, 20, model, optimizer, ["5-0"])
+    train_one_step(model, optimizer, 2)  # while the save may still be writing
+    (finished,) = manager.wait()
+    assert manager.wait() == [] and manager.poll() == []  # reported once
+    assert finished.checkpoint.step == 2 and finished.checkpoint.committed_at > 0
+    assert 0 < started.blocking_ms <= finished.save_ms
+    assert [c.covered_entry_ids for c in committed] == [{"fast_llm_consumer_0": ["5-0"]}]  # on_commit ran once
+    assert (step_dir(manager.root, 2) / COMMIT_FILE).is_file()
+
+    fresh_model, fresh_optimizer = model_and_optimizer(config, seed=99)
+    manager.load(step_dir(manager.root, 2), fresh_model, fresh_optimizer)
+    for name, value in fresh_model.state_dict().items():
+        assert torch.equal(value, snapshot[name]), name
+        assert not torch.equal(value, model.state_dict()[name]), name  # the live model moved on
+    for key, state in fresh_optimizer.state_dict()["state"].items():
+        assert torch.equal(state["exp_avg"], moments[key]), key
+    manager.close()
+
+
+def test_a_failed_write_is_raised_and_commits_nothing(redis_server, tmp_path, world_of_one):
+    """A write the OS refuses (files limited to 16 KiB: the RNG file fits, the model and optimizer do not) fails the
+    save at wait(): no commit file, no Redis record, on_commit not called; the next save commits and prunes it."""
+    import resource
+    import signal
+
+    config = make_config(redis_server, tmp_path / "ckpt", processes=1)
+    where = init_distributed(config)
+    client = redis_server.client()
+    committed = []
+    manager = CheckpointManager(config, where, client, on_commit=committed.append)
+    model, optimizer = model_and_optimizer(config)
+    train_one_step(model, optimizer, 1)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, hard))
+    try:
+        manager.save(2, 20, model, optimizer, ["5-0"])
+        with pytest.raises(CheckpointSaveFailed, match=r"checkpoint of step 2 \(.*step-00000002\) failed") as failed:
+            manager.wait()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    assert "File too large" in repr(failed.value.__cause__)
+    assert not (step_dir(manager.root, 2) / COMMIT_FILE).exists() and committed == []
+    assert client.hgetall(config.keys.checkpoint) == {}
+    assert manager.wait() == []  # reported once
+
+    manager.save(3, 30, model, optimizer, ["5-0", "6-0"])
+    assert [f.checkpoint.covered_entry_ids for f in manager.wait()] == [{"fast_llm_consumer_0": ["5-0", "6-0"]}]
+    assert [p.name for p in committed_checkpoints(manager.root)] == ["step-00000003"]
+    assert not step_dir(manager.root, 2).exists()  # the uncommitted directory is pruned
+    manager.close()
+
+
+def test_a_failed_commit_hook_is_raised_after_the_commit(redis_server, tmp_path, world_of_one):
+    """on_commit (the trainer's acks) failing on an unreachable Redis fails the save; the commit file is already
+    durable, so the next start acks its entries (acknowledge_covered)."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from portutil import free_port
+    from rljob_trainer.progress import publish_checkpointed
+
+    config = make_config(redis_server, tmp_path / "ckpt", processes=1)
+    where = init_distributed(config)
+    gone = redis.Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=1, retry=Retry(NoBackoff(), 0))
+    manager = CheckpointManager(config, where,
+                                on_commit=lambda committed: publish_checkpointed(gone, config, committed.documents_seen))
+    model, optimizer = model_and_optimizer(config)
+    manager.save(4, 40, model, optimizer, ["7-0"])
+    with pytest.raises(CheckpointSaveFailed, match="checkpoint of step 4") as failed:
+        manager.wait()
+    assert isinstance(failed.value.__cause__, redis.ConnectionError)
+    assert CommittedCheckpoint.read(step_dir(manager.root, 4)).covered_entry_ids == {"fast_llm_consumer_0": ["7-0"]}
+    manager.close()

@@ -28,10 +28,7 @@ torch.set_num_threads(1)
 STEPS, PER_STEP, KILL_AFTER = 6, 4, 5
 
 
-@pytest.fixture(autouse=True)
-def no_torchrun_env(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("no_torchrun_env")
 
 
 def uninterrupted_weights(redis_server, tmp_path, docs) -> dict[str, torch.Tensor]:

@@ -33,6 +33,18 @@ def test_parallel_dims_accepts_matching_world_and_prints_the_numbers_otherwise()
         ParallelDims(world_size=4, data_parallel=2, tensor_parallel=2).check()
 
 
+def test_parallel_dims_shards_within_replica_groups_that_divide_the_data_parallel_size():
+    hsdp = ParallelDims(world_size=8, data_parallel=8, strategy="fsdp", replicate=2)
+    hsdp.check()
+    assert hsdp.shard == 4
+    assert ParallelDims(world_size=8, data_parallel=8, strategy="fsdp").shard == 8
+    assert ParallelDims(world_size=8, data_parallel=8, strategy="ddp").shard == 1
+    with pytest.raises(WorldSizeMismatch, match="replicate=3 with strategy fsdp does not fit the data-parallel size 8"):
+        ParallelDims(world_size=8, data_parallel=8, strategy="fsdp", replicate=3).check()
+    with pytest.raises(WorldSizeMismatch, match="replicate=2 with strategy ddp does not fit"):
+        ParallelDims(world_size=8, data_parallel=8, strategy="ddp", replicate=2).check()
+
+
 def test_learning_rate_warms_up_linearly():
     assert [learning_rate(s, 1.0, 4) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
     assert learning_rate(0, 3e-4, 0) == 3e-4

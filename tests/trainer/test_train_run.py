@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from portutil import free_port
 from rljob_trainer.checkpoint import COMMIT_FILE, committed_checkpoints
+from rljob_trainer.metrics_registry import CHECKPOINT_BLOCKING, CHECKPOINT_SAVE
 from rljob_trainer.model import DigitTokenizer, build_model
 from rljob_trainer.stream.reader import DataTimeout
 from rljob_trainer.train import run
@@ -34,10 +35,7 @@ from train_harness import (
 torch.set_num_threads(1)
 
 
-@pytest.fixture(autouse=True)
-def no_torchrun_env(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("no_torchrun_env")
 
 
 def reference_first_step(config, docs):
@@ -101,6 +99,11 @@ def test_two_rank_run_trains_checkpoints_reports_and_matches_one_rank(redis_serv
         assert m["min_train_samples_reward"] == pytest.approx(min(rewards), rel=1e-6)
         assert m["advantage"] == pytest.approx(sum(d.advantage for d in step_docs) / 4, rel=1e-5, abs=1e-6)
         assert line["stream"]["redeliveries"] == 0 and line["tokens_per_second"] > 0
+    # Checkpoint timings (rank 0, ms): the saving steps 2 and 3 stood still for their snapshots; the final checkpoint
+    # is waited for, so step 3's record also has its whole save time.
+    assert not {CHECKPOINT_BLOCKING, CHECKPOINT_SAVE} & lines[0]["metrics"].keys()
+    assert lines[1]["metrics"][CHECKPOINT_BLOCKING] > 0 and lines[2]["metrics"][CHECKPOINT_BLOCKING] > 0
+    assert lines[2]["metrics"][CHECKPOINT_SAVE] >= lines[2]["metrics"][CHECKPOINT_BLOCKING]
     reference = reference_first_step(config, docs[:4])
     assert lines[0]["metrics"]["loss"] == pytest.approx(reference["loss"], rel=1e-4)
     assert lines[0]["metrics"]["new_logprobs"] == pytest.approx(reference["new_logprobs"], rel=1e-5)

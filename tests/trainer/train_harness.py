@@ -52,16 +52,17 @@ def make_config(
     max_lag: Optional[int] = None,
     parallelism: Optional[dict[str, Any]] = None,
     micro_batch_tokens: int = 24,
+    model: Optional[dict[str, Any]] = None,
 ) -> JobConfig:
-    """A resolved config for a one-node trainer of ``processes`` ranks with a tiny model and a managed Redis
-    (``max_pending`` / ``max_lag``: spec.redis.maxPending / spec.rollout.maxLag, ``parallelism``: spec.trainer.parallelism,
-    the spec's defaults if None)."""
+    """A resolved config for a one-node trainer of ``processes`` ranks with a tiny model (or spec.model ``model``) and a
+    managed Redis (``max_pending`` / ``max_lag``: spec.redis.maxPending / spec.rollout.maxLag, ``parallelism``:
+    spec.trainer.parallelism, the spec's defaults if None)."""
     rollout: dict[str, Any] = {"sampling": {"temperature": 0.7}, "replicas": 1}
     if max_lag is not None:
         rollout["maxLag"] = max_lag
     spec = RLTrainingJobSpec.model_validate(
         {
-            "model": {"source": "tiny", "tiny": TINY},
+            "model": model or {"source": "tiny", "tiny": TINY},
             "algorithm": {"loss": loss, "metrics": metrics},
             "trainer": {
                 "processesPerNode": processes,
@@ -254,7 +255,9 @@ def _keep(into: dict[str, Any], name: str, tensor: Any) -> None:
 def run_until_step_then_kill(
     config: JobConfig, config_path: Path, nproc: int, step: int, redis_server: Any, log_dir: Path, tag: str
 ) -> Torchrun:
-    """Launch the trainer, wait until its progress hash reports ``step``, then SIGKILL the whole gang.
+    """Launch the trainer, wait until its progress hash reports ``step`` and the last checkpoint before it is
+    committed and acked (:func:`wait_for_commit`; checkpoints are written in the background), then SIGKILL the
+    whole gang.
 
     The caller writes exactly ``step`` steps of documents, so the ranks are blocked reading the next step
     when the kill lands (mid-run, after the checkpoints of the steps before).
@@ -269,9 +272,27 @@ def run_until_step_then_kill(
 
     try:
         wait_until(reached, 240, f"progress step {step}", trainer.logs)
+        checkpointed = step - step % config.spec.trainer.checkpoint.every_steps
+        if checkpointed:
+            wait_for_commit(client, config, checkpointed, trainer.logs)
     finally:
         trainer.kill()
     return trainer
+
+
+def wait_for_commit(client: Any, config: JobConfig, step: int, logs=lambda: "", timeout: float = 60) -> None:
+    """Wait until the checkpoint of ``step`` under ``config.checkpoint_dir`` is committed and none of the entries it
+    covers is still pending (rank 0's commit thread acks them after the commit file)."""
+    path = Path(config.checkpoint_dir) / f"step-{step:08d}" / COMMIT_FILE
+
+    def settled() -> bool:
+        if not path.is_file():
+            return False
+        covered = {e for ids in json.loads(path.read_text())["covered_entry_ids"].values() for e in ids}
+        pending = client.xpending_range(config.keys.stream, config.keys.group, "-", "+", 100_000)
+        return not covered & {row["message_id"].decode() for row in pending}
+
+    wait_until(settled, timeout, f"checkpoint of step {step} committed and acked", logs)
 
 
 def json_lines(trainer: Torchrun) -> list[dict]:

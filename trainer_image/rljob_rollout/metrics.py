@@ -46,7 +46,7 @@ class RolloutMetrics:
         self.samples.inc(batch.samples_generated)
         self.documents.inc(documents)
         self.filtered.inc(batch.samples_filtered)
-        for kind, count in batch.reward_errors.items():
+        for kind, count in batch.errors_by_class.items():
             self.reward_errors.labels(kind=kind).inc(count)
         if batch.rewards:
             self.reward.set(sum(batch.rewards) / len(batch.rewards))

@@ -12,7 +12,8 @@ One iteration (:meth:`RolloutWorker.step`):
    success the local version becomes the event's ``documents_seen``, even when lower than before (a trainer
    resumed from an older checkpoint).
 2. Before the first successful update, generate nothing (DESIGN §2): wait for events.
-3. If back-pressure or max lag says wait (:mod:`.writer`), wait for events a little and go round again.
+3. While backing off after a batch whose every reward failed (below), or while back-pressure or max lag says wait
+   (:mod:`.writer`), wait for events a little and go round again.
 4. Generate ``promptsPerBatch`` × ``samplesPerPrompt`` completions, score them, compute group advantages,
    optionally drop zero-variance groups, write the documents, report the batch to the rollout hash.
 
@@ -24,7 +25,14 @@ loads tensor by tensor) leaves the worker with no version: it generates nothing 
 
 Reward failures: a reward function that raises drops that sample; the exception's class name is counted in
 the rollout hash and logged once per kind (with its traceback); the worker keeps going. A batch where every
-sample failed writes nothing and sets ``all_rewards_failed`` in the rollout hash.
+sample failed writes nothing and extends the failure streak ``all_rewards_failed`` in the rollout hash (since when,
+the exceptions by class and message; the operator ends the job after ``spec.rollout.rewardFailureDeadlineSeconds``).
+After such a batch the worker backs off before the next one: jittered exponential back-off, 1 s doubling to 60 s
+(:data:`REWARD_BACKOFF_INITIAL_S`, :data:`REWARD_BACKOFF_CAP_S`; each wait drawn in [0.5, 1] × the nominal delay,
+:class:`~rljob_rollout.backoff.Backoff`), reset by the first batch with a scored sample. A reward function that
+raises on everything then costs about one batch a minute instead of a GPU generating at full speed for nothing. The
+wait is spent polling the events stream, so weight updates and ``training_finished`` are handled during it (and the
+heartbeats go on); a loaded update does not end the wait.
 
 Outages: Redis errors (after the client's own retries) make the loop wait with jittered exponential backoff
 (0.5 s doubling to 30 s) and try again, forever — no crash loop; an unreachable trainer only makes transfers
@@ -35,7 +43,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import threading
 import time
 from collections import Counter
@@ -46,6 +53,7 @@ import redis
 from rljob_api import protocol
 from rljob_api.config import JobConfig
 from rljob_rollout.advantages import filter_zero_variance, group_advantages
+from rljob_rollout.backoff import Backoff
 from rljob_rollout.backends.base import Completion, GenerationBackend, UpdateOutcome
 from rljob_rollout.metrics import RolloutMetrics
 from rljob_rollout.tasks import InvalidReward, Prompt, Task
@@ -60,8 +68,12 @@ WAIT_FOR_WEIGHTS_MS = 1000
 """Longest single wait for events before the first weights (milliseconds)."""
 WAIT_FOR_ROOM_MS = 250
 """Wait for events while back-pressure holds the worker (milliseconds)."""
-BACKOFF_INITIAL_S = 0.5
-BACKOFF_MAX_S = 30.0
+OUTAGE_BACKOFF_INITIAL_S = 0.5
+OUTAGE_BACKOFF_CAP_S = 30.0
+"""Waits between tries while Redis is unreachable (seconds; :class:`~rljob_rollout.backoff.Backoff`, doubling)."""
+REWARD_BACKOFF_INITIAL_S = 1.0
+REWARD_BACKOFF_CAP_S = 60.0
+"""Waits between batches whose every reward failed (seconds; doubling, module docstring)."""
 
 
 def finished_for(event: Event, max_steps: int) -> bool:
@@ -106,6 +118,8 @@ class RolloutWorker:
         self.sampling = self.spec.sampling.model_copy(update={"max_new_tokens": limit})
         self.reward_errors: Counter = Counter()
         self.batches = 0
+        self.reward_backoff = Backoff(REWARD_BACKOFF_INITIAL_S, REWARD_BACKOFF_CAP_S)
+        self._generate_after = 0.0  # time.monotonic() before which no batch starts (reward back-off)
         self._stop = threading.Event()
         self._heartbeats_started = False
         self._last_wait_reason: Optional[str] = None
@@ -147,7 +161,7 @@ class RolloutWorker:
             redis.AuthenticationError: the Redis password is wrong (never retried).
             RedisTLSError: the server's certificate does not verify against the CA bundle (never retried).
         """
-        delay = BACKOFF_INITIAL_S
+        outage = Backoff(OUTAGE_BACKOFF_INITIAL_S, OUTAGE_BACKOFF_CAP_S)
         try:
             while not self._stop.is_set():
                 try:
@@ -165,29 +179,31 @@ class RolloutWorker:
                     if self.step():
                         log.info("rollout: training_finished received after %d batches; exiting", self.batches)
                         return 0
-                    delay = BACKOFF_INITIAL_S
+                    outage.reset()
                 except (redis.AuthenticationError, RedisTLSError):
                     raise  # a wrong password or CA bundle: waiting cannot fix it, the pod's restarts say so
                 except redis.RedisError as error:
-                    wait = random.uniform(0.5, 1.0) * delay
+                    wait = outage.next_wait()
                     log.warning("rollout: Redis unavailable (%s); retrying in %.1f s", error, wait)
                     self._stop.wait(wait)
-                    delay = min(2 * delay, BACKOFF_MAX_S)
             return 0
         finally:
             self.subscriber.leave()
 
     def step(self) -> bool:
         """One iteration (module docstring). Returns True when training has finished. Raises redis.RedisError."""
+        backing_off = self._generate_after - time.monotonic()
         if self.version is None:
             block: Optional[int] = WAIT_FOR_WEIGHTS_MS
+        elif backing_off > 0:
+            block = min(max(1, math.ceil(backing_off * 1000)), WAIT_FOR_WEIGHTS_MS)
         elif self._last_wait_reason is not None:
             block = WAIT_FOR_ROOM_MS
         else:
             block = None
         if self._handle_events(self.subscriber.poll(block_ms=block)):
             return True
-        if self.version is None or self._stop.is_set():
+        if self.version is None or self._stop.is_set() or time.monotonic() < self._generate_after:
             return False
         reason = self.writer.wait_reason()
         if reason is not None:
@@ -236,7 +252,9 @@ class RolloutWorker:
             log.info("rollout: weight update %s: %s; keeping version %s", event.ticket.id, outcome.value, self.version)
 
     def generate_batch(self) -> int:
-        """Generate, score and write one batch. Returns the number of documents written. Raises redis.RedisError."""
+        """Generate, score and write one batch. Returns the number of documents written. After a batch whose every
+        reward failed, the next one waits out the reward back-off (:meth:`step`; module docstring); a batch with a
+        scored sample resets it. Raises redis.RedisError."""
         version = self.version
         if version is None:
             raise RuntimeError("rollout: generate_batch called before any weights were loaded")
@@ -266,13 +284,19 @@ class RolloutWorker:
         self.writer.write(documents)
         self.writer.report(report)
         self.metrics.observe_batch(report, len(documents))
-        if not rewards:
-            log.error("rollout: every sample of the batch failed its reward function (%s); nothing written", dict(errors))
+        if rewards:
+            self.reward_backoff.reset()
+        else:
+            wait = self.reward_backoff.next_wait()
+            self._generate_after = time.monotonic() + wait
+            log.error("rollout: every sample of the batch failed its reward function (%s); nothing written; next batch "
+                      "in %.1f s (back-off)", dict(errors), wait)
         self.batches += 1
         return len(documents)
 
     def _score(self, prompt: Prompt, completions: list[Completion], errors: Counter) -> list[tuple[Completion, float]]:
-        """(completion, reward) of every completion whose reward could be computed; failures counted in ``errors``."""
+        """(completion, reward) of every completion whose reward could be computed; failures counted in ``errors`` per
+        :func:`rljob_api.protocol.reward_error_key` ("Class: message")."""
         group = []
         for completion in completions:
             text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
@@ -285,7 +309,7 @@ class RolloutWorker:
                 if kind not in self.reward_errors:
                     log.warning("rollout: reward function raised %s; dropping such samples (logged once per kind)", kind, exc_info=True)
                 self.reward_errors[kind] += 1
-                errors[kind] += 1
+                errors[protocol.reward_error_key(kind, str(error))] += 1
                 continue
             group.append((completion, reward))
         return group

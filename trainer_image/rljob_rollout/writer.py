@@ -34,9 +34,14 @@ Rollout hash (``keys.rollout``; every worker adds to the same fields, see :mod:`
 filtering, for the newest ``ROLLOUT_REWARD_VERSIONS_KEPT`` versions present (each report deletes older pairs in its
 own WATCH/MULTI/EXEC transaction, so the hash stays bounded); ``reward`` / ``reward_version`` = that mean for the
 version of the writer's last batch, unless that version was pruned; ``samples_generated``,
-``documents_written``, ``reward_errors`` and ``reward_errors:{kind}``, ``groups_filtered`` and
+``documents_written``, ``reward_errors`` and ``reward_errors:{class}``, ``groups_filtered`` and
 ``samples_filtered`` (zero-variance filter), ``all_rewards_failed`` (see the constant), ``worker:{replica}`` =
 JSON {version, samples_per_second, updated_at}, ``updated_at``.
+
+Reward-failure streak: a batch with no scored sample extends the hash's ``all_rewards_failed`` record
+(:func:`rljob_api.protocol.after_failing_batch`: since when, how many batches and samples, the failures by
+"Class: message", Redis clock) in the transaction that adds the batch; a batch with a scored sample deletes it, so
+the record always describes failures with no scored sample, from any worker, in between.
 """
 
 from __future__ import annotations
@@ -82,7 +87,8 @@ class BatchReport:
         version: the weights version every sample of the batch was generated with (documents).
         rewards: rewards of every scored sample (before filtering; failed samples excluded).
         samples_generated: completions generated (scored or not).
-        reward_errors: failed samples per exception class name.
+        reward_errors: failed samples per :func:`rljob_api.protocol.reward_error_key` ("Class: message", or the
+            class alone).
         groups_filtered / samples_filtered: dropped by the zero-variance filter.
         seconds: wall time of generation + scoring (seconds).
     """
@@ -94,6 +100,14 @@ class BatchReport:
     groups_filtered: int
     samples_filtered: int
     seconds: float
+
+    @property
+    def errors_by_class(self) -> Counter:
+        """Failed samples per exception class name."""
+        counts: Counter = Counter()
+        for key, n in self.reward_errors.items():
+            counts[protocol.reward_error_class(key)] += n
+        return counts
 
 
 @dataclass(frozen=True)
@@ -148,6 +162,7 @@ class DocumentWriter:
         self.max_pending = config.spec.redis.max_pending
         self.max_ahead = max(config.spec.rollout.max_lag, config.spec.trainer.batch.documents_per_step)
         self._worker_field = f"{protocol.ROLLOUT_WORKER_PREFIX}{replica_index}"
+        self._last_failed = False  # this writer's last batch had no scored sample
 
     def snapshot(self) -> StreamBacklog:
         """The group's undelivered and pending entries and the trainer's trained-unacked documents, read in one
@@ -209,20 +224,27 @@ class DocumentWriter:
         pipe.execute()
 
     def report(self, batch: BatchReport) -> None:
-        """Add one batch to the rollout hash and prune per-version reward pairs beyond the newest
-        ``reward_versions_kept`` (module docstring). Raises RedisError."""
+        """Add one batch to the rollout hash, prune per-version reward pairs beyond the newest
+        ``reward_versions_kept``, and set or delete the reward-failure streak (module docstring). Raises RedisError."""
         key, version = self._keys.rollout, batch.version
         stale: list[str] = []
 
         def add(pipe: redis.client.Pipeline) -> None:
-            # WATCH (by client.transaction) makes the pruning see the fields it deletes: a concurrent write to the
-            # hash aborts the EXEC, and redis-py reruns this function.
+            # WATCH (by client.transaction) makes the pruning see the fields it deletes, and the streak the record it
+            # extends: a concurrent write to the hash aborts the EXEC, and redis-py reruns this function.
             stale[:] = protocol.stale_reward_fields(pipe.hkeys(key), version, self.reward_versions_kept)
+            streak = None
+            if not batch.rewards:
+                seconds, microseconds = pipe.time()
+                previous = protocol.RewardFailures.from_field(pipe.hget(key, protocol.ROLLOUT_ALL_REWARDS_FAILED))
+                streak = protocol.after_failing_batch(
+                    previous, version=version, samples=batch.samples_generated, errors=batch.reward_errors,
+                    now=seconds + microseconds / 1e6, own_streak=self._last_failed)
             pipe.multi()
             pipe.hincrbyfloat(key, f"{protocol.ROLLOUT_REWARD_SUM_PREFIX}{version}", float(sum(batch.rewards)))
             pipe.hincrby(key, f"{protocol.ROLLOUT_REWARD_COUNT_PREFIX}{version}", len(batch.rewards))
             pipe.hincrby(key, protocol.ROLLOUT_SAMPLES_GENERATED, batch.samples_generated)
-            for kind, count in batch.reward_errors.items():
+            for kind, count in batch.errors_by_class.items():
                 pipe.hincrby(key, f"{protocol.ROLLOUT_REWARD_ERRORS_PREFIX}{kind}", count)
             if batch.reward_errors:
                 pipe.hincrby(key, protocol.ROLLOUT_REWARD_ERRORS, sum(batch.reward_errors.values()))
@@ -231,8 +253,13 @@ class DocumentWriter:
                 pipe.hincrby(key, protocol.ROLLOUT_SAMPLES_FILTERED, batch.samples_filtered)
             if stale:
                 pipe.hdel(key, *stale)
+            if streak is None:
+                pipe.hdel(key, protocol.ROLLOUT_ALL_REWARDS_FAILED)
+            else:
+                pipe.hset(key, protocol.ROLLOUT_ALL_REWARDS_FAILED, streak.to_field())
 
         total, count = self._client.transaction(add, key)[:2]
+        self._last_failed = not batch.rewards
         now = time.time()
         mapping = {
             self._worker_field: json.dumps(
@@ -243,10 +270,4 @@ class DocumentWriter:
         if count and f"{protocol.ROLLOUT_REWARD_COUNT_PREFIX}{version}" not in stale:
             mapping[protocol.ROLLOUT_REWARD] = repr(float(total) / int(count))
             mapping[protocol.ROLLOUT_REWARD_VERSION] = str(version)
-        if batch.rewards:
-            self._client.hset(key, mapping=mapping)
-            self._client.hdel(key, protocol.ROLLOUT_ALL_REWARDS_FAILED)
-            return
-        mapping[protocol.ROLLOUT_ALL_REWARDS_FAILED] = protocol.all_rewards_failed_field(
-            version, batch.samples_generated, batch.reward_errors)
         self._client.hset(key, mapping=mapping)

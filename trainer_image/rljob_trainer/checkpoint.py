@@ -1,4 +1,4 @@
-"""Checkpoints of the trainer with torch.distributed.checkpoint (DCP), and the final safetensors export.
+"""Checkpoints of the trainer with torch.distributed.checkpoint (DCP), saved asynchronously, and the final export.
 
 Layout under ``config.checkpoint_dir``::
 
@@ -6,16 +6,31 @@ Layout under ``config.checkpoint_dir``::
       .metadata, *.distcp
       rng/rank-0.pt ...     each rank's RNG state
       rljob_commit.json     written last, atomically: the checkpoint exists only once this file does
-    export/                 final weights in Hugging Face layout (config.json, model.safetensors)
+    export/                 final weights in Hugging Face layout (config.json, model*.safetensors; rljob_trainer.export)
 
-The commit file holds the step, documents_seen and the delivery bookkeeping: the stream entry ids that
-each consumer (DP rank) consumed since the previous checkpoint, i.e. the entries whose effect this
-checkpoint is the first to contain (DESIGN §6). Those ids are XACKed only after the commit file is
-durable; after a crash between the commit and the ack, :func:`acknowledge_covered` acks the ones still
-pending before any rank re-reads its pending entries, so an entry is never trained into two checkpoints.
+The commit file holds the step, documents_seen and the delivery bookkeeping: the stream entry ids that each
+consumer (DP rank) consumed since the previous checkpoint, i.e. the entries whose effect this checkpoint is the first
+to contain (DESIGN §6). Those ids are XACKed only after the commit file is durable; after a crash between the commit
+and the ack, :func:`acknowledge_covered` acks the ones still pending before any rank re-reads its pending entries, so
+an entry is never trained into two checkpoints.
 
-Resharding: the model and optimizer state dicts go through ``torch.distributed.checkpoint.state_dict``,
-so a checkpoint written by N ranks loads on M ranks, DDP-replicated or FSDP-sharded.
+Asynchronous save (:meth:`CheckpointManager.save`): the training loop stops only for the snapshot. Every rank waits
+for the previous save to finish, copies its model and optimizer state (its shards under fsdp) to host memory (DCP's
+``DefaultStager``: one set of host buffers reused by every save, pinned on GPU), writes its RNG file, and the ranks
+gather each consumer's covered entry ids; then ``dcp.async_save`` writes the files from that copy in a background
+thread (fsync per file) and training continues. The upload's collectives (planning, and the final gather of every
+rank's write results before rank 0 writes ``.metadata``) run on a gloo process group of their own, so they never
+interleave with the training loop's collectives. When rank 0's upload completes, every rank's files are durable; rank
+0's commit thread then writes the commit file (fsync of the file and the directory), records the step in Redis and
+runs ``on_commit`` (the trainer: publish ``checkpoint_documents_seen``, XACK every rank's covered entries, trim), then
+prunes. A failure anywhere (a rank's write, the commit, Redis) is raised by :meth:`CheckpointManager.poll` or
+:meth:`CheckpointManager.wait` on the next call, never dropped: the rank exits non-zero, the gang restarts from the
+last committed checkpoint, and the entries of the failed one, never acked, are delivered again. A crash before the
+commit file is durable leaves an uncommitted directory (pruned later) and the same redelivery.
+
+Resharding: the model and optimizer state dicts go through ``torch.distributed.checkpoint.state_dict``, so a
+checkpoint written by N ranks loads on M ranks, under either strategy: DDP-replicated tensors are saved once, FSDP2
+shards (DTensors) each by their owner, and DCP reads whatever slices the loading ranks' tensors cover.
 
 Lost checkpoints: rank 0 also records each commit in the Redis hash ``keys.checkpoint``, which outlives the pods.
 At a start, :func:`find_lost_checkpoint` compares that record with what the volume holds: a recorded checkpoint
@@ -24,30 +39,31 @@ that is gone (an emptyDir volume after a gang restart or suspend) means the run 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-import os
 import re
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import redis
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from rljob_api import constants as c
 from rljob_api import protocol
 from rljob_api.config import JobConfig
+from rljob_trainer import durable
+from rljob_trainer.export import DEFAULT_MAX_SHARD_BYTES, export_hugging_face
 from rljob_trainer.parallel import Distributed
 
 log = logging.getLogger(__name__)
@@ -131,19 +147,68 @@ def resolve_init_from(path: str) -> Path:
     )
 
 
+class CheckpointSaveFailed(RuntimeError):
+    """An asynchronous checkpoint save failed (a rank's write, the commit, or its Redis bookkeeping); the message
+    names the step and the directory, the cause is chained. The checkpoint is not committed, or committed without
+    its acks (the next start acks them, :func:`acknowledge_covered`)."""
+
+
+@dataclass(frozen=True)
+class CheckpointSave:
+    """One checkpoint save as this rank saw it.
+
+    Attributes:
+        checkpoint: what the commit file says (``committed_at``: unix seconds of the commit on global rank 0 once
+            finished, 0.0 before and on other ranks).
+        blocking_ms: milliseconds the training loop stood still for it on this rank: waiting for the previous save,
+            the barrier, the snapshot to host memory, the RNG file, the gather of covered ids, starting the upload.
+        save_ms: milliseconds from the start of :meth:`CheckpointManager.save` to the end of the commit (every
+            rank's files durable, commit file written, ``on_commit`` done); global rank 0 once finished, else None.
+    """
+
+    checkpoint: CommittedCheckpoint
+    blocking_ms: float
+    save_ms: Optional[float] = None
+
+
+@dataclass
+class _Pending:
+    save: CheckpointSave
+    upload: Future  # DCP's upload of this rank's files
+    commit: Optional[Future]  # rank 0: upload of every rank -> commit file -> Redis -> on_commit -> prune
+
+
 class CheckpointManager:
     """Saves, loads and prunes the checkpoints of one job; every rank holds one and calls it collectively.
 
-    ``save`` and ``load`` are collective over the default process group; global rank 0 writes the commit
-    file, the Redis hash ``keys.checkpoint`` and prunes to ``spec.trainer.checkpoint.keepLast``.
+    ``save``, ``load`` and ``export`` are collective over the default process group; ``poll``, ``wait`` and ``close``
+    are local. Global rank 0 writes the commit file, the Redis hash ``keys.checkpoint``, runs ``on_commit`` and prunes to
+    ``spec.trainer.checkpoint.keepLast``. At most one save is in flight: :meth:`save` first waits for the previous.
+
+    Args:
+        on_commit: called on global rank 0, in its commit thread, with each checkpoint once its commit file is
+            durable (the trainer acks the covered entries there); an exception fails the save.
     """
 
-    def __init__(self, config: JobConfig, where: Distributed, client: Optional[redis.Redis] = None) -> None:
+    def __init__(
+        self,
+        config: JobConfig,
+        where: Distributed,
+        client: Optional[redis.Redis] = None,
+        *,
+        on_commit: Optional[Callable[[CommittedCheckpoint], None]] = None,
+    ) -> None:
         self.config = config
         self.where = where
         self.client = client
         self.root = Path(config.checkpoint_dir)
         self.keep_last = config.spec.trainer.checkpoint.keep_last
+        self.on_commit = on_commit
+        self._pending: Optional[_Pending] = None
+        self._done: list[CheckpointSave] = []
+        self._group: Optional[dist.ProcessGroup] = None
+        self._stager: Optional[DefaultStager] = None
+        self._committer: Optional[ThreadPoolExecutor] = None
 
     # --- finding ----------------------------------------------------------------------------------
     def resume_source(self) -> tuple[Optional[Path], bool]:
@@ -165,10 +230,10 @@ class CheckpointManager:
 
     # --- loading ----------------------------------------------------------------------------------
     def load(self, directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> CommittedCheckpoint:
-        """Load model and optimizer state (resharded to this world size) and this rank's RNG state.
+        """Load model and optimizer state (resharded to this world size and strategy) and this rank's RNG state.
 
-        ``model`` is the unwrapped module (not DDP). A rank without a saved RNG state (the world grew)
-        seeds from ``(seed, rank, step)``.
+        ``model`` is the transformers model (not the DDP wrapper; FSDP2-sharded or not), whichever strategy and world
+        size wrote the checkpoint. A rank without a saved RNG state (the world grew) seeds from ``(seed, rank, step)``.
 
         Raises:
             FileNotFoundError / ValueError: ``directory`` is not a committed checkpoint.
@@ -201,49 +266,144 @@ class CheckpointManager:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         consumed_entry_ids: list[str],
-    ) -> CommittedCheckpoint:
-        """Write and commit the checkpoint of ``step`` (collective); return it once it is durable.
+    ) -> CheckpointSave:
+        """Snapshot the checkpoint of ``step`` and start writing it (collective); return once the snapshot is taken.
 
         Args:
             step: optimizer steps done.
             documents_seen: documents that entered the loss so far, all ranks.
-            model: the unwrapped module.
-            consumed_entry_ids: this rank's stream entry ids consumed since the previous checkpoint.
+            model: the transformers model (not the DDP wrapper).
+            optimizer: its optimizer.
+            consumed_entry_ids: this rank's stream entry ids consumed since the previous checkpoint; global rank 0
+                acks every rank's through ``on_commit`` once the checkpoint is committed.
 
-        On return the commit file is on disk on every rank's view, so the caller may XACK
-        ``consumed_entry_ids``. Older checkpoints beyond ``keepLast`` are then deleted by rank 0.
+        On return the model and optimizer may change: the files are written from a host copy. The commit follows in
+        the background (module docstring); :meth:`poll` and :meth:`wait` return it once finished.
+
+        Raises:
+            CheckpointSaveFailed: the previous save failed (raised before anything of this one happens).
         """
+        started = time.monotonic()
+        self._finish()
         target = step_dir(self.root, step)
         if self.where.is_rank_zero:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(target, ignore_errors=True)  # an uncommitted leftover of a crashed attempt
         dist.barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(target))
+        consumer = self.config.keys.consumer(self.where.rank)
+        gathered: list[Any] = [None] * self.where.world_size
+        dist.all_gather_object(gathered, (consumer, list(consumed_entry_ids)))
         rng: dict[str, Any] = {"cpu": torch.get_rng_state()}
         if self.where.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.where.device)
         (target / "rng").mkdir(parents=True, exist_ok=True)
-        _durable_torch_save(rng, target / "rng" / f"rank-{self.where.rank}.pt")
-        consumer = self.config.keys.consumer(self.where.rank)
-        gathered: list[Any] = [None] * self.where.world_size
-        dist.all_gather_object(gathered, (consumer, list(consumed_entry_ids)))
-        committed = CommittedCheckpoint(
+        durable.torch_save(rng, target / "rng" / f"rank-{self.where.rank}.pt")
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        upload = dcp.async_save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(target),
+                                process_group=self._checkpoint_group(), async_stager=self._host_stager())
+        checkpoint = CommittedCheckpoint(
             path=str(target),
             step=step,
             documents_seen=documents_seen,
             world_size=self.where.world_size,
             covered_entry_ids={name: ids for name, ids in gathered},
-            committed_at=time.time(),
         )
+        save = CheckpointSave(checkpoint, blocking_ms=(time.monotonic() - started) * 1000)
+        commit = None
         if self.where.is_rank_zero:
-            _durable_write_text(target / COMMIT_FILE, json.dumps({k: v for k, v in asdict(committed).items() if k != "path"}))
-            self._record_in_redis(committed)
-        dist.barrier()
-        if self.where.is_rank_zero:
-            self._prune()
-        log.info("checkpoint: committed %s (%d entries covered)", target, committed.num_covered)
-        return committed
+            if self._committer is None:
+                self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rljob-checkpoint-commit")
+            commit = self._committer.submit(self._commit, upload, checkpoint, started)
+        self._pending = _Pending(save, upload, commit)
+        return save
+
+    def poll(self) -> list[CheckpointSave]:
+        """The saves that have finished on this rank since the last :meth:`poll` or :meth:`wait`, oldest first; never
+        blocks. Called after every step, as the trainer does, that is at most two: the one :meth:`save` waited for,
+        and the one it started.
+
+        Raises:
+            CheckpointSaveFailed: the save in flight failed (reported once).
+        """
+        pending = self._pending
+        if pending is not None and pending.upload.done() and (pending.commit is None or pending.commit.done()):
+            self._finish()
+        done, self._done = self._done, []
+        return done
+
+    def wait(self) -> list[CheckpointSave]:
+        """Block until the save in flight has finished on this rank (on global rank 0: committed and ``on_commit``
+        done); return what :meth:`poll` would then return.
+
+        Raises:
+            CheckpointSaveFailed: the save in flight failed (reported once).
+        """
+        self._finish()
+        done, self._done = self._done, []
+        return done
+
+    def _finish(self) -> None:
+        """Wait for the save in flight, if any, and add it to the finished saves."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        save = pending.save
+        try:
+            pending.upload.result()
+            if pending.commit is not None:
+                committed_at, save_ms = pending.commit.result()
+                save = dataclasses.replace(save, checkpoint=dataclasses.replace(save.checkpoint, committed_at=committed_at),
+                                           save_ms=save_ms)
+        except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException
+            raise CheckpointSaveFailed(f"checkpoint of step {save.checkpoint.step} ({save.checkpoint.path}) failed: "
+                                       f"{type(err).__name__}: {err}") from err
+        self._done.append(save)
+
+    def close(self) -> None:
+        """Finish the save in flight (a failure is logged, not raised: ``close`` runs while a run ends, also on an
+        error), release the host staging buffers and the commit thread. Idempotent; the next save starts afresh."""
+        try:
+            self._finish()
+        except CheckpointSaveFailed as err:
+            log.error("checkpoint: %s", err)
+        self._done = []
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+        if self._committer is not None:
+            self._committer.shutdown(wait=True)
+            self._committer = None
+
+    def _checkpoint_group(self) -> dist.ProcessGroup:
+        """The gloo group of the uploads' collectives (made at the first save, on every rank: a collective)."""
+        if self._group is None:
+            timeout = timedelta(seconds=self.config.spec.trainer.collective_timeout_seconds)
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
+        return self._group
+
+    def _host_stager(self) -> DefaultStager:
+        """The host copy of this rank's state: one buffer per tensor, reused by every save; pinned on GPU."""
+        if self._stager is None:
+            on_gpu = self.where.device.type == "cuda"
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=on_gpu))
+        return self._stager
+
+    def _commit(self, upload: Future, checkpoint: CommittedCheckpoint, started: float) -> tuple[float, float]:
+        """Rank 0's commit thread: once every rank's files are durable, write the commit file, record it in Redis, run
+        ``on_commit``, prune. Returns (committed_at unix seconds, milliseconds since the save started)."""
+        upload.result()  # rank 0's upload ends after every rank's writes (DCP gathers their results first)
+        committed = dataclasses.replace(checkpoint, committed_at=time.time())
+        target = Path(committed.path)
+        durable.write_text(target / COMMIT_FILE, json.dumps({k: v for k, v in asdict(committed).items() if k != "path"}))
+        self._record_in_redis(committed)
+        if self.on_commit is not None:
+            self.on_commit(committed)
+        self._prune()
+        save_ms = (time.monotonic() - started) * 1000
+        log.info("checkpoint: committed %s (%d entries covered) %.0f ms after its snapshot began", target,
+                 committed.num_covered, save_ms)
+        return committed.committed_at, save_ms
 
     def _record_in_redis(self, committed: CommittedCheckpoint) -> None:
         if self.client is None:
@@ -272,26 +432,18 @@ class CheckpointManager:
                 shutil.rmtree(child, ignore_errors=True)
 
     # --- export -----------------------------------------------------------------------------------
-    def export(self, model: torch.nn.Module, tokenizer: Any = None) -> Optional[Path]:
-        """Rank 0 writes the final weights as safetensors in Hugging Face layout to ``checkpoint_dir/export``.
+    def export(self, model: torch.nn.Module, tokenizer: Any = None,
+               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Optional[Path]:
+        """The final weights in Hugging Face layout under ``checkpoint_dir/export``, written tensor by tensor from the
+        shards by global rank 0 (:func:`rljob_trainer.export.export_hugging_face`); collective. Waits for the save in
+        flight first. Returns the directory on rank 0, None elsewhere.
 
-        ``model`` is the transformers model (sharded under fsdp: the full tensors are gathered to rank 0's host
-        memory by ``get_model_state_dict(full_state_dict=True, cpu_offload=True)``, a collective); transformers ≥ 5
-        always serialises safetensors (``model.safetensors`` + ``config.json``). A tokenizer with
-        ``save_pretrained`` is saved beside it. Collective (ends with a barrier). Returns the directory on rank 0,
-        None elsewhere.
+        Raises:
+            CheckpointSaveFailed: the save in flight failed.
         """
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        out = None
-        if self.where.is_rank_zero:
-            out = self.root / EXPORT_DIR
-            shutil.rmtree(out, ignore_errors=True)
-            model.save_pretrained(out, state_dict=full)
-            if hasattr(tokenizer, "save_pretrained"):
-                tokenizer.save_pretrained(out)
-            log.info("checkpoint: exported final weights to %s", out)
-        dist.barrier()
-        return out
+        self._finish()
+        return export_hugging_face(model, self.root / EXPORT_DIR, writer=self.where.is_rank_zero, tokenizer=tokenizer,
+                                   max_shard_bytes=max_shard_bytes)
 
 
 def find_lost_checkpoint(client: redis.Redis, config: JobConfig,
@@ -359,29 +511,3 @@ def _group_exists(client: redis.Redis, stream: str, group: str) -> bool:
     except redis.ResponseError:  # no such stream
         return False
     return any(protocol.text(g["name"]) == group for g in groups)
-
-
-def _durable_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (temp file, fsync, rename, fsync of the directory)."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _durable_torch_save(obj: Any, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

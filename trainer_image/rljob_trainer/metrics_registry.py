@@ -1,5 +1,6 @@
 """The metrics registry: every value a trainer step reduces over the data-parallel ranks after the loss, with its
-reduction and the level that logs it (DESIGN §4); and the metrics level.
+reduction and the level that logs it (DESIGN §4); the wall-clock timings a step record may carry; and the metrics
+level.
 
 :class:`~rljob_trainer.loss_metrics.StepMetrics` accumulates and reduces what is declared here; a new metric is a
 :class:`MetricDef` in :data:`METRICS` (loss metrics, by level) or :data:`STEP_TOTALS` (every step, every level).
@@ -62,6 +63,29 @@ the metrics) and the readers' counters since this attempt started (logged as ``s
 
 STREAM_COUNTERS: tuple[str, ...] = tuple(m.name for m in STEP_TOTALS if m.name != "loss")
 """The reader counters among :data:`STEP_TOTALS` (:class:`~rljob_trainer.stream.reader.ReaderCounters` fields)."""
+
+class TimingDef(NamedTuple):
+    """A wall-clock duration in a step record's ``metrics``: measured by global rank 0, not reduced over ranks, not
+    reproducible between runs (compare metrics across runs without :data:`TIMINGS`). Present only in the records
+    its ``when`` names."""
+
+    name: str
+    when: str
+    description: str
+
+
+CHECKPOINT_BLOCKING = "checkpoint_blocking_time_ms"
+CHECKPOINT_SAVE = "checkpoint_save_time_ms"
+TIMINGS: tuple[TimingDef, ...] = (
+    TimingDef(CHECKPOINT_BLOCKING, "the steps that checkpoint",
+              "milliseconds the training loop stood still for the step's checkpoint: waiting for the previous save, a "
+              "barrier, the snapshot of model and optimizer state to host memory, the RNG files, the gather of covered "
+              "entry ids and the start of the background write"),
+    TimingDef(CHECKPOINT_SAVE, "the first step reported after a checkpoint's commit (the last step for the final one)",
+              "milliseconds from the start of a checkpoint's snapshot to the end of its commit: every rank's files "
+              "durable, commit file written, checkpoint_documents_seen published, covered entries acked"),
+)
+"""Every timing a step record may carry, by name."""
 
 COUNT_METRICS: tuple[str, ...] = ("num_tokens",)
 """Sum metrics reported as totals; every other sum metric is divided by the step's document count."""

@@ -98,35 +98,43 @@ def build_tokenizer(spec: ModelSpec, task: Optional[TaskSpec] = None) -> Any:
     return tokenizer
 
 
+def tiny_config(spec: ModelSpec, vocab_size: int) -> Any:
+    """The ``transformers.LlamaConfig`` of a ``tiny`` model spec: ``spec.tiny``'s shape, ``vocab_size`` tokens (the
+    tokenizer's), untied embeddings, pad/bos/eos ids 0/1/2 (:class:`DigitTokenizer`)."""
+    from transformers import LlamaConfig
+
+    t = spec.tiny
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_hidden_layers=t.layers,
+        num_attention_heads=t.heads,
+        num_key_value_heads=t.heads,
+        max_position_embeddings=t.max_position_embeddings,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
 def build_model(spec: ModelSpec, vocab_size: int, seed: int = 0) -> torch.nn.Module:
-    """A transformers causal LM: a seeded random Llama for ``tiny``, else ``from_pretrained``.
+    """A transformers causal LM, whole in this process: a seeded random Llama for ``tiny``, else ``from_pretrained``.
 
     The tiny model is identical for the same (spec, vocab_size, seed) on every rank and role, so the
-    rollout's initial weights equal the trainer's before the first transfer.
+    rollout's initial weights equal the trainer's before the first transfer (the trainer builds it on the meta
+    device and replays this initialisation one tensor at a time: :func:`rljob_trainer.loading.init_tiny_weights`).
 
     Raises:
         OSError: a Hugging Face id or path cannot be loaded.
     """
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     if spec.source == "tiny":
-        t = spec.tiny
-        config = LlamaConfig(
-            vocab_size=vocab_size,
-            hidden_size=t.hidden_size,
-            intermediate_size=t.intermediate_size,
-            num_hidden_layers=t.layers,
-            num_attention_heads=t.heads,
-            num_key_value_heads=t.heads,
-            max_position_embeddings=t.max_position_embeddings,
-            tie_word_embeddings=False,
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=2,
-        )
         devices_state = torch.random.get_rng_state()
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(tiny_config(spec, vocab_size))
         torch.random.set_rng_state(devices_state)
         return model.float()
     where = spec.path if spec.source == "path" else spec.name

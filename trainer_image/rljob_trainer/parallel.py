@@ -209,8 +209,9 @@ class DataParallelModel:
 
 
 def wrap_model(model: torch.nn.Module, where: Distributed, trainer: Any) -> DataParallelModel:
-    """Apply ``trainer.parallelism`` (a :class:`~rljob_api.spec.TrainerSpec`) to ``model`` (float32, on
-    ``where.device``, identical on every rank).
+    """Apply ``trainer.parallelism`` (a :class:`~rljob_api.spec.TrainerSpec`) to ``model`` (float32; under ddp on
+    ``where.device`` and identical on every rank; under fsdp on the meta device, to be materialised afterwards
+    (:func:`rljob_trainer.loading.build_parallel_model`), or already on ``where.device``).
 
     - ``activationCheckpointing: full``: the transformers model's own (non-reentrant) gradient checkpointing of
       every decoder block, applied first.

@@ -12,21 +12,25 @@ One optimizer step on every data-parallel rank (DESIGN §4, §6):
 4. every reduction after the loss (metrics, the loss value, the stream counters) in ``StepMetrics.reduce``: one
    SUM every step, one MAX when metrics are on; then gradient clipping and AdamW with linear warm-up;
 5. ``documents_seen`` += the step's documents; the new model_version is ``documents_seen``; rank 0 publishes
-   the weights (``weights_ready``) and the progress hash;
-6. every ``everySteps`` and at ``maxSteps``: a checkpoint; once it is durable rank 0 publishes its
-   documents_seen (``checkpoint_documents_seen``, for the rollout's max lag), then each rank XACKs the entries it
-   covers and rank 0 trims acked entries.
+   the weights (``weights_ready``);
+6. every ``everySteps`` and at ``maxSteps``: a checkpoint (:meth:`Trainer.save_checkpoint`). The loop stops only for
+   its snapshot to host memory; the files are written in the background, and once they are durable rank 0's commit
+   thread writes the commit file, publishes its documents_seen (``checkpoint_documents_seen``, for the rollout's max
+   lag), XACKs the entries it covers (every rank's) and trims acked entries. The final checkpoint is waited for;
+7. rank 0 reports the step (progress hash, JSON line, gauges), with the checkpoint timings of
+   :data:`~rljob_trainer.metrics_registry.TIMINGS` when the step saved or a save finished.
 
 At every start (resumes included) the latest checkpoint (or ``initFrom``) is loaded; rank 0 warns when the
 checkpoint Redis records is gone from the volume (``checkpoint_lost``), writes the start's step and documents_seen
 to the progress hash (:func:`rljob_trainer.progress.publish_start`), spreads the stream's pending entries over the
 current ranks before any rank reads (:func:`start_reading`; the world size may have changed) and publishes the full
-weights with the checkpoint's documents_seen. At ``maxSteps``: final checkpoint, safetensors export,
-``training_finished``.
+weights with the checkpoint's documents_seen. At ``maxSteps``: final checkpoint (durable and
+committed before anything else), safetensors export, ``training_finished``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
@@ -44,18 +48,20 @@ from rljob_api.config import JobConfig
 from rljob_trainer import loss as losses
 from rljob_trainer.checkpoint import (
     CheckpointManager,
+    CheckpointSave,
     CommittedCheckpoint,
     acknowledge_covered,
     find_lost_checkpoint,
 )
 from rljob_trainer.loss_metrics import StepMetrics, token_entropy
-from rljob_trainer.metrics_registry import STREAM_COUNTERS
-from rljob_trainer.model import build_model, build_tokenizer, sequence_logprobs
-from rljob_trainer.parallel import DataParallelModel, Distributed, wrap_model
+from rljob_trainer.loading import load_model
+from rljob_trainer.metrics_registry import CHECKPOINT_BLOCKING, CHECKPOINT_SAVE, STREAM_COUNTERS
+from rljob_trainer.model import build_tokenizer, sequence_logprobs
+from rljob_trainer.parallel import DataParallelModel, Distributed
 from rljob_trainer.optim import build_optimizer, learning_rate
 from rljob_trainer.progress import Progress, StepRecord, build_progress, gang_attempt, publish_checkpointed, publish_start
 from rljob_trainer.stream.batch import MicroBatch, flat_from_padded, pack_documents
-from rljob_trainer.stream.reader import StreamReader
+from rljob_trainer.stream.reader import StreamReader, ack_entries, trim_acked
 from rljob_trainer.stream.redistribute import redistribute_pending
 from rljob_trainer.weights import WeightPublisher
 
@@ -111,12 +117,15 @@ class Trainer:
         torch.manual_seed(spec.trainer.seed + where.rank)
         self.tokenizer = build_tokenizer(spec.model, spec.rollout.task)
         vocab_size = len(self.tokenizer) if hasattr(self.tokenizer, "__len__") else self.tokenizer.vocab_size
-        # float32 master weights (a Hub model loads in bf16); bf16 only in compute on GPU (precision.param).
-        model = build_model(spec.model, vocab_size, spec.trainer.seed).to(where.device, torch.float32)
-        self.parallel: DataParallelModel = wrap_model(model, where, spec.trainer)  # collective under ddp
+        self.checkpoints = CheckpointManager(config, where, client, on_commit=self._after_commit)
+        # Read once: a checkpoint to load (own or initFrom) makes the initial weights pointless, so none are read.
+        self.start_from = self.checkpoints.resume_source()
+        # float32 master weights built on the meta device: each rank allocates only its shards (fsdp) or its replica
+        # (ddp) and fills them one tensor at a time; bf16 only in compute on GPU (precision.param). Collective.
+        self.parallel: DataParallelModel = load_model(spec.model, vocab_size, spec.trainer.seed, where, spec.trainer,
+                                                      weights=self.start_from[0] is None)
         self.model = self.parallel.model
         self.optimizer = build_optimizer(self.model, spec.trainer.optimizer)  # over the shards under fsdp
-        self.checkpoints = CheckpointManager(config, where, client)
         self.step = 0
         self.documents_seen = 0
         self.metrics = StepMetrics.from_config(config, device=where.device)
@@ -135,10 +144,10 @@ class Trainer:
 
     # --- start and end ----------------------------------------------------------------------------
     def resume(self) -> Optional[CommittedCheckpoint]:
-        """Load the latest own checkpoint (or ``initFrom``), ack what it covers, publish where this attempt starts
-        (warning about a lost checkpoint), spread the pending entries over the ranks and start the reader
-        (:func:`start_reading`). Collective."""
-        source, own = self.checkpoints.resume_source()
+        """Load the checkpoint found at construction (the latest own one, else ``initFrom``), ack what it covers,
+        publish where this attempt starts (warning about a lost checkpoint), spread the pending entries over the ranks
+        and start the reader (:func:`start_reading`). Collective."""
+        source, own = self.start_from
         committed = None
         if source is not None:
             committed = self.checkpoints.load(source, self.model, self.optimizer)
@@ -157,13 +166,23 @@ class Trainer:
         return committed
 
     def fit(self) -> RunResult:
-        """Train until ``maxSteps``, then checkpoint, export and announce ``training_finished``. Collective."""
+        """Train until ``maxSteps``, then checkpoint, export and announce ``training_finished``. Collective.
+
+        Raises:
+            rljob_trainer.checkpoint.CheckpointSaveFailed: a checkpoint save failed (raised at the next step, or at
+                the end for the last one).
+        """
         max_steps = self.config.spec.trainer.max_steps
         every = self.config.spec.trainer.checkpoint.every_steps
         while self.step < max_steps:
-            self.train_step()
+            record = self.train_step()
+            timings: dict[str, float] = {}
             if self.step % every == 0 or self.step == max_steps:
-                self.save_checkpoint()
+                timings[CHECKPOINT_BLOCKING] = self.save_checkpoint().blocking_ms
+            finished = self.checkpoints.wait() if self.step == max_steps else self.checkpoints.poll()
+            if finished and finished[-1].save_ms is not None:  # rank 0; the newest if two finished since the last step
+                timings[CHECKPOINT_SAVE] = finished[-1].save_ms
+            self.progress.report(dataclasses.replace(record, metrics={**record.metrics, **timings}))
         export_dir = None
         if self.config.spec.trainer.export.safetensors:
             export_dir = self.checkpoints.export(self.model, self.tokenizer)
@@ -173,25 +192,29 @@ class Trainer:
         return RunResult(self.step, self.documents_seen, export_dir)
 
     def close(self) -> None:
-        """Release the Prometheus endpoint and the weight publisher (idempotent)."""
+        """Finish a checkpoint save still in flight (logging its failure), release the Prometheus endpoint and the
+        weight publisher (idempotent)."""
+        self.checkpoints.close()
         self.progress.close()
         if self.publisher is not None:
             self.publisher.close()
             self.publisher = None
 
-    def save_checkpoint(self) -> CommittedCheckpoint:
-        """Checkpoint (collective), publish its documents_seen (rank 0, :func:`publish_checkpointed`), then XACK the
-        entries it covers and trim acked entries (rank 0)."""
-        covered = self.reader.pending_ids()
-        committed = self.checkpoints.save(self.step, self.documents_seen, self.model, self.optimizer, covered)
-        if self.where.is_rank_zero:
-            publish_checkpointed(self.client, self.config, self.documents_seen)
-        dist.barrier()  # the rollout stops counting the covered entries as trained before they leave the pending list
-        self.reader.ack(covered)
-        dist.barrier()  # every rank's acks are in, so the trim reaches this checkpoint's entries
-        if self.where.is_rank_zero:
-            self.reader.trim_acked()
-        return committed
+    def save_checkpoint(self) -> CheckpointSave:
+        """Snapshot a checkpoint of this step covering the entries this rank consumed since the last one and start
+        writing it (collective; waits for the previous save first). The commit and the acks follow in rank 0's
+        commit thread (:meth:`_after_commit`)."""
+        return self.checkpoints.save(self.step, self.documents_seen, self.model, self.optimizer,
+                                     self.reader.take_pending_ids())
+
+    def _after_commit(self, committed: CommittedCheckpoint) -> None:
+        """Global rank 0's commit thread, once ``committed``'s commit file is durable: publish its documents_seen
+        (:func:`publish_checkpointed`: the rollout stops counting its entries as trained before they leave the pending
+        list), XACK every rank's covered entries, then trim acked entries. Only the Redis client is used (thread-safe),
+        never the reader's state."""
+        publish_checkpointed(self.client, self.config, committed.documents_seen)
+        ack_entries(self.client, self.config.keys, [e for ids in committed.covered_entry_ids.values() for e in ids])
+        trim_acked(self.client, self.config.keys)
 
     def _publish(self) -> None:
         # Under fsdp gathering a full tensor is a collective: every rank walks the same names in the same order.
@@ -205,7 +228,8 @@ class Trainer:
 
     # --- one step ---------------------------------------------------------------------------------
     def train_step(self) -> StepRecord:
-        """Read, train and report one optimizer step (collective); see the module docstring."""
+        """Read and train one optimizer step and publish the weights (collective); return its record, which
+        :meth:`fit` reports after the step's checkpoint. See the module docstring."""
         # Exactly documents_per_rank (>= 1) valid documents: every rank has at least one micro-batch, so every
         # rank joins the gradient reduction of each backward.
         entries = self.reader.next_documents(self.documents_per_rank)
@@ -257,7 +281,6 @@ class Trainer:
             metrics={"loss": step_loss, "grad_norm": float(grad_norm), "learning_rate": lr, **reduced},
             stream=stream,
         )
-        self.progress.report(record)
         return record
 
     def _micro_batch_loss(

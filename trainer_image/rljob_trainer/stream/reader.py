@@ -3,8 +3,9 @@
 Delivery contract (at-least-once in Redis, exactly-once in committed checkpoints):
 
 * Entries are read with XREADGROUP (no NOACK), so every entry handed out stays in the group's pending list
-  (PEL) under this rank's consumer name until :meth:`StreamReader.ack`. The training loop records
-  :meth:`StreamReader.pending_ids` in its checkpoint and acks them once that checkpoint is durable.
+  (PEL) under this rank's consumer name until it is acked. The training loop hands
+  :meth:`StreamReader.take_pending_ids` to each checkpoint's snapshot, and global rank 0 acks every rank's ids
+  (:func:`ack_entries`) once that checkpoint is committed.
 * On start, one process first spreads the group's pending entries (trained after the last checkpoint of a
   crashed attempt, or read ahead) evenly over the current data-parallel ranks (:func:`rljob_trainer.stream.redistribute.redistribute_pending`;
   trainer rank 0, then a barrier): when the world size changed, the old attempt's entries all belong to the old
@@ -381,46 +382,79 @@ class StreamReader:
 
     # --- delivery bookkeeping -----------------------------------------------------------------
     def pending_ids(self) -> list[str]:
-        """Ids handed out by :meth:`next_documents` and not yet acked, oldest first (for the checkpoint)."""
+        """Ids handed out by :meth:`next_documents` and not yet acked or taken, oldest first."""
         return list(self._unacked)
 
+    def take_pending_ids(self) -> list[str]:
+        """The ids :meth:`pending_ids` returns, which this reader then forgets: a checkpoint snapshot covers them
+        from here on, and global rank 0 acks them once that checkpoint is committed (:func:`ack_entries`, from its
+        commit thread), so the next checkpoint does not cover them again. They stay pending in Redis until then
+        (a crash first re-reads them). A connection loss never re-reads them either: they lie at or below the newest id
+        this reader has received, and only pending entries above it are recovered."""
+        ids, self._unacked = list(self._unacked), {}
+        return ids
+
     def ack(self, ids: Iterable[str], batch: int = 1000) -> int:
-        """XACK ``ids`` (once the checkpoint covering them is durable), ``batch`` ids per command.
+        """XACK ``ids`` (once the checkpoint covering them is durable) with :func:`ack_entries` and forget them.
 
         Returns:
             How many of them Redis still had pending (ids acked before count 0).
         """
         ids = [protocol.text(i) for i in ids]
-        acked = 0
-        for begin in range(0, len(ids), batch):
-            chunk = ids[begin : begin + batch]
-            acked += self.client.xack(self.keys.stream, self.keys.group, *chunk)
-            for entry_id in chunk:
-                self._unacked.pop(entry_id, None)
+        acked = ack_entries(self.client, self.keys, ids, batch)
+        for entry_id in ids:
+            self._unacked.pop(entry_id, None)
         return acked
 
     def trim_acked(self) -> int:
-        """XTRIM MINID below the group's oldest unacked entry (pending, or not yet delivered).
+        """:func:`trim_acked` on this reader's stream."""
+        return trim_acked(self.client, self.keys)
 
-        The pending summary and the group's last-delivered id are read in one MULTI/EXEC, so an entry
-        delivered in between cannot slip under the bound.
 
-        Returns:
-            Number of entries removed from the stream.
-        """
-        with self.client.pipeline(transaction=True) as pipe:
-            pipe.xpending(self.keys.stream, self.keys.group)
-            pipe.xinfo_groups(self.keys.stream)
-            summary, groups = pipe.execute()
-        if summary["pending"]:
-            bound = protocol.text(summary["min"])
-        else:
-            group = next(g for g in groups if protocol.text(g["name"]) == self.keys.group)
-            milliseconds, sequence = protocol.text(group["last-delivered-id"]).split("-")
-            if milliseconds == "0" and sequence == "0":
-                return 0
-            bound = f"{milliseconds}-{int(sequence) + 1}"
-        return self.client.xtrim(self.keys.stream, minid=bound, approximate=False)
+def ack_entries(client: redis.Redis, keys: RedisKeys, ids: Iterable[str | bytes], batch: int = 1000) -> int:
+    """XACK ``ids`` in the job's consumer group, ``batch`` ids per command, whichever consumer holds them.
+
+    Stateless (uses only ``client``, whose connection pool is thread-safe), so a checkpoint's commit thread may
+    call it while the training loop reads.
+
+    Returns:
+        How many of them Redis still had pending (ids acked before count 0).
+
+    Raises:
+        redis.RedisError: Redis unreachable beyond the client's retries.
+    """
+    ids = [protocol.text(i) for i in ids]
+    acked = 0
+    for begin in range(0, len(ids), batch):
+        acked += client.xack(keys.stream, keys.group, *ids[begin : begin + batch])
+    return acked
+
+
+def trim_acked(client: redis.Redis, keys: RedisKeys) -> int:
+    """XTRIM MINID below the group's oldest unacked entry (pending, or not yet delivered).
+
+    The pending summary and the group's last-delivered id are read in one MULTI/EXEC, so an entry delivered in
+    between cannot slip under the bound. Stateless like :func:`ack_entries`.
+
+    Returns:
+        Number of entries removed from the stream.
+
+    Raises:
+        redis.RedisError: Redis unreachable beyond the client's retries.
+    """
+    with client.pipeline(transaction=True) as pipe:
+        pipe.xpending(keys.stream, keys.group)
+        pipe.xinfo_groups(keys.stream)
+        summary, groups = pipe.execute()
+    if summary["pending"]:
+        bound = protocol.text(summary["min"])
+    else:
+        group = next(g for g in groups if protocol.text(g["name"]) == keys.group)
+        milliseconds, sequence = protocol.text(group["last-delivered-id"]).split("-")
+        if milliseconds == "0" and sequence == "0":
+            return 0
+        bound = f"{milliseconds}-{int(sequence) + 1}"
+    return client.xtrim(keys.stream, minid=bound, approximate=False)
 
 
 def _bytes(value: bytes | str) -> bytes:
