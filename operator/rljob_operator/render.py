@@ -88,8 +88,9 @@ _REDIS_UID = 999  # the redis user of the official image
 REDIS_DATA_DIR = "/data"
 """Where the managed Redis writes its append-only file (the emptyDir or the claim ``<job>-redis-data``)."""
 REDIS_APPENDFSYNC = "everysec"
-"""fsync policy of the durable managed Redis's append-only file: once a second, in a background thread, so a SIGKILL
-of Redis loses at most the last second or so of writes (DESIGN §6); ``always`` would fsync every write."""
+"""fsync policy of the durable managed Redis's append-only file: once a second, in a background thread, so a crash of
+its node loses at most the last second or two of writes, and a SIGKILL of Redis alone as a rule nothing it
+acknowledged (its writes are in the kernel's page cache; DESIGN §6); ``always`` would fsync every write."""
 REDIS_LOCK_FILE = f"{REDIS_DATA_DIR}/redis.lock"
 """flock(1)-ed by the durable Redis for as long as it runs, so that a replacement Redis pod (made by the ReplicaSet as
 soon as the old pod is deleted, before it has exited) waits for the old one instead of opening the same append-only
