@@ -167,6 +167,14 @@ class Reason(str, Enum):
     """Redis forgot the job's stream (its identity key changed or vanished: a managed Redis without persistence
     restarted, an external one flushed or failed over): a Warning Event says what was lost; the gang restart that
     follows is not counted against backoffLimit."""
+    CLAIM_PENDING = "ClaimPending"
+    """RedisReady=False: the managed Redis's data claim (``spec.redis.persistence``) cannot bind; the message names the
+    claim, its storage class and the reason of the claim's Event (e.g. 'storageclass.storage.k8s.io "fast" not
+    found')."""
+    REDIS_REPLACED = "RedisReplaced"
+    """Warning Event: ``spec.redis.persistence.enabled`` was switched on a job whose managed Redis existed, so the Redis
+    pod was replaced and its data (stream, consumer group, pending entries, progress and checkpoint hashes) started
+    empty."""
     CHECKPOINT_LOST = "CheckpointLost"
     """Running=True, but the attempt started below the last recorded checkpoint because it is gone from the checkpoint
     volume (the progress hash's ``checkpoint_lost``)."""

@@ -410,6 +410,41 @@ class SecretKeyRef(ApiModel):
     key: str = Field(..., min_length=1, max_length=253, description="Key inside the Secret.")
 
 
+STORAGE_QUANTITY = r"^[1-9][0-9]*(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+"""A positive storage quantity as Kubernetes writes one, e.g. ``10Gi``, ``500Mi`` (no exponent forms, no zero)."""
+
+
+class RedisPersistenceSpec(ApiModel):
+    """Where the managed Redis keeps its data (DESIGN §6 "Durability of the managed Redis")."""
+
+    enabled: bool = Field(
+        True,
+        description="Keeps the managed Redis's data on a PersistentVolumeClaim `<job>-redis-data` (owned by the job, "
+        "deleted with it), so that a restart of the Redis pod (node drain, OOM kill, eviction) keeps the stream, its "
+        "consumer group and pending entries and the progress and checkpoint hashes. Redis writes an append-only file "
+        "there with appendfsync everysec: a crash of its node can lose the last second or two of writes, a SIGKILL "
+        "of Redis alone as a rule none (docs/DESIGN.md §6). false keeps them in "
+        "an emptyDir that goes with the pod: for clusters without a StorageClass. Switching it on a job whose managed "
+        "Redis exists replaces the Redis pod, whose data then starts empty (Warning Event RedisReplaced), and restarts "
+        "a running gang from its newest checkpoint; switching it off deletes the claim. A Redis made by an operator "
+        "before this field existed stays on its emptyDir until spec.redis.persistence, image or mode is edited. "
+        "Ignored with mode=external.",
+    )
+    storage_class_name: Optional[str] = Field(
+        None,
+        max_length=253,
+        description="StorageClass of the claim; unset: the cluster's default class; \"\": no class (binds a "
+        "PersistentVolume made beforehand). Applies when the claim is created: a claim is not changed afterwards.",
+    )
+    size: str = Field(
+        "10Gi",
+        pattern=STORAGE_QUANTITY,
+        description="Storage the claim requests, a quantity such as 10Gi. It holds Redis's append-only file: the "
+        "stream's entries not yet trimmed (up to maxPending documents plus those not yet acked) about twice over "
+        "between rewrites. Applies when the claim is created: a claim is not resized.",
+    )
+
+
 class RedisSpec(ApiModel):
     mode: Literal["managed", "external"] = Field(
         "managed",
@@ -441,6 +476,10 @@ class RedisSpec(ApiModel):
         "entries no trainer rank was handed yet, plus its pending entries, not yet covered by a committed "
         "checkpoint) is below this (documents). Producers outside rljob are expected to do the same (XINFO GROUPS "
         "on status.stream.streamKey); nothing is ever trimmed that the trainer has not acknowledged.",
+    )
+    persistence: RedisPersistenceSpec = Field(
+        default_factory=RedisPersistenceSpec,
+        description="Durable managed Redis: an append-only file on a PersistentVolumeClaim (mode=managed).",
     )
 
 

@@ -1,4 +1,5 @@
-"""Pure: raw Pod and Deployment objects → the small frozen views the gang logic and status read.
+"""Pure: raw Pod, Deployment and PersistentVolumeClaim objects → the small frozen views the gang logic and status
+read.
 
 These views are what the operator's kopf indices hold (one per child pod, keyed by job), so they carry only
 what decisions need: role, index, attempt, config hashes, phase, why a pod failed, whether it was disrupted
@@ -269,3 +270,50 @@ def deployment_view(deployment: Mapping[str, Any]) -> DeploymentView:
         message += f": {available_cond['message']}"
     return DeploymentView(name=meta.get("name", ""), available=available, message=message,
                           owner_uid=controller_uid(deployment))
+
+
+CLAIM_PROBLEM_REASONS = frozenset({"FailedBinding"})
+"""Normal-type Event reasons of a PersistentVolumeClaim that still mean it cannot bind as it is (the PV controller's
+"no persistent volumes available for this claim and no storage class is set"); every Warning means so too."""
+
+
+@dataclass(frozen=True)
+class ClaimView:
+    """The managed Redis's data claim as the operator reports it: ``phase`` (Pending, Bound, Lost), ``storage_class``
+    (its spec.storageClassName: None when it names none, which after admission means the cluster had no default
+    class) and ``problem``: "<reason>: <message>" of its newest Event when that one says why it cannot bind (a
+    Warning, or :data:`CLAIM_PROBLEM_REASONS`); "" when the newest says it is on its way (Provisioning,
+    ExternalProvisioning, WaitForFirstConsumer: a fixed class or provisioner shows so at once) or there is none."""
+
+    name: str
+    phase: str
+    storage_class: Optional[str]
+    problem: str = ""
+
+    @property
+    def bound(self) -> bool:
+        return self.phase == "Bound"
+
+
+def claim_view(claim: Mapping[str, Any], events: list[Mapping[str, Any]]) -> ClaimView:
+    """The :class:`ClaimView` of a raw PersistentVolumeClaim and the Events whose involvedObject it is (as listed: any
+    order; core/v1 Events, whose time is lastTimestamp, eventTime or the creation time; a repeated Event's
+    lastTimestamp moves on). Events of an earlier claim of the same name (another uid) are left out."""
+    def problem(event: Mapping[str, Any]) -> bool:
+        return event.get("type") == "Warning" or event.get("reason") in CLAIM_PROBLEM_REASONS
+
+    def when(event: Mapping[str, Any]) -> tuple[str, bool]:
+        at = (event.get("lastTimestamp") or event.get("eventTime")
+              or (event.get("metadata") or {}).get("creationTimestamp") or "")
+        return at, problem(event)  # within one second, the problem is the newer news
+
+    uid = (claim.get("metadata") or {}).get("uid")
+    own = [e for e in events if (e.get("involvedObject") or {}).get("uid") in (None, uid)]
+    newest = max(own, key=when, default=None)
+    return ClaimView(
+        name=(claim.get("metadata") or {}).get("name", ""),
+        phase=(claim.get("status") or {}).get("phase") or "Pending",
+        storage_class=(claim.get("spec") or {}).get("storageClassName"),
+        problem=f"{newest.get('reason')}: {last_line(newest.get('message') or '')}" if newest and problem(newest)
+        else "",
+    )

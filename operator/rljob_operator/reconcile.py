@@ -7,9 +7,10 @@ Everything decided here comes from :mod:`.admission` and the pure modules (:mod:
 
 1. admit (:func:`.admission.admit`): the spec to run (the spec, or while an invalid edit is fixed the last valid
    one), its problems, or children of an earlier job of the same name to wait for;
-2. apply the static children of a valid spec (Redis Secret create-only, ConfigMap, Services, Redis Deployment),
-   only when their rendering changed since this process last applied them (:mod:`.applied`); a child the API server
-   refuses (400/422) makes the job Invalid in this pass (admission is asked again);
+2. apply the static children of a valid spec (Redis Secret and data claim create-only, ConfigMap, Services, Redis
+   Deployment), only when their rendering changed since this process last applied them (:mod:`.applied`); a child the
+   API server refuses (400/422) makes the job Invalid in this pass (admission is asked again); a managed Redis moved
+   between an emptyDir and its claim is told in a RedisReplaced Event;
 3. decide the pass's outcome: waiting for an earlier job's children; Invalid (nothing runs, no retry until the spec
    changes); or the gang's plan (:func:`.gang.plan`) over the observed pods (the kopf index, plus pods this process
    created or deleted that the watch has not reported yet), Redis's health and the progress hashes (planned again
@@ -218,6 +219,7 @@ async def _apply_children(this: _Pass, decision: Decision) -> Decision:
         return decision
     job, generation = this.job(decision.run), this.meta.get("generation")
     config = await this.config(decision.run)
+    earlier = this.runtime.recorded
     try:
         await children.apply_static(job, config, generation, this.body, this.runtime, this.ctx)
     except ApiError as err:
@@ -227,6 +229,11 @@ async def _apply_children(this: _Pass, decision: Decision) -> Decision:
         return await this.admit()
     this.runtime.last_valid = (generation, decision.run)
     this.runtime.recorded = resolution.Recorded(resolution.as_recorded(config), generation)
+    if earlier is not None and earlier.config.spec.redis.mode == config.spec.redis.mode == "managed":
+        replaced = status.redis_replaced(job.name, render.redis_persistence(earlier.config),
+                                         render.redis_persistence(config))
+        if replaced is not None:
+            this.runtime.notices.append(replaced)
     return decision
 
 
@@ -276,7 +283,8 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
     nodes = await _lost_nodes(this.ctx, pods, this.now)
     stream_lost = this.previous.stream_lost_attempt == this.before.attempt
     plan = gang.plan(job.name, spec, this.before, pods, hashes, this.now, nodes=nodes, stream_lost=stream_lost)
-    health = redis_reads.health(spec, this.redis, runtime, pods, this.now)
+    claim = await redis_reads.read_claim(job.name, job.namespace, config, this.redis, ctx)
+    health = redis_reads.health(spec, this.redis, runtime, pods, this.now, claim)
     fetched, forgot = None, None
     if ctx.read_progress and redis_reads.reads_progress(this.before.phase, plan.lifecycle.phase,
                                                         spec.redis.mode == "managed", health.ready):
@@ -284,7 +292,7 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
         if fetched is not None:
             runtime.step_rate.add(fetched.updated_at, fetched.step)
             forgot = _forgotten_stream(this, fetched)
-        health = redis_reads.health(spec, this.redis, runtime, pods, this.now)
+        health = redis_reads.health(spec, this.redis, runtime, pods, this.now, claim)
         if fetched is not None and (fetched.reward_failures is not None or forgot):  # the plan may change
             plan = gang.plan(job.name, spec, this.before, pods, hashes, this.now, rewards=fetched.reward_failures,
                              nodes=nodes, stream_lost=stream_lost or forgot is not None)
@@ -325,23 +333,27 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
 
 
 async def _save(this: _Pass, new: RLTrainingJobStatus) -> None:
-    """Write ``new`` if it differs from the stored status; then post an Event per transition.
+    """Write ``new`` if it differs from the stored status; then post an Event per transition, and the Events of what
+    passes did (:attr:`JobRuntime.notices`).
 
     Raises:
         StaleStatus: the job changed since the pass read it (409).
     """
     patch = status.status_patch(this.body.get("status") or {}, new)
-    if patch is None:
-        return
-    resource_version = this.meta.get("resourceVersion")
-    try:
-        updated = await this.ctx.api.patch_status(this.meta["namespace"], this.meta["name"], patch, resource_version)
-    except ApiError as err:
-        if err.status == 409:
-            raise StaleStatus(str(err)) from err
-        raise
-    this.runtime.remember_write(resource_version, updated)
-    for event in status.transition_events(this.previous, new):
+    events = list(this.runtime.notices)
+    if patch is not None:
+        resource_version = this.meta.get("resourceVersion")
+        try:
+            updated = await this.ctx.api.patch_status(this.meta["namespace"], this.meta["name"], patch,
+                                                      resource_version)
+        except ApiError as err:
+            if err.status == 409:
+                raise StaleStatus(str(err)) from err
+            raise
+        this.runtime.remember_write(resource_version, updated)
+        events = status.transition_events(this.previous, new) + events
+    this.runtime.notices.clear()
+    for event in events:
         this.ctx.post_event(this.body, event)
 
 

@@ -59,6 +59,9 @@ class JobRuntime:
     seen: Optional[tuple] = None
     """What the job's metadata said at the last pass (see ``handlers``): a watch event that changes it wakes the
     daemon, this process's own status writes do not."""
+    notices: list[Event] = field(default_factory=list)
+    """Events of what a pass did (not condition transitions, e.g. RedisReplaced), posted after the next status write
+    (or pass without one): a pass refused as stale keeps them for the next."""
     written: Optional[tuple[frozenset[str], str, dict[str, Any]]] = None
     """(resourceVersions this process's status writes replaced, the resourceVersion and status they left), until
     the watch shows the job at or past that write."""

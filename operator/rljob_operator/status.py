@@ -10,8 +10,9 @@ Valid                   False: the spec has a problem only code can find (the me
 RedisReady              managed: the Redis Deployment has a ready replica; external: the operator reached it
                         (over TLS: the certificate verified against spec.redis.caSecretRef or the system CAs); a
                         missing password or CA Secret names its field; a managed Redis pod that cannot be scheduled
-                        or started is named. Until this process has probed Redis itself (after a restart), the saved
-                        condition stays.
+                        or started is named; ClaimPending: its data claim cannot bind (the message names the claim,
+                        its storage class and the claim's Event that says why). Until this process has probed Redis
+                        itself (after a restart), the saved condition stays.
 RolloutReady            every rollout pod is ready; ExternalProducers (True): spec.rollout.replicas is 0, rljob runs no
                         rollout pod and producers outside rljob write the stream (the message names the stream, its
                         consumer group, the events key, the Redis address and the members hash; status.stream holds
@@ -45,9 +46,10 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
+from rljob_api import names
 from rljob_api.config import JobConfig
 from rljob_api.constants import ConditionType, Phase, Reason, Role
-from rljob_api.spec import RLTrainingJobSpec, SecretKeyRef
+from rljob_api.spec import RedisPersistenceSpec, RLTrainingJobSpec, SecretKeyRef
 from rljob_api.status import Condition, RLTrainingJobStatus, SecretKeyStatus, StreamStatus
 from rljob_api.validation import SpecProblem
 
@@ -71,7 +73,7 @@ one transition that tells a user the operator has accepted the job."""
 _PHASE_CONDITIONS = (ConditionType.RESTARTING, ConditionType.SUSPENDED, ConditionType.SUCCEEDED, ConditionType.FAILED)
 """Conditions that describe a phase: of conditions that say the same, they give the Event."""
 _WARNINGS = (Reason.UNSCHEDULABLE, Reason.ALL_REWARDS_FAILED, Reason.CONTAINER_CANNOT_START, Reason.CONTAINER_FAILING,
-             Reason.CHECKPOINT_LOST, Reason.REDIS_UNAVAILABLE)
+             Reason.CHECKPOINT_LOST, Reason.REDIS_UNAVAILABLE, Reason.CLAIM_PENDING)
 """Reasons whose Events are Warnings (besides Failed, Restarting and Valid=False)."""
 _STARVED = (Reason.UNSCHEDULABLE, Reason.CONTAINER_CANNOT_START, Reason.CONTAINER_FAILING)
 """RolloutReady reasons that, with no rollout pod ready, mean that no new document reaches the trainer."""
@@ -87,10 +89,12 @@ a few restarts; one crash costs a healthy container at most a minute of readines
 
 @dataclass(frozen=True)
 class RedisHealth:
-    """Whether Redis is usable: ``ready`` None = not known yet."""
+    """Whether Redis is usable: ``ready`` None = not known yet. ``reason``: RedisReady's reason when it is not the one
+    ``ready`` implies (ClaimPending: the managed Redis's data claim cannot bind)."""
 
     ready: Optional[bool]
     message: str
+    reason: Optional[Reason] = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,23 @@ class _Cond:
     reason: str
     """A :class:`Reason`, or a saved condition's reason kept as it was."""
     message: str
+
+
+def redis_replaced(job: str, before: Optional[RedisPersistenceSpec],
+                   after: Optional[RedisPersistenceSpec]) -> Optional[Event]:
+    """The Warning Event RedisReplaced when the managed Redis of ``job`` moved between an emptyDir (``None``) and its
+    data claim (``before`` and ``after``: :func:`~rljob_operator.render.redis_persistence` of the recorded and the new
+    config, both managed); None when it stayed where it was (a size or class edit does not change an existing
+    claim)."""
+    if (before is None) == (after is None):
+        return None
+    claim = names.redis_claim(job)
+    move = (f"from an emptyDir to the claim {claim} (spec.redis.persistence.enabled: true)" if after is not None else
+            f"from the claim {claim} to an emptyDir (spec.redis.persistence.enabled: false; the claim is deleted)")
+    return Event("Warning", Reason.REDIS_REPLACED.value,
+                 f"the managed Redis {names.redis_name(job)} moved {move}: its new pod started empty, so the stream, "
+                 "its consumer group and pending entries and the progress and checkpoint hashes of the old one are "
+                 "gone; a running trainer gang restarts from its newest checkpoint")
 
 
 def valid_condition(problems: Sequence[SpecProblem], kept: Optional[str] = None) -> _Cond:
@@ -270,7 +291,7 @@ def _conditions(lc: Lifecycle, valid: _Cond, redis: RedisHealth, trainers: Seque
     else:
         conds[ConditionType.REDIS_READY] = _Cond(
             "True" if redis.ready else "False",
-            Reason.REDIS_AVAILABLE if redis.ready else Reason.REDIS_UNAVAILABLE,
+            redis.reason or (Reason.REDIS_AVAILABLE if redis.ready else Reason.REDIS_UNAVAILABLE),
             redis.message,
         )
     current = [p for p in trainers if p.attempt == lc.attempt and not p.deleting]

@@ -291,7 +291,8 @@ def test_children_owner_references_and_gpu_pending_status(kube, operator, namesp
     for obj in pods + [config, kube.json("get", "service", "demo-trainer", "-n", namespace),
                        kube.json("get", "service", "demo-redis", "-n", namespace),
                        kube.json("get", "secret", "demo-redis-auth", "-n", namespace),
-                       kube.json("get", "deployment", "demo-redis", "-n", namespace)]:
+                       kube.json("get", "deployment", "demo-redis", "-n", namespace),
+                       wait_for(lambda: kube.json("get", "pvc", "demo-redis-data", "-n", namespace), "the Redis claim")]:
         (ref,) = obj["metadata"]["ownerReferences"]
         assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("RLTrainingJob", "demo",
                                                                               job["metadata"]["uid"], True)
@@ -356,7 +357,7 @@ def test_gang_restarts_counted_evictions_not_counted_suspend_resume_and_cascade(
     kube.run("delete", "rljob", "gang", "-n", namespace, "--timeout=60s")
 
     def leftovers():
-        found = kube.json("get", "pods,services,configmaps,secrets,deployments", "-n", namespace,
+        found = kube.json("get", "pods,services,configmaps,secrets,deployments,persistentvolumeclaims", "-n", namespace,
                           "-l", "rljob.dev/job-name=gang")
         return [f"{o['kind']}/{o['metadata']['name']}" for o in found["items"]]
 
@@ -718,6 +719,43 @@ def test_a_child_the_api_server_refuses_makes_the_job_invalid_and_redis_ready_sa
     # nothing of an invalid job runs: a rollout pod created beside the refused trainer pods is deleted
     wait_for(lambda: not [p for p in kube.pods(namespace, "rollout") if not p["metadata"].get("deletionTimestamp")],
              "no rollout pod of the invalid job")
+
+
+def test_a_redis_claim_that_cannot_bind_is_named_in_redis_ready_until_fixed(kube, operator, namespace):
+    """spec.redis.persistence names a StorageClass the cluster does not have: the operator's claim stays Pending and
+    RedisReady says so (ClaimPending: the claim, its class and the PV controller's reason, read from the claim's
+    Events under the operator's ServiceAccount), with one Warning Event. Switching persistence off moves Redis onto an
+    emptyDir and deletes the claim; RedisReady then tells the Redis pod's own state (no nodes here)."""
+    kube.apply(job_manifest("noclass", redis={"persistence": {"storageClassName": "fast", "size": "1Gi"}}), namespace)
+    pending = wait_for(lambda: (r := kube.condition(namespace, "noclass", "RedisReady")).get("reason") == "ClaimPending"
+                       and r, "RedisReady=False/ClaimPending")
+    assert pending["status"] == "False" and pending["message"].startswith(
+        "managed Redis noclass-redis: 0/1 replicas available")
+    assert pending["message"].endswith(
+        "; its data claim noclass-redis-data (storage class 'fast') is Pending: ProvisioningFailed: "
+        'storageclass.storage.k8s.io "fast" not found; fix spec.redis.persistence (storageClassName, size) or the '
+        "cluster's storage, or set spec.redis.persistence.enabled to false"), pending["message"]
+    claim = kube.json("get", "pvc", "noclass-redis-data", "-n", namespace)
+    assert claim["spec"]["storageClassName"] == "fast" and claim["spec"]["resources"]["requests"]["storage"] == "1Gi"
+    assert claim["metadata"]["ownerReferences"][0]["name"] == "noclass"
+    events = wait_for(lambda: [e for e in kube.json("get", "events", "-n", namespace)["items"]
+                               if e["involvedObject"]["kind"] == "RLTrainingJob" and e["reason"] == "ClaimPending"],
+                      "a ClaimPending Event")
+    assert [e["type"] for e in events] == ["Warning"] and 'storageclass.storage.k8s.io "fast" not found' in events[0][
+        "message"]
+
+    kube.run("patch", "rljob", "noclass", "-n", namespace, "--type=merge",
+             "-p", json.dumps({"spec": {"redis": {"persistence": {"enabled": False}}}}))
+    moved = wait_for(lambda: (r := kube.condition(namespace, "noclass", "RedisReady")).get("reason") == "RedisUnavailable"
+                     and r, "RedisReady back to the Redis pod's state")
+    assert "claim" not in moved["message"]
+    wait_for(lambda: (c := kube.json("get", "pvc", "noclass-redis-data", "-n", namespace)) is None
+             or c["metadata"].get("deletionTimestamp"), "the claim deleted")
+    volumes = kube.json("get", "deployment", "noclass-redis", "-n", namespace)["spec"]["template"]["spec"]["volumes"]
+    assert volumes == [{"name": "data", "emptyDir": {}}]
+    replaced = wait_for(lambda: [e for e in kube.json("get", "events", "-n", namespace)["items"]
+                                 if e["reason"] == "RedisReplaced"], "a RedisReplaced Event")
+    assert replaced[0]["type"] == "Warning" and "to an emptyDir" in replaced[0]["message"]
 
 
 def test_watch_of_a_job_that_does_not_exist_says_so_in_one_line(kube, installed, namespace):

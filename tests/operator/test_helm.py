@@ -19,7 +19,8 @@ NAMESPACED_RULES = {
     ("", "services"): {"get", "create", "patch"},
     ("", "secrets"): {"get", "create"},
     ("apps", "deployments"): {"get", "list", "watch", "create", "patch"},
-    ("", "events"): {"create"},
+    ("", "persistentvolumeclaims"): {"get", "create", "delete"},
+    ("", "events"): {"create", "list"},
 }
 CLUSTER_RULES = {
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},

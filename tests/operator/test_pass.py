@@ -159,6 +159,92 @@ def test_an_upgraded_operator_restarts_no_gang_until_the_user_edits_a_field_the_
     assert json.loads(text)["spec"]["trainer"]["backend"] == "builtin"  # this version's resolution, new default in
 
 
+def test_an_upgraded_operator_keeps_a_running_redis_on_its_emptydir_until_the_user_edits_its_persistence(
+        kube: Kube, installed, namespace):
+    """The job as the API server returns it after a CRD upgrade holds spec.redis.persistence with its defaults
+    (enabled), but the children an earlier operator made — ConfigMap record without the field, emptyDir Redis
+    Deployment stamped with that rendering's hash — stay as they are: no Deployment applied, no claim created, the
+    Redis Deployment's template untouched, also through an edit elsewhere. An edit of spec.redis.persistence moves
+    Redis onto the claim (created, owned by the job) and says so in a RedisReplaced Event; switching it off moves
+    it back and deletes the claim."""
+    import json
+
+    from rljob_api.canonical import canonical_json
+    from rljob_api.config import JobConfig
+    from rljob_api.spec import RLTrainingJobSpec
+    from rljob_operator import applied, render
+    from rljob_operator.apply import adopt
+
+    kube.apply(job_manifest("keep"), namespace)
+    job = kube.job(namespace, "keep")
+    assert job["spec"]["redis"]["persistence"] == {"enabled": True, "size": "10Gi"}  # the CRD's defaults
+    rendered = render.Job("keep", namespace, RLTrainingJobSpec.model_validate(job["spec"]))
+    data = json.loads(render.job_config(rendered).to_json())
+    del data["spec"]["redis"]["persistence"]
+    earlier = JobConfig.from_recorded(canonical_json(data), render.role_hashes(JobConfig.from_json(canonical_json(data))))
+    made = render.static_children(rendered, earlier, job["metadata"]["generation"])  # as the earlier operator did:
+    secret = render.redis_secret(rendered, "pw")                                       # server-side apply, its manager
+    adopt(made + [secret], job)
+    for child in made + [secret]:
+        kube.run("apply", "--server-side", "--field-manager=rljob-operator", "-f", "-",
+                 input=json.dumps(applied.stamp(child) if child is not secret else child))
+    kube.run("patch", "rljob", "keep", "-n", namespace, "--subresource=status", "--type=merge",
+             "-p", json.dumps({"status": {"phase": "Pending", "attempt": 0}}))
+    deployment = kube.json("get", "deployment", "keep-redis", "-n", namespace)
+    template = deployment["spec"]["template"]
+    assert template["spec"]["volumes"] == [{"name": "data", "emptyDir": {}}]
+
+    def claim():
+        return kube.json("get", "pvc", "keep-redis-data", "-n", namespace)
+
+    requests = pass_with_pods(installed, kube, namespace, "keep")
+    assert (requests[("apply", "deployments")], requests[("create", "persistentvolumeclaims")]) == (0, 0)
+    assert requests[("apply", "configmaps")] == 0 and claim() is None
+    after = kube.json("get", "deployment", "keep-redis", "-n", namespace)
+    assert (after["metadata"]["resourceVersion"], after["spec"]["template"]) == (
+        deployment["metadata"]["resourceVersion"], template)
+    assert "persistence" not in json.loads(kube.json("get", "configmap", "keep-config", "-n", namespace)[
+        "data"]["config.json"])["spec"]["redis"]
+
+    kube.apply(job_manifest("keep", trainer={"maxSteps": 999}), namespace)  # an edit elsewhere: a new resolution
+    events = []
+    requests = pass_with_pods(installed, kube, namespace, "keep", events=events)
+    text = kube.json("get", "configmap", "keep-config", "-n", namespace)["data"]["config.json"]
+    assert json.loads(text)["spec"]["trainer"]["maxSteps"] == 999 and "persistence" not in json.loads(text)["spec"]["redis"]
+    assert requests[("apply", "deployments")] == 0 and claim() is None
+    assert "RedisReplaced" not in [e.reason for e in events]
+    assert kube.json("get", "deployment", "keep-redis", "-n", namespace)["spec"]["template"] == template
+
+    kube.apply(job_manifest("keep", trainer={"maxSteps": 999}, redis={"persistence": {"size": "2Gi"}}), namespace)
+    events = []
+    requests = pass_with_pods(installed, kube, namespace, "keep", events=events)
+    assert (requests[("apply", "deployments")], requests[("create", "persistentvolumeclaims")]) == (1, 1)
+    made = claim()
+    (ref,) = made["metadata"]["ownerReferences"]
+    assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("RLTrainingJob", "keep", job["metadata"]["uid"],
+                                                                          True)
+    assert made["spec"]["resources"]["requests"]["storage"] == "2Gi" and made["spec"]["accessModes"] == ["ReadWriteOnce"]
+    volumes = kube.json("get", "deployment", "keep-redis", "-n", namespace)["spec"]["template"]["spec"]["volumes"]
+    assert volumes == [{"name": "data", "persistentVolumeClaim": {"claimName": "keep-redis-data"}}]
+    (replaced,) = [e for e in events if e.reason == "RedisReplaced"]
+    assert replaced.type == "Warning" and "moved from an emptyDir to the claim keep-redis-data" in replaced.message
+
+    requests = pass_with_pods(installed, kube, namespace, "keep")  # the next operator: nothing more to do
+    assert requests[("apply", "deployments")] == 0 and requests[("create", "persistentvolumeclaims")] == 0
+    assert claim()["metadata"]["uid"] == made["metadata"]["uid"]
+
+    kube.apply(job_manifest("keep", trainer={"maxSteps": 999}, redis={"persistence": {"size": "2Gi", "enabled": False}}),
+               namespace)
+    events = []
+    requests = pass_with_pods(installed, kube, namespace, "keep", events=events)
+    assert (requests[("apply", "deployments")], requests[("delete", "persistentvolumeclaims")]) == (1, 1)
+    volumes = kube.json("get", "deployment", "keep-redis", "-n", namespace)["spec"]["template"]["spec"]["volumes"]
+    assert volumes == [{"name": "data", "emptyDir": {}}]
+    gone = claim()
+    assert gone is None or gone["metadata"].get("deletionTimestamp")  # kept while the old Redis pod holds it
+    assert [e.reason for e in events].count("RedisReplaced") == 1
+
+
 def test_an_upgrade_that_adds_the_reward_failure_deadline_replaces_no_pod_nor_does_editing_it(kube: Kube, installed,
                                                                                                 namespace):
     """A job made before spec.rollout.rewardFailureDeadlineSeconds existed: this version's CRD fills in its default
