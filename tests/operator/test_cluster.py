@@ -309,7 +309,7 @@ def test_children_owner_references_and_gpu_pending_status(kube, operator, namesp
     status = kube.job(namespace, "demo")["status"]
     assert (status["phase"], status["dataParallelSize"], status["restarts"], status["attempt"]) == ("Starting", 2, 0, 0)
     table = kube.run("get", "rljob", "demo", "-n", namespace).stdout.split("\n")
-    assert table[0].split() == ["NAME", "PHASE", "DP", "STEP", "MODELVERSION", "REWARD", "AGE"]
+    assert table[0].split() == ["NAME", "PHASE", "DP", "STEP", "PROGRESS", "ETA", "MODELVERSION", "REWARD", "AGE"]
     assert table[1].split()[:3] == ["demo", "Starting", "2"]
     events = wait_for(lambda: [e for e in kube.json("get", "events", "-n", namespace)["items"]
                                if e["involvedObject"]["kind"] == "RLTrainingJob" and e["reason"] == "Unschedulable"],
@@ -455,7 +455,8 @@ def test_progress_hashes_reach_status_and_printer_columns(kube, operator, namesp
     redis_ready = kube.condition(namespace, "prog", "RedisReady")
     assert (redis_ready["status"], redis_ready["reason"]) == ("True", "RedisAvailable")
     row = kube.run("get", "rljob", "prog", "-n", namespace).stdout.split("\n")[1].split()
-    assert row[:6] == ["prog", "Starting", "2", "5", "320", "0.75"]
+    assert row[:7] == ["prog", "Starting", "2", "5", "5", "320", "0.75"]  # 5 of maxSteps 100: 5 %; ETA empty
+    assert kube.job(namespace, "prog")["status"]["progressPercentage"] == 5  # before Running
     client.hset(prefix + "progress", mapping={"step": 6})
     wait_for(lambda: kube.job(namespace, "prog")["status"].get("step") == 6, "the next step")
 
