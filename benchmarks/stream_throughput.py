@@ -26,8 +26,15 @@ the reader take turns and "read" falls back towards "read, no ahead". Lengths ru
 other (allocator state; packing 4096-token documents after the 512 run is up to 2x slower): for steady figures
 run one length per invocation.
 
+With ``--persistence`` every figure is measured twice in the same run, against a redis-server without persistence
+and one that writes an append-only file with appendfsync everysec as the durable managed Redis does
+(``spec.redis.persistence``, :data:`rljob_operator.render.REDIS_APPENDFSYNC`; its directory on the disk of
+``--data-dir``), the two taking turns within each repeat, and a third table gives each path's rate with the file over
+its rate without. The 50% targets hold for each server; the comparison is reported, not judged.
+
     python benchmarks/stream_throughput.py                 # starts its own redis-server on a free port
     python benchmarks/stream_throughput.py --lengths 4096 --megabytes 64
+    python benchmarks/stream_throughput.py --persistence --data-dir /var/tmp   # without vs with the append-only file
     python benchmarks/stream_throughput.py --redis-url redis://:password@host:6379/0
 """
 
@@ -41,6 +48,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import numpy as np
@@ -48,6 +56,7 @@ import redis
 
 from rljob_api import RLTrainingJobSpec, resolve
 from rljob_api.config import RedisConnection, RedisKeys
+from rljob_operator.render import REDIS_APPENDFSYNC
 from rljob_trainer.stream.batch import pack_documents
 from rljob_trainer.stream.codec import Document, decode_entries, encode_document
 from rljob_trainer.stream.reader import StreamReader
@@ -63,17 +72,24 @@ class Rate:
     megabytes_per_second: float
 
 
-def start_redis() -> tuple[subprocess.Popen, str, str]:
-    """A throw-away redis-server on a free loopback port (no persistence); returns (process, url, data dir)."""
+def start_redis(persistent: bool = False, parent: Optional[str] = None) -> tuple[subprocess.Popen, str, str]:
+    """A throw-away redis-server on a free loopback port; returns (process, url, data dir). Without ``persistent`` it
+    keeps nothing on disk; with it, it writes an append-only file (appendfsync :data:`REDIS_APPENDFSYNC`, no RDB
+    snapshots: the durable managed Redis's settings) in a new directory under ``parent`` (default: the temp dir).
+
+    Raises:
+        SystemExit: no redis-server on PATH, or it did not answer within 10 s.
+    """
     binary = shutil.which("redis-server")
     if binary is None:
         raise SystemExit("redis-server is not installed; pass --redis-url")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    data_dir = tempfile.mkdtemp(prefix="rljob-bench-redis-")
+    data_dir = tempfile.mkdtemp(prefix="rljob-bench-redis-", dir=parent)
+    persistence = ["--appendonly", "yes", "--appendfsync", REDIS_APPENDFSYNC] if persistent else ["--appendonly", "no"]
     process = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", data_dir],
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", *persistence, "--dir", data_dir],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -236,27 +252,32 @@ class Row:
         return self.best[path] / self.count * 1e6
 
 
-def run(url: str, lengths: list[int], megabytes: float, repeats: int) -> list[Row]:
-    client = redis.Redis.from_url(url)
+def run(urls: list[str], lengths: list[int], megabytes: float, repeats: int) -> list[list[Row]]:
+    """Every length against every Redis of ``urls``; the servers take turns within each repeat, so a change in the
+    machine's load reaches them alike. Returns one list of rows per url."""
+    clients = [redis.Redis.from_url(url) for url in urls]
     keys = resolve("bench", "bench", RLTrainingJobSpec.model_validate({"model": {"source": "tiny"}}), RedisConnection(host="unused")).keys
     keys = keys.model_copy(update={"stream": "rljob:bench:stream", "group": "rljob:bench:group"})
-    rows = []
+    rows: list[list[Row]] = [[] for _ in urls]
     for length in lengths:
         docs = make_documents(1, length, 0)
         entry_bytes = sum(len(v) for v in encode_document(docs[0]).values())
         count = max(BATCH, int(megabytes * 2**20 / entry_bytes))
         docs = make_documents(count, length, 0)
-        best: dict[str, float] = {}
-        best_stages: dict[str, float] = {}
+        best: list[dict[str, float]] = [{} for _ in urls]
+        best_stages: list[dict[str, float]] = [{} for _ in urls]
         for _ in range(repeats):
-            seconds = measure(client, keys, docs, budget=max(8192, length))
-            stages = {path: value for path, value in seconds.items() if path.startswith("stage_")}
-            if not best_stages or sum(stages.values()) < sum(best_stages.values()):
-                best_stages = stages  # the stages of one run, so that they add up
-            for path, value in seconds.items():
-                best[path] = min(best.get(path, float("inf")), value)
-        rows.append(Row(length, count, entry_bytes, {**best, **best_stages}))
-    client.close()
+            for server, client in enumerate(clients):
+                seconds = measure(client, keys, docs, budget=max(8192, length))
+                stages = {path: value for path, value in seconds.items() if path.startswith("stage_")}
+                if not best_stages[server] or sum(stages.values()) < sum(best_stages[server].values()):
+                    best_stages[server] = stages  # the stages of one run, so that they add up
+                for path, value in seconds.items():
+                    best[server][path] = min(best[server].get(path, float("inf")), value)
+        for server in range(len(urls)):
+            rows[server].append(Row(length, count, entry_bytes, {**best[server], **best_stages[server]}))
+    for client in clients:
+        client.close()
     return rows
 
 
@@ -313,6 +334,28 @@ def targets_met(rows: list[Row]) -> bool:
                for row in rows for ours, raw in sides)
 
 
+PATHS = (("write ours", "write_ours"), ("write raw", "write_raw"), ("read ours", "read_ours"),
+         ("read, no ahead", "read_ours_no_ahead"), ("read raw", "read_raw"))
+"""The paths the persistence comparison reports (label, key of :attr:`Row.best`)."""
+
+
+def persistence_report(without: list[Row], with_file: list[Row], file_bytes: int) -> str:
+    """Per length and path: documents/s without persistence, with the append-only file, and the ratio; then the size
+    the file had at the end of the run (``file_bytes``)."""
+    lines = [f"{'tokens/doc':>10} {'path':>15} {'no file docs/s':>15} {'everysec docs/s':>16} {'everysec/no file':>17}"]
+    for off, on in zip(without, with_file, strict=True):
+        for label, path in PATHS:
+            before, after = off.rate(path).documents_per_second, on.rate(path).documents_per_second
+            lines.append(f"{off.length:>10} {label:>15} {before:>15,.0f} {after:>16,.0f} {after / before:>16.0%}")
+    lines.append(f"append-only file at the end of the run: {file_bytes / 1e6:,.1f} MB (every stream was deleted "
+                 "after its run: what rewrites have not compacted yet)")
+    return "\n".join(lines)
+
+
+def _directory_bytes(path: str) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Run and print the report; 0 when every target is met, 1 when one is missed."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -320,22 +363,36 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 4096], help="document lengths in tokens")
     parser.add_argument("--megabytes", type=float, default=32.0, help="stream payload per length and path (MiB)")
     parser.add_argument("--repeats", type=int, default=5, help="runs per length; each path's best time counts")
+    parser.add_argument("--persistence", action="store_true",
+                        help="measure against a redis-server without persistence and one with an append-only file "
+                        f"(appendfsync {REDIS_APPENDFSYNC}), taking turns, and compare")
+    parser.add_argument("--data-dir", default=None,
+                        help="where the append-only file of --persistence is written (default: the temp dir)")
     args = parser.parse_args(argv)
+    if args.persistence and args.redis_url:
+        parser.error("--persistence starts its own two redis-servers: leave out --redis-url")
 
-    process = data_dir = None
-    url = args.redis_url
-    if url is None:
-        process, url, data_dir = start_redis()
+    if args.redis_url is not None:
+        (rows,) = run([args.redis_url], args.lengths, args.megabytes, args.repeats)
+        print(report(rows))
+        return 0 if targets_met(rows) else 1
+    servers = [start_redis()] + ([start_redis(True, args.data_dir)] if args.persistence else [])
     try:
-        rows = run(url, args.lengths, args.megabytes, args.repeats)
+        results = run([url for _, url, _ in servers], args.lengths, args.megabytes, args.repeats)
+        file_bytes = _directory_bytes(servers[-1][2])
     finally:
-        if process is not None:
+        for process, _, data_dir in servers:
             process.terminate()
             process.wait(10)
             shutil.rmtree(data_dir, ignore_errors=True)
-
-    print(report(rows))
-    return 0 if targets_met(rows) else 1
+    if not args.persistence:
+        print(report(results[0]))
+        return 0 if targets_met(results[0]) else 1
+    rows, durable = results
+    print("without persistence (--appendonly no):\n" + report(rows))
+    print(f"\nwith the append-only file (--appendonly yes --appendfsync {REDIS_APPENDFSYNC}):\n" + report(durable))
+    print("\npersistence, same run:\n" + persistence_report(rows, durable, file_bytes))
+    return 0 if targets_met(rows) and targets_met(durable) else 1
 
 
 if __name__ == "__main__":

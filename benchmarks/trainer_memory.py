@@ -27,7 +27,7 @@ that every tensor's storage of 128 KiB or more is a mapping of its own, returned
 With glibc's default the threshold rises to the size of each large block freed (up to 32 MiB): FSDP's per-unit
 all-gather and reduce-scatter buffers, activations and optimizer temporaries are then carved from the heap, and the
 heap keeps their pages after they are freed, so RssAnon reports what the allocator retains rather than what the
-trainer holds (measured: 3.46 GB against 1.82 GB for the same FSDP rank; docs/trainer-memory.md).
+trainer holds (measured: 3.49 GB against 1.71 GB for the same FSDP rank at 2 ranks; docs/trainer-memory.md).
 ``--glibc-dynamic`` measures with glibc's default instead.
 
 Targets (exit 0 only when all are met, 1 otherwise, 2 on an error):
@@ -244,18 +244,20 @@ class ModelFacts:
 
 def save_model(model_config: dict, directory: Path) -> ModelFacts:
     """Write the seeded random Llama of ``model_config`` with ``save_pretrained`` (float32 safetensors) and measure it:
-    the units are those ``wrap_model`` shards (each decoder block, then the root with what is left)."""
+    the units are those ``wrap_model`` shards (:func:`~rljob_trainer.parallel.fsdp_units`: each decoder block, the
+    embedding and the output projection when untied, then the root with what is left)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rljob_trainer.parallel import fsdp_units
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**model_config))
     model.save_pretrained(directory)
-    blocks = set(model._no_split_modules)
-    units = {name: sum(p.numel() for p in module.parameters())
-             for name, module in model.named_modules() if type(module).__name__ in blocks}
+    names = {module: name for name, module in model.named_modules()}
+    units = {names[module]: sum(p.numel() for p in module.parameters()) for module in fsdp_units(model)}
     total = sum(p.numel() for p in model.parameters())
-    units["root (embedding, lm_head, final norm)"] = total - sum(units.values())
+    units["root (what no other unit holds)"] = total - sum(units.values())
     name = max(units, key=units.get)
     return ModelFacts(total, max(p.numel() for p in model.parameters()), units[name], name)
 

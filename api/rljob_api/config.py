@@ -139,6 +139,11 @@ class JobConfig(ApiModel):
         per_replica = max(1, self.spec.rollout.gpus_per_replica)
         return 1 + replica_index * per_replica + local_gpu
 
+    def first_external_transfer_rank(self) -> int:
+        """The lowest weight-transfer rank a process outside rljob may heartbeat as: the first above the rollout pods'
+        range (1 with ``spec.rollout.replicas`` 0). It moves up when the rollout is scaled up."""
+        return self.transfer_rank(self.spec.rollout.replicas)
+
 
 def resolve(name: str, namespace: str, spec: RLTrainingJobSpec, redis: RedisConnection) -> JobConfig:
     """Build the resolved config of one job (the operator's and the tests' single way to make one).

@@ -151,6 +151,9 @@ class Reason(str, Enum):
     POD_LOST = "PodLost"
     GANG_CREATED = "GangCreated"
     ALL_REWARDS_FAILED = "AllRewardsFailed"
+    EXTERNAL_PRODUCERS = "ExternalProducers"
+    """RolloutReady=True of a trainer-only job (``spec.rollout.replicas`` 0): rljob runs no rollout pod, producers
+    outside rljob write the stream; the message names the stream, group, events key and Redis address."""
     REWARDS_FAILING = "RewardsFailing"
     """Failed: the reward function failed on every sample of every rollout batch for
     ``spec.rollout.rewardFailureDeadlineSeconds``; the message counts the exceptions by class and message."""
@@ -160,6 +163,18 @@ class Reason(str, Enum):
     CONTAINER_FAILING = "ContainerFailing"
     """A pod's container keeps exiting with an error and being restarted (CrashLoopBackOff); the message gives the
     restart count and the last exit code and termination message."""
+    STREAM_LOST = "StreamLost"
+    """Redis forgot the job's stream (its identity key changed or vanished: a managed Redis without persistence
+    restarted, an external one flushed or failed over): a Warning Event says what was lost; the gang restart that
+    follows is not counted against backoffLimit."""
+    CLAIM_PENDING = "ClaimPending"
+    """RedisReady=False: the managed Redis's data claim (``spec.redis.persistence``) cannot bind; the message names the
+    claim, its storage class and the reason of the claim's Event (e.g. 'storageclass.storage.k8s.io "fast" not
+    found')."""
+    REDIS_REPLACED = "RedisReplaced"
+    """Warning Event: ``spec.redis.persistence.enabled`` was switched on a job whose managed Redis existed, so the Redis
+    pod was replaced and its data (stream, consumer group, pending entries, progress and checkpoint hashes) started
+    empty."""
     CHECKPOINT_LOST = "CheckpointLost"
     """Running=True, but the attempt started below the last recorded checkpoint because it is gone from the checkpoint
     volume (the progress hash's ``checkpoint_lost``)."""

@@ -41,6 +41,11 @@ def redis_name(job: str) -> str:
     return f"{base_name(job)}-redis"
 
 
+def redis_claim(job: str) -> str:
+    """PersistentVolumeClaim of the managed Redis's data (``spec.redis.persistence``)."""
+    return f"{base_name(job)}-redis-data"
+
+
 def redis_secret(job: str) -> str:
     return f"{base_name(job)}-redis-auth"
 

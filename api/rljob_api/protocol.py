@@ -50,6 +50,9 @@ KEY_MEMBERS = "members"
 workers, read by trainer rank 0 (rljob_trainer.weights)."""
 KEY_DEAD_LETTER = "dead_letter"
 """Stream of malformed entries with their reason (written by trainer ranks)."""
+KEY_STREAM_ID = "stream_id"
+"""String: a random identity of the job's stream, set by trainer rank 0 at every start when absent (SET NX). The
+operator keeps the one it saw (status.streamIdentity): another one, or none, means Redis forgot the stream."""
 KEY_ATTEMPT = "attempt"
 """String: the gang attempt that owns the job's writes (rljob_trainer.fence); set by trainer rank 0 at every start."""
 KEY_CHECKPOINT = "checkpoint"
@@ -78,6 +81,14 @@ PROGRESS_CHECKPOINT_DOCUMENTS_SEEN = "checkpoint_documents_seen"
 documents trained since then (documents_seen − this) are still pending in the stream's group, acked by the next
 checkpoint. Written by trainer rank 0 at every start and before each checkpoint's acks; rollout workers read it
 (rljob_rollout.writer: max lag)."""
+PROGRESS_DROPPED_STALE = "dropped_stale"
+"""Documents the trainer's current attempt dropped before the loss as staler than ``algorithm.maxStaleness``, all ranks
+(each reader adds its drops with HINCRBY as it makes them; 0 at every start). They stay pending until the next
+checkpoint acks them, like trained documents: rollout workers count dropped_stale − checkpoint_dropped_stale as done
+with, not ahead (rljob_rollout.writer), or drops would hold them at max lag while the trainer waits to refill."""
+PROGRESS_CHECKPOINT_DROPPED_STALE = "checkpoint_dropped_stale"
+"""Of :data:`PROGRESS_DROPPED_STALE`, those the last committed checkpoint covers (acked); 0 at every start. Written by
+trainer rank 0 with :data:`PROGRESS_CHECKPOINT_DOCUMENTS_SEEN`."""
 PROGRESS_RESTORED_FROM_STEP = "restored_from_step"
 """Step of the checkpoint the trainer's current attempt started from (0 from scratch); written at every start."""
 PROGRESS_CHECKPOINT_LOST = "checkpoint_lost"
@@ -89,9 +100,11 @@ loses none. Trainer rank 0 writes it; the operator reports it."""
 def start_fields(step: int, documents_seen: int) -> dict[str, int]:
     """The progress fields trainer rank 0 sets at every start: the loaded checkpoint's ``step`` and
     ``documents_seen`` (0 from scratch) as step, documents_seen, model_version (= documents_seen, DESIGN §6),
-    restored_from_step and checkpoint_documents_seen (nothing trained yet is unacked)."""
+    restored_from_step and checkpoint_documents_seen (nothing trained yet is unacked), and the stale-drop counts of
+    this attempt at 0."""
     return {PROGRESS_STEP: step, PROGRESS_DOCUMENTS_SEEN: documents_seen, PROGRESS_MODEL_VERSION: documents_seen,
-            PROGRESS_RESTORED_FROM_STEP: step, PROGRESS_CHECKPOINT_DOCUMENTS_SEEN: documents_seen}
+            PROGRESS_RESTORED_FROM_STEP: step, PROGRESS_CHECKPOINT_DOCUMENTS_SEEN: documents_seen,
+            PROGRESS_DROPPED_STALE: 0, PROGRESS_CHECKPOINT_DROPPED_STALE: 0}
 
 
 def step_fields(step: int, documents_seen: int, model_version: int, tokens_per_second: float,
@@ -233,6 +246,9 @@ ROLLOUT_REWARD_ERRORS_PREFIX = "reward_errors:"
 """``reward_errors:{exception class}``: samples dropped because the reward function raised that (count)."""
 ROLLOUT_REWARD_ERRORS = "reward_errors"
 ROLLOUT_DOCUMENTS_WRITTEN = "documents_written"
+ROLLOUT_DOCUMENTS_ABANDONED = "documents_abandoned"
+"""Documents a worker generated with weights of a timeline the trainer abandoned (their version above the trainer's
+model_version after it resumed from an older checkpoint) and dropped instead of writing."""
 ROLLOUT_SAMPLES_GENERATED = "samples_generated"
 ROLLOUT_GROUPS_FILTERED = "groups_filtered"
 ROLLOUT_SAMPLES_FILTERED = "samples_filtered"
@@ -357,6 +373,8 @@ class RewardFailures:
 
     since: Optional[float] = None
     updated_at: Optional[float] = None
+    stream_id: Optional[str] = None
+    backlog: Optional["Backlog"] = None
     batches: int = 0
     samples: int = 0
     errors: dict[str, int] = field(default_factory=dict)
@@ -490,7 +508,8 @@ class Progress:
     documents generated with weights version ``rollout_model_version``. ``reward_failures``: the rollout hash's
     ``all_rewards_failed`` record (None when absent: rewards score). ``checkpoint_lost``: the progress hash's
     ``checkpoint_lost`` (None when absent). ``checkpoint``: the checkpoint hash (None when absent or unreadable). ``updated_at``: unix seconds of trainer rank 0's
-    last write of the progress hash (its own clock).
+    last write of the progress hash (its own clock). ``stream_id``: the stream identity key (None: absent).
+    ``backlog``: the consumer group's entries (None: no stream or no group).
     """
 
     step: Optional[int] = None
@@ -504,6 +523,28 @@ class Progress:
     checkpoint_lost: Optional[LostCheckpoint] = None
     checkpoint: Optional[CheckpointRecord] = None
     updated_at: Optional[float] = None
+    stream_id: Optional[str] = None
+    backlog: Optional["Backlog"] = None
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """The consumer group's entries as XINFO GROUPS counts them (documents): ``pending`` delivered to a trainer rank
+    and not acked yet (trained, or being trained, since the last checkpoint), ``undelivered`` written and not read
+    yet (the group's lag; None when Redis cannot tell, e.g. after entries were deleted)."""
+
+    pending: int
+    undelivered: Optional[int]
+
+    @classmethod
+    def from_groups(cls, groups: Any, group: str) -> Optional[Backlog]:
+        """The entry of ``group`` in XINFO GROUPS' reply (a list of dicts, bytes or str); None when absent."""
+        for info in groups or []:
+            fields = {text(k): v for k, v in info.items()}
+            if text(fields.get("name")) == group:
+                pending = _number(fields.get("pending"), int)
+                return cls(pending=pending or 0, undelivered=_number(fields.get("lag"), int))
+        return None
 
 
 def parse_progress(progress: Mapping[Any, Any], rollout: Mapping[Any, Any],
@@ -533,6 +574,27 @@ def parse_progress(progress: Mapping[Any, Any], rollout: Mapping[Any, Any],
         checkpoint=CheckpointRecord.from_fields(checkpoint or {}),
         updated_at=_number(progress.get(PROGRESS_UPDATED_AT), float),
     )
+
+
+def stream_lost_message(old: str, new: Optional[str], backlog: Optional[Backlog], checkpoint: Any,
+                        attempt: int) -> str:
+    """The one description of a stream Redis forgot (operator Event and Running message). ``backlog``: the group's
+    last counts the operator read before (None: never read); ``checkpoint``: status.lastCheckpoint (its ``step`` and
+    ``documents_seen``; None: none committed)."""
+    now = f"holds another one ({new})" if new else "holds none"
+    lost = "what it held is gone"
+    if backlog is not None:
+        undelivered = "an unknown number of" if backlog.undelivered is None else str(backlog.undelivered)
+        lost = (f"at the last read it held {backlog.pending} entries trained since the last checkpoint (pending) and "
+                f"{undelivered} written but not delivered yet: those are gone")
+    if checkpoint is not None:
+        goes_on = (f"the gang goes on from checkpoint step {checkpoint.step} ({checkpoint.documents_seen} documents), "
+                   "recreating the stream and its consumer group")
+    else:
+        goes_on = "the gang starts over (no checkpoint was committed), recreating the stream and its consumer group"
+    return (f"Redis forgot the job's stream during attempt {attempt} (its identity was {old}, Redis {now}; a managed "
+            f"Redis without persistence restarted, or an external one was flushed or failed over): {lost}; "
+            f"{goes_on}; the restart is not counted against backoffLimit")
 
 
 def _newest_reward(rewards: Mapping[int, tuple[float, int]],

@@ -6,7 +6,8 @@ it the CEL rule that states the same over the CRD's camelCase fields.
 - metrics need one pipeline stage: metrics ``basic`` or ``full`` only with pipelineParallel == 1 (the metrics read
   the whole vocabulary);
 - documentsPerStep is global and divisible by DP (DESIGN §6);
-- HSDP: ``parallelism.replicate`` divides DP, and is 1 unless the strategy is fsdp (DESIGN §5).
+- HSDP: ``parallelism.replicate`` divides DP, and is 1 unless the strategy is fsdp (DESIGN §5);
+- the learning-rate floor: ``optimizer.minLearningRate`` <= ``optimizer.learningRate`` (a decay never rises).
 """
 
 from __future__ import annotations
@@ -67,6 +68,17 @@ CEL_METRICS_ONE_STAGE = {
     "reason": "FieldValueInvalid",
 }
 
+#: CEL rule on ``spec.trainer.optimizer``: the decay's floor does not exceed the rate it decays from
+#: (:func:`learning_rate_floor_allowed`). The message names both fields, not their values: a ``messageExpression``
+#: with ``string(double)`` is refused by the API server (its estimated cost exceeds the CRD's budget 100-fold); the
+#: operator's check prints the values.
+CEL_MIN_LEARNING_RATE = {
+    "rule": "self.minLearningRate <= self.learningRate",
+    "message": "optimizer.minLearningRate must not exceed optimizer.learningRate",
+    "fieldPath": ".minLearningRate",
+    "reason": "FieldValueInvalid",
+}
+
 
 def data_parallel(world_size: int, tensor_parallel: int, pipeline_parallel: int) -> Optional[int]:
     """DP = ``world_size`` ranks / (``tensor_parallel`` × ``pipeline_parallel``); None when it does not divide."""
@@ -94,3 +106,8 @@ def replicate_allowed(strategy: str, replicate: int, data_parallel_size: int) ->
     """Whether ``replicate`` HSDP groups fit ``data_parallel_size`` ranks: it divides them, and is 1 unless ``strategy``
     is ``fsdp``."""
     return data_parallel_size % replicate == 0 and (strategy == "fsdp" or replicate == 1)
+
+
+def learning_rate_floor_allowed(min_learning_rate: float, learning_rate: float) -> bool:
+    """Whether a schedule may decay from ``learning_rate`` to the floor ``min_learning_rate`` (it is not above it)."""
+    return min_learning_rate <= learning_rate

@@ -15,6 +15,14 @@ from pydantic.alias_generators import to_camel
 from rljob_api import protocol
 
 
+def omitted_at_default(default: Any) -> Any:
+    """``exclude_if`` of a field added after 0.2: the field is left out of a dump (the resolved config JSON, the hashes
+    of the config and of each role) while it holds ``default``, so that a job which does not set it resolves to the
+    bytes, and the hashes, it resolved to before the field existed, and an older trainer or rollout image still reads
+    its config (the models reject unknown fields)."""
+    return lambda value: value == default
+
+
 class ApiModel(BaseModel):
     """Base of every API model: camelCase aliases, unknown fields rejected, validated on assignment."""
 
@@ -62,6 +70,28 @@ class ModelSpec(ApiModel):
 
 
 # --- algorithm --------------------------------------------------------------------------------
+class ImportanceSamplingSpec(ApiModel):
+    """The decoupled PPO objective of asynchronous RL (AReaL, Fu et al. 2025, arXiv:2505.24298) with the behaviour
+    weight truncated at ``cap`` (truncated importance sampling, Yao et al. 2025)."""
+
+    enabled: bool = Field(
+        False,
+        description="Off by default. On: each labelled token's (gspo: each document's) clipped objective is "
+        "weighted by min(pi_prox / pi_behaviour, cap), where pi_behaviour is the sampler's probability (the stream's "
+        "old log-probabilities) and the proximal policy pi_prox is the trainer's weights at the start of the step, "
+        "and the PPO ratio is taken against pi_prox instead of pi_behaviour. With one optimizer step per batch that "
+        "ratio is 1 and its clip never binds: the objective is the truncated-IS policy gradient, with no trust "
+        "region beyond the cap (DESIGN section 4).",
+    )
+    cap: float = Field(
+        2.0,
+        ge=1,
+        le=1000,
+        description="Largest behaviour weight pi_prox / pi_behaviour; larger weights are truncated to it (at least 1, "
+        "so on-policy tokens keep weight 1).",
+    )
+
+
 class AlgorithmSpec(ApiModel):
     """The policy-gradient loss and its metrics (DESIGN §4)."""
 
@@ -88,6 +118,48 @@ class AlgorithmSpec(ApiModel):
         "auto",
         description="`none`; `basic` (every loss metric but entropy); `full` (basic + entropy, "
         "a second pass over the vocabulary); `auto` (basic when pipelineParallel = 1, else none).",
+    )
+
+    dual_clip: Optional[float] = Field(
+        None,
+        gt=1,
+        le=100,
+        exclude_if=omitted_at_default(None),
+        description="Dual clip for negative advantages (Ye et al. 2020, arXiv:1912.09729): where A < 0 the clipped "
+        "surrogate min(r A, clip(r) A) is bounded below by dualClip x A, so a token (gspo: a document) whose ratio r "
+        "has grown far above 1 no longer gives an unbounded loss. Unset (the default): off. Must exceed 1; 3 is usual.",
+    )
+    importance_sampling: ImportanceSamplingSpec = Field(
+        default_factory=ImportanceSamplingSpec,
+        exclude_if=omitted_at_default(ImportanceSamplingSpec()),
+        description="The decoupled objective of asynchronous RL (AReaL, Fu et al. 2025) with truncated importance "
+        "sampling (Yao et al. 2025). Off by default.",
+    )
+    max_staleness: Optional[int] = Field(
+        None,
+        ge=0,
+        exclude_if=omitted_at_default(None),
+        description="Documents sampled more than this many documents behind the trainer are dropped before the "
+        "loss: a document's staleness is documents_seen at the start of the step minus the smallest model_version "
+        "of its labelled tokens. Dropped documents are counted (stream counter dropped_stale) and acknowledged with "
+        "the next checkpoint, each rank reads more to fill its step, and documents_seen counts only documents that "
+        "entered the loss. Unset (the default): nothing is dropped.",
+    )
+    kl_coef: float = Field(
+        0.0,
+        ge=0,
+        le=100,
+        exclude_if=omitted_at_default(0.0),
+        description="Weight of a KL penalty to a frozen reference policy (the model spec.model names, sharded like the "
+        "trained one), added to every labelled token's loss; its estimate is the metric kl_ref. 0 (the default): "
+        "off, and no reference model is loaded.",
+    )
+    kl_estimator: Literal["k1", "k3"] = Field(
+        "k3",
+        exclude_if=omitted_at_default("k3"),
+        description="Estimator of KL(trained || reference) per token, from the log-ratio d = lp_ref - lp (Schulman, "
+        "'Approximating KL Divergence', 2020): k1 = -d (unbiased, may be negative); k3 = exp(d) - 1 - d (unbiased, "
+        "never negative; DeepSeekMath's GRPO uses it).",
     )
 
     def resolved_epsilons(self) -> tuple[float, float]:
@@ -122,6 +194,21 @@ class OptimizerSpec(ApiModel):
     beta2: float = Field(0.95, ge=0, lt=1, description="AdamW second-moment decay.")
     grad_clip: float = Field(1.0, ge=0, description="Max global gradient norm; 0 disables.")
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up in steps.")
+    schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant",
+        exclude_if=omitted_at_default("constant"),
+        description="Learning rate after the warm-up, over the steps up to maxSteps: constant (the default) keeps "
+        "learningRate; linear and cosine decay from learningRate towards minLearningRate, with progress "
+        "p = (step - warmupSteps) / (maxSteps - warmupSteps) of the steps done: rate = min + (base - min) x (1 - p), "
+        "or min + (base - min) x (1 + cos(pi p)) / 2.",
+    )
+    min_learning_rate: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        exclude_if=omitted_at_default(0.0),
+        description="The floor the linear and cosine schedules decay to; at most learningRate.",
+    )
 
 
 class CheckpointSpec(ApiModel):
@@ -266,7 +353,16 @@ class RolloutSpec(ApiModel):
     backend: Literal["vllm", "cpu"] = Field(
         "cpu", description="`vllm` (GPU) or `cpu` (transformers generate, tests and laptops)."
     )
-    replicas: int = Field(1, ge=1, le=4096, description="Rollout pods.")
+    replicas: int = Field(
+        1,
+        ge=0,
+        le=4096,
+        description="Rollout pods. 0 runs a trainer-only job: the trainer gang and Redis alone, fed by producers outside "
+        "rljob (a PipelineRL actor, any writer of the Fast-LLM stream format) that write to the stream and read "
+        "the events that status.stream names, and that receive weights by heartbeating in its membersKey with "
+        "transfer ranks from status.stream.firstTransferRank up; RolloutReady is then True with reason "
+        "ExternalProducers. Changing it (0 included) scales rollout pods only and never restarts the gang.",
+    )
     gpus_per_replica: int = Field(
         0, ge=0, le=64, description="nvidia.com/gpu per rollout pod (tensor parallel of vLLM)."
     )
@@ -284,7 +380,9 @@ class RolloutSpec(ApiModel):
     max_lag: int = Field(
         1024,
         ge=0,
-        description="Documents a worker may run ahead of the trainer's documents_seen.",
+        description="Documents a worker may run ahead of the trainer's documents_seen. Binds rljob's own rollout "
+        "workers only (they check it before each batch); the trainer does not enforce it, so producers outside rljob "
+        "are bounded by redis.maxPending alone unless they read the progress hash themselves.",
     )
     sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="Generation parameters.")
     task: TaskSpec = Field(default_factory=TaskSpec, description="Prompts and verifiable reward.")
@@ -312,6 +410,41 @@ class SecretKeyRef(ApiModel):
     key: str = Field(..., min_length=1, max_length=253, description="Key inside the Secret.")
 
 
+STORAGE_QUANTITY = r"^[1-9][0-9]*(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+"""A positive storage quantity as Kubernetes writes one, e.g. ``10Gi``, ``500Mi`` (no exponent forms, no zero)."""
+
+
+class RedisPersistenceSpec(ApiModel):
+    """Where the managed Redis keeps its data (DESIGN §6 "Durability of the managed Redis")."""
+
+    enabled: bool = Field(
+        True,
+        description="Keeps the managed Redis's data on a PersistentVolumeClaim `<job>-redis-data` (owned by the job, "
+        "deleted with it), so that a restart of the Redis pod (node drain, OOM kill, eviction) keeps the stream, its "
+        "consumer group and pending entries and the progress and checkpoint hashes. Redis writes an append-only file "
+        "there with appendfsync everysec: a crash of its node can lose the last second or two of writes, a SIGKILL "
+        "of Redis alone as a rule none (docs/DESIGN.md §6). false keeps them in "
+        "an emptyDir that goes with the pod: for clusters without a StorageClass. Switching it on a job whose managed "
+        "Redis exists replaces the Redis pod, whose data then starts empty (Warning Event RedisReplaced), and restarts "
+        "a running gang from its newest checkpoint; switching it off deletes the claim. A Redis made by an operator "
+        "before this field existed stays on its emptyDir until spec.redis.persistence, image or mode is edited. "
+        "Ignored with mode=external.",
+    )
+    storage_class_name: Optional[str] = Field(
+        None,
+        max_length=253,
+        description="StorageClass of the claim; unset: the cluster's default class; \"\": no class (binds a "
+        "PersistentVolume made beforehand). Applies when the claim is created: a claim is not changed afterwards.",
+    )
+    size: str = Field(
+        "10Gi",
+        pattern=STORAGE_QUANTITY,
+        description="Storage the claim requests, a quantity such as 10Gi. It holds Redis's append-only file: the "
+        "stream's entries not yet trimmed (up to maxPending documents plus those not yet acked) about twice over "
+        "between rewrites. Applies when the claim is created: a claim is not resized.",
+    )
+
+
 class RedisSpec(ApiModel):
     mode: Literal["managed", "external"] = Field(
         "managed",
@@ -337,7 +470,16 @@ class RedisSpec(ApiModel):
     )
     events_key: str = Field(protocol.DEFAULT_EVENTS_KEY, min_length=1, description="Event stream key.")
     max_pending: int = Field(
-        4096, ge=1, description="Rollout workers wait while the group's lag exceeds this (documents)."
+        4096,
+        ge=1,
+        description="Back-pressure: rollout workers start a batch only while the consumer group's backlog (its lag, "
+        "entries no trainer rank was handed yet, plus its pending entries, not yet covered by a committed "
+        "checkpoint) is below this (documents). Producers outside rljob are expected to do the same (XINFO GROUPS "
+        "on status.stream.streamKey); nothing is ever trimmed that the trainer has not acknowledged.",
+    )
+    persistence: RedisPersistenceSpec = Field(
+        default_factory=RedisPersistenceSpec,
+        description="Durable managed Redis: an append-only file on a PersistentVolumeClaim (mode=managed).",
     )
 
 

@@ -50,6 +50,36 @@ class CheckpointStatus(StatusModel):
     time: Optional[datetime] = Field(None, description="When it was committed.")
 
 
+class SecretKeyStatus(StatusModel):
+    """A key of a Secret in the job's namespace."""
+
+    name: str = Field(..., description="The Secret's name.")
+    key: str = Field(..., description="The key inside it.")
+
+
+class StreamStatus(StatusModel):
+    """Where documents go and weights come from, from the job's resolved config: what a producer outside rljob (a
+    PipelineRL actor, any writer of the Fast-LLM stream format) needs to feed the trainer (DESIGN §2-§3)."""
+
+    redis_address: str = Field(..., description="host:port/db of the job's Redis (inside the cluster).")
+    tls: bool = Field(False, description="Redis speaks TLS (a rediss:// spec.redis.url).")
+    password_secret_ref: Optional[SecretKeyStatus] = Field(
+        None, description="The Secret key holding the Redis password (AUTH as the default user); absent: none.")
+    stream_key: str = Field(..., description="Data stream: XADD one document per entry (DESIGN §3).")
+    group: str = Field(..., description="The trainer ranks' consumer group on streamKey; its lag plus pending is the "
+                       "backlog that spec.redis.maxPending bounds.")
+    events_key: str = Field(..., description="Event stream: weights_ready after each update, training_finished at the "
+                            "end.")
+    members_key: str = Field(..., description="Hash of weight-transfer members: field = transfer rank, value = JSON "
+                             '{"time": Redis TIME seconds, "version": loaded documents_seen or null, "instance": id}.')
+    dead_letter_key: str = Field(..., description="Stream of the entries the trainer refused, with kind and reason.")
+    first_transfer_rank: int = Field(
+        ..., ge=1, description="Lowest weight-transfer rank free for members outside rljob: the first above the rollout "
+        "pods' range, 1 + spec.rollout.replicas x max(1, gpusPerReplica) (it moves when the rollout is scaled).")
+    weights_address: str = Field(..., description="host:port of trainer pod 0's weight-transfer store (inside the "
+                                 "cluster).")
+
+
 class RLTrainingJobStatus(StatusModel):
     """What the operator observed of an RLTrainingJob: phase, gang attempt, progress and conditions."""
 
@@ -133,6 +163,19 @@ class RLTrainingJobStatus(StatusModel):
         None,
         description="The newest committed checkpoint: a gang restart goes on from it. Kept when Redis loses its "
         "record; step above it is training not saved yet.",
+    )
+    stream_identity: Optional[str] = Field(
+        None, description="The identity of the job's stream in Redis (key {prefix}stream_id) as last read; another "
+        "one, or none, means Redis forgot the stream (Event StreamLost).",
+    )
+    stream_lost_attempt: Optional[int] = Field(
+        None, ge=0, description="The gang attempt during which Redis last forgot the stream; its restart is not "
+        "counted against backoffLimit.",
+    )
+    stream: Optional[StreamStatus] = Field(
+        None,
+        description="The stream, events and weight-transfer addresses of the job, for producers outside rljob "
+        "(spec.rollout.replicas 0, or beside rljob's own rollout pods).",
     )
     conditions: list[Condition] = Field(default_factory=list, description="The latest observations.")
 

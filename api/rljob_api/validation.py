@@ -82,7 +82,8 @@ def _image_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
 
 
 def _trainer_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
-    """Topology, metrics, GPUs, batch and checkpoint interval (spec.trainer, spec.algorithm.metrics)."""
+    """Topology, metrics, GPUs, batch, learning-rate floor and checkpoint interval (spec.trainer,
+    spec.algorithm.metrics)."""
     problems: list[SpecProblem] = []
     t, a = spec.trainer, spec.algorithm
     try:
@@ -115,6 +116,11 @@ def _trainer_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
                 f"documentsPerStep = {t.batch.documents_per_step} is not divisible by the data-parallel size {dp}",
             )
         )
+    opt = t.optimizer
+    if not rules.learning_rate_floor_allowed(opt.min_learning_rate, opt.learning_rate):
+        problems.append(SpecProblem(
+            "spec.trainer.optimizer.minLearningRate",
+            f"minLearningRate = {opt.min_learning_rate:g} must not exceed learningRate = {opt.learning_rate:g}"))
     unacked = t.batch.documents_per_step * t.checkpoint.every_steps
     if unacked > spec.redis.max_pending:
         problems.append(

@@ -2,7 +2,8 @@
 
 - :meth:`KubeApi.apply`: server-side apply with field manager ``rljob-operator`` (idempotent; unchanged
   objects are not rewritten) for ConfigMaps, Services and Deployments;
-- :meth:`KubeApi.create`: create-only (pods, the generated Secret): an existing object is kept as it is;
+- :meth:`KubeApi.create`: create-only (pods, the generated Secret, the Redis data claim): an existing object is kept
+  as it is;
 - :meth:`KubeApi.delete`: delete by name, optionally only the exact object (uid precondition);
 - :meth:`KubeApi.patch_status`: JSON merge patch of the job's status with a resourceVersion precondition, so a
   decision taken on a stale view of the job is refused (409) instead of written;
@@ -38,6 +39,9 @@ PLURALS = {
     "Service": "services",
     "Pod": "pods",
     "Deployment": "deployments",
+    "Node": "nodes",
+    "PersistentVolumeClaim": "persistentvolumeclaims",
+    "Event": "events",
     c.KIND: c.PLURAL,
 }
 _SERVICE_ACCOUNT_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
@@ -159,11 +163,14 @@ class KubeApi:
             raise
 
     async def delete(self, api_version: str, kind: str, namespace: str, name: str, *,
-                     uid: Optional[str] = None) -> bool:
-        """Delete (background propagation); only the object with ``uid`` when given. False when already gone."""
+                     uid: Optional[str] = None, grace_period_seconds: Optional[int] = None) -> bool:
+        """Delete (background propagation); only the object with ``uid`` when given; ``grace_period_seconds`` 0 forces
+        a pod out of the API at once, without its kubelet's confirmation. False when already gone."""
         options: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
         if uid:
             options["preconditions"] = {"uid": uid}
+        if grace_period_seconds is not None:
+            options["gracePeriodSeconds"] = grace_period_seconds
         try:
             await self._request("DELETE", _path(api_version, PLURALS[kind], namespace, name),
                                 f"delete {kind} {namespace}/{name}", ("delete", PLURALS[kind]), body=options)
@@ -174,9 +181,11 @@ class KubeApi:
         return True
 
     async def list(self, api_version: str, kind: str, namespace: Optional[str] = None,
-                   label_selector: Optional[str] = None) -> list[dict[str, Any]]:
-        """Every object of a kind (in ``namespace``, or cluster-wide when None) matching ``label_selector``."""
-        query = {"labelSelector": label_selector} if label_selector else None
+                   label_selector: Optional[str] = None, field_selector: Optional[str] = None) -> list[dict[str, Any]]:
+        """Every object of a kind (in ``namespace``, or cluster-wide when None) matching ``label_selector`` and
+        ``field_selector`` (e.g. ``involvedObject.name=x`` for Events)."""
+        query = {key: value for key, value in (("labelSelector", label_selector), ("fieldSelector", field_selector))
+                 if value} or None
         payload = await self._request("GET", _path(api_version, PLURALS[kind], namespace),
                                       f"list {kind} in {namespace or 'all namespaces'}", ("list", PLURALS[kind]),
                                       query=query)

@@ -1,6 +1,7 @@
 """What a pass writes besides the job's status: the static children (applied only when their rendering changed,
-:mod:`.applied`), the managed Redis password Secret (create-only) and pods (create-only; an existing pod must be of
-the same attempt and job). Calls of one kind run concurrently (:func:`gather`).
+:mod:`.applied`), the create-only children of the managed Redis (its password Secret, and with persistence its data
+claim, which is deleted when persistence is switched off) and pods (create-only; an existing pod must be of the same
+attempt and job). Calls of one kind run concurrently (:func:`gather`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import secrets
 import time
 from typing import Any, Awaitable, Iterable, Mapping, Optional
 
-from rljob_api import constants as c
+from rljob_api import constants as c, names
 from rljob_api.canonical import canonical_hash
 from rljob_api.config import JobConfig
 
@@ -22,49 +23,67 @@ from rljob_operator.runtime import Context, JobRuntime
 
 async def apply_static(job: render.Job, config: JobConfig, generation: Optional[int], body: Mapping[str, Any],
                        runtime: JobRuntime, ctx: Context) -> None:
-    """Apply the static children (and create the managed Redis Secret) that are not as rendered, concurrently.
+    """Apply the static children (and create the managed Redis Secret and data claim) that are not as rendered,
+    concurrently; with a managed Redis whose ``config`` has no persistence, delete a data claim of this job that
+    an earlier persistent config made (re-enabling persistence later must start from an empty claim, not from a
+    stale stream).
 
     A job this process has not applied yet but that has a status (reconciled before, by this process or an earlier
     one) may have every child in place already: they are read first (GET) and only the missing, changed or edited
     ones applied (:func:`~rljob_operator.applied.outdated`), so an operator restart writes nothing for an idle job.
     A new job's children are applied at once (no read before its first write). ``generation``: the job's, recorded
-    on the config ConfigMap with ``config`` (:mod:`.resolution`)."""
+    on the config ConfigMap with ``config`` (:mod:`.resolution`).
+
+    Raises:
+        ApiError: a refused call; 409 when the Secret or claim exists but belongs to an earlier job of the same name.
+    """
     children = render.static_children(job, config, generation)
     adopt(children, body)
     children = [applied.stamp(child) for child in children]
-    digest = canonical_hash(children)
+    claim = render.redis_claim(job, config)
+    digest = canonical_hash([children, claim])
     if runtime.applied == digest:
         return
     known = bool(body.get("status"))
-    managed = job.spec.redis.mode == "managed"
+    managed = config.spec.redis.mode == "managed"
     secret = render.redis_secret(job, secrets.token_urlsafe(32)) if managed else None
+    existing: dict[str, Optional[Mapping[str, Any]]] = {}
     if known:
         reads = [ctx.api.get(ch["apiVersion"], ch["kind"], job.namespace, ch["metadata"]["name"]) for ch in children]
-        if secret is not None:
-            reads.append(ctx.api.get("v1", "Secret", job.namespace, secret["metadata"]["name"]))
+        if managed:
+            reads.append(ctx.api.get("v1", "Secret", job.namespace, names.redis_secret(job.name)))
+            reads.append(ctx.api.get("v1", "PersistentVolumeClaim", job.namespace, names.redis_claim(job.name)))
         found = await gather(reads)
         stale = [child for child, live in zip(children, found) if applied.outdated(live, child)]
+        if managed:
+            existing = {"Secret": found[-2], "PersistentVolumeClaim": found[-1]}
     else:
-        found, stale = [], children
+        stale = children
     writes = [ctx.api.apply(child) for child in stale]
     if secret is not None:
-        writes.append(_ensure_secret(secret, found[-1] if known else None, body, ctx))
+        writes.append(_ensure_created(secret, existing.get("Secret"), body, ctx))
+    if claim is not None:
+        writes.append(_ensure_created(claim, existing.get("PersistentVolumeClaim"), body, ctx))
+    elif (old := existing.get("PersistentVolumeClaim")) is not None and controller_uid(old) == body["metadata"].get("uid"):
+        writes.append(ctx.api.delete("v1", "PersistentVolumeClaim", job.namespace, names.redis_claim(job.name),
+                                     uid=old["metadata"].get("uid")))
     await gather(writes)
     runtime.applied = digest
 
 
-async def _ensure_secret(secret: dict[str, Any], existing: Optional[Mapping[str, Any]], owner: Mapping[str, Any],
-                         ctx: Context) -> None:
-    """Create the managed Redis password Secret unless it exists (``existing``: as read already, or None); an existing
-    Secret must be this job's (409 otherwise: an earlier job of the same name still owns it)."""
+async def _ensure_created(obj: dict[str, Any], existing: Optional[Mapping[str, Any]], owner: Mapping[str, Any],
+                          ctx: Context) -> None:
+    """Create ``obj`` (the managed Redis Secret or data claim) unless it exists (``existing``: as read already, or
+    None); an existing one must be this job's (409 otherwise: an earlier job of the same name still owns it)."""
+    meta = obj["metadata"]
     if existing is None:
-        adopt([secret], owner)
-        if await ctx.api.create(secret) is not None:
+        adopt([obj], owner)
+        if await ctx.api.create(obj) is not None:
             return
-        existing = await ctx.api.get("v1", "Secret", owner["metadata"]["namespace"], secret["metadata"]["name"])
+        existing = await ctx.api.get(obj["apiVersion"], obj["kind"], owner["metadata"]["namespace"], meta["name"])
     if existing is not None and controller_uid(existing) != owner["metadata"].get("uid"):
-        raise ApiError(409, "Conflict", f"Secret {secret['metadata']['name']} of an earlier job of the same "
-                       "name still exists", "create Secret")
+        raise ApiError(409, "Conflict", f"{obj['kind']} {meta['name']} of an earlier job of the same "
+                       "name still exists", f"create {obj['kind']}")
 
 
 async def gather(calls: Iterable[Awaitable[Any]]) -> list[Any]:

@@ -225,6 +225,8 @@ def crd() -> dict[str, Any]:
                                                                   rules.CEL_REPLICATE]
     spec["properties"]["trainer"]["properties"]["parallelism"]["x-kubernetes-validations"] = [
         rules.CEL_REPLICATE_NEEDS_FSDP]
+    spec["properties"]["trainer"]["properties"]["optimizer"]["x-kubernetes-validations"] = [
+        rules.CEL_MIN_LEARNING_RATE]
     status = model_schema(RLTrainingJobStatus, "status", with_defaults=False)
     status["properties"]["conditions"].update(
         {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}

@@ -22,6 +22,14 @@ Rules (JobSet's BlockingRecreate, Kubernetes Job's backoffLimit, suspend and dea
   (RewardsFailing) instead of starving the trainer until its ranks time out and burn ``backoffLimit``.
 - Finished jobs: pods are cleaned per ``cleanPodPolicy``; the job is deleted ``ttlSecondsAfterFinished``
   after ``completionTime``.
+- A gang attempt during which Redis forgot the stream (the operator saw its identity key change or vanish) ends
+  with reason StreamLost when its ranks stop, not counted against ``backoffLimit``: the next attempt recreates the
+  stream and its group and goes on from the newest checkpoint.
+- A pod whose node stopped reporting (NotReady, unreachable or gone) stays Terminating once deleted: its kubelet
+  cannot confirm, and its name cannot be reused. Once the node has not been Ready for the pod's unreachable/not-ready
+  toleration (300 s by default) and the pod's grace period is over, the pod is force-deleted (grace 0) and a Warning
+  Event names the node; until then the phase's message names the pod, the node and when it will be force-deleted.
+  Its processes may still run on that node: fencing (DESIGN §6) refuses their writes once the next attempt starts.
 - Rollout pods are reconciled apart: a missing one is created, a failed or outdated one deleted (and
   recreated on the next pass), one above ``spec.rollout.replicas`` deleted; nothing about them ever touches the
   gang, and a change of rollout-only fields (replicas, image, resources, sampling ...) leaves the attempt running.
@@ -32,7 +40,7 @@ from __future__ import annotations
 import posixpath
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 from rljob_api import constants as c
 from rljob_api import names
@@ -41,7 +49,7 @@ from rljob_api.protocol import RewardFailures
 from rljob_api.spec import RLTrainingJobSpec
 from rljob_api.status import RLTrainingJobStatus
 
-from rljob_operator.observe import PodView
+from rljob_operator.observe import NodeView, PodView
 
 FINISHED = (Phase.SUCCEEDED, Phase.FAILED)
 
@@ -122,16 +130,62 @@ class Plan:
     3. delete the pods in ``delete`` and, if ``delete_job``, the job itself — after the save, so that a restart's new
        attempt number is saved before the old attempt's pods go.
 
-    ``requeue_after``: seconds until a deadline or TTL fires (None: nothing timed is pending).
+    ``requeue_after``: seconds until a deadline or TTL fires (None: nothing timed is pending). ``force_delete``: pods
+    stuck Terminating on a lost node, to delete with grace 0 (:class:`StuckPod`, with what the Event says).
     """
 
     lifecycle: Lifecycle
     delete: tuple[str, ...] = ()
+    force_delete: tuple["StuckPod", ...] = ()
     create_trainers: tuple[int, ...] = ()
     create_rollouts: tuple[int, ...] = ()
     after_create: Optional[Lifecycle] = None
     delete_job: bool = False
     requeue_after: Optional[float] = None
+
+
+STUCK_MARK = "; waiting for a lost node: "
+"""Separates a waiting phase's message from the account of pods stuck on lost nodes (rewritten by every pass)."""
+
+
+@dataclass(frozen=True)
+class StuckPod:
+    """A pod being deleted on a node that is not Ready: it goes at ``force_at`` (None: it tolerates the node's loss
+    forever, so it is never forced); ``why`` describes the node."""
+
+    pod: PodView
+    node: NodeView
+    force_at: Optional[datetime]
+
+    @property
+    def why(self) -> str:
+        since = f" since {self.node.not_ready_since:%H:%M:%S}" if self.node.not_ready_since else ""
+        state = "is gone" if not self.node.exists else f"is not Ready{since}: {self.node.reason}"
+        return f"{self.pod.role} pod {self.pod.name} is stuck terminating: node {self.node.name} {state}"
+
+    def waiting(self) -> str:
+        """For the phase's message: what it waits for and until when."""
+        if self.force_at is None:
+            return f"{self.why}; it tolerates the node's loss forever, so only the node's return or a person ends it"
+        return f"{self.why}; force-deleting it at {self.force_at:%H:%M:%S} unless the node comes back"
+
+
+def stuck_pods(pods: Iterable[PodView], nodes: Mapping[str, NodeView]) -> list[StuckPod]:
+    """The pods being deleted whose node (looked up in ``nodes``) is not Ready or gone, with when each may be forced:
+    its grace period over and its node not Ready for its lost-node toleration (at once when the Node is gone)."""
+    stuck = []
+    for pod in pods:
+        node = nodes.get(pod.node) if pod.deleting and pod.node else None
+        if node is None or node.ready:
+            continue
+        force_at: Optional[datetime] = pod.deletion_at
+        if pod.lost_node_toleration_s < 0:
+            force_at = None
+        elif node.exists and node.not_ready_since is not None:
+            lost = node.not_ready_since + timedelta(seconds=pod.lost_node_toleration_s)
+            force_at = lost if force_at is None else max(force_at, lost)
+        stuck.append(StuckPod(pod, node, force_at))
+    return stuck
 
 
 @dataclass(frozen=True)
@@ -152,7 +206,8 @@ class _Observed:
 
 def plan(
     job: str, spec: RLTrainingJobSpec, previous: Lifecycle, pods: Iterable[PodView], hashes: ConfigHashes,
-    now: datetime, rewards: Optional[RewardFailures] = None,
+    now: datetime, rewards: Optional[RewardFailures] = None, nodes: Mapping[str, NodeView] = {},
+    stream_lost: bool = False,
 ) -> Plan:
     """Decide one reconcile pass of a valid job (see the module docstring for the rules).
 
@@ -164,8 +219,37 @@ def plan(
         hashes: the config hashes of pods made now; a pod that differs in its role's hash is outdated.
         now: the current time (timezone-aware).
         rewards: the rollout hash's reward-failure streak when this pass read one (None: none, or not read).
+        nodes: the nodes of the pods being deleted that are not Ready (others may be left out): stuck pods.
+        stream_lost: Redis forgot the stream during the saved attempt: its end is StreamLost, not counted.
     """
     pods = list(pods)
+    decided = _plan(job, spec, previous, pods, hashes, now, rewards, stream_lost)
+    return _with_stuck(decided, stuck_pods(pods, nodes), now)
+
+
+def _with_stuck(decided: Plan, stuck: Sequence[StuckPod], now: datetime) -> Plan:
+    """``decided`` plus the force deletions due now, the others named in a waiting phase's message (the account of an
+    earlier pass replaced), and a requeue at the next one due."""
+    due = tuple(s for s in stuck if s.force_at is not None and s.force_at <= now)
+    later = [s for s in stuck if s not in due]
+    lifecycle = decided.lifecycle
+    base = lifecycle.message.split(STUCK_MARK)[0]  # the saved message may carry an earlier pass's account
+    told = STUCK_MARK + "; ".join(s.waiting() for s in later) if later and lifecycle.phase in (
+        Phase.PENDING, Phase.RESTARTING, Phase.SUSPENDED) else ""
+    if base + told != lifecycle.message:
+        lifecycle = replace(lifecycle, message=base + told)
+    requeue = decided.requeue_after
+    for s in later:
+        if s.force_at is not None:
+            left = (s.force_at - now).total_seconds()
+            requeue = left if requeue is None else min(requeue, left)
+    if not due and lifecycle is decided.lifecycle and requeue == decided.requeue_after:
+        return decided
+    return replace(decided, lifecycle=lifecycle, force_delete=due, requeue_after=requeue)
+
+
+def _plan(job: str, spec: RLTrainingJobSpec, previous: Lifecycle, pods: list[PodView], hashes: ConfigHashes,
+          now: datetime, rewards: Optional[RewardFailures], stream_lost: bool) -> Plan:
     trainers = [p for p in pods if p.role == c.Role.TRAINER]
     obs = _Observed(
         trainers=trainers,
@@ -177,7 +261,7 @@ def plan(
         return _finished(spec, previous, obs, now)
     if spec.run_policy.suspend:
         return _suspend(spec, previous, obs)
-    return _active(job, spec, previous, obs, hashes, now, rewards)
+    return _active(job, spec, previous, obs, hashes, now, rewards, stream_lost)
 
 
 def require_redis(lc: Lifecycle, redis_ready: Optional[bool], why: str) -> Lifecycle:
@@ -280,7 +364,7 @@ def _rewards_failing(spec: RLTrainingJobSpec, lc: Lifecycle, rewards: Optional[R
 
 def _active(
     job: str, spec: RLTrainingJobSpec, lc: Lifecycle, obs: _Observed, hashes: ConfigHashes, now: datetime,
-    rewards: Optional[RewardFailures] = None,
+    rewards: Optional[RewardFailures] = None, stream_lost: bool = False,
 ) -> Plan:
     rp = spec.run_policy
     if lc.start_time is None:
@@ -309,6 +393,9 @@ def _active(
         return _fail(spec, lc, obs, Reason.REWARDS_FAILING, failing, now)
 
     failures = _failures(job, spec, lc, obs.current, hashes)
+    if failures and stream_lost:  # the ranks stopped because Redis forgot their stream, not for their own fault
+        failures = [replace(f, reason=Reason.STREAM_LOST, counted=False,
+                            detail=f"{f.detail} after Redis forgot the stream") for f in failures]
     if failures:
         return _restart_or_fail(spec, lc, obs, failures, delete_rollouts, create_rollouts, requeue, now)
     delete_old = _names(p for p in obs.old if not p.deleting)

@@ -1,4 +1,5 @@
-"""Pure: raw Pod and Deployment objects → the small frozen views the gang logic and status read.
+"""Pure: raw Pod, Deployment and PersistentVolumeClaim objects → the small frozen views the gang logic and status
+read.
 
 These views are what the operator's kopf indices hold (one per child pod, keyed by job), so they carry only
 what decisions need: role, index, attempt, config hashes, phase, why a pod failed, whether it was disrupted
@@ -19,6 +20,10 @@ STARTING_REASONS = frozenset({"ContainerCreating", "PodInitializing"})
 """Waiting reasons of a container that is on its way (kubelet): anything else needs a change or a retry."""
 RESTART_REASONS = frozenset({"CrashLoopBackOff", "RunContainerError"})
 """Waiting reasons of a container the kubelet keeps restarting after failed runs or starts (it backs off between)."""
+DEFAULT_LOST_NODE_TOLERATION_S = 300
+"""The tolerationSeconds Kubernetes' DefaultTolerationSeconds admission gives every pod for the unreachable and
+not-ready taints, used for a pod that carries neither."""
+LOST_NODE_TAINTS = ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
 LAST_LINE_MAX = 300
 """Characters of a termination message's last line kept in a view (condition messages stay readable)."""
 
@@ -65,6 +70,14 @@ class PodView:
     (Error): <last line of the termination message>"; "" when none."""
     running_since: Optional[datetime] = None
     """When its current run started (``state.running.startedAt``); None while it does not run."""
+    node: str = ""
+    """The node it is bound to (``spec.nodeName``; "" while unscheduled)."""
+    deletion_at: Optional[datetime] = None
+    """``metadata.deletionTimestamp``: when its grace period ends (set once it is being deleted)."""
+    lost_node_toleration_s: int = DEFAULT_LOST_NODE_TOLERATION_S
+    """Seconds it tolerates its node being unreachable or not ready (its NoExecute tolerations of
+    ``node.kubernetes.io/unreachable`` and ``not-ready``, the shorter; Kubernetes adds 300 s of each by default; -1: a
+    toleration without seconds, forever)."""
 
     @property
     def terminal(self) -> bool:
@@ -117,8 +130,24 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         failure=_failure(status),
         unschedulable=unschedulable,
         owner_uid=controller_uid(pod),
+        node=(pod.get("spec") or {}).get("nodeName") or "",
+        deletion_at=_time(meta.get("deletionTimestamp")),
+        lost_node_toleration_s=_lost_node_toleration(pod),
         **_container_fields(status),
     )
+
+
+def _lost_node_toleration(pod: Mapping[str, Any]) -> int:
+    """See :attr:`PodView.lost_node_toleration_s` (a toleration without seconds tolerates forever: never force)."""
+    seconds = []
+    for toleration in (pod.get("spec") or {}).get("tolerations") or []:
+        if toleration.get("key") in LOST_NODE_TAINTS and toleration.get("effect") in (None, "", "NoExecute"):
+            value = toleration.get("tolerationSeconds")
+            seconds.append(_int(value) if value is not None else None)
+    finite = [s for s in seconds if s is not None]
+    if finite:
+        return max(0, min(finite))
+    return -1 if seconds else DEFAULT_LOST_NODE_TOLERATION_S
 
 
 def _container_fields(status: Mapping[str, Any]) -> dict[str, Any]:
@@ -192,6 +221,31 @@ def _failure(status: Mapping[str, Any]) -> str:
 
 
 @dataclass(frozen=True)
+class NodeView:
+    """A node as the gang logic needs it when a pod on it does not go away: whether its kubelet reports Ready, and
+    since when its Ready condition has not been True. ``exists`` False: the Node object is gone."""
+
+    name: str
+    exists: bool = True
+    ready: bool = True
+    not_ready_since: Optional[datetime] = None
+    reason: str = ""
+    """The Ready condition's status and reason, e.g. "Unknown (NodeStatusUnknown)"."""
+
+
+def node_view(name: str, node: Optional[Mapping[str, Any]]) -> NodeView:
+    """The :class:`NodeView` of a raw Node object (None: it does not exist)."""
+    if node is None:
+        return NodeView(name, exists=False, ready=False, reason="the Node object is gone")
+    conditions = {cond.get("type"): cond for cond in (node.get("status") or {}).get("conditions") or []}
+    ready = conditions.get("Ready") or {}
+    if ready.get("status") == "True":
+        return NodeView(name)
+    reason = f"{ready.get('status') or 'no Ready condition'}" + (f" ({ready['reason']})" if ready.get("reason") else "")
+    return NodeView(name, ready=False, not_ready_since=_time(ready.get("lastTransitionTime")), reason=reason)
+
+
+@dataclass(frozen=True)
 class DeploymentView:
     """A child Deployment (the managed Redis): available = at least one ready replica of the current template."""
 
@@ -216,3 +270,50 @@ def deployment_view(deployment: Mapping[str, Any]) -> DeploymentView:
         message += f": {available_cond['message']}"
     return DeploymentView(name=meta.get("name", ""), available=available, message=message,
                           owner_uid=controller_uid(deployment))
+
+
+CLAIM_PROBLEM_REASONS = frozenset({"FailedBinding"})
+"""Normal-type Event reasons of a PersistentVolumeClaim that still mean it cannot bind as it is (the PV controller's
+"no persistent volumes available for this claim and no storage class is set"); every Warning means so too."""
+
+
+@dataclass(frozen=True)
+class ClaimView:
+    """The managed Redis's data claim as the operator reports it: ``phase`` (Pending, Bound, Lost), ``storage_class``
+    (its spec.storageClassName: None when it names none, which after admission means the cluster had no default
+    class) and ``problem``: "<reason>: <message>" of its newest Event when that one says why it cannot bind (a
+    Warning, or :data:`CLAIM_PROBLEM_REASONS`); "" when the newest says it is on its way (Provisioning,
+    ExternalProvisioning, WaitForFirstConsumer: a fixed class or provisioner shows so at once) or there is none."""
+
+    name: str
+    phase: str
+    storage_class: Optional[str]
+    problem: str = ""
+
+    @property
+    def bound(self) -> bool:
+        return self.phase == "Bound"
+
+
+def claim_view(claim: Mapping[str, Any], events: list[Mapping[str, Any]]) -> ClaimView:
+    """The :class:`ClaimView` of a raw PersistentVolumeClaim and the Events whose involvedObject it is (as listed: any
+    order; core/v1 Events, whose time is lastTimestamp, eventTime or the creation time; a repeated Event's
+    lastTimestamp moves on). Events of an earlier claim of the same name (another uid) are left out."""
+    def problem(event: Mapping[str, Any]) -> bool:
+        return event.get("type") == "Warning" or event.get("reason") in CLAIM_PROBLEM_REASONS
+
+    def when(event: Mapping[str, Any]) -> tuple[str, bool]:
+        at = (event.get("lastTimestamp") or event.get("eventTime")
+              or (event.get("metadata") or {}).get("creationTimestamp") or "")
+        return at, problem(event)  # within one second, the problem is the newer news
+
+    uid = (claim.get("metadata") or {}).get("uid")
+    own = [e for e in events if (e.get("involvedObject") or {}).get("uid") in (None, uid)]
+    newest = max(own, key=when, default=None)
+    return ClaimView(
+        name=(claim.get("metadata") or {}).get("name", ""),
+        phase=(claim.get("status") or {}).get("phase") or "Pending",
+        storage_class=(claim.get("spec") or {}).get("storageClassName"),
+        problem=f"{newest.get('reason')}: {last_line(newest.get('message') or '')}" if newest and problem(newest)
+        else "",
+    )

@@ -60,8 +60,15 @@ async def fetch(client: aioredis.Redis, keys: RedisKeys) -> Progress:
         pipe.hgetall(keys.progress)
         pipe.hgetall(keys.rollout)
         pipe.hgetall(keys.checkpoint)
-        progress, rollout, checkpoint = await pipe.execute()
-    return parse_progress(progress, rollout, checkpoint)
+        pipe.get(keys.prefix + protocol.KEY_STREAM_ID)
+        pipe.xinfo_groups(keys.stream)
+        progress, rollout, checkpoint, stream_id, groups = await pipe.execute(raise_on_error=False)
+    for reply in (progress, rollout, checkpoint, stream_id):
+        if isinstance(reply, Exception):
+            raise reply
+    parsed = parse_progress(progress, rollout, checkpoint)
+    backlog = None if isinstance(groups, Exception) else protocol.Backlog.from_groups(groups, keys.group)  # no stream
+    return dataclasses.replace(parsed, stream_id=protocol.text(stream_id), backlog=backlog)
 
 
 def connect(connection: RedisConnection, password: Optional[str], *, ca_data: Optional[str] = None,

@@ -7,9 +7,10 @@ Everything decided here comes from :mod:`.admission` and the pure modules (:mod:
 
 1. admit (:func:`.admission.admit`): the spec to run (the spec, or while an invalid edit is fixed the last valid
    one), its problems, or children of an earlier job of the same name to wait for;
-2. apply the static children of a valid spec (Redis Secret create-only, ConfigMap, Services, Redis Deployment),
-   only when their rendering changed since this process last applied them (:mod:`.applied`); a child the API server
-   refuses (400/422) makes the job Invalid in this pass (admission is asked again);
+2. apply the static children of a valid spec (Redis Secret and data claim create-only, ConfigMap, Services, Redis
+   Deployment), only when their rendering changed since this process last applied them (:mod:`.applied`); a child the
+   API server refuses (400/422) makes the job Invalid in this pass (admission is asked again); a managed Redis moved
+   between an emptyDir and its claim is told in a RedisReplaced Event;
 3. decide the pass's outcome: waiting for an earlier job's children; Invalid (nothing runs, no retry until the spec
    changes); or the gang's plan (:func:`.gang.plan`) over the observed pods (the kopf index, plus pods this process
    created or deleted that the watch has not reported yet), Redis's health and the progress hashes (planned again
@@ -30,19 +31,21 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from rljob_api import constants as c
+from rljob_api import protocol
 from rljob_api.constants import Phase, Reason
 from rljob_api.config import JobConfig
 from rljob_api.spec import RLTrainingJobSpec
-from rljob_api.status import RLTrainingJobStatus
+from rljob_api.status import RLTrainingJobStatus, StreamStatus
 from rljob_api.validation import data_parallel_size
 
 from rljob_operator import admission, children, gang, redis_reads, render, resolution, status
+from rljob_operator import progress as progress_reads
 from rljob_operator.admission import Decision
 from rljob_operator.apply import ApiError
-from rljob_operator.observe import DeploymentView, PodView
+from rljob_operator.observe import DeploymentView, NodeView, PodView, node_view
 from rljob_operator.runtime import Context, JobRuntime
 
 #: How long a pod this process created counts as present before the watch reports it (seconds).
@@ -72,6 +75,42 @@ def observed_pods(indexed: Iterable[PodView], runtime: JobRuntime, now: float) -
             seen[name] = replace(pod, deleting=True)
     return sorted(seen.values(), key=lambda p: (p.role, p.index, p.name))
 
+
+
+def _forgotten_stream(this: _Pass, fetched: progress_reads.Progress) -> Optional[str]:
+    """What Redis forgot when the stream identity it holds (``fetched.stream_id``) is not the one the status saved
+    (another one, or none); None when it did not forget (or no identity was ever saved). Keeps the group's counts of
+    each read in the job's runtime: the last ones before a loss are what was lost, as far as known."""
+    saved, now_held = this.previous.stream_identity, fetched.stream_id
+    last_backlog, this.runtime.backlog = this.runtime.backlog, fetched.backlog
+    if not saved or now_held == saved:
+        return None
+    return protocol.stream_lost_message(saved, now_held, last_backlog, this.previous.last_checkpoint,
+                                        this.before.attempt)
+
+
+def _stream_identity(this: _Pass, new: RLTrainingJobStatus, fetched: progress_reads.Progress,
+                     forgot: Optional[str]) -> RLTrainingJobStatus:
+    """``new`` with the stream identity Redis holds now (kept while Redis holds none, unless that is the loss) and
+    the attempt of a loss seen in this pass."""
+    update: dict[str, Any] = {}
+    if fetched.stream_id is not None or forgot is not None:
+        update["stream_identity"] = fetched.stream_id
+    if forgot is not None:
+        update["stream_lost_attempt"] = this.before.attempt
+    return new.model_copy(update=update) if update else new
+
+
+async def _lost_nodes(ctx: Context, pods: Sequence[PodView], now: datetime) -> dict[str, NodeView]:
+    """The nodes of the pods whose deletion grace period is over but which are still there (a kubelet that stopped
+    reporting cannot confirm their end): one GET per such node, none in the usual case.
+
+    Raises:
+        ApiError: the API server refused (e.g. RBAC without get nodes).
+    """
+    names = sorted({p.node for p in pods if p.deleting and p.node and p.deletion_at is not None and p.deletion_at <= now})
+    found = await children.gather(ctx.api.get("v1", "Node", "", name) for name in names)
+    return {name: node_view(name, raw) for name, raw in zip(names, found)}
 
 
 @dataclass
@@ -114,6 +153,11 @@ class _Pass:
                                                                    self.ctx.api)
         return resolution.effective_config(self.job(spec), self.meta.get("generation"), self.runtime.recorded)
 
+    def stream(self, spec: RLTrainingJobSpec, config: Optional[JobConfig] = None) -> StreamStatus:
+        """status.stream for ``spec`` (:func:`.status.stream_status`) from ``config``, else from a fresh resolution."""
+        job = self.job(spec)
+        return status.stream_status(config or render.job_config(job), render.redis_password_ref(job))
+
     def status(self, lifecycle: gang.Lifecycle, **report: Any) -> RLTrainingJobStatus:
         """The new status (:func:`.status.build_status`) for ``lifecycle`` and the rest of the ``report``."""
         return status.build_status(self.previous, generation=self.meta.get("generation"), lifecycle=lifecycle,
@@ -133,6 +177,9 @@ class _Outcome:
     release: bool = False
     restarts: int = 0
     error: Optional[ApiError] = None
+    force_delete: tuple[gang.StuckPod, ...] = ()
+    events: tuple[status.Event, ...] = ()
+    """Events of this pass that no condition transition tells (posted after the status write)."""
 
 
 async def reconcile(
@@ -172,6 +219,7 @@ async def _apply_children(this: _Pass, decision: Decision) -> Decision:
         return decision
     job, generation = this.job(decision.run), this.meta.get("generation")
     config = await this.config(decision.run)
+    earlier = this.runtime.recorded
     try:
         await children.apply_static(job, config, generation, this.body, this.runtime, this.ctx)
     except ApiError as err:
@@ -181,6 +229,11 @@ async def _apply_children(this: _Pass, decision: Decision) -> Decision:
         return await this.admit()
     this.runtime.last_valid = (generation, decision.run)
     this.runtime.recorded = resolution.Recorded(resolution.as_recorded(config), generation)
+    if earlier is not None and earlier.config.spec.redis.mode == config.spec.redis.mode == "managed":
+        replaced = status.redis_replaced(job.name, render.redis_persistence(earlier.config),
+                                         render.redis_persistence(config))
+        if replaced is not None:
+            this.runtime.notices.append(replaced)
     return decision
 
 
@@ -200,7 +253,7 @@ def _waiting_for_leftovers(this: _Pass, decision: Decision) -> _Outcome:
         "deleted: " + ", ".join(decision.leftovers)))
     new = this.status(waiting, problems=[], data_parallel_size=data_parallel_size(spec),
                       redis=this.runtime.redis_health, pods=[], nodes=spec.trainer.nodes,
-                      replicas=spec.rollout.replicas, progress=None)
+                      replicas=spec.rollout.replicas, progress=None, stream=this.stream(spec))
     return _Outcome(new, delay=min(this.ctx.active_interval_s, 1.0))
 
 
@@ -227,17 +280,22 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
     config = await this.config(spec)
     pods = this.pods()
     hashes = render.config_hashes(config)
-    plan = gang.plan(job.name, spec, this.before, pods, hashes, this.now)
-    health = redis_reads.health(spec, this.redis, runtime, pods, this.now)
-    fetched = None
+    nodes = await _lost_nodes(this.ctx, pods, this.now)
+    stream_lost = this.previous.stream_lost_attempt == this.before.attempt
+    plan = gang.plan(job.name, spec, this.before, pods, hashes, this.now, nodes=nodes, stream_lost=stream_lost)
+    claim = await redis_reads.read_claim(job.name, job.namespace, config, this.redis, ctx)
+    health = redis_reads.health(spec, this.redis, runtime, pods, this.now, claim)
+    fetched, forgot = None, None
     if ctx.read_progress and redis_reads.reads_progress(this.before.phase, plan.lifecycle.phase,
                                                         spec.redis.mode == "managed", health.ready):
         fetched = await redis_reads.read_progress(job, config, runtime, ctx)
         if fetched is not None:
             runtime.step_rate.add(fetched.updated_at, fetched.step)
-        health = redis_reads.health(spec, this.redis, runtime, pods, this.now)
-        if fetched is not None and fetched.reward_failures is not None:  # rewards failing: the plan may fail the job
-            plan = gang.plan(job.name, spec, this.before, pods, hashes, this.now, rewards=fetched.reward_failures)
+            forgot = _forgotten_stream(this, fetched)
+        health = redis_reads.health(spec, this.redis, runtime, pods, this.now, claim)
+        if fetched is not None and (fetched.reward_failures is not None or forgot):  # the plan may change
+            plan = gang.plan(job.name, spec, this.before, pods, hashes, this.now, rewards=fetched.reward_failures,
+                             nodes=nodes, stream_lost=stream_lost or forgot is not None)
     manifests = [render.trainer_pod(job, config, i, plan.lifecycle.attempt) for i in plan.create_trainers]
     manifests += [render.rollout_pod(job, config, i) for i in plan.create_rollouts]
     error = await children.create_pods(manifests, this.body, runtime, ctx)
@@ -256,7 +314,10 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
                       replicas=spec.rollout.replicas, progress=fetched, max_steps=spec.trainer.max_steps,
                       steps_per_second=runtime.step_rate.per_second(),
                       checkpoint_volume=spec.trainer.checkpoint.volume,
-                      reward_deadline_s=spec.rollout.reward_failure_deadline_seconds, kept=note)
+                      reward_deadline_s=spec.rollout.reward_failure_deadline_seconds, kept=note,
+                      stream=this.stream(spec, config))
+    if fetched is not None:
+        new = _stream_identity(this, new, fetched, forgot)
     uids = {p.name: p.uid for p in pods}
     idle = plan.lifecycle.phase in status.IDLE_PHASES
     interval = ctx.idle_interval_s if idle else ctx.active_interval_s
@@ -265,28 +326,34 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
     return _Outcome(
         new, delay=interval,
         delete=tuple((name, uids.get(name, "")) for name in plan.delete), delete_job=plan.delete_job, release=idle,
+        force_delete=plan.force_delete,
+        events=() if forgot is None else (status.Event("Warning", Reason.STREAM_LOST.value, forgot),),
         restarts=plan.lifecycle.restarts - this.before.restarts, error=error,
     )
 
 
 async def _save(this: _Pass, new: RLTrainingJobStatus) -> None:
-    """Write ``new`` if it differs from the stored status; then post an Event per transition.
+    """Write ``new`` if it differs from the stored status; then post an Event per transition, and the Events of what
+    passes did (:attr:`JobRuntime.notices`).
 
     Raises:
         StaleStatus: the job changed since the pass read it (409).
     """
     patch = status.status_patch(this.body.get("status") or {}, new)
-    if patch is None:
-        return
-    resource_version = this.meta.get("resourceVersion")
-    try:
-        updated = await this.ctx.api.patch_status(this.meta["namespace"], this.meta["name"], patch, resource_version)
-    except ApiError as err:
-        if err.status == 409:
-            raise StaleStatus(str(err)) from err
-        raise
-    this.runtime.remember_write(resource_version, updated)
-    for event in status.transition_events(this.previous, new):
+    events = list(this.runtime.notices)
+    if patch is not None:
+        resource_version = this.meta.get("resourceVersion")
+        try:
+            updated = await this.ctx.api.patch_status(this.meta["namespace"], this.meta["name"], patch,
+                                                      resource_version)
+        except ApiError as err:
+            if err.status == 409:
+                raise StaleStatus(str(err)) from err
+            raise
+        this.runtime.remember_write(resource_version, updated)
+        events = status.transition_events(this.previous, new) + events
+    this.runtime.notices.clear()
+    for event in events:
         this.ctx.post_event(this.body, event)
 
 
@@ -300,6 +367,15 @@ async def _act(this: _Pass, outcome: _Outcome) -> None:
     if outcome.restarts > 0:
         this.ctx.on_restart(outcome.restarts)
     await children.delete_pods(namespace, outcome.delete, this.runtime, this.ctx)
+    for event in outcome.events:
+        this.ctx.post_event(this.body, event)
+    for stuck in outcome.force_delete:
+        if await this.ctx.api.delete("v1", "Pod", namespace, stuck.pod.name, uid=stuck.pod.uid or None,
+                                     grace_period_seconds=0):
+            this.ctx.post_event(this.body, status.Event("Warning", "PodForceDeleted", (
+                f"{stuck.why}; force-deleted (grace 0) after the node was not Ready for "
+                f"{stuck.pod.lost_node_toleration_s} s, so that the gang can go on; processes it left on the node "
+                "are fenced from the job's writes (DESIGN §6)")))
     if outcome.release:
         await redis_reads.release(this.runtime, this.ctx, namespace, name)
     if outcome.delete_job:

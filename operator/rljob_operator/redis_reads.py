@@ -1,6 +1,7 @@
-"""What a pass reads about a job's Redis: its health (the managed Deployment, or this process's last probe of an
-external one) and the progress hashes, through a client shared by the jobs that use the same Redis
-(:mod:`.redis_clients`). The password and TLS CA Secrets are read when connecting, not on every pass.
+"""What a pass reads about a job's Redis: its health (the managed Deployment and, while it is not available, its data
+claim; or this process's last probe of an external one) and the progress hashes, through a client shared by the jobs
+that use the same Redis (:mod:`.redis_clients`). The password and TLS CA Secrets are read when connecting, not on
+every pass.
 """
 
 from __future__ import annotations
@@ -10,29 +11,64 @@ from typing import Iterable, Optional
 
 import redis.asyncio as aioredis
 
-from rljob_api import constants as c
-from rljob_api.constants import Phase
+from rljob_api import constants as c, names
+from rljob_api.config import JobConfig
+from rljob_api.constants import Phase, Reason
 from rljob_api.spec import RLTrainingJobSpec, SecretKeyRef
 from rljob_api.status import RLTrainingJobStatus
 
 from rljob_operator import gang, progress, render, status
 from rljob_operator.apply import ApiError
-from rljob_operator.observe import DeploymentView, PodView
+from rljob_operator.observe import ClaimView, DeploymentView, PodView, claim_view
 from rljob_operator.runtime import Context, JobRuntime
 
 
 def health(spec: RLTrainingJobSpec, deployment: Optional[DeploymentView], runtime: JobRuntime,
-           pods: Iterable[PodView], now: datetime) -> status.RedisHealth:
-    """External: what this process's last probe found. Managed: whether the Deployment is available; if not, why its
-    pods are not ready, when they say (e.g. 'cannot start: container redis ImagePullBackOff: ...')."""
+           pods: Iterable[PodView], now: datetime, claim: Optional[ClaimView] = None) -> status.RedisHealth:
+    """External: what this process's last probe found. Managed: whether the Deployment is available; if not, why: its
+    data ``claim`` (:func:`read_claim`) that is not bound (reason ClaimPending when the claim's Events say why it
+    cannot bind, e.g. 'ProvisioningFailed: storageclass.storage.k8s.io "fast" not found'), else why its pods are not
+    ready, when they say (e.g. 'cannot start: container redis ImagePullBackOff: ...')."""
     if spec.redis.mode == "external":
         return runtime.redis_health
     if deployment is None:
         return status.RedisHealth(False, "the managed Redis Deployment does not exist yet")
     message = f"managed Redis {deployment.name}: {deployment.message}"
+    if not deployment.available and claim is not None and not claim.bound:
+        storage_class = (f"storage class {claim.storage_class!r}" if claim.storage_class is not None
+                         else "no storage class (the cluster has no default StorageClass)")
+        where = f"its data claim {claim.name} ({storage_class}) is {claim.phase}"
+        if claim.problem:
+            return status.RedisHealth(False, f"{message}; {where}: {claim.problem}; fix spec.redis.persistence "
+                                      "(storageClassName, size) or the cluster's storage, or set "
+                                      "spec.redis.persistence.enabled to false", Reason.CLAIM_PENDING)
+        return status.RedisHealth(False, f"{message}; {where}: waiting for it to be bound")
     troubles = "" if deployment.available else status.describe_troubles(
         (p for p in pods if p.role == c.Role.REDIS and not p.deleting), now)
     return status.RedisHealth(deployment.available, f"{message}; {troubles}" if troubles else message)
+
+
+async def read_claim(job_name: str, namespace: str, config: JobConfig, deployment: Optional[DeploymentView],
+                     ctx: Context) -> Optional[ClaimView]:
+    """The managed Redis's data claim with the Events that explain it, read only while it matters: the Redis of
+    ``config`` keeps its data on a claim (:func:`~rljob_operator.render.redis_persistence`) and its Deployment exists
+    but is not available. None otherwise, or when the claim does not exist (yet). One GET, and a LIST of the claim's
+    Events while it is not bound.
+
+    Raises:
+        ApiError: a refused read.
+    """
+    if deployment is None or deployment.available or render.redis_persistence(config) is None:
+        return None
+    name = names.redis_claim(job_name)
+    claim = await ctx.api.get("v1", "PersistentVolumeClaim", namespace, name)
+    if claim is None:
+        return None
+    events = []
+    if (claim.get("status") or {}).get("phase") != "Bound":
+        events = await ctx.api.list("v1", "Event", namespace,
+                                    field_selector=f"involvedObject.kind=PersistentVolumeClaim,involvedObject.name={name}")
+    return claim_view(claim, events)
 
 
 def invalid_health(spec: Optional[RLTrainingJobSpec], deployment: Optional[DeploymentView],

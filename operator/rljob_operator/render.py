@@ -6,7 +6,10 @@ Children of a job ``J`` in namespace ``N`` (names from :mod:`rljob_api.names`, a
 
 - ConfigMap ``J-config``: the resolved :class:`~rljob_api.config.JobConfig` as ``config.json``, mounted in
   every pod at ``/etc/rljob`` (env ``RLJOB_CONFIG``); its hash labels every pod.
-- managed Redis: Secret ``J-redis-auth`` (a generated password), Deployment and headless Service ``J-redis``.
+- managed Redis: Secret ``J-redis-auth`` (a generated password), Deployment and headless Service ``J-redis``, and
+  with ``spec.redis.persistence`` the PersistentVolumeClaim ``J-redis-data`` holding its append-only file. They are
+  rendered from the resolved config the job runs (:mod:`.resolution`), not from the live spec: a config recorded
+  before ``spec.redis.persistence`` existed keeps its Redis on an emptyDir (:func:`redis_persistence`).
 - headless Service ``J-trainer`` (publishNotReadyAddresses, every port declared) so that
   ``J-trainer-0.J-trainer.N.svc.cluster.local`` resolves before the gang is ready.
 - trainer pods ``J-trainer-<i>``: ``torchrun`` with a fixed node count and static rendezvous at pod 0.
@@ -23,6 +26,7 @@ scales or replaces rollout pods and never restarts the trainer gang.
 
 from __future__ import annotations
 
+import json
 import posixpath
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
@@ -32,7 +36,7 @@ from rljob_api import constants as c
 from rljob_api import names
 from rljob_api.canonical import canonical_hash, canonical_json
 from rljob_api.config import JobConfig, RedisConnection, resolve
-from rljob_api.spec import RLTrainingJobSpec, RolloutSpec, RunPolicySpec, SecretKeyRef
+from rljob_api.spec import RedisPersistenceSpec, RLTrainingJobSpec, RolloutSpec, RunPolicySpec, SecretKeyRef
 
 from rljob_operator.gang import ConfigHashes
 
@@ -81,6 +85,32 @@ _MODEL_VOLUME = "model"
 _REDIS_DATA_VOLUME = "data"
 _REDIS_CA_VOLUME = "redis-ca"
 _REDIS_UID = 999  # the redis user of the official image
+REDIS_DATA_DIR = "/data"
+"""Where the managed Redis writes its append-only file (the emptyDir or the claim ``<job>-redis-data``)."""
+REDIS_APPENDFSYNC = "everysec"
+"""fsync policy of the durable managed Redis's append-only file: once a second, in a background thread, so a crash of
+its node loses at most the last second or two of writes, and a SIGKILL of Redis alone as a rule nothing it
+acknowledged (its writes are in the kernel's page cache; DESIGN §6); ``always`` would fsync every write."""
+REDIS_LOCK_FILE = f"{REDIS_DATA_DIR}/redis.lock"
+"""flock(1)-ed by the durable Redis for as long as it runs, so that a replacement Redis pod (made by the ReplicaSet as
+soon as the old pod is deleted, before it has exited) waits for the old one instead of opening the same append-only
+file. Where locks are not supported (some network filesystems) the Redis starts without waiting."""
+
+
+def durable_redis_script(data_dir: str = REDIS_DATA_DIR, port: int = c.PORT_REDIS) -> str:
+    """The durable managed Redis's start script (``sh -c``; the password from env ``REDIS_PASSWORD``): lock
+    ``<data_dir>/redis.lock`` (:data:`REDIS_LOCK_FILE`), waiting while another process holds it, then become
+    ``redis-server`` with an append-only file in ``data_dir`` (appendfsync :data:`REDIS_APPENDFSYNC`, no RDB
+    snapshots). redis-server keeps the lock's file descriptor, so the lock lasts exactly as long as it runs, and it is
+    the container's main process, so it gets the SIGTERM of a pod deletion and flushes its file before it exits."""
+    lock = posixpath.join(data_dir, posixpath.basename(REDIS_LOCK_FILE))
+    return (
+        f"exec 9>>{lock}\n"
+        f"flock -n 9 || {{ echo \"redis: waiting for the Redis that held {data_dir} before this one to exit\"; "
+        "flock 9; }\n"
+        f"exec redis-server --port {port} --requirepass \"${c.ENV_REDIS_PASSWORD}\" --appendonly yes "
+        f"--appendfsync {REDIS_APPENDFSYNC} --save \"\" --dir {data_dir}\n"
+    )
 
 
 @dataclass(frozen=True)
@@ -202,25 +232,66 @@ def redis_password_ref(job: Job) -> Optional[SecretKeyRef]:
     return job.spec.redis.password_secret_ref
 
 
-def redis_deployment(job: Job) -> dict[str, Any]:
-    """One-replica Redis (append-only file on an emptyDir at /data; explicit ``redis-server`` command)."""
+def redis_persistence(config: JobConfig) -> Optional[RedisPersistenceSpec]:
+    """The claim settings of the managed Redis that ``config`` runs, or None when it keeps its data in an emptyDir:
+    external Redis, ``spec.redis.persistence.enabled: false``, or a config recorded by an operator before the field
+    existed. Read from the config's bytes (:meth:`JobConfig.to_json`), not its model: the model fills a missing field
+    with today's default (enabled), but the Redis of such a record runs on an emptyDir, and rendering it with a claim
+    would replace the Redis pod and lose its stream on an operator upgrade."""
+    if config.spec.redis.mode != "managed":
+        return None
+    raw = json.loads(config.to_json())["spec"]["redis"].get("persistence")
+    if raw is None:
+        return None
+    persistence = RedisPersistenceSpec.model_validate(raw)
+    return persistence if persistence.enabled else None
+
+
+def redis_claim(job: Job, config: JobConfig) -> Optional[dict[str, Any]]:
+    """The PersistentVolumeClaim ``<job>-redis-data`` of a durable managed Redis (ReadWriteOnce, the size and storage
+    class of :func:`redis_persistence`; no class named: the cluster's default), or None without persistence. Created
+    once (claims are mostly immutable), deleted with the job."""
+    persistence = redis_persistence(config)
+    if persistence is None:
+        return None
+    spec: dict[str, Any] = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": persistence.size}}}
+    if persistence.storage_class_name is not None:
+        spec["storageClassName"] = persistence.storage_class_name
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": _meta(names.redis_claim(job.name), job, c.Role.REDIS), "spec": spec}
+
+
+def redis_deployment(job: Job, config: JobConfig) -> dict[str, Any]:
+    """One-replica managed Redis of ``config`` (its image and persistence), strategy Recreate (an update never runs
+    two Redis pods on one data directory). With persistence (:func:`redis_persistence`) it runs
+    :func:`durable_redis_script` (append-only file with appendfsync :data:`REDIS_APPENDFSYNC`, no RDB snapshots,
+    :data:`REDIS_LOCK_FILE` held) on the claim :func:`redis_claim`; without, ``redis-server`` with an append-only
+    file on an emptyDir, exactly as operators before persistence rendered it (so their Deployments are not
+    re-applied)."""
     meta = _meta(names.redis_name(job.name), job, c.Role.REDIS)
-    ref = redis_password_ref(job)
-    container = {
-        "name": "redis",
-        "image": job.spec.redis.image,
-        "command": [
+    ref = SecretKeyRef(name=names.redis_secret(job.name), key=REDIS_PASSWORD_KEY)
+    persistence = redis_persistence(config)
+    if persistence is None:
+        command = [
             "redis-server",
             "--port", str(c.PORT_REDIS),
             "--requirepass", f"$({c.ENV_REDIS_PASSWORD})",
             "--appendonly", "yes",
-            "--dir", "/data",
-        ],
+            "--dir", REDIS_DATA_DIR,
+        ]
+        volume: dict[str, Any] = {"name": _REDIS_DATA_VOLUME, "emptyDir": {}}
+    else:
+        command = ["sh", "-c", durable_redis_script()]
+        volume = {"name": _REDIS_DATA_VOLUME, "persistentVolumeClaim": {"claimName": names.redis_claim(job.name)}}
+    container = {
+        "name": "redis",
+        "image": config.spec.redis.image,
+        "command": command,
         "env": [_secret_env(c.ENV_REDIS_PASSWORD, ref)],
         "ports": [{"name": "redis", "containerPort": c.PORT_REDIS, "protocol": "TCP"}],
         "readinessProbe": {"tcpSocket": {"port": c.PORT_REDIS}, "periodSeconds": 5},
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}},
-        "volumeMounts": [{"name": _REDIS_DATA_VOLUME, "mountPath": "/data"}],
+        "volumeMounts": [{"name": _REDIS_DATA_VOLUME, "mountPath": REDIS_DATA_DIR}],
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
@@ -248,7 +319,7 @@ def redis_deployment(job: Job) -> dict[str, Any]:
                         "seccompProfile": {"type": "RuntimeDefault"},
                     },
                     "containers": [container],
-                    "volumes": [{"name": _REDIS_DATA_VOLUME, "emptyDir": {}}],
+                    "volumes": [volume],
                 },
             },
         },
@@ -280,10 +351,11 @@ def _service(name: str, job: Job, role: c.Role, ports, *, publish_not_ready: boo
 
 
 def static_children(job: Job, config: JobConfig, generation: Optional[int] = None) -> list[dict[str, Any]]:
-    """Every child but the pods and the Redis Secret, in apply order (``generation``: see :func:`config_map`)."""
+    """Every child but the pods and the create-only ones (Redis Secret and claim), in apply order; the managed Redis
+    as ``config`` runs it (``generation``: see :func:`config_map`)."""
     children = [config_map(job, config, generation), trainer_service(job)]
-    if job.spec.redis.mode == "managed":
-        children += [redis_service(job), redis_deployment(job)]
+    if config.spec.redis.mode == "managed":
+        children += [redis_service(job), redis_deployment(job, config)]
     return children
 
 

@@ -13,6 +13,13 @@ change the pods' config hashes and restart every gang. So the job's config Confi
   rollout's kept too when the edit changed nothing a rollout pod reads (``replicas``). So a role gets this version's
   defaults only when the user edits a field that role's hash covers;
 - nothing recorded (a new job), or a record this version cannot read: the new resolution.
+
+The managed Redis is rendered from the config too (:func:`rljob_operator.render.redis_persistence`), and its storage
+follows the same rule: a new resolution keeps the recorded ``spec.redis.persistence`` (absent from a record of an
+operator before the field existed: an emptyDir) unless the user edited a field the Redis Deployment and its claim
+are made of (:data:`REDIS_STORAGE_FIELDS`). Moving a running Redis between an emptyDir and a claim replaces its pod
+and empties its stream, so an upgrade alone, or an edit elsewhere (``trainer.maxSteps``, ``redis.maxPending``),
+never does it.
 """
 
 from __future__ import annotations
@@ -30,6 +37,12 @@ from rljob_api.config import JobConfig
 
 from rljob_operator import render
 from rljob_operator.apply import KubeApi
+
+
+REDIS_STORAGE_FIELDS = ("mode", "image", "persistence")
+"""Fields of ``spec.redis`` the managed Redis Deployment and its claim are made of: an edit of one of them replaces the
+Redis pod anyway (or is the persistence setting itself), so only then does a new resolution take this version's
+``spec.redis.persistence`` rather than the recorded one."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +87,7 @@ def effective_config(job: render.Job, generation: Optional[int], recorded: Optio
         return recorded.config
     before = render.job_config(render.Job(job.name, job.namespace, recorded.config.spec, job.labels, job.uid))
     if render.role_config_hash(before, c.Role.TRAINER) != render.role_config_hash(fresh, c.Role.TRAINER):
-        return fresh
+        return _keep_redis_storage(fresh, recorded.config, before)
     merged = json.loads(recorded.config.to_json())
     new = json.loads(fresh.to_json())
     for path in render.ROLLOUT_ONLY_FIELDS:
@@ -89,6 +102,28 @@ def effective_config(job: render.Job, generation: Optional[int], recorded: Optio
     else:
         rollout = render.role_config_hash(JobConfig.model_validate(merged), c.Role.ROLLOUT)
     return JobConfig.from_recorded(canonical_json(merged), {c.Role.TRAINER.value: trainer, c.Role.ROLLOUT.value: rollout})
+
+
+def _keep_redis_storage(fresh: JobConfig, recorded: JobConfig, before: JobConfig) -> JobConfig:
+    """``fresh`` with the recorded config's ``spec.redis.persistence`` (as recorded: absent stays absent) when the edit
+    changed none of :data:`REDIS_STORAGE_FIELDS` (``before``: the recorded spec resolved by this version, so that
+    defaults the API server filled into the live spec compare equal); ``fresh`` itself otherwise."""
+    def storage(config: JobConfig) -> dict[str, Any]:
+        redis = config.spec.redis.model_dump(mode="json")
+        return {name: redis[name] for name in REDIS_STORAGE_FIELDS}
+
+    if storage(before) != storage(fresh):
+        return fresh
+    data = json.loads(fresh.to_json())
+    kept = json.loads(recorded.to_json())["spec"]["redis"].get("persistence")
+    if data["spec"]["redis"].get("persistence") == kept:
+        return fresh
+    if kept is None:
+        del data["spec"]["redis"]["persistence"]
+    else:
+        data["spec"]["redis"]["persistence"] = kept
+    text = canonical_json(data)
+    return JobConfig.from_recorded(text, render.role_hashes(JobConfig.from_json(text)))
 
 
 def as_recorded(config: JobConfig) -> JobConfig:

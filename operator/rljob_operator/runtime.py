@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import redis.asyncio as aioredis
 
+from rljob_api.protocol import Backlog
 from rljob_api.spec import RLTrainingJobSpec
 
 from rljob_operator.apply import KubeApi
@@ -49,6 +50,8 @@ class JobRuntime:
     """The shared client this job holds (:class:`~rljob_operator.redis_clients.RedisClients`), while active."""
     redis_identity: Optional[tuple] = None
     redis_health: RedisHealth = RedisHealth(None, "not checked yet")
+    backlog: Optional[Backlog] = None
+    """The consumer group's counts at the last read of Redis (what a lost stream held, as far as known)."""
     step_rate: StepRate = field(default_factory=StepRate)
     """The trainer's recent step rate (status.estimatedRemainingSeconds)."""
     looping: bool = False
@@ -56,6 +59,9 @@ class JobRuntime:
     seen: Optional[tuple] = None
     """What the job's metadata said at the last pass (see ``handlers``): a watch event that changes it wakes the
     daemon, this process's own status writes do not."""
+    notices: list[Event] = field(default_factory=list)
+    """Events of what a pass did (not condition transitions, e.g. RedisReplaced), posted after the next status write
+    (or pass without one): a pass refused as stale keeps them for the next."""
     written: Optional[tuple[frozenset[str], str, dict[str, Any]]] = None
     """(resourceVersions this process's status writes replaced, the resourceVersion and status they left), until
     the watch shows the job at or past that write."""

@@ -10,9 +10,13 @@ Valid                   False: the spec has a problem only code can find (the me
 RedisReady              managed: the Redis Deployment has a ready replica; external: the operator reached it
                         (over TLS: the certificate verified against spec.redis.caSecretRef or the system CAs); a
                         missing password or CA Secret names its field; a managed Redis pod that cannot be scheduled
-                        or started is named. Until this process has probed Redis itself (after a restart), the saved
-                        condition stays.
-RolloutReady            every rollout pod is ready; Unschedulable names pods the scheduler cannot place;
+                        or started is named; ClaimPending: its data claim cannot bind (the message names the claim,
+                        its storage class and the claim's Event that says why). Until this process has probed Redis
+                        itself (after a restart), the saved condition stays.
+RolloutReady            every rollout pod is ready; ExternalProducers (True): spec.rollout.replicas is 0, rljob runs no
+                        rollout pod and producers outside rljob write the stream (the message names the stream, its
+                        consumer group, the events key, the Redis address and the members hash; status.stream holds
+                        them all); Unschedulable names pods the scheduler cannot place;
                         ContainerCannotStart names the kubelet's waiting reason and message (a missing Secret,
                         an image that cannot be pulled); ContainerFailing: a container keeps exiting with an error
                         (CrashLoopBackOff), with its restart count and last exit code and termination message, and
@@ -42,9 +46,11 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
+from rljob_api import names
+from rljob_api.config import JobConfig
 from rljob_api.constants import ConditionType, Phase, Reason, Role
-from rljob_api.spec import RLTrainingJobSpec
-from rljob_api.status import Condition, RLTrainingJobStatus
+from rljob_api.spec import RedisPersistenceSpec, RLTrainingJobSpec, SecretKeyRef
+from rljob_api.status import Condition, RLTrainingJobStatus, SecretKeyStatus, StreamStatus
 from rljob_api.validation import SpecProblem
 
 from rljob_operator import eta
@@ -67,7 +73,7 @@ one transition that tells a user the operator has accepted the job."""
 _PHASE_CONDITIONS = (ConditionType.RESTARTING, ConditionType.SUSPENDED, ConditionType.SUCCEEDED, ConditionType.FAILED)
 """Conditions that describe a phase: of conditions that say the same, they give the Event."""
 _WARNINGS = (Reason.UNSCHEDULABLE, Reason.ALL_REWARDS_FAILED, Reason.CONTAINER_CANNOT_START, Reason.CONTAINER_FAILING,
-             Reason.CHECKPOINT_LOST, Reason.REDIS_UNAVAILABLE)
+             Reason.CHECKPOINT_LOST, Reason.REDIS_UNAVAILABLE, Reason.CLAIM_PENDING)
 """Reasons whose Events are Warnings (besides Failed, Restarting and Valid=False)."""
 _STARVED = (Reason.UNSCHEDULABLE, Reason.CONTAINER_CANNOT_START, Reason.CONTAINER_FAILING)
 """RolloutReady reasons that, with no rollout pod ready, mean that no new document reaches the trainer."""
@@ -83,10 +89,12 @@ a few restarts; one crash costs a healthy container at most a minute of readines
 
 @dataclass(frozen=True)
 class RedisHealth:
-    """Whether Redis is usable: ``ready`` None = not known yet."""
+    """Whether Redis is usable: ``ready`` None = not known yet. ``reason``: RedisReady's reason when it is not the one
+    ``ready`` implies (ClaimPending: the managed Redis's data claim cannot bind)."""
 
     ready: Optional[bool]
     message: str
+    reason: Optional[Reason] = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,23 @@ class _Cond:
     reason: str
     """A :class:`Reason`, or a saved condition's reason kept as it was."""
     message: str
+
+
+def redis_replaced(job: str, before: Optional[RedisPersistenceSpec],
+                   after: Optional[RedisPersistenceSpec]) -> Optional[Event]:
+    """The Warning Event RedisReplaced when the managed Redis of ``job`` moved between an emptyDir (``None``) and its
+    data claim (``before`` and ``after``: :func:`~rljob_operator.render.redis_persistence` of the recorded and the new
+    config, both managed); None when it stayed where it was (a size or class edit does not change an existing
+    claim)."""
+    if (before is None) == (after is None):
+        return None
+    claim = names.redis_claim(job)
+    move = (f"from an emptyDir to the claim {claim} (spec.redis.persistence.enabled: true)" if after is not None else
+            f"from the claim {claim} to an emptyDir (spec.redis.persistence.enabled: false; the claim is deleted)")
+    return Event("Warning", Reason.REDIS_REPLACED.value,
+                 f"the managed Redis {names.redis_name(job)} moved {move}: its new pod started empty, so the stream, "
+                 "its consumer group and pending entries and the progress and checkpoint hashes of the old one are "
+                 "gone; a running trainer gang restarts from its newest checkpoint")
 
 
 def valid_condition(problems: Sequence[SpecProblem], kept: Optional[str] = None) -> _Cond:
@@ -222,9 +247,40 @@ def _pods_condition(role: Role, pods: Sequence[PodView], wanted: int, ready_when
     return _Cond("False", reason, message)
 
 
+def stream_status(config: JobConfig, password: Optional[SecretKeyRef]) -> StreamStatus:
+    """status.stream of a job from its resolved ``config``; ``password``: where its roles' REDIS_PASSWORD comes from
+    (:func:`rljob_operator.render.redis_password_ref`)."""
+    redis, keys = config.redis, config.keys
+    return StreamStatus(
+        redis_address=f"{redis.host}:{redis.port}/{redis.db}",
+        tls=redis.tls,
+        password_secret_ref=None if password is None else SecretKeyStatus(name=password.name, key=password.key),
+        stream_key=keys.stream,
+        group=keys.group,
+        events_key=keys.events,
+        members_key=keys.members,
+        dead_letter_key=keys.dead_letter,
+        first_transfer_rank=config.first_external_transfer_rank(),
+        weights_address=f"{config.trainer_master_host}:{config.weights_port}",
+    )
+
+
+def external_producers(stream: Optional[StreamStatus]) -> _Cond:
+    """RolloutReady of a trainer-only job (spec.rollout.replicas 0): True, ExternalProducers, naming where producers
+    outside rljob write (``stream``; None: not known in this pass, the message points at status.stream)."""
+    message = "spec.rollout.replicas is 0: rljob runs no rollout pod; producers outside rljob write documents"
+    if stream is None:
+        return _Cond("True", Reason.EXTERNAL_PRODUCERS, f"{message} to the stream that status.stream names")
+    return _Cond("True", Reason.EXTERNAL_PRODUCERS, (
+        f"{message} to stream {stream.stream_key} (consumer group {stream.group}) and read events from "
+        f"{stream.events_key} at Redis {stream.redis_address}; they receive weights by heartbeating in "
+        f"{stream.members_key} as transfer rank {stream.first_transfer_rank} or above (status.stream)"))
+
+
 def _conditions(lc: Lifecycle, valid: _Cond, redis: RedisHealth, trainers: Sequence[PodView],
                 rollouts: Sequence[PodView], nodes: int, replicas: int, rewards_failure: Optional[str],
-                saved_redis: Optional[Condition], lost: Optional[str], now: datetime) -> dict[ConditionType, _Cond]:
+                saved_redis: Optional[Condition], lost: Optional[str], stream: Optional[StreamStatus],
+                now: datetime) -> dict[ConditionType, _Cond]:
     idle = lc.phase in IDLE_PHASES
     idle_cond = _Cond("False", lc.reason, lc.message)
     conds = {ConditionType.VALID: valid}
@@ -235,7 +291,7 @@ def _conditions(lc: Lifecycle, valid: _Cond, redis: RedisHealth, trainers: Seque
     else:
         conds[ConditionType.REDIS_READY] = _Cond(
             "True" if redis.ready else "False",
-            Reason.REDIS_AVAILABLE if redis.ready else Reason.REDIS_UNAVAILABLE,
+            redis.reason or (Reason.REDIS_AVAILABLE if redis.ready else Reason.REDIS_UNAVAILABLE),
             redis.message,
         )
     current = [p for p in trainers if p.attempt == lc.attempt and not p.deleting]
@@ -245,6 +301,8 @@ def _conditions(lc: Lifecycle, valid: _Cond, redis: RedisHealth, trainers: Seque
     rollouts = [p for p in rollouts if not p.deleting]
     if idle:
         conds[ConditionType.ROLLOUT_READY] = idle_cond
+    elif replicas == 0:  # a trainer-only job: a reward streak left by earlier rollout pods is no longer anyone's
+        conds[ConditionType.ROLLOUT_READY] = external_producers(stream)
     elif rewards_failure:
         conds[ConditionType.ROLLOUT_READY] = _Cond("False", Reason.ALL_REWARDS_FAILED, rewards_failure)
     else:
@@ -292,6 +350,7 @@ def build_status(
     kept: Optional[str] = None,
     max_steps: Optional[int] = None,
     steps_per_second: Optional[float] = None,
+    stream: Optional[StreamStatus] = None,
 ) -> RLTrainingJobStatus:
     """The new status. Conditions keep their lastTransitionTime while their status is unchanged; conditions
     that were True once stay listed (False with the current phase's reason) once they no longer hold.
@@ -302,7 +361,8 @@ def build_status(
     the job fails for it; None: not said). ``kept``: with ``problems``, what the running job goes on with meanwhile (ends Valid's message).
     ``max_steps``: spec.trainer.maxSteps, for progressPercentage (None: the progress fields are kept as they are);
     ``steps_per_second``: the trainer's recent rate (:class:`.eta.StepRate`) for the estimated time left, which is
-    shown only while Running and kept on a pass that did not read Redis."""
+    shown only while Running and kept on a pass that did not read Redis. ``stream``: status.stream
+    (:func:`stream_status`; None keeps the saved one)."""
     pods = list(pods)
     old = {cond.type: cond for cond in previous.conditions}
     fresh = _conditions(
@@ -316,6 +376,7 @@ def build_status(
         _rewards_failure(progress, old.get(ConditionType.ROLLOUT_READY), reward_deadline_s, lifecycle.start_time),
         old.get(ConditionType.REDIS_READY),
         _lost_checkpoint(progress, lifecycle.attempt, checkpoint_volume),
+        stream or previous.stream,
         now,
     )
     old_running = old.get(ConditionType.RUNNING)
@@ -334,6 +395,8 @@ def build_status(
         completion_time=lifecycle.completion_time,
         conditions=_condition_list(old, fresh, lifecycle, generation, now),
     )
+    if stream is not None:
+        fields["stream"] = stream
     if progress is not None:
         fields.update(status_fields(progress))
     if max_steps is not None:

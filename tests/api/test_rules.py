@@ -60,3 +60,18 @@ def test_the_operators_check_names_the_replicate_and_its_numbers():
         "spec.trainer.parallelism.replicate: replicate = 3 does not divide the data-parallel size 4"]
     assert problems(strategy="ddp", replicate=2) == [
         "spec.trainer.parallelism.replicate: replicate = 2 (HSDP) requires strategy fsdp, not ddp"]
+
+
+@pytest.mark.parametrize("floor, base, allowed", [(0.0, 1e-6, True), (1e-6, 1e-6, True), (2e-6, 1e-6, False)])
+def test_learning_rate_floor_allowed(floor, base, allowed):
+    assert rules.learning_rate_floor_allowed(floor, base) is allowed
+
+
+def test_the_operators_check_names_the_learning_rate_floor_and_both_values():
+    spec = RLTrainingJobSpec.model_validate({"model": {"source": "tiny"}, "trainer": {
+        "optimizer": {"learningRate": 1e-5, "minLearningRate": 3e-5, "schedule": "cosine"}}})
+    assert [str(p) for p in check_spec(spec)] == [
+        "spec.trainer.optimizer.minLearningRate: minLearningRate = 3e-05 must not exceed learningRate = 1e-05"]
+    rule = rules.CEL_MIN_LEARNING_RATE
+    assert rule["rule"] == "self.minLearningRate <= self.learningRate" and rule["fieldPath"] == ".minLearningRate"
+    assert "messageExpression" not in rule  # string(double) blows the CRD's CEL cost budget: the API server refuses it

@@ -160,3 +160,49 @@ def test_examples_pass_the_code_checks(example):
     # Checkpoints on a claim of the same file, so a gang restart resumes (not an emptyDir).
     assert manifest["spec"]["trainer"]["checkpoint"]["volume"] == claim["metadata"]["name"]
 
+
+
+# --- off-policy corrections, reference KL, learning-rate decay (issue 13): off by default ----------------------------
+def test_the_corrections_are_off_by_default():
+    a = spec().algorithm
+    assert (a.dual_clip, a.importance_sampling.enabled, a.max_staleness, a.kl_coef) == (None, False, None, 0.0)
+    assert (a.importance_sampling.cap, a.kl_estimator) == (2.0, "k3")
+    o = spec().trainer.optimizer
+    assert (o.schedule, o.min_learning_rate) == ("constant", 0.0)
+
+
+@pytest.mark.parametrize("algorithm, field, value", [
+    ({"dualClip": 1.0}, "algorithm.dualClip", 1.0),  # a bound at 1 x A would clip on-policy tokens of A < 0
+    ({"importanceSampling": {"enabled": True, "cap": 0.5}}, "algorithm.importanceSampling.cap", 0.5),
+    ({"maxStaleness": -1}, "algorithm.maxStaleness", -1),
+    ({"klCoef": -0.1}, "algorithm.klCoef", -0.1),
+    ({"klEstimator": "k2"}, "algorithm.klEstimator", "k2"),
+])
+def test_correction_bounds_name_the_field_and_the_value(algorithm, field, value):
+    with pytest.raises(ValidationError) as err:
+        spec(algorithm=algorithm)
+    (error,) = err.value.errors()
+    assert (".".join(str(part) for part in error["loc"]), error["input"]) == (field, value)
+
+
+def test_fields_left_at_their_defaults_leave_the_resolved_config_and_its_hash_as_before():
+    """A job that sets none of the new fields resolves to the bytes it resolved to before they existed (an older
+    trainer image still reads them, and no hash changes); setting one, even to its default value explicitly, as the
+    API server does when it fills the CRD's defaults, changes nothing either, and a value that turns a correction on
+    does."""
+    before = resolve("demo", "ns", spec(), RedisConnection(host="r"))
+    document = json.loads(before.to_json())
+    for name in ("dualClip", "importanceSampling", "maxStaleness", "klCoef", "klEstimator"):
+        assert name not in document["spec"]["algorithm"]
+    assert "schedule" not in document["spec"]["trainer"]["optimizer"]
+    assert "minLearningRate" not in document["spec"]["trainer"]["optimizer"]
+    filled = spec(algorithm={"importanceSampling": {"enabled": False, "cap": 2.0}, "klCoef": 0.0, "klEstimator": "k3"},
+                  trainer={"optimizer": {"schedule": "constant", "minLearningRate": 0.0}})
+    assert resolve("demo", "ns", filled, RedisConnection(host="r")).to_json() == before.to_json()
+    for on in ({"dualClip": 3.0}, {"importanceSampling": {"enabled": True}}, {"maxStaleness": 64}, {"klCoef": 0.01},
+               {"klEstimator": "k1"}):
+        changed = resolve("demo", "ns", spec(algorithm=on), RedisConnection(host="r"))
+        assert changed.config_hash() != before.config_hash()
+        assert JobConfig.from_json(changed.to_json()) == changed
+    decayed = resolve("demo", "ns", spec(trainer={"optimizer": {"schedule": "cosine"}}), RedisConnection(host="r"))
+    assert json.loads(decayed.to_json())["spec"]["trainer"]["optimizer"]["schedule"] == "cosine"

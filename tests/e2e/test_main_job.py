@@ -1,9 +1,9 @@
 """The main job end to end: ``kubectl apply -f examples/rljob-cpu.yaml`` trains to Succeeded.
 
 2 data-parallel ranks (2 trainer pods × 1 process), a managed Redis (the pod runs Debian's redis-server on
-the local cluster) and a CPU rollout pod. The operator pod is restarted while the job runs: no child is
-duplicated and the job still completes. Deleting the job leaves no pod, Service, Secret or ConfigMap behind
-(the real garbage collector follows the owner references).
+the local cluster, its append-only file on the claim ``<job>-redis-data``) and a CPU rollout pod. The operator pod is
+restarted while the job runs: no child is duplicated and the job still completes. Deleting the job leaves no pod,
+Service, Secret, ConfigMap or Redis data claim behind (the real garbage collector follows the owner references).
 """
 
 from __future__ import annotations
@@ -57,7 +57,11 @@ def test_cpu_example_trains_to_succeeded_through_an_operator_restart(cluster, op
             assert command[-2:] == ["-m", "rljob_trainer.train"]
         assert len({p["metadata"]["labels"][c.LABEL_CONFIG_HASH] for p in trainers}) == 1
         (redis_pod,) = cluster.items("pods", namespace, f"{c.LABEL_ROLE}=redis")
-        assert redis_pod["spec"]["containers"][0]["command"][0] == "redis-server"
+        # The example's durable Redis (spec.redis.persistence): redis-server under its start script, on its claim.
+        command = redis_pod["spec"]["containers"][0]["command"]
+        assert command[:2] == ["sh", "-c"] and "exec redis-server " in command[2], command
+        volumes = {v["name"]: v for v in redis_pod["spec"]["volumes"]}
+        assert volumes["data"]["persistentVolumeClaim"] == {"claimName": f"{name}-redis-data"}, volumes
         (rollout_pod,) = cluster.items("pods", namespace, f"{c.LABEL_ROLE}=rollout")
         assert rollout_pod["spec"]["containers"][0]["command"] == ["python", "-m", "rljob_rollout"]
         before_restart = children(cluster, namespace, name)
@@ -157,6 +161,9 @@ def test_cpu_example_trains_to_succeeded_through_an_operator_restart(cluster, op
     leftovers = [o["metadata"]["name"] for kind in ("pods", "services", "secrets", "configmaps")
                  for o in cluster.items(kind, namespace) if o["metadata"]["name"] != "kube-root-ca.crt"]
     assert leftovers == [], leftovers
+    claims = wait_for(lambda: (k := [o["metadata"]["name"] for o in cluster.items("pvc", namespace)])
+                      == [f"{name}-checkpoints"] and k, 60, "the Redis data claim to go with the job", diagnostics)
+    assert claims == [f"{name}-checkpoints"]  # the example's own claim is the user's: it stays
 
     # Last, as it is about learning rather than plumbing: the policy got better (DESIGN §10).
     assert rewards[last_version][0] - rewards[first_version][0] >= REWARD_RISE, rewards

@@ -13,13 +13,16 @@ The upgrade as a user does it (helm/rljob-operator/README.md, "Upgrading"):
 3. this checkout's CRD is applied (``kubectl apply --server-side --force-conflicts``): the API server fills its new
    defaults into the stored job on every read, without bumping ``metadata.generation``;
 4. ``helm upgrade`` to this checkout's chart and operator image. Once the new operator has made several passes and
-   written the job's status, the trainer and rollout pods are the ones from before (their UIDs; the pods' watch
-   stream saw no pod added or deleted), no gang restart is counted (status and the operator's metric) and the config
-   ConfigMap keeps its record byte for byte;
+   written the job's status, the trainer, rollout and Redis pods are the ones from before (their UIDs; the pods' watch
+   stream saw no pod added or deleted), the Redis keeps its emptyDir (no data claim is made although the new CRD
+   defaults ``spec.redis.persistence`` to enabled: moving it would empty the stream), no gang restart is counted
+   (status and the operator's metric) and the config ConfigMap keeps its record byte for byte;
 5. a rollout-only edit (``spec.rollout.maxLag``, README: rollout edits never restart the gang) replaces the rollout
    pod and no trainer pod, and the trainer's part of the resolved config stays as recorded (no new default in it);
 6. a trainer edit (``spec.trainer.maxSteps``) restarts the gang (reason ConfigChanged), resolved by this version: the
-   new defaults are in its config.
+   new defaults are in its config, but for ``spec.redis.persistence``, which stays as recorded (absent) until
+   ``spec.redis.persistence``, ``image`` or ``mode`` is edited: the Redis pod and its emptyDir stay through the
+   gang restart.
 
 The defaulted fields this version adds over the earlier one are printed; while there are none the test checks the
 operator and CRD swap all the same and says so in a warning. Between steps 3 and 4 the earlier operator reads a job
@@ -262,6 +265,22 @@ def earlier_example(earlier: Earlier) -> tuple[str, str]:
     return job["metadata"]["name"], yaml.safe_dump_all(docs)
 
 
+def redis_state(cluster: Cluster, namespace: str, job: str) -> dict[str, Any]:
+    """The managed Redis: {pod name: (uid, "")} of its pods not being deleted (the shape of :func:`workers`' roles),
+    its Deployment's volumes and whether its data claim exists."""
+    pods = {p["metadata"]["name"]: (p["metadata"]["uid"], "")
+            for p in cluster.items("pods", namespace, f"{c.LABEL_ROLE}=redis") if not p["metadata"].get("deletionTimestamp")}
+    deployment = cluster.get("deployment", names.redis_name(job), "-n", namespace) or {}
+    volumes = deployment.get("spec", {}).get("template", {}).get("spec", {}).get("volumes")
+    return {"pods": pods, "volumes": volumes,
+            "claim": cluster.get("pvc", names.redis_claim(job), "-n", namespace) is not None}
+
+
+REDIS_STORAGE = "spec.redis.persistence"
+"""Defaults under this path stay as recorded when a new resolution is made (rljob_operator.resolution
+REDIS_STORAGE_FIELDS): an earlier job's Redis keeps its emptyDir until the user edits its storage."""
+
+
 def kept(pods: Recorder, role: str, before: dict[str, tuple[str, str]]) -> bool:
     """Whether the pods of ``role`` the watch saw since the job started are exactly ``before``'s, none deleted."""
     lives = pods.lifetimes(role)
@@ -288,6 +307,10 @@ def test_upgrade_restarts_nothing_until_an_edit_reaches_a_role(cluster, operator
         generation = training["metadata"]["generation"]
         before, record = workers(cluster, namespace), recorded(cluster, namespace, name)
         assert (len(before["trainer"]), len(before["rollout"])) == (2, 1), before
+        redis_before = redis_state(cluster, namespace, name)
+        assert len(redis_before["pods"]) == 1 and redis_before["volumes"] == [{"name": "data", "emptyDir": {}}], \
+            redis_before
+        assert not redis_before["claim"], redis_before
         assert record["config"] and record["generation"] == str(generation), record
         timings["job training"] = time.monotonic() - started
 
@@ -316,6 +339,8 @@ def test_upgrade_restarts_nothing_until_an_edit_reaches_a_role(cluster, operator
         print(f"(phase, Valid, reason) from the new CRD to the new operator's passes: {seen}")
         assert workers(cluster, namespace) == before, diagnostics()
         assert kept(pods, "trainer", before["trainer"]) and kept(pods, "rollout", before["rollout"]), pods.events
+        assert redis_state(cluster, namespace, name) == redis_before and kept(pods, "redis", redis_before["pods"]), (
+            redis_before, redis_state(cluster, namespace, name))
         assert recorded(cluster, namespace, name) == record
         status = upgraded["status"]
         assert (status["restarts"], status["attempt"], status["failedAttempts"]) == (0, 0, 0), status
@@ -355,13 +380,17 @@ def test_upgrade_restarts_nothing_until_an_edit_reaches_a_role(cluster, operator
         rec = recorded(cluster, namespace, name)
         config = json.loads(rec["config"])
         assert config["spec"]["trainer"]["maxSteps"] == MAX_STEPS + 1 and rec["generation"] == str(generation + 2), rec
-        assert not missing_defaults(config, added), missing_defaults(config, added)
+        assert not missing_defaults(config, {p: v for p, v in added.items() if not p.startswith(REDIS_STORAGE)}), \
+            missing_defaults(config, added)
+        assert "persistence" not in config["spec"]["redis"], config["spec"]["redis"]  # kept as recorded
         assert rec["hashes"]["trainer"] != record["hashes"]["trainer"] and {h for _, h in gang.values()} == {
             rec["hashes"]["trainer"]}, (rec, gang)
         assert (restarted["status"]["restarts"], restarted["status"]["attempt"]) == (1, 1), restarted["status"]
         reasons = wait_for(lambda: {condition(e.object, c.ConditionType.RESTARTING).get("reason") for e in jobs.events
                                     if e.status.get("phase") == "Restarting"}, 30, "the Restarting status on the watch")
         assert reasons == {c.Reason.CONFIG_CHANGED.value}, reasons
+        assert redis_state(cluster, namespace, name) == redis_before and kept(pods, "redis", redis_before["pods"]), (
+            redis_before, redis_state(cluster, namespace, name))  # the stream outlived the gang restart
         timings["trainer edit"] = time.monotonic() - started
     pods.check()
     jobs.check()

@@ -235,6 +235,8 @@ def test_schema_and_cel_rules_are_enforced_with_messages_that_name_the_field(kub
     assert 'spec.algorithm.loss: Unsupported value: "ppo"' in refused(job_manifest("enum", algorithm={"loss": "ppo"}))
     assert ("spec.rollout.samplesPerPrompt: Invalid value: 1: spec.rollout.samplesPerPrompt in body should be greater "
             "than or equal to 2") in refused(job_manifest("group", rollout={"samplesPerPrompt": 1}))
+    assert ("spec.rollout.replicas: Invalid value: -1: spec.rollout.replicas in body should be greater than or equal "
+            "to 0") in refused(job_manifest("minus", rollout={"replicas": -1}))
 
     no_model = job_manifest("nomodel")
     del no_model["spec"]["model"]
@@ -264,6 +266,19 @@ def test_schema_and_cel_rules_are_enforced_with_messages_that_name_the_field(kub
     explained = kube.run("explain", "rljob.spec.trainer.parallelism.strategy").stdout
     assert "fsdp (the default): parameters, gradients and optimizer state are sharded" in " ".join(explained.split())
 
+    # issue 13: the corrections' bounds and the learning-rate floor; their defaults fill the stored job, off
+    assert ('spec.trainer.optimizer.minLearningRate: Invalid value: "object": optimizer.minLearningRate must not '
+            'exceed optimizer.learningRate') in refused(job_manifest("floor", trainer={"optimizer": {
+                "learningRate": 1e-5, "minLearningRate": 3e-5, "schedule": "cosine"}}))
+    assert ("spec.algorithm.dualClip: Invalid value: 1: spec.algorithm.dualClip in body should be greater than 1"
+            in refused(job_manifest("dual", algorithm={"dualClip": 1})))
+    assert ("spec.algorithm.importanceSampling.cap: Invalid value: 0.5: spec.algorithm.importanceSampling.cap in body "
+            "should be greater than or equal to 1") in refused(job_manifest("cap", algorithm={
+                "importanceSampling": {"enabled": True, "cap": 0.5}}))
+    assert stored["spec"]["algorithm"]["importanceSampling"] == {"enabled": False, "cap": 2}
+    assert (stored["spec"]["algorithm"]["klCoef"], stored["spec"]["trainer"]["optimizer"]["schedule"]) == (0, "constant")
+    assert "dualClip" not in stored["spec"]["algorithm"] and "maxStaleness" not in stored["spec"]["algorithm"]
+
 
 # --- the operator under its own ServiceAccount ------------------------------------------------------------
 def test_children_owner_references_and_gpu_pending_status(kube, operator, namespace):
@@ -276,7 +291,8 @@ def test_children_owner_references_and_gpu_pending_status(kube, operator, namesp
     for obj in pods + [config, kube.json("get", "service", "demo-trainer", "-n", namespace),
                        kube.json("get", "service", "demo-redis", "-n", namespace),
                        kube.json("get", "secret", "demo-redis-auth", "-n", namespace),
-                       kube.json("get", "deployment", "demo-redis", "-n", namespace)]:
+                       kube.json("get", "deployment", "demo-redis", "-n", namespace),
+                       wait_for(lambda: kube.json("get", "pvc", "demo-redis-data", "-n", namespace), "the Redis claim")]:
         (ref,) = obj["metadata"]["ownerReferences"]
         assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("RLTrainingJob", "demo",
                                                                               job["metadata"]["uid"], True)
@@ -293,7 +309,7 @@ def test_children_owner_references_and_gpu_pending_status(kube, operator, namesp
     status = kube.job(namespace, "demo")["status"]
     assert (status["phase"], status["dataParallelSize"], status["restarts"], status["attempt"]) == ("Starting", 2, 0, 0)
     table = kube.run("get", "rljob", "demo", "-n", namespace).stdout.split("\n")
-    assert table[0].split() == ["NAME", "PHASE", "DP", "STEP", "MODELVERSION", "REWARD", "AGE"]
+    assert table[0].split() == ["NAME", "PHASE", "DP", "STEP", "PROGRESS", "ETA", "MODELVERSION", "REWARD", "AGE"]
     assert table[1].split()[:3] == ["demo", "Starting", "2"]
     events = wait_for(lambda: [e for e in kube.json("get", "events", "-n", namespace)["items"]
                                if e["involvedObject"]["kind"] == "RLTrainingJob" and e["reason"] == "Unschedulable"],
@@ -341,7 +357,7 @@ def test_gang_restarts_counted_evictions_not_counted_suspend_resume_and_cascade(
     kube.run("delete", "rljob", "gang", "-n", namespace, "--timeout=60s")
 
     def leftovers():
-        found = kube.json("get", "pods,services,configmaps,secrets,deployments", "-n", namespace,
+        found = kube.json("get", "pods,services,configmaps,secrets,deployments,persistentvolumeclaims", "-n", namespace,
                           "-l", "rljob.dev/job-name=gang")
         return [f"{o['kind']}/{o['metadata']['name']}" for o in found["items"]]
 
@@ -439,7 +455,8 @@ def test_progress_hashes_reach_status_and_printer_columns(kube, operator, namesp
     redis_ready = kube.condition(namespace, "prog", "RedisReady")
     assert (redis_ready["status"], redis_ready["reason"]) == ("True", "RedisAvailable")
     row = kube.run("get", "rljob", "prog", "-n", namespace).stdout.split("\n")[1].split()
-    assert row[:6] == ["prog", "Starting", "2", "5", "320", "0.75"]
+    assert row[:7] == ["prog", "Starting", "2", "5", "5", "320", "0.75"]  # 5 of maxSteps 100: 5 %; ETA empty
+    assert kube.job(namespace, "prog")["status"]["progressPercentage"] == 5  # before Running
     client.hset(prefix + "progress", mapping={"step": 6})
     wait_for(lambda: kube.job(namespace, "prog")["status"].get("step") == 6, "the next step")
 
@@ -541,6 +558,46 @@ def test_rollout_changes_never_restart_the_trainer_gang_and_no_status_write_is_r
     assert (status["attempt"], status["restarts"], status["phase"]) == (0, 0, "Starting")
     assert not [e for e in kube.json("get", "events", "-n", namespace)["items"] if e["reason"] == "ConfigChanged"]
     assert stale_status_writes(operator) == refused_before
+
+
+def test_a_trainer_only_job_runs_no_rollout_pod_says_where_producers_write_and_scales_without_a_restart(
+        kube, operator, namespace):
+    kube.apply(job_manifest("tonly", rollout={"replicas": 0}), namespace)
+
+    def live(role):
+        return {p["metadata"]["name"]: p["metadata"]["uid"] for p in kube.pods(namespace, role)
+                if not p["metadata"].get("deletionTimestamp")}
+
+    ready = wait_for(lambda: kube.condition(namespace, "tonly", "RolloutReady").get("reason") == "ExternalProducers"
+                     and len(live("trainer")) == 2 and kube.condition(namespace, "tonly", "RolloutReady"),
+                     "RolloutReady=ExternalProducers and the gang")
+    assert (ready["status"], ready["message"]) == ("True", (
+        "spec.rollout.replicas is 0: rljob runs no rollout pod; producers outside rljob write documents to stream "
+        "fast_llm_streaming (consumer group fast_llm_group) and read events from fast_llm_events at Redis "
+        f"tonly-redis.{namespace}.svc.cluster.local:6379/0; they receive weights by heartbeating in "
+        f"rljob:{namespace}:tonly:members as transfer rank 1 or above (status.stream)"))
+    assert live("rollout") == {}
+    stream = kube.job(namespace, "tonly")["status"]["stream"]
+    assert stream == {
+        "redisAddress": f"tonly-redis.{namespace}.svc.cluster.local:6379/0", "tls": False,
+        "passwordSecretRef": {"name": "tonly-redis-auth", "key": "password"}, "streamKey": "fast_llm_streaming",
+        "group": "fast_llm_group", "eventsKey": "fast_llm_events", "membersKey": f"rljob:{namespace}:tonly:members",
+        "deadLetterKey": f"rljob:{namespace}:tonly:dead_letter", "firstTransferRank": 1,
+        "weightsAddress": f"tonly-trainer-0.tonly-trainer.{namespace}.svc.cluster.local:29600"}
+    assert kube.json("get", "secret", stream["passwordSecretRef"]["name"], "-n", namespace)["data"]["password"]
+    trainers = live("trainer")
+
+    patch = ["patch", "rljob", "tonly", "-n", namespace, "--type=merge", "-p"]
+    kube.run(*patch, json.dumps({"spec": {"rollout": {"replicas": 1}}}))
+    wait_for(lambda: list(live("rollout")) == ["tonly-rollout-0"]
+             and (kube.job(namespace, "tonly")["status"].get("stream") or {}).get("firstTransferRank") == 2,
+             "a rollout pod, and the first transfer rank above it")
+    kube.run(*patch, json.dumps({"spec": {"rollout": {"replicas": 0}}}))
+    wait_for(lambda: live("rollout") == {} and kube.condition(namespace, "tonly", "RolloutReady").get("reason")
+             == "ExternalProducers", "no rollout pod again")
+    assert live("trainer") == trainers  # neither edit restarted the gang
+    status = kube.job(namespace, "tonly")["status"]
+    assert (status["attempt"], status["restarts"]) == (0, 0)
 
 
 def test_metrics_and_liveness_endpoints(kube, operator, namespace):
@@ -663,6 +720,43 @@ def test_a_child_the_api_server_refuses_makes_the_job_invalid_and_redis_ready_sa
     # nothing of an invalid job runs: a rollout pod created beside the refused trainer pods is deleted
     wait_for(lambda: not [p for p in kube.pods(namespace, "rollout") if not p["metadata"].get("deletionTimestamp")],
              "no rollout pod of the invalid job")
+
+
+def test_a_redis_claim_that_cannot_bind_is_named_in_redis_ready_until_fixed(kube, operator, namespace):
+    """spec.redis.persistence names a StorageClass the cluster does not have: the operator's claim stays Pending and
+    RedisReady says so (ClaimPending: the claim, its class and the PV controller's reason, read from the claim's
+    Events under the operator's ServiceAccount), with one Warning Event. Switching persistence off moves Redis onto an
+    emptyDir and deletes the claim; RedisReady then tells the Redis pod's own state (no nodes here)."""
+    kube.apply(job_manifest("noclass", redis={"persistence": {"storageClassName": "fast", "size": "1Gi"}}), namespace)
+    pending = wait_for(lambda: (r := kube.condition(namespace, "noclass", "RedisReady")).get("reason") == "ClaimPending"
+                       and r, "RedisReady=False/ClaimPending")
+    assert pending["status"] == "False" and pending["message"].startswith(
+        "managed Redis noclass-redis: 0/1 replicas available")
+    assert pending["message"].endswith(
+        "; its data claim noclass-redis-data (storage class 'fast') is Pending: ProvisioningFailed: "
+        'storageclass.storage.k8s.io "fast" not found; fix spec.redis.persistence (storageClassName, size) or the '
+        "cluster's storage, or set spec.redis.persistence.enabled to false"), pending["message"]
+    claim = kube.json("get", "pvc", "noclass-redis-data", "-n", namespace)
+    assert claim["spec"]["storageClassName"] == "fast" and claim["spec"]["resources"]["requests"]["storage"] == "1Gi"
+    assert claim["metadata"]["ownerReferences"][0]["name"] == "noclass"
+    events = wait_for(lambda: [e for e in kube.json("get", "events", "-n", namespace)["items"]
+                               if e["involvedObject"]["kind"] == "RLTrainingJob" and e["reason"] == "ClaimPending"],
+                      "a ClaimPending Event")
+    assert [e["type"] for e in events] == ["Warning"] and 'storageclass.storage.k8s.io "fast" not found' in events[0][
+        "message"]
+
+    kube.run("patch", "rljob", "noclass", "-n", namespace, "--type=merge",
+             "-p", json.dumps({"spec": {"redis": {"persistence": {"enabled": False}}}}))
+    moved = wait_for(lambda: (r := kube.condition(namespace, "noclass", "RedisReady")).get("reason") == "RedisUnavailable"
+                     and r, "RedisReady back to the Redis pod's state")
+    assert "claim" not in moved["message"]
+    wait_for(lambda: (c := kube.json("get", "pvc", "noclass-redis-data", "-n", namespace)) is None
+             or c["metadata"].get("deletionTimestamp"), "the claim deleted")
+    volumes = kube.json("get", "deployment", "noclass-redis", "-n", namespace)["spec"]["template"]["spec"]["volumes"]
+    assert volumes == [{"name": "data", "emptyDir": {}}]
+    replaced = wait_for(lambda: [e for e in kube.json("get", "events", "-n", namespace)["items"]
+                                 if e["reason"] == "RedisReplaced"], "a RedisReplaced Event")
+    assert replaced[0]["type"] == "Warning" and "to an emptyDir" in replaced[0]["message"]
 
 
 def test_watch_of_a_job_that_does_not_exist_says_so_in_one_line(kube, installed, namespace):

@@ -104,6 +104,7 @@ def test_cel_rules_sit_next_to_their_fields():
     trainer = spec["properties"]["trainer"]
     assert trainer["x-kubernetes-validations"] == [rules.CEL_TOPOLOGY, rules.CEL_DOCUMENTS_PER_STEP, rules.CEL_REPLICATE]
     assert trainer["properties"]["parallelism"]["x-kubernetes-validations"] == [rules.CEL_REPLICATE_NEEDS_FSDP]
+    assert trainer["properties"]["optimizer"]["x-kubernetes-validations"] == [rules.CEL_MIN_LEARNING_RATE]
     assert spec["x-kubernetes-validations"] == [rules.CEL_METRICS_ONE_STAGE, crd.RULE_TOPOLOGY_IMMUTABLE]
     assert rules.CEL_TOPOLOGY["rule"].endswith(
         "|| (self.nodes * self.processesPerNode) % (self.tensorParallel * self.pipelineParallel) == 0"

@@ -11,7 +11,7 @@ from rljob_api.constants import Phase, Reason
 from rljob_api.protocol import RewardFailures
 
 from rljob_operator import gang, render
-from rljob_operator.observe import PodView
+from rljob_operator.observe import NodeView, PodView
 
 from operator_helpers import T0, make_spec, rollout, trainer
 
@@ -399,3 +399,83 @@ def test_lifecycle_round_trips_through_the_saved_status():
     )
     again = RLTrainingJobStatus.model_validate(st.to_json(saved))
     assert gang.Lifecycle.from_status(again) == plan.lifecycle
+
+
+# --- A node that stops reporting: pods stuck terminating (DESIGN §5, issue 11 item 7) -------------------------------
+def _lost(sim: Sim, node: str, since_s: float) -> dict:
+    return {node: NodeView(node, ready=False, not_ready_since=T0 + timedelta(seconds=since_s),
+                           reason="Unknown (NodeStatusUnknown)")}
+
+
+def test_a_pod_stuck_on_a_lost_node_is_force_deleted_after_its_toleration_and_the_gang_goes_on():
+    sim = running_sim()
+    for name, node in (("demo-trainer-0", "n1"), ("demo-trainer-1", "n2")):
+        sim.set(name, node=node)
+    # n2 stops reporting at T0; the taint manager evicts demo-trainer-1 after its 300 s toleration (grace 30 s).
+    sim.now = T0 + timedelta(seconds=300)
+    sim.set("demo-trainer-1", deleting=True, disrupted=True, deletion_at=sim.now + timedelta(seconds=30))
+    nodes = _lost(sim, "n2", 0)
+    plan = gang.plan("demo", sim.spec, sim.lc, list(sim.pods.values()), sim.hashes, sim.now, nodes=nodes)
+    assert plan.lifecycle.phase == Phase.RESTARTING and plan.lifecycle.reason == Reason.POD_EVICTED
+    assert plan.force_delete == () and plan.delete == ("demo-trainer-0",)  # still in its grace period
+    stuck_message = ("waiting for a lost node: trainer pod demo-trainer-1 is stuck terminating: node n2 is not Ready "
+                     "since 12:00:00: Unknown (NodeStatusUnknown); force-deleting it at 12:05:30 unless the node "
+                     "comes back")
+    assert plan.lifecycle.message.endswith("; " + stuck_message)
+    assert plan.requeue_after == 30.0
+    sim.lc = plan.lifecycle
+    sim.set("demo-trainer-0", deleting=True)
+    sim.pods.pop("demo-trainer-0")  # n1's kubelet confirms its end
+
+    sim.now = T0 + timedelta(seconds=320)  # the saved message carries the account once, not twice
+    again = gang.plan("demo", sim.spec, sim.lc, list(sim.pods.values()), sim.hashes, sim.now, nodes=nodes)
+    assert again.lifecycle.message.count(gang.STUCK_MARK) == 1 and again.lifecycle.message.endswith(stuck_message)
+    assert again.force_delete == () and again.create_trainers == () and again.requeue_after == 10.0
+
+    sim.now = T0 + timedelta(seconds=330)
+    due = gang.plan("demo", sim.spec, again.lifecycle, list(sim.pods.values()), sim.hashes, sim.now, nodes=nodes)
+    assert [s.pod.name for s in due.force_delete] == ["demo-trainer-1"]
+    assert gang.STUCK_MARK not in due.lifecycle.message
+    assert due.force_delete[0].why == ("trainer pod demo-trainer-1 is stuck terminating: node n2 is not Ready since "
+                                       "12:00:00: Unknown (NodeStatusUnknown)")
+    sim.lc = due.lifecycle
+    del sim.pods["demo-trainer-1"]  # the API server removes a pod deleted with grace 0 at once
+    created = sim.step()
+    assert created.create_trainers == (0, 1) and created.after_create.attempt == 1
+
+
+def test_a_gang_torn_down_by_the_operator_waits_for_the_nodes_toleration_not_the_pods_grace():
+    """The collective timeout ended the gang while n2 was partitioned for 40 s: its pod is deleted by the operator
+    with a 30 s grace, and forced only once n2 has been lost for the pod's toleration (here 60 s)."""
+    sim = running_sim()
+    sim.set("demo-trainer-1", node="n2", lost_node_toleration_s=60)
+    sim.set("demo-trainer-0", phase="Failed", failure="exit code 1")
+    sim.now = T0 + timedelta(seconds=40)
+    sim.step()
+    sim.set("demo-trainer-1", deletion_at=sim.now + timedelta(seconds=30))
+    sim.pods.pop("demo-trainer-0")
+    sim.now = T0 + timedelta(seconds=75)  # the grace is over; n2 has been lost since T0 + 20 s: 55 of 60 s
+    nodes = _lost(sim, "n2", 20)
+    waiting = gang.plan("demo", sim.spec, sim.lc, list(sim.pods.values()), sim.hashes, sim.now, nodes=nodes)
+    assert waiting.force_delete == () and waiting.requeue_after == 5.0
+    sim.now = T0 + timedelta(seconds=80)
+    assert [s.pod.name for s in gang.plan("demo", sim.spec, sim.lc, list(sim.pods.values()), sim.hashes, sim.now,
+                                          nodes=nodes).force_delete] == ["demo-trainer-1"]
+
+
+def test_a_gone_node_forces_at_once_a_node_back_or_a_toleration_forever_never():
+    sim = running_sim()
+    sim.set("demo-trainer-1", node="n2", deleting=True, deletion_at=T0)
+    sim.now = T0 + timedelta(seconds=1)
+    pods = list(sim.pods.values())
+    gone = {"n2": NodeView("n2", exists=False, ready=False, reason="the Node object is gone")}
+    assert [s.pod.name for s in gang.plan("demo", sim.spec, sim.lc, pods, sim.hashes, sim.now, nodes=gone).force_delete] == [
+        "demo-trainer-1"]
+    back = {"n2": NodeView("n2")}
+    assert gang.plan("demo", sim.spec, sim.lc, pods, sim.hashes, sim.now, nodes=back).force_delete == ()
+    sim.set("demo-trainer-1", lost_node_toleration_s=-1)
+    forever = gang.plan("demo", sim.spec, sim.lc, list(sim.pods.values()), sim.hashes, T0 + timedelta(days=1),
+                        nodes=_lost(sim, "n2", 0))
+    assert forever.force_delete == ()
+    assert forever.lifecycle.message.endswith(
+        "it tolerates the node's loss forever, so only the node's return or a person ends it")

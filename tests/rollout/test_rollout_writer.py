@@ -14,7 +14,7 @@ from rljob_api import protocol
 from rljob_rollout.writer import BatchReport, DocumentWriter, StreamBacklog, make_document
 from rollout_harness import rollout_rewards
 from rljob_trainer.stream.codec import decode_entry
-from rljob_trainer.stream.reader import StreamReader
+from rljob_trainer.stream.reader import DataTimeout, StreamReader
 from rljob_trainer.progress import publish_checkpointed, publish_start
 
 
@@ -221,3 +221,52 @@ def test_batches_that_all_fail_extend_one_streak_over_workers_on_the_redis_clock
     assert client.hget(key, field) is None
     b.report(BatchReport(16, [], 4, Counter({zero: 4}), 0, 0, 0.1))  # b failed throughout, but the streak ended
     assert record().batches == 1 and record().since >= now
+
+
+def test_stale_drops_waiting_for_a_checkpoint_hold_back_no_worker(redis_server):
+    """algorithm.maxStaleness: the trainer drops stale documents but only its next checkpoint acks them, and it cannot
+    reach that checkpoint before fresh documents refill its step. Pending drops must therefore count neither as ahead
+    (max lag) nor in the backlog (maxPending), or the rollout would wait for the trainer and the trainer for it."""
+    config = make_config(redis_server, rollout={"maxLag": 0}, trainer={"batch": {"documentsPerStep": 4}},
+                         redis={"maxPending": 8}, algorithm={"maxStaleness": 2})
+    client = redis_server.client()
+    writer = DocumentWriter(client, config, 0)
+    publish_start(client, config, 2, 8, None)  # the trainer is at documents_seen 8
+    writer.write(_docs(4, version=0))  # sampled 8 documents ago
+    assert "4 documents ahead" in writer.wait_reason()
+    reader = StreamReader(client, config.keys, 0, 1, micro_batch_tokens=64, require_metrics_fields=True,
+                          data_timeout_seconds=0.5, read_ahead=False, max_staleness=2)
+    with pytest.raises(DataTimeout):  # all 4 stale: the step waits for fresh documents
+        reader.next_documents(4, documents_seen=8)
+    assert writer.snapshot() == StreamBacklog(undelivered=0, pending=4, trained_unacked=0, dropped_unacked=4)
+    assert writer.ahead() == 0 and writer.backlog() == 0 and writer.wait_reason() is None
+    writer.write(_docs(4, version=8))
+    assert "4 documents ahead of the trainer (4 undelivered + 4 pending - 0 trained - 4 dropped as stale" in (
+        writer.wait_reason())
+    assert writer.backlog() == 4  # 8 entries unacked, 4 of them drops: below maxPending 8
+    assert len(reader.next_documents(4, documents_seen=8)) == 4  # the step fills
+    client.hset(config.keys.progress, protocol.PROGRESS_DOCUMENTS_SEEN, 12)
+    assert writer.snapshot() == StreamBacklog(undelivered=0, pending=8, trained_unacked=4, dropped_unacked=4)
+    # the checkpoint covers the trained and the dropped documents: published, then acked
+    publish_checkpointed(client, config, 12, dropped_stale=4)
+    assert writer.snapshot() == StreamBacklog(undelivered=0, pending=8, trained_unacked=0, dropped_unacked=0)
+    reader.ack(reader.take_pending_ids())
+    assert writer.snapshot() == StreamBacklog(undelivered=0, pending=0, trained_unacked=0, dropped_unacked=0)
+
+
+def test_a_batch_of_a_timeline_the_trainer_abandoned_is_dropped_and_counted(redis_server):
+    """Issue 11 item 4: the trainer trained to version 640, the worker loaded it and generated a batch; meanwhile the
+    gang restarted from the checkpoint at 384 (publish_start sets model_version back). The batch is not written:
+    counted as documents_abandoned. Once the worker holds the resumed weights (version <= 384) its batches go in."""
+    config = make_config(redis_server)
+    client = redis_server.client()
+    writer = DocumentWriter(client, config, 0)
+    assert writer.write(_docs(2, version=5)) == 2  # no trainer yet: nothing to compare with
+    client.hset(config.keys.progress, protocol.PROGRESS_MODEL_VERSION, 640)
+    assert writer.write(_docs(3, version=640), 640) == 3
+    publish_start(client, config, 6, 384, None)  # the new attempt resumes from an older checkpoint
+    assert writer.write(_docs(4, version=640), 640) == 0
+    assert client.xlen(config.keys.stream) == 5
+    rollout = {k.decode(): v.decode() for k, v in client.hgetall(config.keys.rollout).items()}
+    assert (rollout["documents_written"], rollout["documents_abandoned"]) == ("5", "4")
+    assert writer.write(_docs(2, version=384), 384) == 2 and client.xlen(config.keys.stream) == 7

@@ -180,3 +180,14 @@ def test_a_running_attempt_that_loses_the_job_stops_writing_and_the_new_attempt_
     assert [(x["step"], x["documents_seen"]) for x in json_lines(new)] == [(s, 4 * s) for s in range(3, 7)]
     assert read_events(client, config)[-1] == {"type": "training_finished", "step": 6, "documents_seen": 24}
     assert client.get(fence.attempt_key(keys)) == b":1"
+
+
+def test_the_stream_identity_is_made_once_and_again_after_redis_forgot(setup):
+    from rljob_trainer.progress import stream_identity
+    config, client = setup
+    first = stream_identity(client, config)
+    assert len(first) == 32 and stream_identity(client, config) == first  # a restart keeps it
+    assert client.get(config.keys.prefix + protocol.KEY_STREAM_ID) == first.encode()
+    client.flushall()  # Redis forgot: the next start makes another, which the operator tells from the first
+    second = stream_identity(client, config)
+    assert len(second) == 32 and second != first

@@ -125,17 +125,20 @@ def load_worker(rank: int, world_size: int, tmp_dir: str, port: int, cases: dict
     where = init_distributed(config)
     try:
         out = {}
-        for tag, (spec_json, strategy) in cases.items():
+        for tag, (spec_json, strategy, frozen) in cases.items():
             trainer = config.spec.trainer
             trainer = trainer.model_copy(update={"parallelism": trainer.parallelism.model_copy(update={"strategy": strategy})})
-            parallel = load_model(ModelSpec.model_validate_json(spec_json), DigitTokenizer().vocab_size, SEED, where, trainer)
+            parallel = load_model(ModelSpec.model_validate_json(spec_json), DigitTokenizer().vocab_size, SEED, where, trainer,
+                                  frozen=frozen)
             with torch.no_grad():
                 logits = parallel.module(input_ids=IDS, attention_mask=MASK).logits
             full = {name: value.full_tensor() if hasattr(value, "full_tensor") else value.detach()
                     for name, value in parallel.model.state_dict().items()}
             embedding = parallel.model.get_input_embeddings().weight
             rows = (embedding.to_local() if hasattr(embedding, "to_local") else embedding).shape[0]
-            out[tag] = {"logits": logits, "state": full, f"embedding_rows_{rank}": rows}
+            out[tag] = {"logits": logits, "state": full, f"embedding_rows_{rank}": rows,
+                        "requires_grad": sorted({p.requires_grad for p in parallel.model.parameters()}),
+                        "module": type(parallel.module).__name__, "training": parallel.model.training}
         torch.save(out, Path(tmp_dir, f"rank-{rank}.pt"))
     finally:
         shutdown_distributed()
@@ -157,9 +160,12 @@ def two_rank_loads(tmp_path_factory):
     def path(name: str) -> ModelSpec:
         return ModelSpec(source="path", path=str(tmp / name))
 
-    specs = {"tiny-fsdp": (tiny_spec(TINY), "fsdp"), "fp32-fsdp": (path("fp32"), "fsdp"),
-             "bf16-tied-sharded-fsdp": (path("bf16-tied"), "fsdp"), "fp32-ddp": (path("fp32"), "ddp")}
-    run_ranks(load_worker, 2, tmp, free_port(), {tag: (spec.model_dump_json(), s) for tag, (spec, s) in specs.items()})
+    specs = {"tiny-fsdp": (tiny_spec(TINY), "fsdp", False), "fp32-fsdp": (path("fp32"), "fsdp", False),
+             "bf16-tied-sharded-fsdp": (path("bf16-tied"), "fsdp", False), "fp32-ddp": (path("fp32"), "ddp", False),
+             # the KL penalty's reference policy: frozen, sharded like the trained model
+             "tiny-fsdp-frozen": (tiny_spec(TINY), "fsdp", True), "fp32-ddp-frozen": (path("fp32"), "ddp", True)}
+    run_ranks(load_worker, 2, tmp, free_port(),
+              {tag: (spec.model_dump_json(), s, frozen) for tag, (spec, s, frozen) in specs.items()})
     outputs = [torch.load(tmp / f"rank-{rank}.pt", weights_only=False) for rank in (0, 1)]
     expected = {
         "tiny-fsdp": build_model(tiny_spec(TINY), DigitTokenizer().vocab_size, SEED),
@@ -167,10 +173,12 @@ def two_rank_loads(tmp_path_factory):
         "bf16-tied-sharded-fsdp": AutoModelForCausalLM.from_pretrained(tmp / "bf16-tied", dtype=torch.float32),
         "fp32-ddp": AutoModelForCausalLM.from_pretrained(tmp / "fp32", dtype=torch.float32),
     }
+    expected["tiny-fsdp-frozen"], expected["fp32-ddp-frozen"] = expected["tiny-fsdp"], expected["fp32-ddp"]
     return {tag: (outputs[0][tag], outputs[1][tag], expected[tag]) for tag in specs}
 
 
-@pytest.mark.parametrize("tag", ["tiny-fsdp", "fp32-fsdp", "bf16-tied-sharded-fsdp", "fp32-ddp"])
+@pytest.mark.parametrize("tag", ["tiny-fsdp", "fp32-fsdp", "bf16-tied-sharded-fsdp", "fp32-ddp", "tiny-fsdp-frozen",
+                                 "fp32-ddp-frozen"])
 def test_two_ranks_load_the_same_model_as_one_process(two_rank_loads, tag):
     rank0, rank1, expected = two_rank_loads[tag]
     threads = torch.get_num_threads()
@@ -189,10 +197,53 @@ def test_two_ranks_load_the_same_model_as_one_process(two_rank_loads, tag):
         assert torch.equal(rank0["state"][name], value), name
 
 
-@pytest.mark.parametrize("tag,rows", [("tiny-fsdp", (7, 7)), ("fp32-fsdp", (21, 20)), ("fp32-ddp", (41, 41))])
+@pytest.mark.parametrize("tag,rows", [("tiny-fsdp", (7, 7)), ("fp32-fsdp", (21, 20)), ("fp32-ddp", (41, 41)),
+                                      ("tiny-fsdp-frozen", (7, 7)), ("fp32-ddp-frozen", (41, 41))])
 def test_each_fsdp_rank_holds_only_its_rows(two_rank_loads, tag, rows):
     rank0, rank1, _ = two_rank_loads[tag]
     assert (rank0["embedding_rows_0"], rank1["embedding_rows_1"]) == rows
+
+
+# --- one rank -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tie,dtype,shard", [(False, torch.float32, False), (True, torch.bfloat16, True)],
+                         ids=["fp32", "bf16-tied-sharded"])
+def test_one_fsdp_rank_loads_the_same_logits_as_from_pretrained(no_torchrun_env, tmp_path, tie, dtype, shard):
+    """A world of one (``init_distributed`` without torchrun): ``load_model`` under fsdp shards over a mesh of one
+    rank, so its DTensors hold every row; the logits and every parameter equal ``from_pretrained``'s."""
+    from rljob_trainer.loading import load_model
+    from rljob_trainer.parallel import init_distributed, shutdown_distributed
+
+    save_llama(tmp_path / "m", tie=tie, dtype=dtype, shard=shard)
+    spec = {"source": "path", "path": str(tmp_path / "m")}
+    config = make_config(SimpleNamespace(host="127.0.0.1", port=1), tmp_path / "checkpoints", processes=1,
+                         parallelism={"strategy": "fsdp"}, model=spec)  # Redis is never contacted
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
+    where = init_distributed(config)
+    try:
+        parallel = load_model(config.spec.model, 0, SEED, where, config.spec.trainer)
+        assert parallel.sharded and where.mesh.size() == 1
+        with torch.no_grad():
+            logits = parallel.module(input_ids=IDS, attention_mask=MASK).logits
+            expected_logits = expected(input_ids=IDS, attention_mask=MASK).logits
+        state = {name: value.full_tensor() for name, value in parallel.model.state_dict().items()}
+    finally:
+        shutdown_distributed()
+
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-6, atol=1e-6)
+    assert state.keys() == expected.state_dict().keys()
+    for name, value in expected.state_dict().items():
+        assert torch.equal(state[name], value), name
+
+
+@pytest.mark.parametrize("tag, module", [("tiny-fsdp", "LlamaForCausalLM"), ("fp32-ddp", "DistributedDataParallel"),
+                                         ("tiny-fsdp-frozen", "LlamaForCausalLM"), ("fp32-ddp-frozen", "LlamaForCausalLM")])
+def test_a_frozen_reference_is_sharded_like_the_policy_and_needs_no_gradient(two_rank_loads, tag, module):
+    """The KL penalty's reference (``frozen``): fsdp shards it as the trained model (same rows above), ddp keeps its
+    replica without the DDP wrapper (nothing to reduce); no parameter requires a gradient, and it is in eval mode."""
+    for out in two_rank_loads[tag][:2]:
+        frozen = tag.endswith("frozen")
+        assert (out["requires_grad"], out["training"]) == ([not frozen], not frozen)
+        assert out["module"].endswith(module)
 
 
 # --- a start from a checkpoint --------------------------------------------------------------------------------------
@@ -208,9 +259,11 @@ def save_tokenizer(directory: Path) -> None:
                             eos_token="<eos>").save_pretrained(directory)
 
 
-def test_a_start_from_a_checkpoint_reads_no_pretrained_weights(redis_server, tmp_path, monkeypatch):
-    """``model.source: path`` whose safetensors are gone, ``initFrom`` a checkpoint of that model: the trainer starts
-    (it never reads the Hugging Face weights) and holds the checkpoint's weights after ``resume``."""
+@pytest.mark.parametrize("start", ["initFrom", "own"])
+def test_a_start_from_a_checkpoint_reads_no_pretrained_weights(redis_server, tmp_path, monkeypatch, start):
+    """``model.source: path`` whose safetensors are gone, and a checkpoint of that model to start from: another job's
+    (``initFrom``) or the job's own (a resume): the trainer starts (it never reads the Hugging Face weights) and holds
+    the checkpoint's weights after ``resume``."""
     from rljob_trainer.checkpoint import CheckpointManager
     from rljob_trainer.parallel import init_distributed, shutdown_distributed
     from rljob_trainer.trainer import Trainer
@@ -222,25 +275,30 @@ def test_a_start_from_a_checkpoint_reads_no_pretrained_weights(redis_server, tmp
     model_spec = {"source": "path", "path": str(tmp_path / "model")}
     client = redis_server.client()
 
-    other = make_config(redis_server, tmp_path / "other-job", processes=1, model=model_spec)
-    where = init_distributed(other)
+    config = make_config(redis_server, tmp_path / "job", processes=1, model=model_spec,
+                         init_from=str(tmp_path / "other-job") if start == "initFrom" else None,
+                         parallelism={"strategy": "fsdp"})
+    # The job that writes the checkpoint: another one (its default strategy), or this one.
+    writer = make_config(redis_server, tmp_path / "other-job", processes=1, model=model_spec) if start == "initFrom" \
+        else config
+    where = init_distributed(writer)
     try:
         trained = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
         with torch.no_grad():
             for parameter in trained.parameters():
                 parameter.add_(0.5)  # not the file's weights any more
         optimizer = torch.optim.AdamW(trained.parameters())
-        manager = CheckpointManager(other, where, client)
-        manager.save(3, 12, trained, optimizer, [])
-        manager.wait()  # the save is asynchronous: committed before the process group goes
-        manager.close()
+        manager = CheckpointManager(writer, where, client)
+        try:
+            manager.save(3, 12, trained, optimizer, [])
+            manager.wait()  # the save is asynchronous: committed before the process group goes
+        finally:
+            manager.close()
     finally:
         shutdown_distributed()
     for weights in (tmp_path / "model").glob("*.safetensors"):
         weights.unlink()
 
-    config = make_config(redis_server, tmp_path / "job", processes=1, model=model_spec,
-                         init_from=str(tmp_path / "other-job"), parallelism={"strategy": "fsdp"})
     where = init_distributed(config)
     trainer = None
     try:

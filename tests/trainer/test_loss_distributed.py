@@ -2,7 +2,8 @@
 
 - DDP with 2 ranks, the step's global normaliser and :func:`scale_for_gradient_mean` gives the single-process
   gradient on the same documents (GRPO and GSPO).
-- Reduced metrics are identical on every rank (2 and 3 ranks) and equal the single-process metrics.
+- Reduced metrics are identical on every rank (2 and 3 ranks) and equal the single-process metrics, with and without
+  the loss corrections (their metrics, and the sampler/trainer mismatch's token mean over ranks).
 - Mixed presence of ``reward`` makes every rank raise the same MetricsInputError, within a bounded time.
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from rljob_trainer.loss import count_labels_and_documents, grpo_loss, gspo_loss, scale_for_gradient_mean
+from rljob_trainer.loss import Corrections, count_labels_and_documents, grpo_loss, gspo_loss, scale_for_gradient_mean
 from rljob_trainer.loss_metrics import MetricsInputError, StepMetrics
 from train_harness import JOIN_TIMEOUT_S, init_gloo, run_ranks
 
@@ -152,28 +153,48 @@ def metric_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 DOCUMENTS_SEEN = 2**30 + 1000
+CORRECTIONS = Corrections(dual_clip=1.5, is_cap=1.2, kl_coef=0.1)
+CURRENT = 2**30 + 100
+"""documents_seen at which rank 0's first document is on the trainer's current weights (sampler_mismatch_*)."""
+
+
+def corrected_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    inputs = metric_inputs(batch)
+    del inputs["logits"]
+    noise = torch.randn(len(batch["tokens"]), generator=torch.Generator().manual_seed(7))
+    return {**inputs, "ref_logprobs": inputs["new_logprobs"].detach() + 0.3 * noise}
 
 
 def metrics_worker(rank: int, world_size: int, tmp_dir: str) -> None:
     init_gloo(rank, world_size, tmp_dir)
     metrics = StepMetrics("full")
+    corrected = StepMetrics("basic", corrections=CORRECTIONS)
     for batch in rank_micro_batches(rank):
         metrics.update(**metric_inputs(batch), documents_seen=DOCUMENTS_SEEN)
-    Path(f"{tmp_dir}/metrics_{rank}.json").write_text(json.dumps(metrics.reduce()))
+        corrected.update(**corrected_inputs(batch), documents_seen=CURRENT)
+    Path(f"{tmp_dir}/metrics_{rank}.json").write_text(json.dumps([metrics.reduce(), corrected.reduce()]))
     dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_reduced_metrics_are_identical_on_every_rank_and_match_one_process(tmp_path, world_size):
     run_ranks(metrics_worker, world_size, tmp_path)
-    per_rank = [json.loads((tmp_path / f"metrics_{r}.json").read_text()) for r in range(world_size)]
-    assert all(result == per_rank[0] for result in per_rank)  # exactly equal, not just close
-    single = StepMetrics("full")
+    results = [json.loads((tmp_path / f"metrics_{r}.json").read_text()) for r in range(world_size)]
+    assert all(result == results[0] for result in results)  # exactly equal, not just close
+    per_rank = [plain for plain, _ in results]
+    single, corrected = StepMetrics("full"), StepMetrics("basic", corrections=CORRECTIONS)
     for rank in range(world_size):
         for batch in rank_micro_batches(rank):
             single.update(**metric_inputs(batch), documents_seen=DOCUMENTS_SEEN)
+            corrected.update(**corrected_inputs(batch), documents_seen=CURRENT)
     expected = single.reduce()
-    assert per_rank[0] == pytest.approx(expected, rel=1e-12)
+    assert per_rank[0] == pytest.approx(expected, rel=1e-12, nan_ok=True)  # no current token: mismatch NaN
+    # With every correction on: their metrics, and the mismatch over the one rank that holds current tokens.
+    with_corrections = results[0][1]
+    assert with_corrections == pytest.approx(corrected.reduce(), rel=1e-12)
+    first = rank_micro_batches(0)[0]
+    assert with_corrections["sampler_mismatch_tokens"] == float(first["label_mask"][first["document_index"] == 0].sum())
+    assert with_corrections["max_behaviour_weight"] > 1.2 and 0 < with_corrections["kl_ref"]
     # Extremes come from different ranks: the newest version is on the last rank, the oldest on rank 0.
     assert per_rank[0]["min_staleness"] == DOCUMENTS_SEEN - (2**30 + world_size * 100 + 2 + world_size - 1)
     assert per_rank[0]["max_staleness"] == DOCUMENTS_SEEN - (2**30 + 100)
@@ -217,7 +238,7 @@ def test_mixed_presence_raises_the_same_error_on_every_rank(tmp_path):
 def totals_worker(rank: int, world_size: int, tmp_dir: str) -> None:
     init_gloo(rank, world_size, tmp_dir)
     totals = {"loss": 0.25 * (rank + 1), "redeliveries": rank, "dropped_too_long": 1, "dead_lettered": 0,
-              "lost_pending": 2 * rank}
+              "lost_pending": 2 * rank, "dropped_stale": 3 * rank}
     results = [StepMetrics(level).reduce(totals=totals) for level in ("none", "basic")]
     Path(f"{tmp_dir}/totals_{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -227,7 +248,8 @@ def test_step_totals_are_summed_over_ranks_at_every_level(tmp_path):
     # Level none still reduces the loss and the stream counters: every rank joins the SUM every step.
     run_ranks(totals_worker, 2, tmp_path)
     per_rank = [json.loads((tmp_path / f"totals_{r}.json").read_text()) for r in range(2)]
-    expected = {"loss": 0.75, "redeliveries": 1, "dropped_too_long": 2, "dead_lettered": 0, "lost_pending": 2}
+    expected = {"loss": 0.75, "redeliveries": 1, "dropped_too_long": 2, "dead_lettered": 0, "lost_pending": 2,
+                "dropped_stale": 3}
     assert per_rank[0] == per_rank[1]
     none, basic = per_rank[0]
     assert none == expected

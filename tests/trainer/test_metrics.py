@@ -8,6 +8,7 @@ import pytest
 import torch
 from rljob_api.config import RedisConnection, resolve
 from rljob_api.spec import RLTrainingJobSpec
+from rljob_trainer.loss import Corrections
 from rljob_trainer.loss_metrics import MetricsInputError, StepMetrics, token_entropy
 from rljob_trainer.metrics_registry import METRICS, metric_definitions, metrics_level, resolve_metrics_level
 
@@ -30,6 +31,9 @@ BASIC_NAMES = [
     "staleness",
     "max_staleness",
     "min_staleness",
+    "sampler_mismatch_tokens",
+    "sampler_mismatch_ratio",
+    "sampler_mismatch_kl",
 ]
 
 
@@ -44,6 +48,7 @@ def test_definitions_per_level():
         "max_advantage",
         "max_train_samples_reward",
         "max_staleness",
+        "max_behaviour_weight",
     }
     assert {n for n, r in reductions.items() if r == "min"} == {
         "min_advantage",
@@ -52,6 +57,27 @@ def test_definitions_per_level():
     }
     with pytest.raises(ValueError, match="resolve 'auto' first"):
         metric_definitions("auto")  # type: ignore[arg-type]
+
+
+CORRECTION_NAMES = {
+    "dual_clip": ["dual_clip_fraction"],
+    "importance_sampling": ["behaviour_weight", "max_behaviour_weight", "behaviour_weight_truncated_fraction"],
+    "kl": ["kl_ref"],
+}
+
+
+def test_a_corrections_metrics_are_registered_only_when_it_is_on():
+    everything = frozenset(CORRECTION_NAMES)
+    assert [m.name for m in metric_definitions("basic", everything)] == BASIC_NAMES + [
+        name for names in CORRECTION_NAMES.values() for name in names]
+    for term, names in CORRECTION_NAMES.items():
+        assert [m.name for m in metric_definitions("basic", frozenset({term}))] == BASIC_NAMES + names
+    assert metric_definitions("none", everything) == ()
+    spec = RLTrainingJobSpec.model_validate({"model": {"source": "tiny"}, "algorithm": {
+        "dualClip": 3, "klCoef": 0.1, "importanceSampling": {"enabled": True, "cap": 5}}})
+    metrics = StepMetrics.from_config(resolve("demo", "default", spec, RedisConnection(host="redis")))
+    assert metrics.corrections == Corrections(dual_clip=3.0, is_cap=5.0, kl_coef=0.1, kl_estimator="k3")
+    assert [m.name for m in metrics.definitions][len(BASIC_NAMES):] == sum(CORRECTION_NAMES.values(), [])
 
 
 def test_resolve_level():
@@ -99,6 +125,7 @@ def test_from_job_config():
 #   advantage = (1 - 1) / 2 = 0; max 1, min -1; num_tokens 4
 #   train_samples_reward = (0.75 + 0.25) / 2 = 0.5; max 0.75, min 0.25
 #   staleness = (10 + 10/3) / 2 = 20/3; max 10, min 2
+#   no labelled token has staleness 0 (model_version 100): sampler_mismatch_tokens 0, its means NaN
 HAND_EXPECTED = {
     "new_logprobs": -2.5,
     "old_logprobs": -2.6,
@@ -115,6 +142,9 @@ HAND_EXPECTED = {
     "staleness": 20 / 3,
     "max_staleness": 10.0,
     "min_staleness": 2.0,
+    "sampler_mismatch_tokens": 0.0,
+    "sampler_mismatch_ratio": math.nan,
+    "sampler_mismatch_kl": math.nan,
 }
 
 
@@ -139,7 +169,7 @@ def test_values_by_hand_are_document_weighted():
     metrics.update(**hand_micro_batch(), documents_seen=100)
     out = metrics.reduce()
     assert list(out) == BASIC_NAMES
-    assert out == pytest.approx(HAND_EXPECTED, abs=1e-9)
+    assert out == pytest.approx(HAND_EXPECTED, abs=1e-9, nan_ok=True)
 
 
 def test_sums_accumulate_over_micro_batches():
@@ -149,7 +179,7 @@ def test_sums_accumulate_over_micro_batches():
     doc1 = take(batch, slice(2, 6))
     doc1["document_index"] = doc1["document_index"] - 1  # ids are local to a micro-batch
     metrics.update(**doc1, documents_seen=100)
-    assert metrics.reduce() == pytest.approx(HAND_EXPECTED, abs=1e-9)
+    assert metrics.reduce() == pytest.approx(HAND_EXPECTED, abs=1e-9, nan_ok=True)
 
 
 def test_reduce_resets_the_step():
@@ -234,7 +264,7 @@ def test_full_level_entropy_is_document_weighted():
     metrics.update(**hand_micro_batch(), logits=logits, documents_seen=100)
     out = metrics.reduce()
     assert out["entropy"] == pytest.approx(1.5 * math.log(2), abs=1e-6)
-    assert {k: v for k, v in out.items() if k != "entropy"} == pytest.approx(HAND_EXPECTED, abs=1e-9)
+    assert {k: v for k, v in out.items() if k != "entropy"} == pytest.approx(HAND_EXPECTED, abs=1e-9, nan_ok=True)
     metrics.update(**hand_micro_batch(), entropy=torch.full((6,), 2.5), documents_seen=100)
     assert metrics.reduce()["entropy"] == 2.5
 
@@ -250,7 +280,7 @@ def test_missing_input_raises_and_resets():
         metrics.reduce()
     assert err.value.missing == {"reward": [0]}
     metrics.update(**hand_micro_batch(), documents_seen=100)
-    assert metrics.reduce() == pytest.approx(HAND_EXPECTED, abs=1e-9)
+    assert metrics.reduce() == pytest.approx(HAND_EXPECTED, abs=1e-9, nan_ok=True)
 
 
 def test_full_level_needs_logits_or_entropy():
@@ -284,7 +314,7 @@ def random_batch(seed: int, num_docs: int, noise: float) -> dict[str, torch.Tens
         "label_mask": mask,
         "document_index": docs,
         "reward": torch.rand(num_docs, generator=g, dtype=F64)[docs],
-        "model_version": 2**40 - torch.randint(0, 50, (len(docs),), generator=g),
+        "model_version": 2**40 - torch.randint(0, 4, (len(docs),), generator=g),  # a quarter at staleness 0
     }
 
 
@@ -292,7 +322,7 @@ def reference_metrics(batches, loss: str, eps_low: float, eps_high: float, docum
     """The step's basic metrics from DESIGN §4, one labelled document at a time (no rljob code): r_t =
     exp(lp_new - lp_old) (GRPO) or R_d = exp(mean_d(lp_new - lp_old)) (GSPO); means over each document's labelled
     tokens, then over documents; extremes over labelled tokens (reward: over documents)."""
-    per_doc, advantages, staleness, rewards, num_tokens = [], [], [], [], 0
+    per_doc, advantages, staleness, rewards, num_tokens, current_log_ratios = [], [], [], [], 0, []
     for b in batches:
         for d in b["document_index"].unique().tolist():
             sel = (b["document_index"] == d) & b["label_mask"]
@@ -315,10 +345,15 @@ def reference_metrics(batches, loss: str, eps_low: float, eps_high: float, docum
             staleness += stale.tolist()
             rewards.append(b["reward"][sel].mean().item())
             num_tokens += int(sel.sum())
+            token_log_r = b["new_logprobs"][sel] - b["old_logprobs"][sel]
+            current_log_ratios += token_log_r[stale == 0].tolist()
     out = {name: sum(float(doc[name]) for doc in per_doc) / len(per_doc) for name in per_doc[0]}
     out.update(num_tokens=float(num_tokens), max_advantage=max(advantages), min_advantage=min(advantages))
     out.update(max_staleness=max(staleness), min_staleness=min(staleness))
     out.update(max_train_samples_reward=max(rewards), min_train_samples_reward=min(rewards))
+    current = torch.tensor(current_log_ratios, dtype=F64)
+    out.update(sampler_mismatch_tokens=float(len(current)), sampler_mismatch_ratio=float(current.exp().mean()),
+               sampler_mismatch_kl=float((current.exp() - current - 1).mean()))
     return out
 
 
@@ -346,7 +381,8 @@ def test_one_pass_metrics_equal_the_formulas_and_segment_once(monkeypatch, loss,
         loss_sum += output.loss.item()
     expected = reference_metrics(batches, loss, *eps, documents_seen=2**40)
     assert 0 < expected["clipped_ratio_fraction"] < 1  # both clipped and unclipped ratios are exercised
-    counters = {"redeliveries": 3, "dropped_too_long": 1, "dead_lettered": 0, "lost_pending": 2}
+    assert 0 < expected["sampler_mismatch_tokens"] < expected["num_tokens"]  # current and older tokens
+    counters = {"redeliveries": 3, "dropped_too_long": 1, "dead_lettered": 0, "lost_pending": 2, "dropped_stale": 5}
     out = metrics.reduce(totals={"loss": torch.tensor(loss_sum, dtype=F64), **counters})
     assert list(out) == BASIC_NAMES + ["loss", *counters]
     assert {k: out[k] for k in BASIC_NAMES} == pytest.approx(expected, rel=1e-12, abs=1e-12)
@@ -354,7 +390,8 @@ def test_one_pass_metrics_equal_the_formulas_and_segment_once(monkeypatch, loss,
 
 
 def test_step_totals_are_reduced_at_every_level_and_must_be_complete():
-    totals = {"loss": 0.5, "redeliveries": 1, "dropped_too_long": 2, "dead_lettered": 3, "lost_pending": 4}
+    totals = {"loss": 0.5, "redeliveries": 1, "dropped_too_long": 2, "dead_lettered": 3, "lost_pending": 4,
+              "dropped_stale": 5}
     assert StepMetrics("none").reduce(totals=totals) == totals
     with pytest.raises(ValueError, match=r"totals must name exactly the step totals .* got \['loss'\]"):
         StepMetrics("none").reduce(totals={"loss": 0.5})

@@ -79,6 +79,42 @@ def test_retry_gives_up_after_the_window(redis_server):
     client.close()
 
 
+def test_the_trainers_client_rides_out_an_outage_longer_than_the_retry_count(redis_server):
+    """A Redis down for 7 s (a pod replaced): the rollout's client gives up after its COMMAND_RETRIES tries (at most
+    6.2 s of jittered backoff), the trainer's (outage_seconds) waits and reads what the append-only file kept."""
+    config = config_for(redis_server)
+    counted = connect(config, password=redis_server.password)
+    windowed = connect(config, password=redis_server.password, outage_seconds=60)
+    windowed.set("survives", b"1")
+    redis_server.stop()
+    restarter = threading.Timer(7.0, redis_server.start)
+    restarter.start()
+    result = {}
+    reader = threading.Thread(target=lambda: result.update(got=windowed.get("survives"), at=time.monotonic()))
+    start = time.monotonic()
+    reader.start()
+    try:
+        with pytest.raises(redis.ConnectionError):
+            counted.get("survives")
+        assert time.monotonic() - start < 7.0
+    finally:
+        restarter.join()
+        reader.join(30)
+    assert result["got"] == b"1" and result["at"] - start >= 7.0
+    counted.close()
+    windowed.close()
+
+
+def test_the_window_gives_up(redis_server):
+    client = connect(config_for(redis_server), password=redis_server.password, outage_seconds=2)
+    redis_server.stop()
+    start = time.monotonic()
+    with pytest.raises(redis.ConnectionError):
+        client.ping()
+    assert 2 <= time.monotonic() - start < 5  # the backoff never sleeps past the window
+    client.close()
+
+
 def test_tls_setting_selects_a_verifying_ssl_connection(redis_server):
     plain = connect(config_for(redis_server))
     secure = connect(config_for(redis_server, tls=True), ssl_ca_certs="/tmp/ca.pem")

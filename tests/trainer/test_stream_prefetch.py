@@ -14,7 +14,7 @@ import redis
 from rljob_api import RLTrainingJobSpec, resolve
 from rljob_api.config import RedisConnection
 from rljob_trainer.stream.codec import Document, encode_document
-from rljob_trainer.stream.connection import PipelinedConnection, connect
+from rljob_trainer.stream.connection import OUTAGE_SECONDS, PipelinedConnection, connect
 from test_stream_reader import firsts, pending_of, reader, wait_pending, write, write_docs
 
 CONSUMER = "fast_llm_consumer_0"
@@ -95,16 +95,18 @@ def test_lost_read_ahead_reply_is_reread_after_client_kill(client):
     r.close()
 
 
-def test_lost_read_ahead_reply_is_reread_after_a_server_restart(redis_server):
+@pytest.mark.parametrize(("down_s", "outage_seconds"), [(0.5, None), (7.0, OUTAGE_SECONDS)],
+                         ids=["a blip, counted retries", "a pod replaced, the trainer's window"])
+def test_lost_read_ahead_reply_is_reread_after_a_server_restart(redis_server, down_s, outage_seconds):
     config = resolve("demo", "ns", RLTrainingJobSpec.model_validate({"model": {"source": "tiny"}}), RedisConnection(host=redis_server.host, port=redis_server.port))
-    client = connect(config, password=redis_server.password)  # the trainer's client: retries with backoff
+    client = connect(config, password=redis_server.password, outage_seconds=outage_seconds)  # retries with backoff
     small = write_docs(client, [1, 2])
     big = write(client, [encode_document(big_document(i)) for i in (3, 4)])
     r = reader(client, micro_batch_tokens=BIG_TOKENS)
     assert ids_of(r.next_documents(2)) == small
     wait_pending(client, CONSUMER, 4)
     redis_server.stop()  # the append-only file keeps the stream and the group's pending entries
-    restarter = threading.Timer(0.5, redis_server.start)
+    restarter = threading.Timer(down_s, redis_server.start)
     restarter.start()
     try:
         got = r.next_documents(2)

@@ -185,6 +185,19 @@ def test_trim_removes_only_acked_entries(client):
     assert firsts(r.next_documents(2)) == [6, 7]
 
 
+def test_a_data_timeout_says_what_the_reader_refused_and_where_the_reasons_are(client):
+    no_metrics = [{k: v for k, v in encode_document(document(i)).items() if k != "model_version"} for i in (1, 2)]
+    write(client, [*no_metrics, encode_document(document(3, length=20))])  # the third is over microBatchTokens
+    with pytest.raises(DataTimeout) as raised:
+        reader(client, data_timeout_seconds=0.6).next_documents(1)
+    assert str(raised.value) == (
+        "fast_llm_consumer_0: no valid document on stream 'fast_llm_streaming' for 0.6 s (have 0 of 1); refused 3 "
+        "entries: missing_metrics_field ×2 dead-lettered to 'rljob:ns:demo:dead_letter' (each with its reason); "
+        "too_long ×1 dropped (longer than 16 tokens)")
+    kinds = [fields[b"kind"] for _, fields in client.xrange(KEYS.dead_letter)]
+    assert kinds == [b"missing_metrics_field"] * 2
+
+
 def test_data_timeout_keeps_what_was_gathered(client):
     ids = write_docs(client, [1, 2])
     r = reader(client, data_timeout_seconds=0.6)

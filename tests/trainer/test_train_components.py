@@ -1,13 +1,15 @@
-"""Small parts of the training entrypoint: the world-size check, the warm-up schedule, progress reporting."""
+"""Small parts of the training entrypoint: the world-size check, the learning-rate schedules, progress reporting."""
 
 from __future__ import annotations
 
 import io
 import json
+import math
 import time
 import urllib.request
 
 import pytest
+import torch
 
 from rljob_trainer.parallel import ParallelDims, WorldSizeMismatch
 from rljob_trainer.progress import (
@@ -16,7 +18,8 @@ from rljob_trainer.progress import (
     StepRecord,
     build_progress,
 )
-from rljob_trainer.optim import learning_rate
+from rljob_api.spec import OptimizerSpec
+from rljob_trainer.optim import learning_rate, step_learning_rate
 from train_harness import make_config
 
 
@@ -48,6 +51,54 @@ def test_parallel_dims_shards_within_replica_groups_that_divide_the_data_paralle
 def test_learning_rate_warms_up_linearly():
     assert [learning_rate(s, 1.0, 4) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
     assert learning_rate(0, 3e-4, 0) == 3e-4
+
+
+# Warm-up 2 of 10 steps, base 1, floor 0.1: progress p = (step - 2) / 8 after the warm-up.
+#   linear: 0.1 + 0.9 (1 - p);  cosine: 0.1 + 0.9 (1 + cos(pi p)) / 2
+DECAY_BY_HAND = {
+    "constant": [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+    "linear": [0.5, 1.0, 1.0, 0.8875, 0.775, 0.6625, 0.55, 0.4375, 0.325, 0.2125],
+    "cosine": [0.5, 1.0, 1.0] + [0.1 + 0.9 * (1 + math.cos(math.pi * k / 8)) / 2 for k in range(1, 8)],
+}
+
+
+@pytest.mark.parametrize("schedule", DECAY_BY_HAND)
+def test_learning_rate_decays_after_the_warm_up_by_hand(schedule):
+    rates = [learning_rate(s, 1.0, 2, schedule=schedule, total_steps=10, floor=0.1) for s in range(10)]
+    assert rates == pytest.approx(DECAY_BY_HAND[schedule], abs=1e-12)
+    assert DECAY_BY_HAND["cosine"][6] == pytest.approx(0.55, abs=1e-12)  # half-way: half-way between base and floor
+    beyond = learning_rate(12, 1.0, 2, schedule=schedule, total_steps=10, floor=0.1)
+    assert beyond == (1.0 if schedule == "constant" else pytest.approx(0.1))  # a raised maxSteps never goes below
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_learning_rate_decay_equals_torchs_schedulers(schedule):
+    """After the warm-up, the same rates as torch's LinearLR (end factor floor/base) and CosineAnnealingLR (eta_min
+    = floor) stepped once per update."""
+    base, floor, warmup, total = 3e-4, 2e-5, 3, 17
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=base)
+    scheduler = (torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, floor / base, total_iters=total - warmup)
+                 if schedule == "linear" else
+                 torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total - warmup, eta_min=floor))
+    expected = []
+    for _ in range(warmup, total):
+        expected.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    rates = [learning_rate(s, base, warmup, schedule=schedule, total_steps=total, floor=floor)
+             for s in range(warmup, total)]
+    assert rates == pytest.approx(expected, rel=1e-12)
+
+
+def test_learning_rate_schedule_reads_the_optimizer_spec_and_checks_its_arguments():
+    spec = OptimizerSpec(learning_rate=1.0, warmup_steps=2, schedule="linear", min_learning_rate=0.1)
+    assert [step_learning_rate(s, spec, 10) for s in range(10)] == pytest.approx(DECAY_BY_HAND["linear"], abs=1e-12)
+    with pytest.raises(ValueError, match="the cosine schedule needs total_steps"):
+        learning_rate(5, 1.0, 0, schedule="cosine")
+    with pytest.raises(ValueError, match="floor = 2 must not exceed base = 1"):
+        learning_rate(5, 1.0, 0, schedule="linear", total_steps=10, floor=2.0)
+    with pytest.raises(ValueError, match="schedule must be constant, linear or cosine, got 'step'"):
+        learning_rate(5, 1.0, 0, schedule="step")  # type: ignore[arg-type]
 
 
 def test_rank_zero_progress_writes_hash_json_line_and_prometheus(redis_server, tmp_path):

@@ -112,7 +112,7 @@ def test_two_rank_run_trains_checkpoints_reports_and_matches_one_rank(redis_serv
 
     progress = {k.decode(): v.decode() for k, v in client.hgetall(config.keys.progress).items()}
     assert (progress["step"], progress["documents_seen"], progress["model_version"]) == ("3", "12", "12")
-    assert json.loads(progress["metrics"]) == pytest.approx(lines[-1]["metrics"])
+    assert json.loads(progress["metrics"]) == pytest.approx(lines[-1]["metrics"], nan_ok=True)  # sampler_mismatch_*
     assert read_events(client, config) == [
         {"type": "weights_ready", "step": s, "documents_seen": 4 * s} for s in range(4)
     ] + [{"type": "training_finished", "step": 3, "documents_seen": 12}]
@@ -165,6 +165,59 @@ def test_gspo_with_full_metrics_in_process(redis_server, tmp_path):
     reference = reference_first_step(config, docs)
     for name in ("loss", "new_logprobs", "entropy"):
         assert line["metrics"][name] == pytest.approx(reference[name], rel=1e-4), name
+
+
+def test_corrections_reference_kl_and_decay_in_process(redis_server, tmp_path):
+    """Every correction on, a KL penalty to the reference and a linear decay, in one process: the reference is the
+    initial policy (kl_ref 0 at the first step, then > 0), the corrections' metrics are reported, the learning rate
+    follows the schedule, and the mismatch metric sees every token of the first step (all sampled with version 0)."""
+    config = make_config(
+        redis_server, tmp_path / "ckpt", processes=1, documents_per_step=4, max_steps=3,
+        algorithm={"dualClip": 3.0, "importanceSampling": {"enabled": True, "cap": 2.0}, "klCoef": 0.05},
+        optimizer={"schedule": "linear", "minLearningRate": 1e-3},
+    )
+    client = redis_server.client()
+    write_documents(client, config, make_documents(12, seed=5))
+    out = io.StringIO()
+    result = run(config, client=client, stdout=out)
+    assert (result.step, result.documents_seen) == (3, 12)
+    metrics = [json.loads(x)["metrics"] for x in out.getvalue().splitlines()]
+    assert metrics[0]["kl_ref"] == pytest.approx(0.0, abs=1e-7)
+    assert metrics[1]["kl_ref"] > 1e-6 and metrics[2]["kl_ref"] > 1e-6
+    # warm-up 1 (1e-2), then p = 0 (1e-2) and p = 1/2 (1e-3 + 9e-3 / 2) over 3 steps
+    assert [m["learning_rate"] for m in metrics] == pytest.approx([1e-2, 1e-2, 5.5e-3], rel=1e-12)
+    first = metrics[0]
+    assert first["clipped_ratio_fraction"] == 0.0 and first["dual_clip_fraction"] == 0.0  # the proximal ratio is 1
+    assert first["max_behaviour_weight"] >= first["behaviour_weight"] > 0
+    assert 0.0 <= first["behaviour_weight_truncated_fraction"] <= 1.0
+    # Every document has 4 labelled tokens, so the token mean over the (all current) tokens is the document mean.
+    assert first["sampler_mismatch_tokens"] == first["num_tokens"] == 16
+    assert first["sampler_mismatch_ratio"] == pytest.approx(first["ratio_new_old"], rel=1e-6)  # float32 exp or not
+    assert metrics[1]["sampler_mismatch_tokens"] == 0.0  # version 0 is 4 documents behind at step 2
+
+
+def test_max_staleness_drops_refills_counts_and_acks_with_the_checkpoint(redis_server, tmp_path):
+    """algorithm.maxStaleness = 3, 4 documents per step: step 1 (documents_seen 0) trains 4 documents of version 0;
+    step 2 (documents_seen 4) drops the next 2 of version 0 (4 behind), refills with 4 of version 4, and the
+    checkpoint at step 2 (the first) covers and acks all 10 entries, the 2 drops with the published count."""
+    config = make_config(redis_server, tmp_path / "ckpt", processes=1, documents_per_step=4, max_steps=2,
+                         algorithm={"maxStaleness": 3})
+    client = redis_server.client()
+    ids = write_documents(client, config, make_documents(6, seed=5, model_version=0))
+    ids += write_documents(client, config, make_documents(4, seed=6, model_version=4))
+    out = io.StringIO()
+    result = run(config, client=client, stdout=out)
+    assert (result.step, result.documents_seen) == (2, 8)  # only documents that entered the loss
+    lines = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert [line["stream"]["dropped_stale"] for line in lines] == [0, 2]
+    assert [line["metrics"]["max_staleness"] for line in lines] == [0.0, 0.0]  # none of them was trained
+    (path,) = committed_checkpoints(tmp_path / "ckpt")
+    commit = json.loads((path / COMMIT_FILE).read_text())
+    assert commit["step"] == 2
+    assert sorted(e for entries in commit["covered_entry_ids"].values() for e in entries) == sorted(ids)
+    assert client.xpending(config.keys.stream, config.keys.group)["pending"] == 0
+    progress = {k.decode(): v.decode() for k, v in client.hgetall(config.keys.progress).items()}
+    assert (progress["dropped_stale"], progress["checkpoint_dropped_stale"]) == ("2", "2")
 
 
 @pytest.mark.parametrize("loss, metrics", [("grpo", "basic"), ("gspo", "full")])

@@ -53,22 +53,27 @@ def make_config(
     parallelism: Optional[dict[str, Any]] = None,
     micro_batch_tokens: int = 24,
     model: Optional[dict[str, Any]] = None,
+    replicas: int = 1,
+    algorithm: Optional[dict[str, Any]] = None,
+    optimizer: Optional[dict[str, Any]] = None,
 ) -> JobConfig:
     """A resolved config for a one-node trainer of ``processes`` ranks with a tiny model (or spec.model ``model``) and a
     managed Redis (``max_pending`` / ``max_lag``: spec.redis.maxPending / spec.rollout.maxLag, ``parallelism``:
-    spec.trainer.parallelism, the spec's defaults if None)."""
-    rollout: dict[str, Any] = {"sampling": {"temperature": 0.7}, "replicas": 1}
+    spec.trainer.parallelism, the spec's defaults if None; ``replicas``: spec.rollout.replicas, 0 for a trainer-only job;
+    ``algorithm`` / ``optimizer``: fields added to spec.algorithm / spec.trainer.optimizer)."""
+    rollout: dict[str, Any] = {"sampling": {"temperature": 0.7}, "replicas": replicas}
     if max_lag is not None:
         rollout["maxLag"] = max_lag
     spec = RLTrainingJobSpec.model_validate(
         {
             "model": model or {"source": "tiny", "tiny": TINY},
-            "algorithm": {"loss": loss, "metrics": metrics},
+            "algorithm": {"loss": loss, "metrics": metrics, **(algorithm or {})},
             "trainer": {
                 "processesPerNode": processes,
                 "batch": {"documentsPerStep": documents_per_step, "microBatchTokens": micro_batch_tokens},
                 **({"parallelism": parallelism} if parallelism is not None else {}),
-                "optimizer": {"learningRate": 1e-2, "warmupSteps": 1, "gradClip": 1.0, "weightDecay": 0.01},
+                "optimizer": {"learningRate": 1e-2, "warmupSteps": 1, "gradClip": 1.0, "weightDecay": 0.01,
+                              **(optimizer or {})},
                 "checkpoint": {"everySteps": every_steps, "keepLast": keep_last, "initFrom": init_from},
                 "maxSteps": max_steps,
                 "collectiveTimeoutSeconds": 120,

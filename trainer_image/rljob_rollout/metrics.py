@@ -29,6 +29,8 @@ class RolloutMetrics:
             "rljob_rollout_reward_errors", "Samples dropped: the reward function raised.", ["kind"], registry=r
         )
         self.filtered = Counter("rljob_rollout_filtered_samples", "Samples of zero-variance groups dropped.", registry=r)
+        self.abandoned = Counter("rljob_rollout_abandoned_documents", "Documents dropped: sampled with weights of a "
+                                 "timeline the trainer abandoned (it resumed from an older checkpoint).", registry=r)
         self.updates = Counter("rljob_rollout_weight_updates", "Weight updates by outcome.", ["outcome"], registry=r)
         self.model_version = Gauge("rljob_rollout_model_version", "Version of the loaded weights (documents).", registry=r)
         self.reward = Gauge("rljob_rollout_reward", "Mean reward of the last batch, before filtering.", registry=r)

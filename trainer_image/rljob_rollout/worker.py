@@ -17,6 +17,11 @@ One iteration (:meth:`RolloutWorker.step`):
 4. Generate ``promptsPerBatch`` × ``samplesPerPrompt`` completions, score them, compute group advantages,
    optionally drop zero-variance groups, write the documents, report the batch to the rollout hash.
 
+Following the trainer back: when the trainer resumes from an older checkpoint, a batch generated with the newer weights
+of the abandoned timeline (its version above the trainer's model_version) is dropped at write time and counted
+(``documents_abandoned`` in the rollout hash, ``rljob_rollout_abandoned_documents_total``); the next iteration loads
+the resumed weights the trainer announces at its start.
+
 Version tagging: the loop is single-threaded, so weights change only between batches — a weight update that
 arrives during generation waits until the batch is written. Every token of a batch is therefore tagged with
 the version of the weights that generated it (in-flight generations finish on the old weights and carry the
@@ -281,9 +286,11 @@ class RolloutWorker:
         rewards = [r for _, group in scored for _, r in group]
         report = BatchReport(version, rewards, len(prompts) * self.spec.samples_per_prompt, errors,
                              kept.groups_dropped, kept.samples_dropped, seconds)
-        self.writer.write(documents)
+        written = self.writer.write(documents, version)
+        if written < len(documents):
+            self.metrics.abandoned.inc(len(documents) - written)
         self.writer.report(report)
-        self.metrics.observe_batch(report, len(documents))
+        self.metrics.observe_batch(report, written)
         if rewards:
             self.reward_backoff.reset()
         else:

@@ -13,13 +13,21 @@ Both bounds read one snapshot of the stream's consumer group (:class:`StreamBack
   every start (the loaded checkpoint's documents_seen, or 0 from scratch), so the difference is right across a
   restart from an older checkpoint or from scratch, where documents_seen goes back.
 
-Back-pressure: ``backlog`` = undelivered + pending. A worker starts a batch only while ``backlog < redis.maxPending``.
+* ``dropped_unacked`` = the progress hash's ``dropped_stale`` − ``checkpoint_dropped_stale``: documents the current
+  attempt dropped as staler than ``algorithm.maxStaleness`` since its last checkpoint; pending like the trained ones
+  until that checkpoint acks them (0 at every start, and always without maxStaleness).
+
+Back-pressure: ``backlog`` = undelivered + pending − dropped_unacked. A worker starts a batch only while
+``backlog < redis.maxPending``. Stale drops do not count: the trainer needs fresh documents to replace them before it
+reaches the checkpoint that acks them, so counting them could stop the rollout for good; the stream then holds up to
+maxPending plus the drops of one checkpoint interval.
 Nothing is ever trimmed here: only the trainer trims, and only acked entries. (A trainer needs
 documentsPerStep × everySteps unacked entries to reach its next checkpoint; the spec check
 ``documentsPerStep × everySteps <= maxPending`` keeps that reachable.)
 
 Max lag: ``ahead`` = documents generated and not yet trained by the trainer's current attempt = undelivered +
-(pending − trained_unacked) — entries trained and only waiting for a checkpoint's ack are not ahead of anything.
+(pending − trained_unacked − dropped_unacked) — entries trained (or dropped as stale) and only waiting for a
+checkpoint's ack are not ahead of anything.
 A worker starts a batch only while ``ahead < max(rollout.maxLag, trainer.batch.documentsPerStep)``: the floor of one
 step's worth keeps the trainer able to fill a step when maxLag is smaller (maxLag = 0 then means "one step ahead at
 most", the synchronous limit). A batch may overshoot by its own size, per worker. Documents the trainer drops (too
@@ -121,22 +129,27 @@ class StreamBacklog:
         trained_unacked: documents the trainer's current attempt has trained since the checkpoint it last committed
             or started from (progress hash: documents_seen − checkpoint_documents_seen; 0 before the trainer wrote
             them). They are pending until the next checkpoint acks them.
+        dropped_unacked: documents the current attempt dropped as stale since that checkpoint (progress hash:
+            dropped_stale − checkpoint_dropped_stale; 0 without them), pending until the next checkpoint as well.
     """
 
     undelivered: int
     pending: int
     trained_unacked: int
+    dropped_unacked: int = 0
 
     @property
     def backlog(self) -> int:
-        """Entries not yet acknowledged: undelivered + pending (what ``redis.maxPending`` bounds)."""
-        return self.undelivered + self.pending
+        """Entries not yet acknowledged, stale drops aside: undelivered + pending − dropped_unacked (what
+        ``redis.maxPending`` bounds), the pending part floored at 0."""
+        return self.undelivered + max(0, self.pending - self.dropped_unacked)
 
     @property
     def ahead(self) -> int:
-        """Documents generated and not yet trained by the current attempt: undelivered + (pending − trained_unacked),
-        the pending part floored at 0 (the progress hash and the group are written at slightly different times)."""
-        return self.undelivered + max(0, self.pending - self.trained_unacked)
+        """Documents generated and not yet trained by the current attempt: undelivered + (pending − trained_unacked −
+        dropped_unacked), the pending part floored at 0 (the progress hash and the group are written at slightly
+        different times)."""
+        return self.undelivered + max(0, self.pending - self.trained_unacked - self.dropped_unacked)
 
 
 class DocumentWriter:
@@ -170,13 +183,16 @@ class DocumentWriter:
         pipe = self._client.pipeline(transaction=True)
         pipe.xinfo_groups(self._keys.stream)
         pipe.xlen(self._keys.stream)
-        pipe.hmget(self._keys.progress, [protocol.PROGRESS_DOCUMENTS_SEEN, protocol.PROGRESS_CHECKPOINT_DOCUMENTS_SEEN])
-        groups, length, (seen, checkpointed) = pipe.execute(raise_on_error=False)
-        if isinstance(length, Exception) or isinstance(seen, Exception):
-            raise length if isinstance(length, Exception) else seen
+        pipe.hmget(self._keys.progress, [protocol.PROGRESS_DOCUMENTS_SEEN, protocol.PROGRESS_CHECKPOINT_DOCUMENTS_SEEN,
+                                         protocol.PROGRESS_DROPPED_STALE, protocol.PROGRESS_CHECKPOINT_DROPPED_STALE])
+        groups, length, progress = pipe.execute(raise_on_error=False)
+        if isinstance(length, Exception) or isinstance(progress, Exception):
+            raise length if isinstance(length, Exception) else progress
+        seen, checkpointed, dropped, dropped_checkpointed = progress
         trained = max(0, int(seen or 0) - int(checkpointed or 0)) if checkpointed is not None else 0
+        dropped = max(0, int(dropped or 0) - int(dropped_checkpointed or 0))
         if isinstance(groups, redis.ResponseError):  # no such stream yet
-            return StreamBacklog(undelivered=0, pending=0, trained_unacked=trained)
+            return StreamBacklog(undelivered=0, pending=0, trained_unacked=trained, dropped_unacked=dropped)
         if isinstance(groups, Exception):
             raise groups
         for group in groups:
@@ -185,8 +201,8 @@ class DocumentWriter:
                 lag = group.get("lag")
                 if lag is None:  # Redis cannot tell after deletions: assume every entry is undelivered
                     lag = length
-                return StreamBacklog(int(lag), int(group.get("pending") or 0), trained)
-        return StreamBacklog(undelivered=int(length), pending=0, trained_unacked=trained)
+                return StreamBacklog(int(lag), int(group.get("pending") or 0), trained, dropped)
+        return StreamBacklog(undelivered=int(length), pending=0, trained_unacked=trained, dropped_unacked=dropped)
 
     def backlog(self) -> int:
         """Undelivered + pending entries (documents): :attr:`StreamBacklog.backlog`. Raises RedisError."""
@@ -200,28 +216,49 @@ class DocumentWriter:
     def wait_reason(self) -> Optional[str]:
         """Why the worker must not start a batch now (back-pressure or max lag), or None. Raises RedisError."""
         state = self.snapshot()
+        dropped = f" - {state.dropped_unacked} dropped as stale" if state.dropped_unacked else ""
         if state.backlog >= self.max_pending:
             return (
-                f"backlog {state.backlog} ({state.undelivered} undelivered + {state.pending} pending) >= "
+                f"backlog {state.backlog} ({state.undelivered} undelivered + {state.pending} pending{dropped}) >= "
                 f"spec.redis.maxPending {self.max_pending} documents"
             )
         if state.ahead >= self.max_ahead:
             return (
                 f"{state.ahead} documents ahead of the trainer ({state.undelivered} undelivered + {state.pending} "
-                f"pending - {state.trained_unacked} trained and waiting for a checkpoint) >= "
+                f"pending - {state.trained_unacked} trained{dropped} and waiting for a checkpoint) >= "
                 f"max(maxLag, documentsPerStep) = {self.max_ahead}"
             )
         return None
 
-    def write(self, documents: Sequence[Document]) -> None:
-        """XADD every document and add their count to ``documents_written``, in one MULTI/EXEC. Raises RedisError."""
+    def write(self, documents: Sequence[Document], version: Optional[int] = None) -> int:
+        """XADD every document and add their count to ``documents_written``, in one MULTI/EXEC, unless they belong to
+        a timeline the trainer abandoned: ``version`` (the weights they were sampled with, documents) above the progress
+        hash's ``model_version`` (the trainer's current weights; set back to the checkpoint's documents_seen when it
+        resumes from an older one). Those are dropped and counted in ``documents_abandoned`` instead; the check and the
+        write are one WATCH/MULTI/EXEC on the progress hash, so a trainer start between them reruns the check. Returns
+        the documents written (0 when abandoned). Raises RedisError."""
         if not documents:
-            return
-        pipe = self._client.pipeline(transaction=True)
-        for doc in documents:
-            pipe.xadd(self._keys.stream, encode_document(doc))
-        pipe.hincrby(self._keys.rollout, protocol.ROLLOUT_DOCUMENTS_WRITTEN, len(documents))
-        pipe.execute()
+            return 0
+        outcome: list[bool] = []
+
+        def add(pipe: redis.client.Pipeline) -> None:
+            current = pipe.hget(self._keys.progress, protocol.PROGRESS_MODEL_VERSION)
+            abandoned = version is not None and current is not None and version > int(current)
+            outcome[:] = [abandoned]
+            pipe.multi()
+            if abandoned:
+                pipe.hincrby(self._keys.rollout, protocol.ROLLOUT_DOCUMENTS_ABANDONED, len(documents))
+                return
+            for doc in documents:
+                pipe.xadd(self._keys.stream, encode_document(doc))
+            pipe.hincrby(self._keys.rollout, protocol.ROLLOUT_DOCUMENTS_WRITTEN, len(documents))
+
+        self._client.transaction(add, self._keys.progress)
+        if outcome[0]:
+            log.warning("rollout: dropped %d documents sampled with weights version %s: the trainer went back to an "
+                        "older checkpoint (model_version below it); loading its weights next", len(documents), version)
+            return 0
+        return len(documents)
 
     def report(self, batch: BatchReport) -> None:
         """Add one batch to the rollout hash, prune per-version reward pairs beyond the newest

@@ -169,22 +169,23 @@ def materialize(model: torch.nn.Module, device: torch.device) -> None:
 
 
 def build_parallel_model(config: Any, where: Distributed, trainer: Any,
-                         initialise: Optional[Initialiser]) -> DataParallelModel:
+                         initialise: Optional[Initialiser], frozen: bool = False) -> DataParallelModel:
     """The model of ``config`` under ``trainer.parallelism`` (a :class:`~rljob_api.spec.TrainerSpec`), on
     ``where.device``, without ever holding more than this rank's shards plus what ``initialise`` holds at once.
 
     fsdp: :func:`empty_model` → :func:`~rljob_trainer.parallel.wrap_model` (``fully_shard`` on the meta model) →
     :func:`materialize` → ``initialise``. ddp: :func:`empty_model` → :func:`materialize` → ``initialise`` → wrap (DDP
     broadcasts rank 0's parameters). ``initialise`` None leaves the parameters uninitialised: a checkpoint is loaded
-    next. Collective under ddp (the broadcast) and when ``initialise`` is (:func:`load_pretrained`).
+    next. ``frozen``: see :func:`~rljob_trainer.parallel.wrap_model`. Collective under ddp (the broadcast, unless
+    ``frozen``) and when ``initialise`` is (:func:`load_pretrained`).
     """
     model = empty_model(config)
     if trainer.parallelism.strategy == "ddp":
         materialize(model, where.device)
         if initialise is not None:
             initialise(model)
-        return wrap_model(model, where, trainer)
-    parallel = wrap_model(model, where, trainer)
+        return wrap_model(model, where, trainer, frozen)
+    parallel = wrap_model(model, where, trainer, frozen)
     materialize(model, where.device)
     if initialise is not None:
         initialise(model)
@@ -192,14 +193,18 @@ def build_parallel_model(config: Any, where: Distributed, trainer: Any,
 
 
 def load_model(spec: ModelSpec, vocab_size: int, seed: int, where: Distributed, trainer: Any,
-               weights: bool = True) -> DataParallelModel:
+               weights: bool = True, frozen: bool = False) -> DataParallelModel:
     """The trainer's model of ``spec`` (see the module docstring); with ``weights`` its initial weights
     (:func:`init_tiny_weights` with ``seed`` for ``tiny``, :func:`load_pretrained` otherwise), without when a
     checkpoint will be loaded into it. Collective.
 
+    The reference policy of the KL penalty is ``load_model(..., weights=True, frozen=True)``: the same model, sharded
+    the same way, with ``spec``'s own weights (never a checkpoint's), evaluated only.
+
     Args:
         vocab_size: the tokenizer's vocabulary (``tiny`` only; a pretrained model has its own).
         trainer: the :class:`~rljob_api.spec.TrainerSpec` (parallelism, precision, activation checkpointing).
+        frozen: see :func:`~rljob_trainer.parallel.wrap_model`.
 
     Raises:
         FileNotFoundError: see :func:`safetensors_files`.
@@ -213,7 +218,7 @@ def load_model(spec: ModelSpec, vocab_size: int, seed: int, where: Distributed, 
         initialise = lambda model: init_tiny_weights(model, config, seed)  # noqa: E731
     elif weights:
         initialise = lambda model: load_pretrained(model, directory)  # noqa: E731
-    return build_parallel_model(config, where, trainer, initialise)
+    return build_parallel_model(config, where, trainer, initialise, frozen)
 
 
 # --- initial weights ------------------------------------------------------------------------------------------------

@@ -19,27 +19,106 @@ synchronisation), takes the step's counts from those segments, passes them to th
 :class:`PolicyLossOutput`: the loss and the per-token quantities it computed on the way (log-ratio, ratio, clipping
 mask, the segments), which :class:`~rljob_trainer.loss_metrics.StepMetrics` reads instead of recomputing them.
 
-Where a new loss term goes (reference KL, off-policy corrections, ...): compute it inside the loss function, add the
-scalar to ``loss``, and if a metric should show it, return its detached per-token value as a new
-:class:`PolicyLossOutput` field; then declare the metric in ``metrics_registry.METRICS`` and map it to that field
-in ``StepMetrics._per_token`` (loss_metrics.py). Its cross-rank reduction is then the metrics module's (never a
-separate all-reduce).
+Corrections (:class:`Corrections`, DESIGN §4), each off by default, so that by default both losses are exactly the
+clipped surrogate above: the dual clip of negative advantages, the decoupled objective with truncated importance
+sampling, and a KL penalty to a frozen reference policy. They act on the same per-token (GRPO) or per-document (GSPO)
+quantities in the same pass; what their metrics read comes back in :class:`PolicyLossOutput`.
 
-Sources: GRPO, Shao et al., "DeepSeekMath", arXiv:2402.03300, eq. 3 (here without the KL-to-reference term);
+Where a new loss term goes: compute it inside the loss function, add the scalar to ``loss``, and if a metric should
+show it, return its detached per-token value as a new :class:`PolicyLossOutput` field; then declare the metric in
+``metrics_registry.METRICS`` and map it to that field in ``StepMetrics._per_token`` (loss_metrics.py). Its cross-rank
+reduction is then the metrics module's (never a separate all-reduce).
+
+Sources: GRPO, Shao et al., "DeepSeekMath", arXiv:2402.03300, eq. 3 (its KL-to-reference term is ``klCoef``'s k3);
 GSPO, Zheng et al., "Group Sequence Policy Optimization", arXiv:2507.18071, eq. 5-7; ServiceNow Fast-LLM,
-``fast_llm/layers/language_model/loss/policy_gradient.py`` (the length-weighted GSPO form).
+``fast_llm/layers/language_model/loss/policy_gradient.py`` (the length-weighted GSPO form); the corrections' sources
+are in :class:`Corrections`.
 """
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, NamedTuple, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from rljob_api.spec import AlgorithmSpec
 
 Normaliser = int | float | torch.Tensor | None
 """A loss normaliser: a positive number, a scalar tensor (e.g. all-reduced on the device), or None."""
 
 GSPOForm = Literal["fast-llm", "paper"]
+KLEstimator = Literal["k1", "k3"]
+
+
+@dataclass(frozen=True)
+class Corrections:
+    """The loss terms beyond the clipped surrogate (DESIGN §4), each off by default (the defaults compute exactly the
+    surrogate). With ``rho`` the ratio the surrogate clips (r_t for GRPO, R_d for GSPO) and A its advantage:
+
+    - ``dual_clip`` = c > 1 (None: off): where A < 0 the surrogate ``min(rho A, clip(rho) A)`` is bounded below by
+      ``c A``, so a ratio far above 1 no longer gives an unbounded loss; where the bound binds the gradient is 0
+      (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement Learning", arXiv:1912.09729,
+      eq. 5).
+    - ``is_cap`` = C >= 1 (None: off): the decoupled PPO objective of asynchronous RL (Fu et al. 2025, "AReaL",
+      arXiv:2505.24298, eq. 5), ``-w min(rho_prox A, clip(rho_prox) A)`` with ``rho_prox = pi / pi_prox`` and the
+      behaviour weight ``w = min(pi_prox / pi_behaviour, C)``. The proximal policy is the trainer's weights at the
+      start of the step: the detached current log-probabilities (no extra forward), so ``rho_prox`` is 1 in value and
+      its clip never binds, and with one optimizer step per batch the objective is the truncated-IS policy gradient
+      ``-min(pi / pi_behaviour, C) A grad log pi`` (truncated importance sampling, Yao et al. 2025, "Your Efficient
+      RL Framework Secretly Brings You Off-Policy RL Training"), with no trust region beyond the cap. GSPO applies
+      it per document to R_d.
+    - ``kl_coef`` = beta >= 0 (0: off) with ``kl_estimator`` k1 or k3: ``beta k_t`` is added to every labelled
+      token's loss, with ``d_t = lp_ref - lp_new``, ``k1 = -d_t`` and ``k3 = exp(d_t) - 1 - d_t`` (Schulman 2020,
+      "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html; k3 is DeepSeekMath's eq. 4). Normalised
+      like the surrogate: GRPO and GSPO's fast-llm form sum ``beta k_t`` over labelled tokens, GSPO's paper form adds
+      ``beta`` times each document's mean of ``k_t``.
+
+    Raises:
+        ValueError: a value out of range or an unknown estimator (names the field and the value).
+    """
+
+    dual_clip: Optional[float] = None
+    is_cap: Optional[float] = None
+    kl_coef: float = 0.0
+    kl_estimator: KLEstimator = "k3"
+
+    def __post_init__(self) -> None:
+        if self.dual_clip is not None and not self.dual_clip > 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
+        if self.is_cap is not None and not self.is_cap >= 1.0:
+            raise ValueError(f"is_cap must be >= 1, got {self.is_cap}")
+        if not self.kl_coef >= 0.0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if self.kl_estimator not in ("k1", "k3"):
+            raise ValueError(f"kl_estimator must be 'k1' or 'k3', got {self.kl_estimator!r}")
+
+    @classmethod
+    def from_algorithm(cls, algorithm: AlgorithmSpec) -> Corrections:
+        """The corrections ``spec.algorithm`` turns on."""
+        sampling = algorithm.importance_sampling
+        return cls(algorithm.dual_clip, sampling.cap if sampling.enabled else None, algorithm.kl_coef,
+                   algorithm.kl_estimator)
+
+    @property
+    def importance_sampling(self) -> bool:
+        return self.is_cap is not None
+
+    @property
+    def kl(self) -> bool:
+        """A reference model is needed (``kl_coef`` > 0)."""
+        return self.kl_coef > 0.0
+
+    @property
+    def terms(self) -> frozenset[str]:
+        """The names of the terms that are on, among ``dual_clip``, ``importance_sampling`` and ``kl`` (the metrics
+        registry's ``MetricDef.needs``)."""
+        on = {"dual_clip": self.dual_clip is not None, "importance_sampling": self.importance_sampling, "kl": self.kl}
+        return frozenset(name for name, enabled in on.items() if enabled)
+
+
+NO_CORRECTIONS = Corrections()
 
 
 class DocumentSegments(NamedTuple):
@@ -67,15 +146,24 @@ class DocumentSegments(NamedTuple):
 
 
 class PolicyLossOutput(NamedTuple):
-    """One loss call on a micro-batch of T tokens: the loss and what its metrics read (no recomputation).
+    """One loss call on a micro-batch of T tokens: the loss and what its metrics read (no recomputation). Every
+    tensor but ``loss`` is detached; GSPO's per-document values are broadcast to their documents' tokens.
 
     ``loss``: float scalar (float32, or float64 for float64 inputs), differentiable; divided by the normaliser.
-    ``log_ratio``: [T] detached, the loss's compute dtype: the log of the ratio the loss clipped. GRPO:
-    ``lp_new - lp_old`` on labelled tokens, 0 elsewhere; GSPO: ``log R_d`` on every token of document d (0 for
-    a document without labelled tokens).
-    ``ratio``: [T] detached, ``exp(log_ratio)``, the ratio the loss used (r, or R_d for GSPO).
-    ``clipped``: [T] bool, ``ratio`` outside [1 - epsilon_low, 1 + epsilon_high] (whatever the advantage's sign).
+    ``log_ratio``: [T], the loss's compute dtype: the log of the trained-to-sampling ratio. GRPO: ``lp_new -
+    lp_old`` on labelled tokens, 0 elsewhere; GSPO: ``log R_d`` on every token of document d (0 for a document
+    without labelled tokens). With importance sampling it is also the log of the behaviour weight before truncation
+    (pi_prox = pi in value).
+    ``ratio``: [T], ``exp(log_ratio)`` (r, or R_d for GSPO).
+    ``clipped``: [T] bool, the loss's clip decision: the ratio it clipped outside [1 - epsilon_low, 1 + epsilon_high]
+    (whatever the advantage's sign): ``ratio``, or with importance sampling the proximal ratio (1, never clipped).
     ``segments``: the :class:`DocumentSegments` the loss used (passed in, or computed once by the loss).
+    ``token_log_ratio``: [T], ``lp_new - lp_old`` on labelled tokens, 0 elsewhere, for both losses (GRPO: the same
+    tensor as ``log_ratio``): the sampler/trainer mismatch metric reads it.
+    ``dual_clipped``: [T] bool, where the dual clip's bound ``c A`` replaced the surrogate; None when it is off.
+    ``weight``: [T], the behaviour weight the loss applied, ``min(exp(log_ratio), cap)``; None without importance
+    sampling. ``truncated``: [T] bool, where ``exp(log_ratio)`` exceeded the cap; None likewise.
+    ``kl_ref``: [T], the KL estimator's value per labelled token (0 elsewhere); None without a KL penalty.
 
     As Fast-LLM's policy-gradient loss returns its metrics with the loss
     (``fast_llm/layers/language_model/loss/policy_gradient.py``); the clipping is PPO's (Schulman et al.,
@@ -87,6 +175,22 @@ class PolicyLossOutput(NamedTuple):
     ratio: torch.Tensor
     clipped: torch.Tensor
     segments: DocumentSegments
+    token_log_ratio: torch.Tensor
+    dual_clipped: Optional[torch.Tensor] = None
+    weight: Optional[torch.Tensor] = None
+    truncated: Optional[torch.Tensor] = None
+    kl_ref: Optional[torch.Tensor] = None
+
+
+class _Surrogate(NamedTuple):
+    """:func:`_policy_objective` over N items (tokens or documents): ``objective`` [N] differentiable, the rest [N]
+    detached (see :class:`PolicyLossOutput`)."""
+
+    objective: torch.Tensor
+    clipped: torch.Tensor
+    dual_clipped: Optional[torch.Tensor]
+    weight: Optional[torch.Tensor]
+    truncated: Optional[torch.Tensor]
 
 
 def segment_documents(label_mask: torch.Tensor, document_index: torch.Tensor) -> DocumentSegments:
@@ -185,10 +289,14 @@ def grpo_loss(
     epsilon_high: float = 0.2,
     num_labels_in_batch: Normaliser = None,
     segments: DocumentSegments | None = None,
+    corrections: Corrections = NO_CORRECTIONS,
+    ref_logprobs: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
     """GRPO: token-level clipped importance-ratio loss (DeepSeekMath, arXiv:2402.03300; Fast-LLM GRPO).
 
-    ``loss = sum_t m_t * -min(r_t * A_t, clip(r_t) * A_t) / num_labels_in_batch``.
+    ``loss = sum_t m_t * -min(r_t * A_t, clip(r_t) * A_t) / num_labels_in_batch``, with the ``corrections`` that are
+    on applied per token (see :class:`Corrections`): the dual clip bounds the surrogate, importance sampling weights
+    it and takes the ratio against the proximal policy, the KL penalty adds ``kl_coef * k_t``.
 
     Args:
         new_logprobs: [T] float, log-probabilities of the tokens under the trained policy (differentiable).
@@ -203,26 +311,36 @@ def grpo_loss(
             (all micro-batches and data-parallel ranks) to get the step's token mean.
         segments: :func:`segment_documents` of this ``label_mask`` and ``document_index``, when the caller
             has it already (it saves the segmentation's device synchronisation); computed here otherwise.
+        corrections: the terms beyond the surrogate; none by default.
+        ref_logprobs: [T] float, log-probabilities under the frozen reference policy (no gradient flows into them);
+            required when ``corrections.kl_coef`` > 0, ignored otherwise.
 
     Returns:
         :class:`PolicyLossOutput`: the loss, a float scalar (float32, or float64 for float64 inputs), and the
-        token ratios r_t with their clipping mask.
+        token ratios r_t with their clipping mask and what the corrections' metrics read.
 
     Raises:
         ValueError: shapes differ, a mask or index has the wrong dtype, a negative document id, an epsilon is
-            out of range, a numeric normaliser is not positive, or ``segments`` of another length.
+            out of range, a numeric normaliser is not positive, ``segments`` of another length, or a KL penalty
+            without ``ref_logprobs`` (or of another shape).
     """
     _check_inputs(new_logprobs, old_logprobs, advantages, label_mask, document_index, epsilon_low, epsilon_high)
+    _check_reference(corrections, ref_logprobs, new_logprobs)
     segments = _segments(segments, label_mask, document_index)
     mask = segments.label_mask
     dtype = torch.promote_types(new_logprobs.dtype, torch.float32)
+    new = new_logprobs.reshape(-1).to(dtype)
     # Masking the log-ratio before exp keeps unlabelled positions from producing inf (and NaN gradients).
-    log_ratio = torch.where(mask, (new_logprobs - old_logprobs).reshape(-1).to(dtype), 0.0)
-    ratio = log_ratio.exp()
-    per_token = _clipped_objective(ratio, advantages.reshape(-1).to(dtype), epsilon_low, epsilon_high)
-    total = torch.where(mask, per_token, 0.0).sum()
+    log_ratio = torch.where(mask, new - old_logprobs.reshape(-1).to(dtype), 0.0)
+    terms = _policy_objective(log_ratio, advantages.reshape(-1).to(dtype), epsilon_low, epsilon_high, corrections)
+    total = torch.where(mask, terms.objective, 0.0).sum()
+    kl = _kl_per_token(new, ref_logprobs, mask, corrections)
+    if kl is not None:
+        total = total + corrections.kl_coef * kl.sum()
     loss = total / _normaliser(num_labels_in_batch, segments.num_labels, "num_labels_in_batch")
-    return _output(loss, log_ratio, ratio, segments, epsilon_low, epsilon_high)
+    log_ratio = log_ratio.detach()
+    return PolicyLossOutput(loss, log_ratio, log_ratio.exp(), terms.clipped, segments, log_ratio, terms.dual_clipped,
+                            terms.weight, terms.truncated, None if kl is None else kl.detach())
 
 
 def gspo_loss(
@@ -237,6 +355,8 @@ def gspo_loss(
     num_documents_in_batch: Normaliser = None,
     form: GSPOForm = "fast-llm",
     segments: DocumentSegments | None = None,
+    corrections: Corrections = NO_CORRECTIONS,
+    ref_logprobs: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
     """GSPO: sequence-level clipped importance-ratio loss (arXiv:2507.18071; Fast-LLM GSPO).
 
@@ -250,6 +370,10 @@ def gspo_loss(
     - ``form="paper"``: one term per sequence, ``loss = sum_d l_d / num_documents_in_batch``, the paper's
       ``-1/G sum_i min(s_i A_i, clip(s_i) A_i)``: every sequence weighs the same whatever its length.
 
+    The dual clip and importance sampling act on ``l_d`` (R_d, A_d, and the behaviour weight ``min(R_d, cap)``);
+    the KL penalty adds ``kl_coef * k_t`` per labelled token (fast-llm) or ``kl_coef`` times d's mean of ``k_t``
+    (paper), see :class:`Corrections`.
+
     Args:
         new_logprobs, old_logprobs, advantages, label_mask: as :func:`grpo_loss`, [T].
         document_index: [T] integer, 0-based document id of each token; a document's tokens all lie in this
@@ -259,11 +383,12 @@ def gspo_loss(
         num_documents_in_batch: documents the sum is divided by; default this micro-batch's documents with
             at least one labelled token (at least 1). Pass the optimizer step's global count.
         form: ``"fast-llm"`` or ``"paper"``, see above.
-        segments: as :func:`grpo_loss`.
+        segments, corrections, ref_logprobs: as :func:`grpo_loss`.
 
     Returns:
         :class:`PolicyLossOutput`: the loss, a float scalar (float32, or float64 for float64 inputs), and the
-        sequence ratios R_d broadcast to their documents' tokens with their clipping mask.
+        sequence ratios R_d broadcast to their documents' tokens with their clipping mask and what the corrections'
+        metrics read.
 
     Raises:
         ValueError: as :func:`grpo_loss`, or an unknown ``form``.
@@ -271,40 +396,77 @@ def gspo_loss(
     _check_inputs(new_logprobs, old_logprobs, advantages, label_mask, document_index, epsilon_low, epsilon_high)
     if form not in ("fast-llm", "paper"):
         raise ValueError(f"form must be 'fast-llm' or 'paper', got {form!r}")
+    _check_reference(corrections, ref_logprobs, new_logprobs)
     segments = _segments(segments, label_mask, document_index)
-    sequence_log_ratio = document_means((new_logprobs - old_logprobs).reshape(-1), segments)  # [D]
+    mask = segments.label_mask
+    dtype = torch.promote_types(new_logprobs.dtype, torch.float32)
+    new = new_logprobs.reshape(-1).to(dtype)
+    token_log_ratio = torch.where(mask, new - old_logprobs.reshape(-1).to(dtype), 0.0)
+    sequence_log_ratio = document_means(token_log_ratio, segments)  # [D]
     sequence_advantage = document_means(advantages.detach().reshape(-1), segments)  # [D]
-    sequence_ratio = sequence_log_ratio.exp()
-    per_sequence = _clipped_objective(sequence_ratio, sequence_advantage, epsilon_low, epsilon_high)
+    terms = _policy_objective(sequence_log_ratio, sequence_advantage, epsilon_low, epsilon_high, corrections)
     weight = segments.labelled_tokens if form == "fast-llm" else segments.has_labels
-    total = (per_sequence * weight.to(per_sequence.dtype)).sum()
+    total = (terms.objective * weight.to(terms.objective.dtype)).sum()
+    kl = _kl_per_token(new, ref_logprobs, mask, corrections)
+    if kl is not None:
+        total = total + corrections.kl_coef * (kl.sum() if form == "fast-llm" else document_means(kl, segments).sum())
     loss = total / _normaliser(num_documents_in_batch, segments.num_documents, "num_documents_in_batch")
-    index = segments.index  # the metrics read R_d on every token of d
-    return _output(
-        loss, sequence_log_ratio.detach()[index], sequence_ratio.detach()[index], segments, epsilon_low, epsilon_high
-    )
+    index = segments.index  # the metrics read the per-document values on every token of d
+
+    def per_token(value: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if value is None else value.detach()[index]
+
+    log_ratio = sequence_log_ratio.detach()[index]
+    return PolicyLossOutput(loss, log_ratio, log_ratio.exp(), per_token(terms.clipped), segments,
+                            token_log_ratio.detach(), per_token(terms.dual_clipped), per_token(terms.weight),
+                            per_token(terms.truncated), None if kl is None else kl.detach())
 
 
-def _clipped_objective(
-    ratio: torch.Tensor, advantage: torch.Tensor, epsilon_low: float, epsilon_high: float
-) -> torch.Tensor:
-    """``-min(ratio * A, clip(ratio) * A)`` elementwise (PPO's pessimistic clipped surrogate, negated)."""
-    clipped = ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high)
-    return -torch.minimum(ratio * advantage, clipped * advantage)
+def _policy_objective(
+    log_ratio: torch.Tensor, advantage: torch.Tensor, epsilon_low: float, epsilon_high: float,
+    corrections: Corrections,
+) -> _Surrogate:
+    """The negated surrogate of N items (tokens, or documents for GSPO) with the dual clip and importance sampling of
+    ``corrections`` (see :class:`Corrections`).
 
+    Args:
+        log_ratio: [N] float, ``log(pi / pi_behaviour)`` of each item, differentiable.
+        advantage: [N] float, each item's advantage (a constant).
 
-def _output(
-    loss: torch.Tensor,
-    log_ratio: torch.Tensor,
-    ratio: torch.Tensor,
-    segments: DocumentSegments,
-    epsilon_low: float,
-    epsilon_high: float,
-) -> PolicyLossOutput:
-    """The :class:`PolicyLossOutput` of a loss whose per-token ratio is ``ratio`` = exp(``log_ratio``), [T]."""
+    Returns:
+        :class:`_Surrogate`: ``objective`` = ``-w * max(min(rho A, clip(rho) A), c A if A < 0)`` (w = 1 and no
+        ``c A`` bound when those corrections are off), where ``rho`` is ``exp(log_ratio)``, or with importance
+        sampling the proximal ratio ``exp(log_ratio - log_ratio.detach())`` (1 in value, gradient of ``log pi``).
+        PPO's clip (Schulman et al., arXiv:1707.06347, eq. 7); the rest as :class:`Corrections` cites.
+    """
+    weight = truncated = None
+    if corrections.is_cap is not None:
+        behaviour = log_ratio.detach().exp()  # pi_prox / pi_behaviour, pi_prox = the detached pi
+        weight, truncated = behaviour.clamp(max=corrections.is_cap), behaviour > corrections.is_cap
+        log_ratio = log_ratio - log_ratio.detach()  # log(pi / pi_prox): 0 in value
+    ratio = log_ratio.exp()
+    surrogate = torch.minimum(ratio * advantage, ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high) * advantage)
+    dual_clipped = None
+    if corrections.dual_clip is not None:
+        bound = corrections.dual_clip * advantage
+        dual_clipped = ((advantage < 0) & (surrogate < bound)).detach()
+        surrogate = torch.where(advantage < 0, torch.maximum(surrogate, bound), surrogate)
+    objective = -surrogate if weight is None else -(weight * surrogate)
     ratio = ratio.detach()
     clipped = (ratio < 1.0 - epsilon_low) | (ratio > 1.0 + epsilon_high)
-    return PolicyLossOutput(loss, log_ratio.detach(), ratio, clipped, segments)
+    return _Surrogate(objective, clipped, dual_clipped, weight, truncated)
+
+
+def _kl_per_token(
+    new: torch.Tensor, ref_logprobs: torch.Tensor | None, mask: torch.Tensor, corrections: Corrections
+) -> torch.Tensor | None:
+    """[T] ``corrections.kl_estimator``'s value per labelled token (0 elsewhere), differentiable with respect to
+    ``new`` (the flat log-probabilities in the compute dtype); None when the KL penalty is off. With ``d = lp_ref -
+    lp_new``: k1 = -d, k3 = expm1(d) - d (Schulman 2020)."""
+    if not corrections.kl or ref_logprobs is None:
+        return None
+    d = torch.where(mask, ref_logprobs.detach().reshape(-1).to(new.dtype) - new, 0.0)
+    return -d if corrections.kl_estimator == "k1" else torch.expm1(d) - d
 
 
 def _segments(
@@ -328,6 +490,15 @@ def _normaliser(value: Normaliser, default: torch.Tensor, name: str) -> torch.Te
     if not value > 0:
         raise ValueError(f"{name} must be positive, got {value}")
     return value
+
+
+def _check_reference(corrections: Corrections, ref_logprobs: torch.Tensor | None, new_logprobs: torch.Tensor) -> None:
+    if not corrections.kl:
+        return
+    if ref_logprobs is None:
+        raise ValueError(f"kl_coef = {corrections.kl_coef} needs ref_logprobs, the reference policy's log-probabilities")
+    if ref_logprobs.shape != new_logprobs.shape:
+        raise ValueError(f"ref_logprobs has shape {tuple(ref_logprobs.shape)}, new_logprobs {tuple(new_logprobs.shape)}")
 
 
 def _check_same_shape(**tensors: torch.Tensor) -> None:

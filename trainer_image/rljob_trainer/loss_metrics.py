@@ -29,6 +29,12 @@ Units and weighting:
   version, before filtering) is the one that measures the policy.
 - ``staleness`` = documents_seen (at the start of the step) - model_version, in documents, subtracted in
   int64 and only then cast to float64, so counts above 2**24 keep their exact difference.
+- ``sampler_mismatch_*`` are token means over the labelled tokens of staleness 0 (sampled with the weights the
+  trainer holds now), counted by ``sampler_mismatch_tokens``: exp(lp_new - lp_old) and its k3 there measure the
+  numerical difference of sampler and trainer on the same weights, not staleness; NaN in a step without such tokens.
+- The corrections' metrics (``dual_clip_fraction``, ``behaviour_weight``, ``max_behaviour_weight``,
+  ``behaviour_weight_truncated_fraction``, ``kl_ref``) are registered only when their correction is on, and read
+  what the loss returned (:class:`~rljob_trainer.loss.PolicyLossOutput`).
 
 Every rank builds the same metric list in the same order (it depends on the level only, which comes from the
 one resolved config), and :meth:`StepMetrics.reduce` calls the same all-reduces on every rank, whatever the
@@ -47,8 +53,8 @@ import torch
 import torch.distributed as dist
 
 from rljob_trainer import loss as losses
-from rljob_trainer.loss import DocumentSegments, PolicyLossOutput
-from rljob_trainer.metrics_registry import COUNT_METRICS, STEP_TOTALS, MetricsLevel, metric_definitions, metrics_level
+from rljob_trainer.loss import NO_CORRECTIONS, Corrections, DocumentSegments, PolicyLossOutput
+from rljob_trainer.metrics_registry import STEP_TOTALS, MetricsLevel, metric_definitions, metrics_level
 
 if TYPE_CHECKING:
     from rljob_api.config import JobConfig
@@ -136,6 +142,8 @@ class StepMetrics:
         temperature: the sampling temperature, for ``entropy`` from logits.
         device: where the accumulators live; must suit the reduction group's backend (CPU for gloo, CUDA
             for NCCL).
+        corrections: the loss's corrections (:class:`~rljob_trainer.loss.Corrections`): their metrics are registered,
+            and the loss :meth:`update` runs itself applies them.
 
     Raises:
         ValueError: an unknown level or loss, or an invalid clip range.
@@ -150,8 +158,9 @@ class StepMetrics:
         epsilon_high: float = 0.2,
         temperature: float = 1.0,
         device: str | torch.device | None = None,
+        corrections: Corrections = NO_CORRECTIONS,
     ):
-        self.definitions = metric_definitions(level)
+        self.definitions = metric_definitions(level, corrections.terms)
         if loss not in ("grpo", "gspo"):
             raise ValueError(f"loss must be 'grpo' or 'gspo', got {loss!r}")
         if not 0.0 < epsilon_low < 1.0 or not epsilon_high > 0.0:
@@ -164,9 +173,12 @@ class StepMetrics:
         self.epsilon_low = epsilon_low
         self.epsilon_high = epsilon_high
         self.temperature = temperature
+        self.corrections = corrections
         self.device = torch.device(device or "cpu")
-        self._mean_names = [m.name for m in self.definitions if m.reduction == "sum" and m.name not in COUNT_METRICS]
-        self._count_names = [m.name for m in self.definitions if m.name in COUNT_METRICS]
+        # Sums: document means (per="document"), then sums over labelled tokens (counts, and token means' numerators).
+        self._mean_names = [m.name for m in self.definitions if m.reduction == "sum" and m.per == "document"]
+        self._token_names = [m.name for m in self.definitions if m.reduction == "sum" and m.per != "document"]
+        self._per = {m.name: m.per for m in self.definitions}
         self._max_names = [m.name for m in self.definitions if m.reduction == "max"]
         self._min_names = [m.name for m in self.definitions if m.reduction == "min"]
         self._required = {"none": (), "basic": _REQUIRED_INPUTS[:2], "full": _REQUIRED_INPUTS}[level]
@@ -174,7 +186,8 @@ class StepMetrics:
 
     @classmethod
     def from_config(cls, config: JobConfig, device: str | torch.device | None = None) -> StepMetrics:
-        """The accumulator a trainer rank builds from the resolved job config (level, loss, clip, temperature)."""
+        """The accumulator a trainer rank builds from the resolved job config (level, loss, clip, temperature,
+        corrections)."""
         algorithm = config.spec.algorithm
         epsilon_low, epsilon_high = algorithm.resolved_epsilons()
         return cls(
@@ -184,6 +197,7 @@ class StepMetrics:
             epsilon_high=epsilon_high,
             temperature=config.spec.rollout.sampling.temperature,
             device=device,
+            corrections=Corrections.from_algorithm(algorithm),
         )
 
     @property
@@ -193,8 +207,8 @@ class StepMetrics:
     def reset(self) -> None:
         """Forget everything accumulated since the last :meth:`reduce`."""
         f64 = {"dtype": torch.float64, "device": self.device}
-        # Sums: the mean metrics, then the count metrics, then the step's document count.
-        self._sums = torch.zeros(len(self._mean_names) + len(self._count_names) + 1, **f64)
+        # Sums: the document means, then the token sums, then the step's document count.
+        self._sums = torch.zeros(len(self._mean_names) + len(self._token_names) + 1, **f64)
         self._maxes = torch.full((len(self._max_names),), -torch.inf, **f64)
         self._mins = torch.full((len(self._min_names),), torch.inf, **f64)
         self._missing = {name: 0 for name in self._required}
@@ -214,6 +228,7 @@ class StepMetrics:
         model_version: torch.Tensor | None = None,
         logits: torch.Tensor | None = None,
         entropy: torch.Tensor | None = None,
+        ref_logprobs: torch.Tensor | None = None,
     ) -> None:
         """Add one micro-batch (T tokens) to the step's metrics. Never raises for a missing input.
 
@@ -227,17 +242,21 @@ class StepMetrics:
             model_version: [T] integer, the weights version (documents seen) each token was sampled with.
             logits: [T, V] or [B, L, V], row t scoring token t (full level; see :func:`token_entropy`).
             entropy: [T] float, precomputed token entropy (full level), instead of ``logits``.
+            ref_logprobs: [T] float, the reference policy's log-probabilities, for the loss run here when there is
+                no ``loss_output`` and the corrections include a KL penalty.
 
         A missing ``reward`` / ``model_version`` (or, at full level, both ``logits`` and ``entropy``) is
         counted and reported by :meth:`reduce` on every rank.
 
         Raises:
-            ValueError: shapes or dtypes that do not match (a programming error, not a data error).
+            ValueError: shapes or dtypes that do not match, or a ``loss_output`` without what a registered correction
+                metric reads (a programming error, not a data error).
         """
         if not self.enabled:
             return
         if loss_output is None:
-            loss_output = self._run_loss(new_logprobs, old_logprobs, advantages, label_mask, document_index)
+            loss_output = self._run_loss(new_logprobs, old_logprobs, advantages, label_mask, document_index,
+                                         ref_logprobs)
         segments = loss_output.segments
         _check_update_inputs(
             segments.index.shape[0], new_logprobs=new_logprobs, old_logprobs=old_logprobs, advantages=advantages,
@@ -256,10 +275,13 @@ class StepMetrics:
             loss_output, new_logprobs, old_logprobs, advantages, documents_seen, reward, model_version, logits, entropy
         )
         doc_means = losses.document_means(torch.stack([per_token[name] for name in self._mean_names], 1), segments)
-        counts = torch.stack([segments.num_labels, segments.num_documents]).to(torch.float64)
-        self._sums += torch.cat([doc_means.sum(0), counts]).to(self.device)
+        by_token = torch.stack([per_token[name] for name in self._token_names], 1)
+        token_sums = torch.where(segments.label_mask[:, None], by_token, 0.0).sum(0)
+        documents = segments.num_documents.to(torch.float64).reshape(1)
+        self._sums += torch.cat([doc_means.sum(0), token_sums, documents]).to(self.device)
         reward_by_doc = doc_means[:, self._mean_names.index("train_samples_reward")]
-        self._update_extremes(per_token, reward_by_doc, segments, reward is not None, model_version is not None)
+        self._update_extremes(per_token, loss_output, reward_by_doc, segments, reward is not None,
+                              model_version is not None)
 
     def _run_loss(
         self,
@@ -268,14 +290,17 @@ class StepMetrics:
         advantages: torch.Tensor,
         label_mask: torch.Tensor | None,
         document_index: torch.Tensor | None,
+        ref_logprobs: torch.Tensor | None,
     ) -> PolicyLossOutput:
-        """The configured loss on a micro-batch, for a caller that has no loss output (only its ratios are read)."""
+        """The configured loss on a micro-batch, for a caller that has no loss output (only what the metrics read is
+        used)."""
         if label_mask is None or document_index is None:
             raise ValueError("StepMetrics.update needs loss_output, or label_mask and document_index")
         loss_fn = losses.grpo_loss if self.loss == "grpo" else losses.gspo_loss
         return loss_fn(
             new_logprobs.detach(), old_logprobs, advantages, label_mask, document_index,
-            epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
+            epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, corrections=self.corrections,
+            ref_logprobs=ref_logprobs,
         )
 
     def _per_token(
@@ -290,11 +315,16 @@ class StepMetrics:
         logits: torch.Tensor | None,
         entropy: torch.Tensor | None,
     ) -> dict[str, torch.Tensor]:
-        """{sum metric: [T] float64} of one micro-batch, whose document means the step adds up (DESIGN §4)."""
+        """{sum metric: [T] float64} of one micro-batch, whose document means (or, for the metrics of
+        ``per != "document"``, sums over labelled tokens) the step adds up (DESIGN §4)."""
         f64 = torch.float64
         new_lp = new_logprobs.detach().reshape(-1).to(f64)
         log_ratio = output.log_ratio.to(f64)
         zeros = torch.zeros_like(new_lp)
+        staleness = zeros if model_version is None else _staleness(documents_seen, model_version).to(zeros.device)
+        # Tokens sampled with the weights the trainer holds now (staleness exactly 0: an int64 difference).
+        current = torch.zeros_like(new_lp, dtype=torch.bool) if model_version is None else staleness == 0
+        token_log_ratio = torch.where(current, output.token_log_ratio.to(f64), 0.0)
         per_token = {
             "new_logprobs": new_lp,
             "old_logprobs": old_logprobs.reshape(-1).to(f64),
@@ -305,8 +335,20 @@ class StepMetrics:
             "clipped_ratio_fraction": output.clipped.to(f64),
             "advantage": advantages.reshape(-1).to(f64),
             "train_samples_reward": zeros if reward is None else reward.reshape(-1).to(f64),
-            "staleness": zeros if model_version is None else _staleness(documents_seen, model_version).to(zeros.device),
+            "staleness": staleness,
+            "num_tokens": torch.ones_like(new_lp),
+            "sampler_mismatch_tokens": current.to(f64),
+            "sampler_mismatch_ratio": torch.where(current, token_log_ratio.exp(), 0.0),
+            "sampler_mismatch_kl": torch.expm1(token_log_ratio) - token_log_ratio,  # 0 where not current
         }
+        terms = self.corrections.terms
+        if "dual_clip" in terms:
+            per_token["dual_clip_fraction"] = _read(output, "dual_clipped").to(f64)
+        if "importance_sampling" in terms:
+            per_token["behaviour_weight"] = _read(output, "weight").to(f64)
+            per_token["behaviour_weight_truncated_fraction"] = _read(output, "truncated").to(f64)
+        if "kl" in terms:
+            per_token["kl_ref"] = _read(output, "kl_ref").to(f64)
         if self.level == "full":
             if entropy is None and logits is not None:
                 entropy = token_entropy(logits, temperature=self.temperature, label_mask=output.segments.label_mask)
@@ -316,12 +358,14 @@ class StepMetrics:
     def _update_extremes(
         self,
         per_token: dict[str, torch.Tensor],
+        output: PolicyLossOutput,
         reward_by_doc: torch.Tensor,
         segments: DocumentSegments,
         has_reward: bool,
         has_version: bool,
     ) -> None:
-        """Fold one micro-batch into the running max/min: tokens for advantage and staleness, documents for reward."""
+        """Fold one micro-batch into the running max/min: labelled tokens for advantage, staleness and the behaviour
+        weight before truncation (the loss's ratio), documents for reward."""
         unseen = torch.tensor([-torch.inf, torch.inf], dtype=torch.float64, device=reward_by_doc.device)
         mask = segments.label_mask
         extremes = {  # source metric -> [max, min]
@@ -329,6 +373,8 @@ class StepMetrics:
             "train_samples_reward": _masked_extremes(reward_by_doc, segments.has_labels) if has_reward else unseen,
             "staleness": _masked_extremes(per_token["staleness"], mask) if has_version else unseen,
         }
+        if "importance_sampling" in self.corrections.terms:
+            extremes["behaviour_weight"] = _masked_extremes(output.ratio.to(torch.float64), mask)
         maxes = torch.stack([extremes[name.removeprefix("max_")][0] for name in self._max_names])
         mins = torch.stack([extremes[name.removeprefix("min_")][1] for name in self._min_names])
         self._maxes = torch.maximum(self._maxes, maxes.to(self.device))
@@ -388,11 +434,14 @@ class StepMetrics:
 
     def _named(self, sums: list[float], extremes: list[float], total_names: tuple[str, ...]) -> dict[str, float]:
         """The reduced values by name; ``sums`` as laid out by :meth:`reduce`, ``extremes`` = maxima, -minima."""
-        k, c = len(self._mean_names), len(self._count_names)
+        k, c = len(self._mean_names), len(self._token_names)
         documents = sums[k + c]
         nan = float("nan")
         reduced = {name: total / documents if documents > 0 else nan for name, total in zip(self._mean_names, sums)}
-        reduced.update(zip(self._count_names, sums[k : k + c]))
+        token_sums = dict(zip(self._token_names, sums[k : k + c]))
+        for name, total in token_sums.items():
+            per = self._per[name]
+            reduced[name] = total if per == "total" else (total / token_sums[per] if token_sums[per] > 0 else nan)
         n_max = len(self._max_names)
         for name, value in zip(self._max_names + self._min_names, extremes[:n_max] + [-v for v in extremes[n_max:]]):
             reduced[name] = value if abs(value) != float("inf") else float("nan")
@@ -418,6 +467,15 @@ class StepMetrics:
             "Entries without reward or model_version must be dead-lettered at decode time (DESIGN §4).",
             by_input,
         )
+
+
+def _read(output: PolicyLossOutput, field: str) -> torch.Tensor:
+    """``output.<field>``; raises ValueError when the loss did not compute it (a correction's metric is registered but
+    the loss ran without that correction)."""
+    value = getattr(output, field)
+    if value is None:
+        raise ValueError(f"the loss output has no {field!r}: run the loss with the corrections the metrics were built with")
+    return value
 
 
 def _check_update_inputs(n: int, **tensors: torch.Tensor | None) -> None:

@@ -24,12 +24,21 @@ Reduction = Literal["sum", "max", "min"]
 
 class MetricDef(NamedTuple):
     """One metric: its name, its cross-rank reduction, the lowest level that logs it (``always``: every level,
-    ``none`` included), and its meaning."""
+    ``none`` included), and its meaning.
+
+    ``needs``: the loss correction it describes (a :attr:`rljob_trainer.loss.Corrections.terms` name:
+    ``dual_clip``, ``importance_sampling``, ``kl``), registered only when that correction is on; empty: always.
+    ``per`` (sum metrics): what the step's sum is divided by: ``document``, the step's documents (a
+    document-weighted mean); ``total``, nothing (a count over labelled tokens); or the name of a ``total`` metric,
+    a token mean over the tokens that metric counts.
+    """
 
     name: str
     reduction: Reduction
     level: Literal["always", "basic", "full"]
     description: str
+    needs: str = ""
+    per: str = "document"
 
 
 METRICS: tuple[MetricDef, ...] = (
@@ -41,7 +50,7 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("advantage", "sum", "basic", "mean advantage"),
     MetricDef("max_advantage", "max", "basic", "largest advantage of a labelled token"),
     MetricDef("min_advantage", "min", "basic", "smallest advantage of a labelled token"),
-    MetricDef("num_tokens", "sum", "basic", "labelled tokens in the step, all ranks (a count)"),
+    MetricDef("num_tokens", "sum", "basic", "labelled tokens in the step, all ranks (a count)", per="total"),
     MetricDef("entropy", "sum", "full", "mean entropy (nats) of the temperature-scaled token distribution"),
     MetricDef("train_samples_reward", "sum", "basic", "mean raw reward over the step's documents (biased)"),
     MetricDef("max_train_samples_reward", "max", "basic", "largest document reward"),
@@ -49,6 +58,23 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("staleness", "sum", "basic", "mean documents_seen - model_version (documents)"),
     MetricDef("max_staleness", "max", "basic", "largest staleness of a labelled token (documents)"),
     MetricDef("min_staleness", "min", "basic", "smallest staleness of a labelled token (documents)"),
+    MetricDef("sampler_mismatch_tokens", "sum", "basic", "labelled tokens sampled with the trainer's current weights "
+              "(model_version == documents_seen), all ranks (a count)", per="total"),
+    MetricDef("sampler_mismatch_ratio", "sum", "basic", "mean of exp(lp_new - lp_old) over those tokens: the sampler's "
+              "and the trainer's numerical mismatch on the same weights (1 when they agree; NaN without such tokens)",
+              per="sampler_mismatch_tokens"),
+    MetricDef("sampler_mismatch_kl", "sum", "basic", "mean of r - log r - 1 over those tokens (k3 estimate of "
+              "KL(sampler||trainer); 0 when they agree)", per="sampler_mismatch_tokens"),
+    MetricDef("dual_clip_fraction", "sum", "basic", "mean of [the dual clip's bound dualClip x A replaced the "
+              "surrogate] (A < 0 and ratio > dualClip)", needs="dual_clip"),
+    MetricDef("behaviour_weight", "sum", "basic", "mean behaviour weight min(pi_prox / pi_behaviour, cap) the loss "
+              "applied", needs="importance_sampling"),
+    MetricDef("max_behaviour_weight", "max", "basic", "largest behaviour weight pi_prox / pi_behaviour of a labelled "
+              "token, before truncation", needs="importance_sampling"),
+    MetricDef("behaviour_weight_truncated_fraction", "sum", "basic", "mean of [pi_prox / pi_behaviour > cap]",
+              needs="importance_sampling"),
+    MetricDef("kl_ref", "sum", "basic", "mean KL estimate to the reference policy (the loss's k1 or k3, nats)",
+              needs="kl"),
 )
 """Every loss metric, in the fixed order of registration and reduction."""
 
@@ -58,6 +84,8 @@ STEP_TOTALS: tuple[MetricDef, ...] = (
     MetricDef("dropped_too_long", "sum", "always", "documents over microBatchTokens dropped, all ranks (count)"),
     MetricDef("dead_lettered", "sum", "always", "malformed entries dead-lettered, all ranks (count)"),
     MetricDef("lost_pending", "sum", "always", "pending entries deleted from the stream before re-reading (count)"),
+    MetricDef("dropped_stale", "sum", "always", "documents staler than algorithm.maxStaleness dropped before the loss, "
+              "all ranks (count; acked with the next checkpoint)"),
 )
 """The totals every step reduces whatever the level, passed to :meth:`StepMetrics.reduce`: the loss (logged with
 the metrics) and the readers' counters since this attempt started (logged as ``stream``)."""
@@ -94,8 +122,9 @@ TIMINGS: tuple[TimingDef, ...] = (
 )
 """Every timing a step record may carry, by name."""
 
-COUNT_METRICS: tuple[str, ...] = ("num_tokens",)
-"""Sum metrics reported as totals; every other sum metric is divided by the step's document count."""
+COUNT_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS if m.per == "total")
+"""Sum metrics reported as totals (``per="total"``); the others are divided by the step's document count or by one of
+these."""
 
 
 def resolve_metrics_level(level: str, pipeline_parallel: int) -> MetricsLevel:
@@ -122,16 +151,15 @@ def metrics_level(config: JobConfig | RLTrainingJobSpec) -> MetricsLevel:
     return resolve_metrics_level(spec.algorithm.metrics, spec.trainer.pipeline_parallel)
 
 
-def metric_definitions(level: MetricsLevel) -> tuple[MetricDef, ...]:
-    """The metrics a level logs, in registration order: none → (), basic → all but entropy, full → all.
+def metric_definitions(level: MetricsLevel, terms: frozenset[str] = frozenset()) -> tuple[MetricDef, ...]:
+    """The metrics a level logs, in registration order: none → (), basic → all but entropy, full → all; of those
+    describing a loss correction (``needs``), only the ones whose correction is in ``terms``
+    (:attr:`rljob_trainer.loss.Corrections.terms`). Every rank reads both from the one resolved config.
 
     Raises:
         ValueError: an unresolved or unknown level.
     """
-    if level == "none":
-        return ()
-    if level == "basic":
-        return tuple(m for m in METRICS if m.level == "basic")
-    if level == "full":
-        return METRICS
-    raise ValueError(f"metrics level must be none, basic or full (resolve 'auto' first), got {level!r}")
+    if level not in ("none", "basic", "full"):
+        raise ValueError(f"metrics level must be none, basic or full (resolve 'auto' first), got {level!r}")
+    levels = {"none": (), "basic": ("basic",), "full": ("basic", "full")}[level]
+    return tuple(m for m in METRICS if m.level in levels and (not m.needs or m.needs in terms))

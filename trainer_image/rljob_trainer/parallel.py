@@ -210,10 +210,14 @@ class DataParallelModel:
         return float(norm)
 
 
-def wrap_model(model: torch.nn.Module, where: Distributed, trainer: Any) -> DataParallelModel:
+def wrap_model(model: torch.nn.Module, where: Distributed, trainer: Any, frozen: bool = False) -> DataParallelModel:
     """Apply ``trainer.parallelism`` (a :class:`~rljob_api.spec.TrainerSpec`) to ``model`` (float32; under ddp on
     ``where.device`` and identical on every rank; under fsdp on the meta device, to be materialised afterwards
     (:func:`rljob_trainer.loading.build_parallel_model`), or already on ``where.device``).
+
+    ``frozen``: a model that is only evaluated (the reference policy of the KL penalty): its parameters stop requiring
+    gradients and it is put in eval mode; fsdp shards it exactly like the trained model, ddp keeps its replica
+    unwrapped (DDP has no gradient to reduce), and activation checkpointing is skipped (there is no backward).
 
     - ``activationCheckpointing: full``: the transformers model's own (non-reentrant) gradient checkpointing of
       every decoder block, applied first.
@@ -232,22 +236,36 @@ def wrap_model(model: torch.nn.Module, where: Distributed, trainer: Any) -> Data
     on_gpu = where.device.type == "cuda"
     precision = trainer.precision
     compute_dtype = torch.bfloat16 if on_gpu and precision.param == "bf16" else torch.float32
-    if trainer.activation_checkpointing == "full":
+    if frozen:
+        model.requires_grad_(False)
+        model.eval()
+    elif trainer.activation_checkpointing == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if trainer.parallelism.strategy == "ddp":
+        if frozen:
+            return DataParallelModel(model, model, where, compute_dtype)
         device_ids = [where.device.index] if on_gpu else None
         return DataParallelModel(DistributedDataParallel(model, device_ids=device_ids), model, where, compute_dtype)
     if where.mesh is None:
         raise ValueError("rljob trainer: strategy fsdp needs the data-parallel mesh of init_distributed")
     reduce_dtype = torch.bfloat16 if on_gpu and precision.reduce == "bf16" else torch.float32
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
+    for module in fsdp_units(model):
+        fully_shard(module, mesh=where.mesh, mp_policy=policy)
+    fully_shard(model, mesh=where.mesh, mp_policy=policy)
+    return DataParallelModel(model, model, where, compute_dtype)
+
+
+def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The submodules :func:`wrap_model` shards as units of their own before the root, in that order: every decoder
+    block (the classes the model names in ``_no_split_modules``), then the input embedding and the output projection
+    when they are not tied. The root unit holds the parameters none of them holds (the final norm; the embedding
+    too when tied). FSDP gathers one unit at a time, so the largest unit sets the unsharded memory on top of the
+    shards (docs/trainer-memory.md)."""
     block_classes = set(getattr(model, "_no_split_modules", None) or ())
     units = [module for module in model.modules() if type(module).__name__ in block_classes]
     if not getattr(model.config, "tie_word_embeddings", False):
         # Untied, the embedding and the output projection are each as large as a few blocks (152k x 3584 for a 7B
         # Qwen): units of their own, so the root's gathered parameters are only the final norm.
         units += [model.get_input_embeddings(), model.get_output_embeddings()]
-    for module in units:
-        fully_shard(module, mesh=where.mesh, mp_policy=policy)
-    fully_shard(model, mesh=where.mesh, mp_policy=policy)
-    return DataParallelModel(model, model, where, compute_dtype)
+    return units

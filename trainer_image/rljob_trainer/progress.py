@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Protocol, TextIO
 
@@ -162,8 +163,8 @@ def publish_start(
 
     Sets ``step``, ``documents_seen``, ``model_version`` (= documents_seen), ``restored_from_step`` (= step) and
     ``checkpoint_documents_seen`` (= documents_seen: nothing trained yet is unacked) to the loaded checkpoint's values
-    (0 from scratch), and sets ``checkpoint_lost`` (JSON {step, path, restored_from_step, message, attempt}) or deletes
-    it. ``attempt``: the gang attempt (env ``RLJOB_ATTEMPT``, :func:`gang_attempt`), so the operator never shows the
+    (0 from scratch), ``dropped_stale`` and ``checkpoint_dropped_stale`` to 0 (this attempt dropped nothing yet),
+    and sets ``checkpoint_lost`` (JSON {step, path, restored_from_step, message, attempt}) or deletes it. ``attempt``: the gang attempt (env ``RLJOB_ATTEMPT``, :func:`gang_attempt`), so the operator never shows the
     record of an earlier attempt as this one's.
     The rollout's max lag needs this before the first step (:mod:`rljob_rollout.writer`): an earlier attempt's
     documents_seen would otherwise count this attempt's redelivered documents as trained.
@@ -203,12 +204,28 @@ def publish_start(
         raise fence.refusal(str(err), attempt) from None
 
 
-def publish_checkpointed(client: redis.Redis, config: JobConfig, documents_seen: int) -> None:
+def stream_identity(client: redis.Redis, config: JobConfig) -> str:
+    """Rank 0 at every start: the job's stream identity (``{prefix}stream_id``), made now (a random hex string, SET NX)
+    when Redis holds none: at the first start, or after Redis forgot everything. The operator compares it on every
+    read (status.streamIdentity): another identity, or none, tells it that the stream was lost.
+
+    Raises:
+        redis.RedisError: Redis unreachable beyond the client's retries.
+    """
+    key = config.keys.prefix + protocol.KEY_STREAM_ID
+    client.set(key, uuid.uuid4().hex, nx=True)
+    return protocol.text(client.get(key)) or ""
+
+
+def publish_checkpointed(client: redis.Redis, config: JobConfig, documents_seen: int, dropped_stale: int = 0) -> None:
     """Rank 0 once a checkpoint is durable and before its entries are acked: ``checkpoint_documents_seen`` =
-    ``documents_seen`` in the progress hash (the documents it covers leave the rollout's trained-unacked count).
+    ``documents_seen`` and ``checkpoint_dropped_stale`` = ``dropped_stale`` (the stale documents this attempt dropped
+    up to that checkpoint, which it covers) in the progress hash, in one HSET: the documents it covers leave the
+    rollout's trained-unacked count.
 
     Raises:
         redis.RedisError: Redis unreachable beyond the client's retries (the acks that follow would fail as well).
     """
-    fence.write(client, config.keys, [("HSET", config.keys.progress, protocol.PROGRESS_CHECKPOINT_DOCUMENTS_SEEN,
-                                       documents_seen)])
+    fence.write(client, config.keys, [("HSET", config.keys.progress,
+                                       protocol.PROGRESS_CHECKPOINT_DOCUMENTS_SEEN, documents_seen,
+                                       protocol.PROGRESS_CHECKPOINT_DROPPED_STALE, dropped_stale)])

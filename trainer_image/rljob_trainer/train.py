@@ -1,6 +1,7 @@
 """The trainer entrypoint: ``torchrun … -m rljob_trainer.train`` (DESIGN §2), or :func:`run` in process.
 
-Joins the gang (:func:`rljob_trainer.parallel.init_distributed`), waits for Redis, then builds a
+Joins the gang (:func:`rljob_trainer.parallel.init_distributed`), waits for Redis (and later rides out Redis
+restarts of up to :data:`~rljob_trainer.stream.connection.OUTAGE_SECONDS`), then builds a
 :class:`rljob_trainer.trainer.Trainer` (one step and one start are described there), resumes and trains until
 ``maxSteps``: final checkpoint, safetensors export, ``training_finished``, exit 0. Logs go to stderr, one JSON
 line per step to stdout.
@@ -17,7 +18,7 @@ import redis
 
 from rljob_api.config import JobConfig
 from rljob_trainer.parallel import init_distributed, shutdown_distributed
-from rljob_trainer.stream.connection import connect, retry_with_backoff
+from rljob_trainer.stream.connection import OUTAGE_SECONDS, connect, retry_with_backoff
 from rljob_trainer.trainer import RunResult, Trainer
 
 __all__ = ["RunResult", "main", "run"]
@@ -38,7 +39,7 @@ def run(config: JobConfig, *, client: Optional[redis.Redis] = None, stdout: Text
     where = init_distributed(config)
     trainer = None
     try:
-        client = client or connect(config)
+        client = client or connect(config, outage_seconds=OUTAGE_SECONDS)  # rides out a Redis pod restart
         # Redis may still be starting (managed Redis comes up with the gang): wait for it as for the gang,
         # rather than exiting and costing a gang restart.
         retry_with_backoff(client.ping, "connect to Redis", config.spec.trainer.rendezvous_timeout_seconds)

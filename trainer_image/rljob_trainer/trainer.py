@@ -2,23 +2,27 @@
 
 One optimizer step on every data-parallel rank (DESIGN §4, §6):
 
-1. read ``documentsPerStep / DP`` documents from the stream (this rank's consumer) and pack them into
-   micro-batches of at most ``microBatchTokens`` tokens; segment each micro-batch into documents once;
+1. read ``documentsPerStep / DP`` documents from the stream (this rank's consumer; with ``algorithm.maxStaleness``,
+   documents staler than it are dropped, counted, acked with the next checkpoint, and replaced by reading on) and pack
+   them into micro-batches of at most ``microBatchTokens`` tokens; segment each micro-batch into documents once;
 2. all-reduce the step's counts (labelled tokens, documents, tokens) so the loss divides by the GLOBAL
    normaliser (labelled tokens for GRPO, documents for GSPO);
-3. per micro-batch: log-probabilities at the sampling temperature, the loss × DP (undoing the gradient mean over
-   data-parallel ranks; ddp all-reduces in the last backward only, fsdp reduce-scatters every backward,
-   :meth:`DataParallelModel.micro_batch`), backward, and the metrics from what the loss returned;
+3. per micro-batch: the frozen reference policy's log-probabilities when ``algorithm.klCoef`` > 0 (no gradient),
+   the trained policy's at the sampling temperature, the loss with ``spec.algorithm``'s corrections × DP (undoing
+   the gradient mean over data-parallel ranks; ddp all-reduces in the last backward only, fsdp reduce-scatters every
+   backward, :meth:`DataParallelModel.micro_batch`), backward, and the metrics from what the loss returned;
 4. every reduction after the loss (metrics, the loss value, the stream counters) in ``StepMetrics.reduce``: one
-   SUM every step, one MAX when metrics are on; then gradient clipping and AdamW with linear warm-up;
-5. ``documents_seen`` += the step's documents; the new model_version is ``documents_seen``; every rank takes part in
-   the weight publication (:func:`~rljob_trainer.weights.publish_weights`: rank 0 announces ``weights_ready`` and
-   sends, under fsdp the others join the gathers of sharded parameters, one tensor at a time), whose duration is the
-   step's ``weight_sync_time_ms``;
+   SUM every step, one MAX when metrics are on; then gradient clipping and AdamW with the learning rate of
+   :func:`~rljob_trainer.optim.step_learning_rate` (warm-up, then constant, linear or cosine decay);
+5. ``documents_seen`` += the step's documents (those that entered the loss); the new model_version is
+   ``documents_seen``; every rank takes part in the weight publication (:func:`~rljob_trainer.weights.publish_weights`:
+   rank 0 announces ``weights_ready`` and sends, under fsdp the others join the gathers of sharded parameters, one
+   tensor at a time), whose duration is the step's ``weight_sync_time_ms``;
 6. every ``everySteps`` and at ``maxSteps``: a checkpoint (:meth:`Trainer.save_checkpoint`). The loop stops only for
    its snapshot to host memory; the files are written in the background, and once they are durable rank 0's commit
    thread writes the commit file, publishes its documents_seen (``checkpoint_documents_seen``, for the rollout's max
-   lag), XACKs the entries it covers (every rank's) and trims acked entries. The final checkpoint is waited for;
+   lag) and the stale drops it covers (``checkpoint_dropped_stale``), XACKs the entries it covers (every rank's) and
+   trims acked entries. The final checkpoint is waited for;
 7. rank 0 reports the step (progress hash, JSON line, gauges), with the timings of
    :data:`~rljob_trainer.metrics_registry.TIMINGS`: ``weight_sync_time_ms`` every step, the checkpoint timings when
    the step saved or a save finished.
@@ -60,9 +64,10 @@ from rljob_trainer.loading import load_model
 from rljob_trainer.metrics_registry import CHECKPOINT_BLOCKING, CHECKPOINT_SAVE, STREAM_COUNTERS, WEIGHT_SYNC
 from rljob_trainer.model import build_tokenizer, sequence_logprobs
 from rljob_trainer.parallel import DataParallelModel, Distributed
-from rljob_trainer.optim import build_optimizer, learning_rate
 from rljob_trainer.fence import claim, gang_attempt
-from rljob_trainer.progress import Progress, StepRecord, build_progress, publish_checkpointed, publish_start
+from rljob_trainer.optim import build_optimizer, step_learning_rate
+from rljob_trainer.progress import (Progress, StepRecord, build_progress, publish_checkpointed, publish_start,
+                                    stream_identity)
 from rljob_trainer.stream.batch import MicroBatch, flat_from_padded, pack_documents
 from rljob_trainer.stream.reader import StreamReader, ack_entries, trim_acked
 from rljob_trainer.stream.redistribute import redistribute_pending
@@ -122,6 +127,7 @@ class Trainer:
         vocab_size = len(self.tokenizer) if hasattr(self.tokenizer, "__len__") else self.tokenizer.vocab_size
         if where.is_rank_zero:  # this attempt owns the job's writes from here on (rljob_trainer.fence)
             claim(client, config.keys)
+            log.info("stream identity %s", stream_identity(client, config))
         self.checkpoints = CheckpointManager(config, where, client, on_commit=self._after_commit)
         # Read once: a checkpoint to load (own or initFrom) makes the initial weights pointless, so none are read.
         self.start_from = self.checkpoints.resume_source()
@@ -131,6 +137,12 @@ class Trainer:
                                                       weights=self.start_from[0] is None)
         self.model = self.parallel.model
         self.optimizer = build_optimizer(self.model, spec.trainer.optimizer)  # over the shards under fsdp
+        self.corrections = losses.Corrections.from_algorithm(spec.algorithm)
+        # The KL penalty's reference policy: spec.model's own weights (never a checkpoint's or initFrom's), sharded
+        # like the trained model, evaluated without gradients. Collective.
+        self.reference: Optional[DataParallelModel] = None
+        if self.corrections.kl:
+            self.reference = load_model(spec.model, vocab_size, spec.trainer.seed, where, spec.trainer, frozen=True)
         self.step = 0
         self.documents_seen = 0
         self.metrics = StepMetrics.from_config(config, device=where.device)
@@ -144,7 +156,12 @@ class Trainer:
             require_metrics_fields=self.metrics.enabled,
             data_timeout_seconds=spec.trainer.data_timeout_seconds,
             vocab_size=self.model.get_input_embeddings().num_embeddings,
+            max_staleness=spec.algorithm.max_staleness,
         )
+        self._dropped_stale = 0
+        """The step's reduced ``dropped_stale`` (all ranks, this attempt): the drops the next checkpoint covers."""
+        self._dropped_at_checkpoint: dict[int, int] = {}
+        """{step: dropped_stale} of the checkpoints saved and not yet committed (read by the commit thread)."""
         self.progress: Progress = build_progress(config, client, where.rank, stdout=stdout)
 
     # --- start and end ----------------------------------------------------------------------------
@@ -210,15 +227,17 @@ class Trainer:
         """Snapshot a checkpoint of this step covering the entries this rank consumed since the last one and start
         writing it (collective; waits for the previous save first). The commit and the acks follow in rank 0's
         commit thread (:meth:`_after_commit`)."""
+        self._dropped_at_checkpoint[self.step] = self._dropped_stale  # before the save: its commit may be quick
         return self.checkpoints.save(self.step, self.documents_seen, self.model, self.optimizer,
                                      self.reader.take_pending_ids())
 
     def _after_commit(self, committed: CommittedCheckpoint) -> None:
         """Global rank 0's commit thread, once ``committed``'s commit file is durable: publish its documents_seen
-        (:func:`publish_checkpointed`: the rollout stops counting its entries as trained before they leave the pending
-        list), XACK every rank's covered entries, then trim acked entries. Only the Redis client is used (thread-safe),
-        never the reader's state."""
-        publish_checkpointed(self.client, self.config, committed.documents_seen)
+        and the stale drops it covers (:func:`publish_checkpointed`: the rollout stops counting its entries as trained
+        or dropped before they leave the pending list), XACK every rank's covered entries, then trim acked entries.
+        Only the Redis client is used (thread-safe), never the reader's state."""
+        publish_checkpointed(self.client, self.config, committed.documents_seen,
+                             self._dropped_at_checkpoint.pop(committed.step, 0))
         ack_entries(self.client, self.config.keys, [e for ids in committed.covered_entry_ids.values() for e in ids])
         trim_acked(self.client, self.config.keys)
 
@@ -235,7 +254,7 @@ class Trainer:
         :meth:`fit` reports after the step's checkpoint. See the module docstring."""
         # Exactly documents_per_rank (>= 1) valid documents: every rank has at least one micro-batch, so every
         # rank joins the gradient reduction of each backward.
-        entries = self.reader.next_documents(self.documents_per_rank)
+        entries = self.reader.next_documents(self.documents_per_rank, documents_seen=self.documents_seen)
         started = time.monotonic()
         micro_batches = [
             mb.to(self.where.device)
@@ -263,10 +282,11 @@ class Trainer:
         totals = {"loss": loss_sum, **{name: self._stream_counter(name) for name in STREAM_COUNTERS}}
         reduced = self.metrics.reduce(totals=totals)
         stream = {name: int(reduced.pop(name)) for name in STREAM_COUNTERS}
+        self._dropped_stale = stream["dropped_stale"]
         step_loss = reduced.pop("loss")
         opt = self.config.spec.trainer.optimizer
         grad_norm = self.parallel.clip_grad_norm(opt.grad_clip if opt.grad_clip > 0 else torch.inf)
-        lr = learning_rate(self.step, opt.learning_rate, opt.warmup_steps)
+        lr = step_learning_rate(self.step, opt, self.config.spec.trainer.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if self.publisher is not None:
@@ -295,11 +315,17 @@ class Trainer:
         """This micro-batch's share of the step loss (global normaliser) and its metrics update, in one pass: the
         metrics read the loss's output (:class:`~rljob_trainer.loss.PolicyLossOutput`) and ``segments``."""
         full = self.metrics.enabled and self.metrics.level == "full"
+        ref_logprobs = None
+        if self.reference is not None:  # before the policy's forward: nothing of it is kept for the backward
+            with torch.no_grad(), self.reference.autocast():
+                ref_padded = sequence_logprobs(self.reference.module, mb.input_ids, mb.attention_mask, self.temperature)
+            ref_logprobs = flat_from_padded(ref_padded, mb.attention_mask)  # [T] float32
         model: Callable[..., Any] = _LogitsTap(self.parallel.module) if full else self.parallel.module
         with self.parallel.autocast():
             padded = sequence_logprobs(model, mb.input_ids, mb.attention_mask, self.temperature)  # [B, L] float32
         new_logprobs = flat_from_padded(padded, mb.attention_mask)  # [T]
-        common = dict(epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, segments=segments)
+        common = dict(epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, segments=segments,
+                      corrections=self.corrections, ref_logprobs=ref_logprobs)
         if self.config.spec.algorithm.loss == "grpo":
             output = losses.grpo_loss(
                 new_logprobs, mb.old_logprobs, mb.advantages, mb.label_mask, mb.document_index,

@@ -57,8 +57,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "list", "watch", "create", "patch"]
-# Events on jobs (kopf posts core/v1 Events).
+# The managed Redis's data claim (spec.redis.persistence): created once, read while Redis is not ready (RedisReady
+# names a claim that cannot bind), deleted when persistence is switched off.
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get", "create", "delete"]
+# Events on jobs (kopf posts core/v1 Events); those of the Redis data claim are listed to say why it cannot bind.
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create"]
+  verbs: ["create", "list"]
 {{- end -}}

@@ -63,7 +63,8 @@ class MalformedKind(enum.StrEnum):
     """Why an entry was rejected; the value labels the dead-letter counter."""
 
     MISSING_FIELD = "missing_field"
-    """``tokens`` or ``old_log_probabilities`` absent, or ``advantage`` absent when required."""
+    """``tokens`` or ``old_log_probabilities`` absent, ``advantage`` absent when required, or ``model_version`` absent
+    while ``algorithm.maxStaleness`` is set (the reader's check)."""
     MISSING_METRICS_FIELD = "missing_metrics_field"
     """``reward`` or ``model_version`` absent while metrics are on (DESIGN §4)."""
     LENGTH_MISMATCH = "length_mismatch"

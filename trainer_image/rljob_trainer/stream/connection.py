@@ -31,6 +31,12 @@ HEALTH_CHECK_INTERVAL_SECONDS = 15
 """A connection idle for longer is PINGed before reuse, so a dead server is noticed before a command."""
 COMMAND_RETRIES = 5
 """redis-py retries one command this many times on connection errors and timeouts (jittered backoff ≤ 10 s)."""
+OUTAGE_SECONDS = 300.0
+"""How long the trainer's client retries one command through a Redis outage (connection errors, timeouts, a Redis
+still loading its append-only file) before the error reaches the training loop: long enough for the managed Redis
+pod to be replaced (its deletion, eviction or node drain, the new pod scheduled and its claim attached, the file
+loaded, the pod ready: seconds on one node, a minute or two where a volume moves between nodes), shorter than the
+default collectiveTimeoutSeconds (600), for which the other ranks wait meanwhile (DESIGN §6)."""
 
 
 class RedisUnavailable(ConnectionError):
@@ -70,9 +76,12 @@ class _Retry(Retry):
         ca_file: the CA bundle the client verifies with (None: system CAs); named in :class:`RedisTLSError`.
     """
 
-    def __init__(self, backoff, retries: int, ca_file: Optional[str] = None) -> None:
+    def __init__(self, backoff, retries: int, ca_file: Optional[str] = None, window_s: Optional[float] = None) -> None:
         super().__init__(backoff, retries)
         self.ca_file = ca_file
+        self.window_s = window_s
+        """When set: retry for this many seconds after a call's first failure, however many tries that takes (the
+        count ``retries`` is not used)."""
 
     def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
         def retryable(error: Exception) -> bool:
@@ -81,7 +90,9 @@ class _Retry(Retry):
             return is_retryable is None or is_retryable(error)
 
         try:
-            return super().call_with_retry(do, fail, retryable, with_failure_count)
+            if self.window_s is None:
+                return super().call_with_retry(do, fail, retryable, with_failure_count)
+            return self._call_within_window(do, fail, retryable, with_failure_count)
         except ConnectionError as error:
             reason = _tls_failure(error)
             if reason is None or isinstance(error, RedisTLSError):
@@ -94,12 +105,36 @@ class _Retry(Retry):
             ) from error
 
 
+    def _call_within_window(self, do, fail, retryable, with_failure_count):
+        """redis-py's retry loop with a deadline instead of a count: the last error is raised once a failure comes
+        :attr:`window_s` seconds or more after the first; the backoff never sleeps past the deadline."""
+        self._backoff.reset()
+        failures, deadline = 0, None
+        while True:
+            try:
+                return do()
+            except self._supported_errors as error:
+                if not retryable(error):
+                    raise
+                failures += 1
+                if with_failure_count:
+                    fail(error, failures)
+                else:
+                    fail(error)
+                now = time.monotonic()
+                deadline = deadline if deadline is not None else now + self.window_s
+                if now >= deadline:
+                    raise error
+                time.sleep(min(self._backoff.compute(failures), deadline - now))
+
+
 def connect(
     config: JobConfig,
     *,
     password: Optional[str] = None,
     socket_timeout: float = SOCKET_TIMEOUT_SECONDS,
     ssl_ca_certs: Optional[str] = None,
+    outage_seconds: Optional[float] = None,
 ) -> redis.Redis:
     """A Redis client for the job's Redis (``config.redis``), configured but not yet connected.
 
@@ -109,10 +144,13 @@ def connect(
         socket_timeout: seconds a command may take (must exceed any blocking read's BLOCK time).
         ssl_ca_certs: PEM bundle of the CAs that signed the server certificate when ``tls`` is on; overrides env
             ``REDIS_TLS_CA_FILE`` (unset or empty env: the system CAs). The host name is checked too.
+        outage_seconds: retry each command on connection errors and timeouts for this many seconds after its first
+            failure (the trainer: :data:`OUTAGE_SECONDS`, riding out a Redis pod restart); None: :data:`COMMAND_RETRIES`
+            tries (callers with a retry loop of their own, like the rollout worker).
 
     Returns:
         ``redis.Redis`` with bytes responses (the codec needs raw bytes), TCP keepalive, health checks every
-        :data:`HEALTH_CHECK_INTERVAL_SECONDS` s and :data:`COMMAND_RETRIES` retries on connection errors.
+        :data:`HEALTH_CHECK_INTERVAL_SECONDS` s and retries on connection errors (``outage_seconds``).
         A wrong or missing password raises ``redis.AuthenticationError`` at the first command, without retries;
         a server certificate that does not verify raises :class:`RedisTLSError` there, without retries.
     """
@@ -132,7 +170,7 @@ def connect(
         socket_connect_timeout=CONNECT_TIMEOUT_SECONDS,
         socket_keepalive=True,
         health_check_interval=HEALTH_CHECK_INTERVAL_SECONDS,
-        retry=_Retry(_backoff(), COMMAND_RETRIES, tls.get("ssl_ca_certs")),
+        retry=_Retry(_backoff(), COMMAND_RETRIES, tls.get("ssl_ca_certs"), outage_seconds),
         retry_on_error=[ConnectionError, TimeoutError],
         decode_responses=False,
         client_name=f"rljob-{config.name}",

@@ -18,6 +18,15 @@ Delivery contract (at-least-once in Redis, exactly-once in committed checkpoints
 * Malformed entries go to the dead-letter stream with their reason and are acked right after (a crash in
   between dead-letters one twice rather than losing it); documents longer than the micro-batch budget are
   dropped, counted and acked. Neither ever raises out of the reader.
+* Stale documents (``max_staleness``, ``algorithm.maxStaleness``): a document whose staleness at the step's
+  ``documents_seen`` (minus the smallest ``model_version`` of its labelled tokens) exceeds the bound is dropped when
+  :meth:`StreamReader.next_documents` would hand it out, counted (:attr:`ReaderCounters.dropped_stale`) and replaced by
+  reading on, so the call still returns exactly ``n`` documents and no rank has an empty step. It is not acked at
+  once: its id joins the ids the next checkpoint covers (:meth:`StreamReader.take_pending_ids`), so a crash before
+  that checkpoint re-reads it and judges it again against the resumed ``documents_seen``, as the entries trained
+  meanwhile are. Each drop is also added to the progress hash's ``dropped_stale`` (HINCRBY), which the rollout's
+  back-pressure subtracts with the trained-unacked documents (:mod:`rljob_rollout.writer`): otherwise pending drops
+  would hold the rollout at its max lag or maxPending while the trainer waits for fresh documents to refill.
 * :meth:`StreamReader.trim_acked` trims with XTRIM MINID below the oldest entry that is pending or not yet
   delivered, so only acked entries are ever removed (never MAXLEN). It assumes this group is the stream's
   only consumer group.
@@ -58,12 +67,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
+import numpy as np
 import redis
 
 from rljob_api import protocol
 from rljob_api.config import RedisKeys
 from rljob_trainer import fence
-from rljob_trainer.stream.codec import Document, DocumentTooLong, MalformedEntry, decode_entries
+from rljob_trainer.stream.codec import (
+    Document,
+    DocumentTooLong,
+    MalformedEntry,
+    MalformedKind,
+    decode_entries,
+    label_masks,
+)
 from rljob_trainer.stream.connection import PipelinedConnection
 
 log = logging.getLogger(__name__)
@@ -94,6 +111,9 @@ class ReaderCounters:
     reread_after_connection_loss: int = 0
     """Entries whose XREADGROUP reply a connection failure lost, re-read from this rank's pending list (first
     deliveries to the caller, not redeliveries)."""
+    dropped_stale: int = 0
+    """Documents staler than ``max_staleness`` at the step they would have entered, dropped before the loss (acked by
+    the next checkpoint)."""
 
 
 class StreamReader:
@@ -115,10 +135,13 @@ class StreamReader:
         dead_letter_maxlen: approximate length cap of the dead-letter stream (it holds copies, not the data).
         read_ahead: after each call's documents are read, send the XREADGROUP for the next call's (see the module
             docstring). None (default): on with one data-parallel rank, off with several.
+        max_staleness: drop documents staler than this many documents (``algorithm.maxStaleness``; see the module
+            docstring); entries without ``model_version`` are then dead-lettered. None: nothing is dropped.
 
     Raises:
         ValueError: rank outside [0, dp_size), non-positive budget or timeout, a client that decodes
-            responses to str (the codec needs bytes), or ``read_ahead=True`` with ``dp_size > 1``.
+            responses to str (the codec needs bytes), ``read_ahead=True`` with ``dp_size > 1``, or a negative
+            ``max_staleness``.
     """
 
     def __init__(
@@ -136,7 +159,10 @@ class StreamReader:
         vocab_size: Optional[int] = None,
         dead_letter_maxlen: int = 10_000,
         read_ahead: Optional[bool] = None,
+        max_staleness: Optional[int] = None,
     ):
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 documents, got {max_staleness}")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} is outside [0, dp_size={dp_size})")
         if micro_batch_tokens < 1 or data_timeout_seconds <= 0 or block_ms < 1:
@@ -164,7 +190,10 @@ class StreamReader:
         self.block_ms = block_ms
         self.dead_letter_maxlen = dead_letter_maxlen
         self.read_ahead = dp_size == 1 if read_ahead is None else read_ahead
+        self.max_staleness = max_staleness
         self.counters = ReaderCounters()
+        self._unpublished_drops = 0
+        """Stale drops not yet added to the progress hash (its HINCRBY failed); added with the next ones."""
         self._started = False
         self._connection = PipelinedConnection(client)
         self._backlog: collections.deque[Entry] = collections.deque()
@@ -228,36 +257,46 @@ class StreamReader:
         self._backlog.append((entry_id, fields))
 
     # --- reading ---------------------------------------------------------------------------
-    def next_documents(self, n: int) -> list[tuple[str, Document]]:
+    def next_documents(self, n: int, documents_seen: Optional[int] = None) -> list[tuple[str, Document]]:
         """Exactly ``n`` valid documents with their entry ids, redeliveries first, blocking until they arrive.
 
         Every returned id stays pending (and in :meth:`pending_ids`) until :meth:`ack`. Documents read beyond
-        ``n`` (read-ahead, see the module docstring) are kept for the next call.
+        ``n`` (read-ahead, see the module docstring) are kept for the next call. With ``max_staleness``, documents
+        staler than it at ``documents_seen`` are dropped instead (their ids join :meth:`pending_ids` too) and the call
+        reads on until it has ``n`` others.
+
+        Args:
+            documents_seen: the documents the trainer has trained before this step (the staleness reference);
+                required with ``max_staleness``.
 
         Raises:
-            DataTimeout: no valid document for ``data_timeout_seconds``. Documents gathered before the timeout
-                are kept and returned first by the next call.
+            DataTimeout: no valid (and fresh enough) document for ``data_timeout_seconds``. Documents gathered
+                before the timeout are kept and returned first by the next call.
             redis.ConnectionError: Redis unreachable beyond the client's retries (nothing is lost: entries
                 stay pending in Redis, gathered documents are kept, and a lost reply is re-read at the next call).
+            ValueError: ``n`` < 1, or ``max_staleness`` without ``documents_seen``.
         """
         if n < 1:
             raise ValueError(f"n={n}: ask for at least one document")
+        if self.max_staleness is not None and documents_seen is None:
+            raise ValueError(f"max_staleness={self.max_staleness}: next_documents needs documents_seen")
         if not self._started:
             self.start()
         deadline = time.monotonic() + self.data_timeout_seconds
+        self._ready = self._drop_stale(self._ready, documents_seen)  # read ahead for an earlier step
         while len(self._ready) < n:
             if not self._backlog:
                 if self._connection.in_flight is None and self._block_ms(deadline) <= 0:
                     raise DataTimeout(
                         f"{self.consumer}: no valid document on stream {self.keys.stream!r} for "
-                        f"{self.data_timeout_seconds:g} s (have {len(self._ready)} of {n})"
+                        f"{self.data_timeout_seconds:g} s (have {len(self._ready)} of {n}){self._refused()}"
                     )
                 self._on_connection(self._receive_next, n, deadline)
                 if not self._backlog:
                     continue
             self._on_connection(self._send_next, n, deadline)  # travels while the backlog is decoded
             take = min(n - len(self._ready), len(self._backlog))
-            accepted = self._accept([self._backlog.popleft() for _ in range(take)])
+            accepted = self._drop_stale(self._accept([self._backlog.popleft() for _ in range(take)]), documents_seen)
             if accepted:
                 self._ready += accepted
                 deadline = time.monotonic() + self.data_timeout_seconds
@@ -265,6 +304,47 @@ class StreamReader:
         self._unacked.update(dict.fromkeys(entry_id for entry_id, _ in out))
         self.counters.documents_read += n
         return out
+
+    def _refused(self) -> str:
+        """What this reader refused since it started, for :class:`DataTimeout`'s message, e.g. "; refused 12 entries:
+        missing_metrics_field ×12 dead-lettered to 'rljob:ns:job:dead_letter' (each with its reason)", or ""."""
+        said = []
+        if self.counters.dead_lettered:
+            kinds = sorted(self.counters.dead_lettered.items(), key=lambda kind: (-kind[1], kind[0]))
+            said.append(", ".join(f"{kind} ×{n}" for kind, n in kinds)
+                        + f" dead-lettered to {self.keys.dead_letter!r} (each with its reason)")
+        if self.counters.dropped_too_long:
+            said.append(f"{MalformedKind.TOO_LONG.value} ×{self.counters.dropped_too_long} dropped (longer than "
+                        f"{self.micro_batch_tokens} tokens)")
+        total = sum(self.counters.dead_lettered.values()) + self.counters.dropped_too_long
+        return f"; refused {total} {'entry' if total == 1 else 'entries'}: {'; '.join(said)}" if total else ""
+
+    def _drop_stale(self, documents: list[tuple[str, Document]], documents_seen: Optional[int]
+                    ) -> list[tuple[str, Document]]:
+        """``documents`` without those staler than ``max_staleness`` at ``documents_seen``
+        (:func:`document_staleness`); each dropped one is counted, stays pending with the ids the next checkpoint
+        covers, and is added to the progress hash's ``dropped_stale``. A failed HINCRBY is logged and retried with the
+        next drops, never raised: the documents are already accounted for here."""
+        if self.max_staleness is None or not documents:
+            return documents
+        kept, dropped = [], []
+        for entry_id, document in documents:
+            staleness = document_staleness(document, documents_seen)
+            (dropped if staleness is not None and staleness > self.max_staleness else kept).append((entry_id, document))
+        if dropped:
+            self._unacked.update(dict.fromkeys(entry_id for entry_id, _ in dropped))
+            self.counters.dropped_stale += len(dropped)
+            self._unpublished_drops += len(dropped)
+            log.info("%s: dropped %d documents staler than maxStaleness %d at documents_seen %d", self.consumer,
+                     len(dropped), self.max_staleness, documents_seen)
+            try:
+                fence.write(self.client, self.keys,
+                            [("HINCRBY", self.keys.progress, protocol.PROGRESS_DROPPED_STALE, self._unpublished_drops)])
+                self._unpublished_drops = 0
+            except redis.RedisError as error:
+                log.warning("%s: could not add %d stale drops to %s: %s", self.consumer, self._unpublished_drops,
+                            self.keys.progress, error)
+        return kept
 
     def close(self) -> None:
         """Give the reader's connection back to the client's pool. Entries of a read still in flight stay pending
@@ -352,6 +432,9 @@ class StreamReader:
         )
         accepted = []
         for index, ((entry_id, fields), result) in enumerate(zip(entries, results, strict=True)):
+            if isinstance(result, Document) and result.model_version is None and self.max_staleness is not None:
+                result = MalformedEntry("no `model_version` field while algorithm.maxStaleness is set",
+                                        MalformedKind.MISSING_FIELD)
             try:
                 if isinstance(result, Document):
                     accepted.append((entry_id, result))
@@ -385,7 +468,7 @@ class StreamReader:
 
     # --- delivery bookkeeping -----------------------------------------------------------------
     def pending_ids(self) -> list[str]:
-        """Ids handed out by :meth:`next_documents` and not yet acked or taken, oldest first."""
+        """Ids handed out (or dropped as stale) by :meth:`next_documents` and not yet acked or taken, oldest first."""
         return list(self._unacked)
 
     def take_pending_ids(self) -> list[str]:
@@ -412,6 +495,18 @@ class StreamReader:
     def trim_acked(self) -> int:
         """:func:`trim_acked` on this reader's stream."""
         return trim_acked(self.client, self.keys)
+
+
+def document_staleness(document: Document, documents_seen: int) -> Optional[int]:
+    """``documents_seen`` minus the smallest ``model_version`` of ``document``'s labelled tokens, in documents (an
+    int64 difference: exact), or None when it has no labelled token or no ``model_version``. The version of the
+    oldest weights any of its trained tokens was sampled with decides (DESIGN §4 ``algorithm.maxStaleness``)."""
+    if document.model_version is None:
+        return None
+    labelled = np.asarray(document.model_version)[label_masks([document])]
+    if labelled.size == 0:
+        return None
+    return int(documents_seen) - int(labelled.min())
 
 
 def ack_entries(client: redis.Redis, keys: RedisKeys, ids: Iterable[str | bytes], batch: int = 1000) -> int:
