@@ -169,13 +169,15 @@ def execute(pipe: redis.client.Pipeline, attempt: Optional[int] = None) -> list[
     try:
         return pipe.execute()
     except redis.ResponseError as err:
-        if "FENCED " not in str(err):
-            raise
-        raise refusal(str(err), attempt) from None
+        raise refusal(err, attempt) from None
 
 
-def refusal(message: str, attempt: Optional[int] = None) -> Fenced:
-    """The :class:`Fenced` of a refusal of the guarded script (``FENCED <owner>``; ``FENCED none``: no owner)."""
+def refusal(error: redis.ResponseError, attempt: Optional[int] = None) -> Exception:
+    """The :class:`Fenced` of a refusal of the guarded script (``FENCED <owner>``; ``FENCED none``: no owner), or
+    ``error`` itself when it is another error (for ``raise refusal(err) from None`` in an ``except``)."""
+    message = str(error)
+    if "FENCED " not in message:
+        return error
     owner = message.rsplit("FENCED ", 1)[1].split()[0]
     return Fenced(gang_or(attempt), None if owner == "none" else owner, job_uid())
 

@@ -199,9 +199,7 @@ def publish_start(
     try:
         client.transaction(write, rollout)
     except redis.ResponseError as err:
-        if "FENCED " not in str(err):
-            raise
-        raise fence.refusal(str(err), attempt) from None
+        raise fence.refusal(err, attempt) from None
 
 
 def stream_identity(client: redis.Redis, config: JobConfig) -> str:
