@@ -175,12 +175,13 @@ class Trackers:
         """Log what is queued, then close every tracker; waits at most ``timeout_s`` seconds (idempotent)."""
         if not self._thread.is_alive():
             return
+        deadline = time.monotonic() + timeout_s
         try:
             self._queue.put(None, timeout=timeout_s)
         except queue.Full:
             log.warning("trackers: the queue did not drain within %.0f s; the last records are not logged", timeout_s)
             return
-        self._thread.join(timeout_s)
+        self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._thread.is_alive():
             log.warning("trackers: still logging after %.0f s; the last records may be missing", timeout_s)
 
