@@ -230,6 +230,22 @@ class ExportSpec(ApiModel):
     )
 
 
+class TensorBoardSpec(ApiModel):
+    """TensorBoard event files of the trainer: global rank 0 writes every step's metrics as scalars."""
+
+    log_dir: str = Field(
+        ...,
+        pattern=r"^/",
+        max_length=4096,
+        description="Required. Absolute directory in the trainer container, on a volume that outlives the pods (a path "
+        "under the checkpoint volume's /var/lib/rljob/checkpoints, or a volume mounted through the pod template): "
+        "global rank 0 writes the event files there, one scalar per step metric (train/<metric>, stream/<counter>, "
+        "progress/tokens_per_second, progress/documents_seen, progress/model_version) at global step = the optimizer "
+        "step. An attempt that resumes from a checkpoint hides the steps an earlier attempt logged past it "
+        "(TensorBoard's purge_step). Give every job its own directory.",
+    )
+
+
 class ParallelismSpec(ApiModel):
     """How the trainer's data-parallel ranks hold the model (DESIGN §5)."""
 
@@ -301,6 +317,12 @@ class TrainerSpec(ApiModel):
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="AdamW settings.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Cadence, storage.")
     export: ExportSpec = Field(default_factory=ExportSpec, description="Final weight export.")
+    tensorboard: Optional[TensorBoardSpec] = Field(
+        None,
+        exclude_if=omitted_at_default(None),
+        description="TensorBoard event files of every step's metrics, written by global rank 0. Unset (the default): "
+        "none.",
+    )
     max_steps: int = Field(100, ge=1, description="Optimizer steps, then training_finished.")
     seed: int = Field(0, ge=0, description="Model init and data-order seed.")
     collective_timeout_seconds: int = Field(

@@ -2,6 +2,8 @@
 
 - ``rljob_operator_jobs{phase}``: RLTrainingJobs by status.phase, listed from the API server at scrape time
   (a custom collector, so the number is never stale; ``phase="Unknown"`` for jobs without a status yet);
+- ``rljob_operator_job_restarts{job_namespace,job_name}``: each job's status.restarts (gang restarts over the job's
+  life, whichever operator process decided them), listed at scrape time as well;
 - ``rljob_operator_gang_restarts_total``: trainer gang restarts decided by this process;
 - ``rljob_operator_reconcile_duration_seconds``: wall time of one reconcile pass (seconds);
 - ``rljob_operator_reconcile_errors_total{kind}``: passes that ended in an error, by exception class
@@ -57,6 +59,13 @@ class JobsCollector(Collector):
         for phase, count in sorted(count_phases(jobs).items()):
             family.add_metric([phase], count)
         yield family
+        restarts = GaugeMetricFamily("rljob_operator_job_restarts", "Gang restarts of each RLTrainingJob "
+                                     "(status.restarts).", labels=["job_namespace", "job_name"])
+        for job in jobs:
+            meta = job.get("metadata") or {}
+            restarts.add_metric([meta.get("namespace", ""), meta.get("name", "")],
+                                (job.get("status") or {}).get("restarts") or 0)
+        yield restarts
 
 
 class OperatorMetrics:

@@ -196,6 +196,7 @@ def test_fields_left_at_their_defaults_leave_the_resolved_config_and_its_hash_as
         assert name not in document["spec"]["algorithm"]
     assert "schedule" not in document["spec"]["trainer"]["optimizer"]
     assert "minLearningRate" not in document["spec"]["trainer"]["optimizer"]
+    assert "tensorboard" not in document["spec"]["trainer"]
     filled = spec(algorithm={"importanceSampling": {"enabled": False, "cap": 2.0}, "klCoef": 0.0, "klEstimator": "k3"},
                   trainer={"optimizer": {"schedule": "constant", "minLearningRate": 0.0}})
     assert resolve("demo", "ns", filled, RedisConnection(host="r")).to_json() == before.to_json()
@@ -204,5 +205,17 @@ def test_fields_left_at_their_defaults_leave_the_resolved_config_and_its_hash_as
         changed = resolve("demo", "ns", spec(algorithm=on), RedisConnection(host="r"))
         assert changed.config_hash() != before.config_hash()
         assert JobConfig.from_json(changed.to_json()) == changed
+    board = resolve("demo", "ns", spec(trainer={"tensorboard": {"logDir": "/var/lib/rljob/checkpoints/tb"}}),
+                    RedisConnection(host="r"))
+    assert json.loads(board.to_json())["spec"]["trainer"]["tensorboard"] == {"logDir": "/var/lib/rljob/checkpoints/tb"}
+    assert board.config_hash() != before.config_hash() and JobConfig.from_json(board.to_json()) == board
     decayed = resolve("demo", "ns", spec(trainer={"optimizer": {"schedule": "cosine"}}), RedisConnection(host="r"))
     assert json.loads(decayed.to_json())["spec"]["trainer"]["optimizer"]["schedule"] == "cosine"
+
+
+@pytest.mark.parametrize("tensorboard", [{"logDir": "runs/tb"}, {"logDir": ""}, {}])
+def test_tensorboard_needs_an_absolute_log_dir(tensorboard):
+    with pytest.raises(ValidationError) as err:
+        spec(trainer={"tensorboard": tensorboard})
+    (error,) = err.value.errors()
+    assert ".".join(str(part) for part in error["loc"]) == "trainer.tensorboard.logDir"

@@ -16,7 +16,7 @@ def test_count_phases_lists_every_phase():
 
 
 def test_metrics_endpoint_lists_jobs_at_scrape_time():
-    jobs = [{"status": {"phase": "Succeeded"}}]
+    jobs = [{"metadata": {"namespace": "team-a", "name": "grpo"}, "status": {"phase": "Succeeded", "restarts": 3}}]
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -32,7 +32,7 @@ def test_metrics_endpoint_lists_jobs_at_scrape_time():
         with metrics.reconcile_duration.time():
             pass
         first = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        jobs.append({"status": {"phase": "Succeeded"}})
+        jobs.append({"metadata": {"namespace": "team-b", "name": "new"}, "status": {"phase": "Succeeded"}})
         second = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     finally:
         metrics.stop()
@@ -41,6 +41,9 @@ def test_metrics_endpoint_lists_jobs_at_scrape_time():
         loop.close()
     assert 'rljob_operator_jobs{phase="Succeeded"} 1.0' in first
     assert 'rljob_operator_jobs{phase="Succeeded"} 2.0' in second
+    assert 'rljob_operator_job_restarts{job_name="grpo",job_namespace="team-a"} 3.0' in first
+    assert 'rljob_operator_job_restarts{job_name="new",job_namespace="team-b"} 0.0' in second
+    assert 'job_name="new"' not in first
     assert "rljob_operator_gang_restarts_total 2.0" in first
     assert 'rljob_operator_reconcile_errors_total{kind="http409"} 1.0' in first
     assert "rljob_operator_reconcile_duration_seconds_count 1.0" in first

@@ -159,6 +159,10 @@ def test_backpressure_blocks_the_worker_until_entries_are_acked(redis_server, pu
         delivered = client.xreadgroup(config.keys.group, "fast_llm_consumer_0", {config.keys.stream: ">"}, count=100)
         time.sleep(1.0)
         assert client.xlen(config.keys.stream) == 16, "delivered but unacknowledged entries must still hold it back"
+        registry = worker.metrics.registry  # the Prometheus view of the same check: 0 undelivered + 16 pending
+        assert registry.get_sample_value("rljob_rollout_stream_backlog") == 16
+        assert registry.get_sample_value("rljob_rollout_stream_ahead") == 16  # none trained (no progress hash)
+        assert registry.get_sample_value("rljob_rollout_waiting") == 1
         client.xack(config.keys.stream, config.keys.group, *[entry_id for entry_id, _ in delivered[0][1]])
         wait_until(lambda: client.xlen(config.keys.stream) == 32, 30, "the worker resuming after the ack")
 

@@ -56,11 +56,13 @@ def make_config(
     replicas: int = 1,
     algorithm: Optional[dict[str, Any]] = None,
     optimizer: Optional[dict[str, Any]] = None,
+    tensorboard: Optional[Path] = None,
 ) -> JobConfig:
     """A resolved config for a one-node trainer of ``processes`` ranks with a tiny model (or spec.model ``model``) and a
     managed Redis (``max_pending`` / ``max_lag``: spec.redis.maxPending / spec.rollout.maxLag, ``parallelism``:
     spec.trainer.parallelism, the spec's defaults if None; ``replicas``: spec.rollout.replicas, 0 for a trainer-only job;
-    ``algorithm`` / ``optimizer``: fields added to spec.algorithm / spec.trainer.optimizer)."""
+    ``algorithm`` / ``optimizer``: fields added to spec.algorithm / spec.trainer.optimizer; ``tensorboard``:
+    spec.trainer.tensorboard.logDir)."""
     rollout: dict[str, Any] = {"sampling": {"temperature": 0.7}, "replicas": replicas}
     if max_lag is not None:
         rollout["maxLag"] = max_lag
@@ -78,6 +80,7 @@ def make_config(
                 "maxSteps": max_steps,
                 "collectiveTimeoutSeconds": 120,
                 "dataTimeoutSeconds": data_timeout_seconds,
+                **({"tensorboard": {"logDir": str(tensorboard)}} if tensorboard is not None else {}),
             },
             "rollout": rollout,
             **({"redis": {"maxPending": max_pending}} if max_pending is not None else {}),

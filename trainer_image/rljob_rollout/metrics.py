@@ -5,7 +5,9 @@ written), ``rljob_rollout_reward_errors_total{kind}`` (samples dropped because t
 ``rljob_rollout_filtered_samples_total`` (zero-variance filter), ``rljob_rollout_weight_updates_total{outcome}``,
 ``rljob_rollout_model_version`` (documents), ``rljob_rollout_reward`` (mean reward of the last batch, before
 filtering), ``rljob_rollout_samples_per_second``, ``rljob_rollout_waiting`` (1 while back-pressure or max lag
-holds the worker).
+holds the worker), ``rljob_rollout_stream_backlog`` and ``rljob_rollout_stream_ahead`` (documents: what
+``redis.maxPending`` and ``rollout.maxLag`` bound, :class:`~rljob_rollout.writer.StreamBacklog`, as of the worker's
+last check before a batch).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from rljob_rollout.writer import BatchReport
+from rljob_rollout.writer import BatchReport, StreamBacklog
 
 
 class RolloutMetrics:
@@ -36,6 +38,12 @@ class RolloutMetrics:
         self.reward = Gauge("rljob_rollout_reward", "Mean reward of the last batch, before filtering.", registry=r)
         self.samples_per_second = Gauge("rljob_rollout_samples_per_second", "Generation + scoring rate.", registry=r)
         self.waiting = Gauge("rljob_rollout_waiting", "1 while back-pressure or max lag holds the worker.", registry=r)
+        self.stream_backlog = Gauge("rljob_rollout_stream_backlog", "The consumer group's undelivered + pending entries "
+                                    "(stale drops aside) that redis.maxPending bounds, at the last check (documents).",
+                                    registry=r)
+        self.stream_ahead = Gauge("rljob_rollout_stream_ahead", "Documents generated and not yet trained by the "
+                                  "trainer's current attempt, that rollout.maxLag bounds, at the last check (documents).",
+                                  registry=r)
         self._server = None
 
     def serve(self, port: int, address: str = "0.0.0.0") -> int:
@@ -53,6 +61,11 @@ class RolloutMetrics:
         if batch.rewards:
             self.reward.set(sum(batch.rewards) / len(batch.rewards))
         self.samples_per_second.set(batch.samples_generated / max(batch.seconds, 1e-9))
+
+    def observe_backlog(self, state: StreamBacklog) -> None:
+        """Set the stream gauges from the worker's last snapshot of the consumer group."""
+        self.stream_backlog.set(state.backlog)
+        self.stream_ahead.set(state.ahead)
 
     def close(self) -> None:
         """Stop the HTTP endpoint, if started."""

@@ -210,7 +210,9 @@ class RolloutWorker:
             return True
         if self.version is None or self._stop.is_set() or time.monotonic() < self._generate_after:
             return False
-        reason = self.writer.wait_reason()
+        state = self.writer.snapshot()
+        self.metrics.observe_backlog(state)
+        reason = self.writer.wait_reason(state)
         if reason is not None:
             if reason != self._last_wait_reason:
                 log.info("rollout: waiting: %s", reason)

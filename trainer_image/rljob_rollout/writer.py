@@ -213,9 +213,10 @@ class DocumentWriter:
         Raises RedisError."""
         return self.snapshot().ahead
 
-    def wait_reason(self) -> Optional[str]:
-        """Why the worker must not start a batch now (back-pressure or max lag), or None. Raises RedisError."""
-        state = self.snapshot()
+    def wait_reason(self, state: Optional[StreamBacklog] = None) -> Optional[str]:
+        """Why the worker must not start a batch now (back-pressure or max lag), or None, from ``state`` (default: a
+        :meth:`snapshot` taken now). Raises RedisError."""
+        state = state or self.snapshot()
         dropped = f" - {state.dropped_unacked} dropped as stale" if state.dropped_unacked else ""
         if state.backlog >= self.max_pending:
             return (

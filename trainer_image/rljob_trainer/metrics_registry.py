@@ -122,6 +122,32 @@ TIMINGS: tuple[TimingDef, ...] = (
 )
 """Every timing a step record may carry, by name."""
 
+GRAD_NORM = "grad_norm"
+LEARNING_RATE = "learning_rate"
+
+
+class ScalarDef(NamedTuple):
+    """A value of every step record's ``metrics`` that is neither a loss metric nor a timing."""
+
+    name: str
+    description: str
+
+
+OPTIMIZER_SCALARS: tuple[ScalarDef, ...] = (
+    ScalarDef(GRAD_NORM, "total gradient norm before clipping (optimizer.gradClip), all parameters"),
+    ScalarDef(LEARNING_RATE, "the learning rate of the step's AdamW update (warm-up, then the schedule)"),
+)
+"""The optimizer's scalars in every step record (global, not reduced: every rank computes the same value)."""
+
+
+def record_metric_names() -> frozenset[str]:
+    """Every name a step record's ``metrics`` may carry (:class:`~rljob_trainer.progress.StepRecord`, the Prometheus
+    gauge ``rljob_trainer_metric{name}``, the trackers' ``train/<name>``): the loss metrics of every level and
+    correction, ``loss``, the optimizer's scalars and the timings. Stream counters are the record's ``stream``."""
+    return frozenset((*(m.name for m in METRICS), "loss", *(m.name for m in OPTIMIZER_SCALARS),
+                      *(t.name for t in TIMINGS)))
+
+
 COUNT_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS if m.per == "total")
 """Sum metrics reported as totals (``per="total"``); the others are divided by the step's document count or by one of
 these."""

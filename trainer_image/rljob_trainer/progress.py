@@ -25,6 +25,7 @@ from rljob_api import constants as c
 from rljob_api import protocol
 from rljob_api.config import JobConfig
 from rljob_trainer import fence
+from rljob_trainer.trackers import Trackers, build_trackers
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +70,15 @@ class NoOpProgress:
 
 
 class RankZeroProgress:
-    """Global rank 0's reporter: progress hash, JSON lines and a Prometheus endpoint.
+    """Global rank 0's reporter: progress hash, JSON lines, a Prometheus endpoint and the experiment trackers.
 
     After each step :meth:`report` writes ``HSET keys.progress`` with ``step``, ``documents_seen``,
     ``model_version``, ``tokens_per_second``, ``metrics`` (JSON object), ``stream`` (JSON object) and
     ``updated_at`` (unix seconds), prints the record as one JSON line on ``stdout`` and sets the gauges
     ``rljob_trainer_{step,documents_seen,model_version,tokens_per_second}`` and
     ``rljob_trainer_metric{name=...}``, served on ``config.metrics_port`` (0 = a free port, see
-    :attr:`port`) at the address in env ``POD_IP`` (default all interfaces).
+    :attr:`port`) at the address in env ``POD_IP`` (default all interfaces); ``trackers``
+    (:mod:`rljob_trainer.trackers`: TensorBoard, W&B, MLflow) get every record on their own thread.
 
     A Redis error while writing the hash is logged and skipped: the next step writes it again.
 
@@ -91,8 +93,10 @@ class RankZeroProgress:
         *,
         registry: Optional[CollectorRegistry] = None,
         stdout: TextIO = sys.stdout,
+        trackers: Optional[Trackers] = None,
     ) -> None:
         self._key, self._keys = config.keys.progress, config.keys
+        self._trackers = trackers
         self._client = client
         self._stdout = stdout
         self.registry = registry or CollectorRegistry()
@@ -128,6 +132,8 @@ class RankZeroProgress:
             self._metric.labels(name=name).set(value)
         for name, value in record.stream.items():
             self._stream.labels(counter=name).set(value)
+        if self._trackers is not None:
+            self._trackers.log(record)
         line = {"event": "step", **asdict(record)}
         self._stdout.write(json.dumps(line, allow_nan=True) + "\n")
         self._stdout.flush()
@@ -139,15 +145,20 @@ class RankZeroProgress:
             log.warning("progress: could not write %s after step %d: %s", self._key, record.step, err)
 
     def close(self) -> None:
-        """Stop the Prometheus endpoint (idempotent)."""
+        """Log what the trackers still hold and close them, stop the Prometheus endpoint (idempotent)."""
+        if self._trackers is not None:
+            self._trackers.close()
         if self._thread.is_alive():
             self._server.shutdown()
             self._server.server_close()
 
 
 def build_progress(config: JobConfig, client: redis.Redis, rank: int, *, stdout: TextIO = sys.stdout) -> Progress:
-    """:class:`RankZeroProgress` on global rank 0 (JSON lines to ``stdout``), :class:`NoOpProgress` elsewhere."""
-    return RankZeroProgress(config, client, stdout=stdout) if rank == 0 else NoOpProgress()
+    """:class:`RankZeroProgress` on global rank 0 (JSON lines to ``stdout``, the trackers the job and the env configure:
+    :func:`~rljob_trainer.trackers.build_trackers`), :class:`NoOpProgress` elsewhere."""
+    if rank != 0:
+        return NoOpProgress()
+    return RankZeroProgress(config, client, stdout=stdout, trackers=build_trackers(config, fence.gang_attempt()))
 
 
 def publish_start(

@@ -61,7 +61,8 @@ from rljob_trainer.checkpoint import (
 )
 from rljob_trainer.loss_metrics import StepMetrics, token_entropy
 from rljob_trainer.loading import load_model
-from rljob_trainer.metrics_registry import CHECKPOINT_BLOCKING, CHECKPOINT_SAVE, STREAM_COUNTERS, WEIGHT_SYNC
+from rljob_trainer.metrics_registry import (CHECKPOINT_BLOCKING, CHECKPOINT_SAVE, GRAD_NORM, LEARNING_RATE,
+                                            STREAM_COUNTERS, WEIGHT_SYNC)
 from rljob_trainer.model import build_tokenizer, sequence_logprobs
 from rljob_trainer.parallel import DataParallelModel, Distributed
 from rljob_trainer.fence import claim, gang_attempt
@@ -303,7 +304,7 @@ class Trainer:
             documents_seen=self.documents_seen,
             model_version=self.documents_seen,
             tokens_per_second=step_tokens / elapsed,
-            metrics={"loss": step_loss, "grad_norm": float(grad_norm), "learning_rate": lr, **reduced,
+            metrics={"loss": step_loss, GRAD_NORM: float(grad_norm), LEARNING_RATE: lr, **reduced,
                      WEIGHT_SYNC: publication.duration_ms},
             stream=stream,
         )
