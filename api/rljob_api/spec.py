@@ -326,11 +326,16 @@ class SamplingSpec(ApiModel):
     max_new_tokens: int = Field(256, ge=1, le=131072, description="Completion length limit.")
 
 
+DIGIT_TASKS = ("digits-copy", "digits-reverse", "digits-sort")
+"""The built-in toy tasks (DESIGN §10): digit prompts, digit completions, the digits-only tokenizer of a tiny model."""
+
+
 class TaskSpec(ApiModel):
-    name: Literal["digits-copy", "digits-reverse", "math", "custom"] = Field(
+    name: Literal["digits-copy", "digits-reverse", "digits-sort", "math", "custom"] = Field(
         "digits-copy",
-        description="`digits-copy`/`digits-reverse` (built-in toy task, DESIGN §10); `math` (JSONL "
-        "question/answer, numeric answer); `custom` (prompts from `datasetPath`, reward from `rewardFunction`).",
+        description="`digits-copy`/`digits-reverse`/`digits-sort` (built-in toy tasks, DESIGN §10: the completion is "
+        "the prompt's digits as they are, reversed, or in ascending order); `math` (JSONL question/answer, numeric "
+        "answer); `custom` (prompts from `datasetPath`, reward from `rewardFunction`).",
     )
     dataset_path: Optional[str] = Field(None, description="JSONL file of prompts (math, custom).")
     reward_function: Optional[str] = Field(
