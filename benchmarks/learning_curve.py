@@ -68,11 +68,14 @@ def plot(data: dict[str, Any], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    example_rate = rp.example_spec()["trainer"]["optimizer"]["learningRate"]
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
     for name, task in data["tasks"].items():
         steps, rewards, seconds = zip(*task["curve"])
-        by_step.plot(steps, rewards, label=name, linewidth=1.2)
-        by_time.plot(seconds, rewards, label=name, linewidth=1.2)
+        rate = task["overrides"].get("trainer", {}).get("optimizer", {}).get("learningRate", example_rate)
+        label = f"{name} (lr {rate:g})"
+        by_step.plot(steps, rewards, label=label, linewidth=1.2)
+        by_time.plot(seconds, rewards, label=label, linewidth=1.2)
     by_step.set_xlabel("optimizer step (512 documents each)")
     by_time.set_xlabel("seconds since the first scored batch")
     by_step.set_ylabel("rollout reward")

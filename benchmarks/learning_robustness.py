@@ -18,7 +18,7 @@ Resumable: each run's record is appended to ``--results`` (JSON lines, fsynced) 
 again and the runs already recorded are skipped, so the sweep can be stopped (Ctrl-C, a reboot) and continued.
 A half-written last line is ignored and that run done again.
 
-    python benchmarks/learning_robustness.py --results ~/robustness.jsonl          # 20 seeds x {1, 2}: about 2 h idle
+    python benchmarks/learning_robustness.py --results ~/robustness.jsonl          # 20 seeds x {1, 2}: ~1.5 h on 2 idle cores
     python benchmarks/learning_robustness.py --seeds 2 --through 30 --by-step 25 --reach 0.2 --hold 0.1   # smoke
 
 It runs outside CI. Write-up and results: docs/learning-robustness.md.
@@ -159,12 +159,11 @@ def print_report(records: Sequence[dict[str, Any]], settings: Sequence[int], see
     ok = True
     results = [tally(records, replicas, seeds) for replicas in settings]
     for r in results:
-        rate = r.passed / r.runs if r.runs else float("nan")
         complete = r.runs == seeds
         ok &= r.met and complete
         status = ("met" if r.met else "missed") if complete else f"incomplete ({r.runs}/{seeds} runs)"
-        print(f"| {r.replicas} | {r.passed}/{r.runs} | {rate:.0%} | {r.interval[0]:.0%}-{r.interval[1]:.0%} | "
-              f">= {r.required}/{seeds} | {status} |")
+        rate, interval = (f"{r.passed / r.runs:.0%}", f"{r.interval[0]:.0%}-{r.interval[1]:.0%}") if r.runs else ("-", "-")
+        print(f"| {r.replicas} | {r.passed}/{r.runs} | {rate} | {interval} | >= {r.required}/{seeds} | {status} |")
     for r in results:
         for line in r.failures:
             print(f"  replicas {r.replicas}, {line}")

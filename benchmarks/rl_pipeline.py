@@ -21,7 +21,6 @@ import copy
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -209,41 +208,40 @@ def pinned(command: list[str], cores: Optional[str]) -> list[str]:
     return ["taskset", "-c", cores, *command] if cores else command
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (from /proc/<pid>/task/*/children)."""
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            try:
-                children = [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            found += children
-            todo += children
-    return found
-
-
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` and its live descendants (/proc/<pid>/stat fields 14 and 15); 0 for a
-    process that is gone."""
+    """User + system CPU seconds of ``pid`` and its live descendants (psutil); 0 for a process that is gone."""
+    import psutil
+
     total = 0.0
-    for one in [pid, *descendants(pid)]:
+    try:
+        processes = [psutil.Process(pid)]
+        processes += processes[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        return total
+    for process in processes:
         try:
-            fields = Path(f"/proc/{one}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
             continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        total += times.user + times.system
     return total
 
 
 def kill_tree(process: subprocess.Popen) -> None:
-    """SIGKILL ``process`` and every descendant of it (torchrun puts its workers in sessions of their own), then reap."""
+    """SIGKILL ``process`` and every descendant of it (torchrun puts its workers in sessions of their own, so a process
+    group kill would miss them), then reap it."""
+    import psutil
+
     if process.poll() is None:
-        for pid in [process.pid, *descendants(process.pid)]:
+        try:
+            tree = [psutil.Process(process.pid)]
+            tree += tree[0].children(recursive=True)
+        except psutil.NoSuchProcess:
+            tree = []
+        for member in tree:
             try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
+                member.kill()
+            except psutil.NoSuchProcess:
                 pass
     try:
         process.wait(30)

@@ -387,7 +387,9 @@ class RolloutSpec(ApiModel):
         ge=0,
         description="Documents a worker may run ahead of the trainer's documents_seen. Binds rljob's own rollout "
         "workers only (they check it before each batch); the trainer does not enforce it, so producers outside rljob "
-        "are bounded by redis.maxPending alone unless they read the progress hash themselves.",
+        "are bounded by redis.maxPending alone unless they read the progress hash themselves. 0 with one replica and a "
+        "batch (promptsPerBatch × samplesPerPrompt) that divides documentsPerStep is strictly synchronous: every batch "
+        "is generated with the latest weights while the trainer waits (DESIGN §6).",
     )
     sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="Generation parameters.")
     task: TaskSpec = Field(default_factory=TaskSpec, description="Prompts and verifiable reward.")

@@ -46,6 +46,24 @@ def _rollout_process(config_path: Path, password: str, log_path: Path) -> subpro
                             start_new_session=True)
 
 
+def _run_to_the_end(config, redis_server, tmp_path: Path, trainer_timeout: float) -> Torchrun:
+    """Write ``config``, run the 2-rank trainer and one rollout process until both exit 0 (killed on failure)."""
+    config_path = tmp_path / "config.json"
+    config_path.write_text(config.to_json())
+    trainer = Torchrun(config_path, 2, free_port(), redis_server.password, tmp_path, "trainer")
+    rollout = _rollout_process(config_path, redis_server.password, tmp_path / "rollout.log")
+    try:
+        assert trainer.wait(trainer_timeout) == 0, trainer.logs()
+        assert rollout.wait(60) == 0, (tmp_path / "rollout.log").read_text()[-4000:]
+    finally:
+        if trainer.process.poll() is None:
+            trainer.kill()
+        if rollout.poll() is None:
+            rollout.kill()
+            rollout.wait(10)
+    return trainer
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_rollout_reward_learns(redis_server, tmp_path):
@@ -67,23 +85,8 @@ def test_rollout_reward_learns(redis_server, tmp_path):
         algorithm={"loss": "grpo", "metrics": "basic"},
         redis={"maxPending": 100_000},
     ).model_copy(update={"checkpoint_dir": str(tmp_path / "checkpoints"), "metrics_port": 0})
-    config_path = tmp_path / "config.json"
-    config_path.write_text(config.to_json())
     client = redis_server.client()
-
-    trainer = Torchrun(config_path, 2, free_port(), redis_server.password, tmp_path, "trainer")
-    rollout = _rollout_process(config_path, redis_server.password, tmp_path / "rollout.log")
-    try:
-        assert trainer.wait(240) == 0, trainer.logs()
-        assert rollout.wait(60) == 0, (tmp_path / "rollout.log").read_text()[-4000:]
-    finally:
-        for process in (rollout, trainer):
-            if process is trainer:
-                if trainer.process.poll() is None:
-                    trainer.kill()
-            elif process.poll() is None:
-                process.kill()
-                process.wait(10)
+    trainer = _run_to_the_end(config, redis_server, tmp_path, 240)
 
     rewards = rollout_rewards(client, config.keys.rollout)
     versions = sorted(rewards)
@@ -127,19 +130,7 @@ def test_max_lag_zero_is_strictly_synchronous(redis_server, tmp_path):
                  "collectiveTimeoutSeconds": 120, "dataTimeoutSeconds": 120},
         algorithm={"loss": "grpo", "metrics": "basic"},
     ).model_copy(update={"checkpoint_dir": str(tmp_path / "checkpoints"), "metrics_port": 0})
-    config_path = tmp_path / "config.json"
-    config_path.write_text(config.to_json())
-    trainer = Torchrun(config_path, 2, free_port(), redis_server.password, tmp_path, "trainer")
-    rollout = _rollout_process(config_path, redis_server.password, tmp_path / "rollout.log")
-    try:
-        assert trainer.wait(200) == 0, trainer.logs()
-        assert rollout.wait(60) == 0, (tmp_path / "rollout.log").read_text()[-4000:]
-    finally:
-        if trainer.process.poll() is None:
-            trainer.kill()
-        if rollout.poll() is None:
-            rollout.kill()
-            rollout.wait(10)
+    trainer = _run_to_the_end(config, redis_server, tmp_path, 200)
     steps = json_lines(trainer)
     assert [line["step"] for line in steps] == list(range(1, SYNC_STEPS + 1))
     stale = [line["metrics"]["max_staleness"] for line in steps]
