@@ -13,7 +13,7 @@ step and against the wall-clock seconds since the first scored batch. The figure
 date, the load average and the settings) and the picture to ``--out`` (PNG, matplotlib: the ``benchmark`` extra).
 ``--replot`` redraws the picture from ``--data`` without running anything.
 
-    python benchmarks/learning_curve.py                  # ≈ 3 min on 2 idle cores, ≈ 10 min on a busy one
+    python benchmarks/learning_curve.py                  # ≈ 3 min on 2 idle cores, 11 min at load average 11-14
     python benchmarks/learning_curve.py --replot
 """
 

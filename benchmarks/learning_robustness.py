@@ -186,6 +186,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="taskset -c list for every process (default: every core this process may use)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run before it is killed")
     args = parser.parse_args(argv)
+    rp.require_psutil()
     criterion = Criterion(args.reach, args.by_step, args.hold, args.through)
     settings = [int(r) for r in args.replicas.split(",") if r]
     results = rp.ResultFile(args.results)

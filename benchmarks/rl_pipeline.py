@@ -208,6 +208,16 @@ def pinned(command: list[str], cores: Optional[str]) -> list[str]:
     return ["taskset", "-c", cores, *command] if cores else command
 
 
+def require_psutil() -> None:
+    """Exit with status 2 (an error, as the benchmarks' other errors), naming the extra to install, when psutil (the
+    process trees) is missing."""
+    try:
+        import psutil  # noqa: F401
+    except ImportError:
+        print("the learning benchmarks need psutil: pip install -e .[trainer,benchmark]", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of ``pid`` and its live descendants (psutil); 0 for a process that is gone."""
     import psutil
@@ -278,6 +288,7 @@ def run_pipeline(
     from rljob_api.config import RedisConnection, resolve
     from rljob_api.spec import RLTrainingJobSpec
 
+    require_psutil()
     work_dir.mkdir(parents=True, exist_ok=True)
     parsed = RLTrainingJobSpec.model_validate(spec)
     redis_process, port, redis_dir = start_redis()

@@ -281,6 +281,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         parser.error(f"--variants: unknown {unknown}; choose from {VARIANTS}")
+    if "trl" in variants and subprocess.run([args.trl_python, "-c", "import trl"], capture_output=True).returncode:
+        parser.error(f"--trl-python {args.trl_python}: cannot import trl; pip install -e .[trainer,benchmark] there, "
+                     f"or leave trl out of --variants")
+    rp.require_psutil()
     work_root = args.work_dir or Path(tempfile.mkdtemp(prefix="rljob-time-to-reward-"))
     results = rp.ResultFile(args.results or work_root / "results.jsonl")
     print(f"time to reward {args.threshold}: task {args.task}, seeds 0-{args.seeds - 1}, variants {variants}, "
