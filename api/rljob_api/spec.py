@@ -348,11 +348,16 @@ class SamplingSpec(ApiModel):
     max_new_tokens: int = Field(256, ge=1, le=131072, description="Completion length limit.")
 
 
+DIGIT_TASKS = ("digits-copy", "digits-reverse", "digits-sort")
+"""The built-in toy tasks (DESIGN §10): digit prompts, digit completions, the digits-only tokenizer of a tiny model."""
+
+
 class TaskSpec(ApiModel):
-    name: Literal["digits-copy", "digits-reverse", "math", "custom"] = Field(
+    name: Literal["digits-copy", "digits-reverse", "digits-sort", "math", "custom"] = Field(
         "digits-copy",
-        description="`digits-copy`/`digits-reverse` (built-in toy task, DESIGN §10); `math` (JSONL "
-        "question/answer, numeric answer); `custom` (prompts from `datasetPath`, reward from `rewardFunction`).",
+        description="`digits-copy`/`digits-reverse`/`digits-sort` (built-in toy tasks, DESIGN §10: the completion is "
+        "the prompt's digits as they are, reversed, or in ascending order); `math` (JSONL question/answer, numeric "
+        "answer); `custom` (prompts from `datasetPath`, reward from `rewardFunction`).",
     )
     dataset_path: Optional[str] = Field(None, description="JSONL file of prompts (math, custom).")
     reward_function: Optional[str] = Field(
@@ -404,7 +409,9 @@ class RolloutSpec(ApiModel):
         ge=0,
         description="Documents a worker may run ahead of the trainer's documents_seen. Binds rljob's own rollout "
         "workers only (they check it before each batch); the trainer does not enforce it, so producers outside rljob "
-        "are bounded by redis.maxPending alone unless they read the progress hash themselves.",
+        "are bounded by redis.maxPending alone unless they read the progress hash themselves. 0 with one replica and a "
+        "batch (promptsPerBatch × samplesPerPrompt) that divides documentsPerStep is strictly synchronous: every batch "
+        "is generated with the latest weights while the trainer waits (DESIGN §6).",
     )
     sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="Generation parameters.")
     task: TaskSpec = Field(default_factory=TaskSpec, description="Prompts and verifiable reward.")

@@ -3,6 +3,9 @@ digit-copy task, so the whole loop — task, rewards, advantages, log-probabilit
 transfer, loss — has the right sign, and does so while training on stale documents (the worker may run
 ``MAX_LAG`` documents ahead; the trainer's staleness metric must show it did).
 
+A second test runs the same processes with ``maxLag: 0`` and checks that they are then strictly synchronous
+(staleness 0 at every step, DESIGN §6).
+
 Processes: ``torchrun --nproc-per-node=2 -m rljob_trainer.train`` (2 gloo ranks) and
 ``python -m rljob_rollout`` (the pod entry point), both reading one config file, fixed seeds.
 """
@@ -43,6 +46,24 @@ def _rollout_process(config_path: Path, password: str, log_path: Path) -> subpro
                             start_new_session=True)
 
 
+def _run_to_the_end(config, redis_server, tmp_path: Path, trainer_timeout: float) -> Torchrun:
+    """Write ``config``, run the 2-rank trainer and one rollout process until both exit 0 (killed on failure)."""
+    config_path = tmp_path / "config.json"
+    config_path.write_text(config.to_json())
+    trainer = Torchrun(config_path, 2, free_port(), redis_server.password, tmp_path, "trainer")
+    rollout = _rollout_process(config_path, redis_server.password, tmp_path / "rollout.log")
+    try:
+        assert trainer.wait(trainer_timeout) == 0, trainer.logs()
+        assert rollout.wait(60) == 0, (tmp_path / "rollout.log").read_text()[-4000:]
+    finally:
+        if trainer.process.poll() is None:
+            trainer.kill()
+        if rollout.poll() is None:
+            rollout.kill()
+            rollout.wait(10)
+    return trainer
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_rollout_reward_learns(redis_server, tmp_path):
@@ -64,23 +85,8 @@ def test_rollout_reward_learns(redis_server, tmp_path):
         algorithm={"loss": "grpo", "metrics": "basic"},
         redis={"maxPending": 100_000},
     ).model_copy(update={"checkpoint_dir": str(tmp_path / "checkpoints"), "metrics_port": 0})
-    config_path = tmp_path / "config.json"
-    config_path.write_text(config.to_json())
     client = redis_server.client()
-
-    trainer = Torchrun(config_path, 2, free_port(), redis_server.password, tmp_path, "trainer")
-    rollout = _rollout_process(config_path, redis_server.password, tmp_path / "rollout.log")
-    try:
-        assert trainer.wait(240) == 0, trainer.logs()
-        assert rollout.wait(60) == 0, (tmp_path / "rollout.log").read_text()[-4000:]
-    finally:
-        for process in (rollout, trainer):
-            if process is trainer:
-                if trainer.process.poll() is None:
-                    trainer.kill()
-            elif process.poll() is None:
-                process.kill()
-                process.wait(10)
+    trainer = _run_to_the_end(config, redis_server, tmp_path, 240)
 
     rewards = rollout_rewards(client, config.keys.rollout)
     versions = sorted(rewards)
@@ -105,3 +111,29 @@ def test_rollout_reward_learns(redis_server, tmp_path):
 def _mean(pairs: list[tuple[float, int]]) -> float:
     """Sample-weighted mean of (mean, count) pairs."""
     return sum(m * n for m, n in pairs) / sum(n for _, n in pairs)
+
+
+SYNC_STEPS = 12
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_max_lag_zero_is_strictly_synchronous(redis_server, tmp_path):
+    """DESIGN §6 "Strictly synchronous": with maxLag 0, one replica and a batch that divides documentsPerStep (here two
+    batches of 8 per step of 16), every step trains on documents of the weights it started from: staleness 0."""
+    config = make_config(
+        redis_server,
+        rollout={"promptsPerBatch": 2, "samplesPerPrompt": 4, "maxLag": 0, "seed": 1,
+                 "task": {"name": "digits-copy", "digits": DIGITS}},
+        trainer={"processesPerNode": 2, "batch": {"documentsPerStep": 16, "microBatchTokens": 4096},
+                 "optimizer": {"learningRate": 2e-3}, "checkpoint": {"everySteps": 5}, "maxSteps": SYNC_STEPS,
+                 "collectiveTimeoutSeconds": 120, "dataTimeoutSeconds": 120},
+        algorithm={"loss": "grpo", "metrics": "basic"},
+    ).model_copy(update={"checkpoint_dir": str(tmp_path / "checkpoints"), "metrics_port": 0})
+    trainer = _run_to_the_end(config, redis_server, tmp_path, 200)
+    steps = json_lines(trainer)
+    assert [line["step"] for line in steps] == list(range(1, SYNC_STEPS + 1))
+    stale = [line["metrics"]["max_staleness"] for line in steps]
+    assert stale == [0.0] * SYNC_STEPS, f"max staleness per step (documents): {stale}"
+    versions = sorted(rollout_rewards(redis_server.client(), config.keys.rollout))
+    assert versions == [16 * step for step in range(len(versions))], versions  # one version per step, none skipped

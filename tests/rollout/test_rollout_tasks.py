@@ -1,4 +1,4 @@
-"""Tasks: toy digit prompts and rewards, GSM8K-style answer extraction, JSONL datasets, user reward functions."""
+"""Tasks: toy digit prompts and rewards (copy, reverse, sort), GSM8K-style answer extraction, JSONL datasets, user reward functions."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from rljob_api.spec import ModelSpec, TaskSpec
+from rljob_api.spec import DIGIT_TASKS, ModelSpec, TaskSpec
 from rljob_trainer.model import TEXT_ALPHABET, DigitTokenizer, build_tokenizer
-from rljob_rollout.tasks import InvalidReward, Prompt, build_task, extract_number, load_reward_function
+from rljob_rollout.tasks import DigitsTask, InvalidReward, Prompt, build_task, extract_number, load_reward_function
 
 TOK = DigitTokenizer()
 TEXT = DigitTokenizer(alphabet=TEXT_ALPHABET)
@@ -42,10 +42,36 @@ def test_digits_reverse_rewards_the_reversed_prompt():
     assert task.reward(prompt, _ids("123"), "123") == pytest.approx(1 / 3)
 
 
+def test_digits_sort_rewards_the_prompt_in_ascending_order():
+    task = build_task(TaskSpec(name="digits-sort", digits=4), TOK, seed=3)
+    assert task.name == "digits-sort" and task.max_new_tokens == 4
+    for fresh in task.next_prompts(16):
+        assert fresh.reference == tuple(_ids("".join(sorted(fresh.text))))
+        assert list(fresh.token_ids) == TOK.encode(fresh.text + "|")
+    prompt = Prompt(tuple(TOK.encode("3102|")), "3102", tuple(_ids("0123")))
+    assert task.reward(prompt, _ids("0123"), "0123") == 1.0
+    assert task.reward(prompt, _ids("0132"), "0132") == 0.5  # the last two swapped
+    assert task.reward(prompt, _ids("3102"), "3102") == 0.25  # a copy of the prompt: only the 1 (position 1) is right
+    assert task.reward(prompt, _ids("3210"), "3210") == 0.0  # descending: no position right
+    assert task.reward(prompt, _ids("0") + [TOK.eos_token_id], "0") == 0.25  # stopped after one digit
+    duplicates = build_task(TaskSpec(name="digits-sort", digits=4), TOK, seed=0)
+    five = Prompt(tuple(TOK.encode("5505|")), "5505", tuple(_ids("0555")))
+    assert duplicates.reward(five, _ids("0555"), "0555") == 1.0
+    assert duplicates.reward(five, _ids("5550"), "5550") == 0.5  # positions 1 and 2 hold a 5 either way
+
+
+def test_the_digit_tasks_and_the_default_task():
+    assert set(DigitsTask.ORDERS) == set(DIGIT_TASKS) == {"digits-copy", "digits-reverse", "digits-sort"}
+    assert TaskSpec().name == "digits-copy"  # the default is unchanged: jobs without a task resolve as before
+    with pytest.raises(ValueError, match="spec.rollout.task.name"):
+        DigitsTask(TOK, digits=4, order="shuffle", seed=0)
+
+
 def test_tiny_tokenizer_alphabet_follows_the_task():
     tiny = ModelSpec(source="tiny")
     digits = build_tokenizer(tiny, TaskSpec(name="digits-reverse"))
-    assert build_tokenizer(tiny) == digits == TOK and digits.vocab_size == 14  # 4 specials + 10 digits
+    assert build_tokenizer(tiny) == digits == build_tokenizer(tiny, TaskSpec(name="digits-sort")) == TOK
+    assert digits.vocab_size == 14  # 4 specials + 10 digits
     assert digits.encode("90|") == [1, 13, 4, 3] and digits.decode([1, 13, 4, 3, 2]) == "90|"
     with pytest.raises(ValueError, match="'a' is not in its alphabet '0123456789'"):
         digits.encode("a1")

@@ -19,7 +19,7 @@ from rljob_api import protocol
 from rljob_trainer.model import sequence_logprobs
 from rljob_rollout.__main__ import replica_index
 from rljob_rollout.backoff import JITTER_LOW, Backoff
-from rljob_rollout.worker import REWARD_BACKOFF_CAP_S, REWARD_BACKOFF_INITIAL_S
+from rljob_rollout.worker import REWARD_BACKOFF_CAP_S, REWARD_BACKOFF_INITIAL_S, WAIT_FOR_ROOM_MS, room_wait_ms
 from rollout_harness import rollout_rewards
 from rljob_trainer.stream.codec import decode_entry
 from rljob_trainer.weights import WeightPublisher
@@ -165,6 +165,12 @@ def test_backpressure_blocks_the_worker_until_entries_are_acked(redis_server, pu
         assert registry.get_sample_value("rljob_rollout_waiting") == 1
         client.xack(config.keys.stream, config.keys.group, *[entry_id for entry_id, _ in delivered[0][1]])
         wait_until(lambda: client.xlen(config.keys.stream) == 32, 30, "the worker resuming after the ack")
+
+
+def test_held_back_right_after_an_update_the_worker_checks_again_soon():
+    # The trainer reports a step just after publishing its weights: the first checks come after 5 ms, doubling.
+    assert [room_wait_ms(n) for n in range(9)] == [5, 10, 20, 40, 80, 160, 250, 250, 250]
+    assert room_wait_ms(10**6) == WAIT_FOR_ROOM_MS == 250  # long held back (or no update yet): the plain wait
 
 
 REWARDS = '''

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from rljob_api import constants as c
-from rljob_api.spec import ModelSpec, TaskSpec
+from rljob_api.spec import DIGIT_TASKS, ModelSpec, TaskSpec
 
 
 DIGITS_ALPHABET = "0123456789"
@@ -81,13 +81,14 @@ def build_tokenizer(spec: ModelSpec, task: Optional[TaskSpec] = None) -> Any:
 
     For ``tiny`` the alphabet follows the task (the trainer and every rollout worker pass the same
     ``spec.rollout.task``, so they agree on the vocabulary size): :data:`DIGITS_ALPHABET` for the digit
-    tasks (and when ``task`` is None), :data:`TEXT_ALPHABET` for ``math`` and ``custom``.
+    tasks (:data:`~rljob_api.spec.DIGIT_TASKS`, and when ``task`` is None), :data:`TEXT_ALPHABET` for ``math`` and
+    ``custom``.
 
     Raises:
         OSError: the Hugging Face model id or path cannot be loaded.
     """
     if spec.source == "tiny":
-        text = task is not None and task.name not in ("digits-copy", "digits-reverse")
+        text = task is not None and task.name not in DIGIT_TASKS
         return DigitTokenizer(alphabet=TEXT_ALPHABET if text else DIGITS_ALPHABET)
     from transformers import AutoTokenizer
 

@@ -1,0 +1,328 @@
+"""Time to reward: what streaming (asynchronous) RL buys over synchronous RL, and where rljob stands against TRL.
+
+Three variants learn the same task with the same tiny model, batch, samples per prompt, learning rate and seeds,
+every process with ``OMP_NUM_THREADS=1`` and pinned to the same cores (``taskset -c``):
+
+a. ``streaming`` — rljob's pipeline as processes over a real Redis (:mod:`rl_pipeline`: a 2-rank trainer under
+   torchrun and one ``python -m rljob_rollout``), with the CPU example's settings (examples/rljob-cpu.yaml: maxLag
+   1024 documents, two steps ahead), so the rollout generates while the trainer trains;
+b. ``synchronous`` — the same with ``rollout.maxLag: 0``: the worker starts a batch only when every document
+   written before has been trained, and it has the weights of that step by then (the trainer publishes them before
+   it reports the step), so every batch is generated with the latest weights while the trainer waits, and
+   every step trains on staleness 0 (DESIGN §6 "Strictly synchronous"); the benchmark prints the largest staleness
+   the trainer reported to show it;
+c. ``trl`` — TRL's ``GRPOTrainer`` (benchmarks/trl_grpo.py, the ``benchmark`` extra's pinned ``trl``) in 2 processes
+   under torchrun (gloo), with the same spec: synchronous by construction, generation by ``transformers.generate``.
+
+Figures, per run: **seconds** from the first scored batch to the first batch whose mean rollout reward is >=
+``--threshold`` (0.9), the judged figure; **documents** trained on before the weights that generated that batch (rljob:
+its weights version; TRL: (step − 1) × documents per step); **start-up**, launch to the first scored batch, and the total
+from launch, for information (start-up is mostly imports on a loaded machine and has nothing to do with asynchrony).
+A batch's time is when its reward appeared: rljob's rollout hash, polled every 0.25 s; TRL's reward function on rank
+0. Per variant: median and spread (min–max) over ``--seeds`` seeds; the ratios of the medians.
+
+Targets (judged on an otherwise idle machine): (a) at least 1.5× sooner than (b) in seconds (PipelineRL reports ~2×
+against synchronous RL), and (a) sooner than (c). Every run must reach the threshold within ``--max-steps``.
+
+    python benchmarks/time_to_reward.py                       # 3 seeds × 3 variants (≈ 15 min on 2 idle cores)
+    python benchmarks/time_to_reward.py --seeds 1 --variants streaming,synchronous
+    python benchmarks/time_to_reward.py --trl-python .venv/bin/python   # where `pip install -e .[trainer,benchmark]` went
+
+Runs go seed by seed, the three variants of a seed one after the other, so that a change of load hits every
+variant alike. Each run's record is appended to ``--results`` (JSON lines) as it ends; a rerun with the same file
+skips the runs already there. Exit status 0 when both targets hold, 1 when one does not (or a run did not reach the
+threshold), 2 on an error, 130 when interrupted. Write-up and results: docs/time-to-reward.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import rl_pipeline as rp  # noqa: E402 - a sibling module
+
+VARIANTS = ("streaming", "synchronous", "trl")
+TARGET_SYNC_RATIO = 1.5
+"""(b)'s median seconds over (a)'s must be at least this."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One run's figures (seconds are wall-clock; None where the threshold was not reached)."""
+
+    variant: str
+    seed: int
+    reached: bool
+    seconds: Optional[float]
+    documents: Optional[int]
+    startup: Optional[float]
+    from_launch: Optional[float]
+    steps: int
+    max_staleness_steps: Optional[float]
+    trainer_cpu_per_step: Optional[float] = None
+    rollout_cpu_per_step: Optional[float] = None
+    per_step: int = 512
+    """Documents per optimizer step."""
+
+    @property
+    def seconds_per_step(self) -> Optional[float]:
+        """Wall seconds per optimizer step from the first scored batch to the threshold."""
+        return self.seconds / (self.documents / self.per_step) if self.reached and self.documents else None
+
+    def to_record(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def outcome(variant: str, seed: int, points: Sequence[rp.Point], threshold: float, per_step: int, *,
+            max_staleness_steps: Optional[float] = None, cpu: Optional[dict[str, Any]] = None) -> Outcome:
+    """The figures of one run from its reward points (module docstring); ``per_step``: documents per optimizer step.
+    ``startup`` is the first point's time. ``cpu``: :attr:`rl_pipeline.PipelineRun.extra` (CPU seconds of the trainer
+    and the rollout, and the step they were read at), turned into CPU seconds per step."""
+    trainer_cpu = rollout_cpu = None
+    if cpu and cpu.get("steps_at_cpu"):
+        seconds = cpu["cpu_seconds"]
+        trainer_cpu = seconds.get("trainer", 0.0) / cpu["steps_at_cpu"]
+        rollout_cpu = sum(v for k, v in seconds.items() if k.startswith("rollout")) / cpu["steps_at_cpu"]
+    common = dict(max_staleness_steps=max_staleness_steps, trainer_cpu_per_step=trainer_cpu,
+                  rollout_cpu_per_step=rollout_cpu, per_step=per_step)
+    if not points:
+        return Outcome(variant, seed, False, None, None, None, None, 0, **common)
+    first = min(points, key=lambda p: p.seconds)
+    hit = rp.first_reaching(points, threshold)
+    steps = max(p.step for p in points)
+    if hit is None:
+        return Outcome(variant, seed, False, None, None, first.seconds, None, steps, **common)
+    return Outcome(variant, seed, True, hit.seconds - first.seconds, hit.version, first.seconds, hit.seconds, steps,
+                   **common)
+
+
+def overlap_bound(sync_seconds_per_step: float, trainer_cpu: float, rollout_cpu: float, cores: int,
+                  trainer_processes: int = rp.TRAINER_PROCESSES) -> float:
+    """The largest step-time speed-up any overlap of generation and training can give over a synchronous run that
+    takes ``sync_seconds_per_step``, on ``cores`` cores, when a step costs ``trainer_cpu`` CPU seconds over
+    ``trainer_processes`` single-threaded ranks and ``rollout_cpu`` in one single-threaded worker: an overlapped step
+    takes at least max(rollout_cpu, trainer_cpu / trainer_processes, (trainer_cpu + rollout_cpu) / cores) seconds."""
+    floor = max(rollout_cpu, trainer_cpu / trainer_processes, (trainer_cpu + rollout_cpu) / cores)
+    return sync_seconds_per_step / floor
+
+
+def trl_points(lines: Sequence[dict[str, Any]], launched: float, documents_per_step: int) -> list[rp.Point]:
+    """rljob-style points from benchmarks/trl_grpo.py's JSON lines (``step`` from 1, ``reward``, ``time`` as
+    ``time.time()``): the batch of TRL step k was generated after k − 1 updates, so its version is (k − 1) ×
+    ``documents_per_step``; seconds count from ``launched`` (``time.time()`` at the launch)."""
+    return [rp.Point((line["step"] - 1) * documents_per_step, line["step"] - 1, float(line["reward"]),
+                     documents_per_step, line["time"] - launched) for line in lines]
+
+
+def max_staleness_steps(steps: Sequence[dict[str, Any]], documents_per_step: int) -> Optional[float]:
+    """The largest ``max_staleness`` (documents) over the trainer's step lines, in steps; None without any."""
+    values = [line["metrics"].get("max_staleness") for line in steps if "metrics" in line]
+    values = [v for v in values if v is not None and v == v]
+    return max(values) / documents_per_step if values else None
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Median and spread of one variant's judged seconds and documents over its runs (reached ones only)."""
+
+    variant: str
+    runs: int
+    reached: int
+    seconds: tuple[float, float, float]
+    documents: tuple[float, float, float]
+    startup: tuple[float, float, float]
+
+
+def summarize(outcomes: Sequence[Outcome], variant: str) -> Summary:
+    mine = [o for o in outcomes if o.variant == variant]
+    hit = [o for o in mine if o.reached]
+    return Summary(variant, len(mine), len(hit), rp.spread([o.seconds for o in hit]),
+                   rp.spread([float(o.documents) for o in hit]), rp.spread([o.startup for o in mine if o.startup is not None]))
+
+
+def verdict(summaries: dict[str, Summary]) -> tuple[bool, list[str]]:
+    """Whether both targets hold, and one line per target (module docstring). A variant not run or with a run that
+    did not reach the threshold fails every target it is part of."""
+    lines, ok = [], True
+    a = summaries.get("streaming")
+    for other, name, test in (("synchronous", "(a) >= 1.5x sooner than (b)", lambda r: r >= TARGET_SYNC_RATIO),
+                              ("trl", "(a) sooner than (c)", lambda r: r > 1.0)):
+        b = summaries.get(other)
+        if a is None or b is None or not a.runs or not b.runs:
+            lines.append(f"{name}: not measured")
+            ok = False
+            continue
+        if a.reached < a.runs or b.reached < b.runs:
+            lines.append(f"{name}: missed, not every run reached the threshold "
+                         f"(streaming {a.reached}/{a.runs}, {other} {b.reached}/{b.runs})")
+            ok = False
+            continue
+        ratio = b.seconds[0] / a.seconds[0]
+        met = test(ratio)
+        ok &= met
+        lines.append(f"{name}: median {other} / median streaming = {ratio:.2f} -> {'met' if met else 'missed'}")
+    return ok, lines
+
+
+def run_rljob(variant: str, seed: int, args: argparse.Namespace, work: Path) -> Outcome:
+    overrides: dict[str, Any] = {"rollout": {"task": {"name": args.task}}}
+    if variant == "synchronous":
+        overrides["rollout"]["maxLag"] = 0
+    spec = rp.local_spec(rp.example_spec(), seed=seed, max_steps=args.max_steps, overrides=overrides)
+    per_step = spec["trainer"]["batch"]["documentsPerStep"]
+    run = rp.run_pipeline(spec, work, cores=args.cores, timeout_s=args.timeout,
+                          stop_when=lambda points: rp.first_reaching(points, args.threshold) is not None)
+    if run.returncode not in (None, 0):
+        raise RuntimeError(f"{variant} seed {seed}: the trainer exited with {run.returncode}; logs in {work}")
+    return outcome(variant, seed, run.points, args.threshold, per_step,
+                   max_staleness_steps=max_staleness_steps(run.steps, per_step), cpu=run.extra)
+
+
+def run_trl(seed: int, args: argparse.Namespace, work: Path) -> Outcome:
+    spec = rp.local_spec(rp.example_spec(), seed=seed, max_steps=args.max_steps,
+                         overrides={"rollout": {"task": {"name": args.task}}})
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "spec.json").write_text(json.dumps(spec))
+    log = work / "trl.jsonl"
+    log.unlink(missing_ok=True)
+    command = [args.trl_python, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={rp.TRAINER_PROCESSES}",
+               "--master-addr=127.0.0.1", f"--master-port={rp.free_port()}", str(Path(__file__).parent / "trl_grpo.py"),
+               "--spec", str(work / "spec.json"), "--out", str(log), "--stop-at", str(args.threshold)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    launched = time.time()
+    with open(work / "trl.stdout", "w") as out, open(work / "trl.stderr", "w") as err:
+        process = subprocess.Popen(rp.pinned(command, args.cores), env=env, stdout=out, stderr=err,
+                                   start_new_session=True, cwd=work)
+        try:
+            code = process.wait(args.timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            rp.kill_tree(process)
+    if code not in (None, 0):
+        tail = (work / "trl.stderr").read_text()[-3000:]
+        raise RuntimeError(f"trl seed {seed}: exited with {code}:\n{tail}")
+    lines = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    per_step = spec["trainer"]["batch"]["documentsPerStep"]
+    return outcome("trl", seed, trl_points(lines, launched, per_step), args.threshold, per_step)
+
+
+def count_cores(cores: str) -> int:
+    """How many cores a ``taskset -c`` list names (``"0,1"`` → 2, ``"0-3,6"`` → 5)."""
+    total = 0
+    for part in cores.split(","):
+        low, _, high = part.partition("-")
+        total += int(high or low) - int(low) + 1
+    return total
+
+
+def print_report(outcomes: Sequence[Outcome], variants: Sequence[str], threshold: float, cores: int) -> bool:
+    print(f"\nper run (threshold {threshold}):")
+    print("| variant | seed | reached | seconds | documents | s/step | start-up s | from launch s | max staleness (steps) "
+          "| trainer CPU s/step | rollout CPU s/step |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    fmt = lambda v, f="{:.1f}": "-" if v is None else f.format(v)  # noqa: E731
+    for o in sorted(outcomes, key=lambda o: (VARIANTS.index(o.variant), o.seed)):
+        print(f"| {o.variant} | {o.seed} | {'yes' if o.reached else 'no'} | {fmt(o.seconds)} | {fmt(o.documents, '{}')} "
+              f"| {fmt(o.seconds_per_step, '{:.2f}')} | {fmt(o.startup)} | {fmt(o.from_launch)} "
+              f"| {fmt(o.max_staleness_steps, '{:.0f}')} | {fmt(o.trainer_cpu_per_step, '{:.2f}')} "
+              f"| {fmt(o.rollout_cpu_per_step, '{:.2f}')} |")
+    bounds = [overlap_bound(o.seconds_per_step, o.trainer_cpu_per_step, o.rollout_cpu_per_step, cores)
+              for o in outcomes if o.variant == "synchronous" and o.seconds_per_step and o.trainer_cpu_per_step]
+    if bounds:
+        print(f"overlap bound on {cores} cores (synchronous s/step over the least an overlapped step can take from its "
+              f"CPU seconds): median {rp.spread(bounds)[0]:.2f} (per run {', '.join(f'{b:.2f}' for b in bounds)})")
+    summaries = {v: summarize(outcomes, v) for v in variants}
+    print("\nper variant (median, min-max over the runs that reached it):")
+    print("| variant | reached | seconds | documents | start-up s |")
+    print("| --- | --- | --- | --- | --- |")
+    for s in summaries.values():
+        print(f"| {s.variant} | {s.reached}/{s.runs} | {s.seconds[0]:.1f} ({s.seconds[1]:.1f}-{s.seconds[2]:.1f}) | "
+              f"{s.documents[0]:.0f} ({s.documents[1]:.0f}-{s.documents[2]:.0f}) | "
+              f"{s.startup[0]:.1f} ({s.startup[1]:.1f}-{s.startup[2]:.1f}) |")
+    a = summaries.get("streaming")
+    for other in variants:
+        if a is not None and other != "streaming" and a.reached and summaries[other].reached:
+            print(f"ratio median {other} / median streaming: seconds {summaries[other].seconds[0] / a.seconds[0]:.2f}, "
+                  f"documents {summaries[other].documents[0] / a.documents[0]:.2f}")
+    ok, lines = verdict(summaries)
+    print("\n" + "\n".join(lines))
+    return ok
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
+    parser.add_argument("--threshold", type=float, default=0.9, help="rollout reward to reach (default 0.9)")
+    parser.add_argument("--task", default="digits-copy", help="spec.rollout.task.name (default the example's)")
+    parser.add_argument("--max-steps", type=int, default=200, help="give up after this many steps (default 200)")
+    parser.add_argument("--cores", default=",".join(str(c) for c in sorted(os.sched_getaffinity(0))),
+                        help="taskset -c list for every process (default: every core this process may use)")
+    parser.add_argument("--trl-python", default=sys.executable,
+                        help="the Python with the benchmark extra (trl) installed (default: this one)")
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds per run before it is killed")
+    parser.add_argument("--results", type=Path, default=None, help="JSON lines of finished runs (resumable)")
+    parser.add_argument("--work-dir", type=Path, default=None, help="keep every run's logs here (default: a temp dir)")
+    args = parser.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; choose from {VARIANTS}")
+    if "trl" in variants and subprocess.run([args.trl_python, "-c", "import trl"], capture_output=True).returncode:
+        parser.error(f"--trl-python {args.trl_python}: cannot import trl; pip install -e .[trainer,benchmark] there, "
+                     f"or leave trl out of --variants")
+    rp.require_psutil()
+    work_root = args.work_dir or Path(tempfile.mkdtemp(prefix="rljob-time-to-reward-"))
+    results = rp.ResultFile(args.results or work_root / "results.jsonl")
+    print(f"time to reward {args.threshold}: task {args.task}, seeds 0-{args.seeds - 1}, variants {variants}, "
+          f"cores {args.cores}, load average {rp.load_average()}, results {results.path}", flush=True)
+    outcomes: list[Outcome] = []
+    code = 0
+    try:
+        done = results.records()
+        for seed in range(args.seeds):
+            for variant in variants:
+                key = f"{args.task}/{variant}/{seed}/{args.threshold}"
+                if key in done:
+                    record = {k: v for k, v in done[key].items() if k not in ("key", "load")}
+                    outcomes.append(Outcome(**record))
+                    print(f"{variant} seed {seed}: from {results.path}", flush=True)
+                    continue
+                started = time.monotonic()
+                load = rp.load_average()
+                work = work_root / f"{variant}-{seed}"
+                result = run_trl(seed, args, work) if variant == "trl" else run_rljob(variant, seed, args, work)
+                outcomes.append(result)
+                results.add(key, {**result.to_record(), "load": load})
+                print(f"{variant} seed {seed}: {'reached' if result.reached else 'NOT reached'} "
+                      f"{'' if result.seconds is None else f'in {result.seconds:.1f} s, {result.documents} documents'} "
+                      f"(run {time.monotonic() - started:.0f} s, load at start {load})", flush=True)
+        code = 0 if print_report(outcomes, variants, args.threshold, count_cores(args.cores)) else 1
+    except KeyboardInterrupt:
+        print("interrupted; the runs so far:")
+        print_report(outcomes, variants, args.threshold, count_cores(args.cores))
+        code = 130
+    except Exception:  # noqa: BLE001 - reported with what was measured
+        traceback.print_exc()
+        if outcomes:
+            print_report(outcomes, variants, args.threshold, count_cores(args.cores))
+        code = 2
+    print(f"load average at the end: {rp.load_average()}")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
