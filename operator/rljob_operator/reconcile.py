@@ -148,10 +148,8 @@ class _Pass:
     async def config(self, spec: RLTrainingJobSpec) -> JobConfig:
         """The config this pass runs for ``spec`` (:func:`.resolution.effective_config`): the record of a job seen
         before is read from its ConfigMap once per process, then kept in the runtime."""
-        if self.runtime.recorded is None and self.body.get("status"):
-            self.runtime.recorded = await resolution.read_recorded(self.meta["name"], self.meta["namespace"],
-                                                                   self.ctx.api)
-        return resolution.effective_config(self.job(spec), self.meta.get("generation"), self.runtime.recorded)
+        recorded = await resolution.known_record(self.body, self.runtime, self.ctx.api)
+        return resolution.effective_config(self.job(spec), self.meta.get("generation"), recorded)
 
     def stream(self, spec: RLTrainingJobSpec, config: Optional[JobConfig] = None) -> StreamStatus:
         """status.stream for ``spec`` (:func:`.status.stream_status`) from ``config``, else from a fresh resolution."""
