@@ -163,10 +163,31 @@ async def kept_spec(
     return generation, spec.model_copy(update={"run_policy": run_policy})
 
 
-_REFUSED_ROLE = re.compile(r'(?:Pod|Deployment(?:\.apps)?) "[^"]*-(trainer|rollout|redis)(?:-[0-9]+)?" is invalid')
+_REFUSED_ROLE = re.compile(
+    r'(?:Pod|pods|Deployment(?:\.apps)?) "[^"]*-(trainer|rollout|redis)(?:-[0-9]+)?" is (?:invalid|forbidden)')
+MISSING_REFERENCES = {
+    "priorityClassName": re.compile(r"no PriorityClass with name \S+ was found"),
+    "serviceAccountName": re.compile(r'serviceaccount "[^"]*" not found'),
+    "runtimeClassName": re.compile(r'RuntimeClass "[^"]*" not found'),
+}
+"""What the API server's admission plugins say (403 Forbidden) when a pod names a PriorityClass, ServiceAccount or
+RuntimeClass that does not exist, by the ``podTemplate.spec`` field that names it."""
+
+
+def refusal_of_spec(status: int, message: str) -> bool:
+    """Whether the API server's refusal of a child (HTTP ``status``, ``message``) is the spec's to fix: invalid
+    (400/422), or a pod naming a PriorityClass, ServiceAccount or RuntimeClass that does not exist (403,
+    :data:`MISSING_REFERENCES`; not a missing permission of the operator's, nor a quota)."""
+    return status in (400, 422) or (status == 403 and missing_reference(message) is not None)
+
+
+def missing_reference(message: str) -> Optional[str]:
+    """The ``podTemplate.spec`` field whose object a 403 refusal ``message`` says does not exist; None if none."""
+    return next((field for field, pattern in MISSING_REFERENCES.items() if pattern.search(message)), None)
+
 _REFUSED_PART = re.compile(r"\.(resources|nodeSelector|tolerations)\b")
 _REFUSED_TEMPLATE_PART = re.compile(
-    r"\b(?:metadata\.(?:labels|annotations)|spec\.(?:template\.spec\.)?(?:initContainers|volumes|affinity|"
+    r"(?:\bmetadata\.(?:labels|annotations)|\bspec\.(?:template\.spec\.)?(?:initContainers|volumes|affinity|"
     r"topologySpreadConstraints|imagePullSecrets|securityContext|serviceAccountName|priorityClassName|"
     r"runtimeClassName|schedulerName)|\.(?:env|envFrom|volumeMounts|securityContext))\b")
 """Parts of a pod only a ``podTemplate`` sets or adds to."""
@@ -179,6 +200,8 @@ def refused_field(message: str) -> str:
     role = _REFUSED_ROLE.search(message)
     if role is None:
         return "spec"
+    if (missing := missing_reference(message)) is not None:
+        return f"spec.{role.group(1)}.podTemplate.spec.{missing}"
     rest = message[role.end():]
     part = _REFUSED_PART.search(rest)
     if part is None and _REFUSED_TEMPLATE_PART.search(rest):
@@ -200,8 +223,9 @@ async def admit(body: Mapping[str, Any], before: gang.Lifecycle, pods: Iterable[
     if runtime.rejected and runtime.rejected[0] != generation:
         runtime.rejected = None
     if runtime.rejected:
+        retried = " (tried again after a minute)" if missing_reference(runtime.rejected[1]) else ""
         problems.append(SpecProblem(refused_field(runtime.rejected[1]),
-                                    f"the API server refused a child object: {runtime.rejected[1]}"))
+                                    f"the API server refused a child object: {runtime.rejected[1]}{retried}"))
     if spec is not None and not problems and spec.redis.mode == "managed":
         job = render.Job(name, meta["namespace"], spec, meta.get("labels") or {}, meta.get("uid") or "")
         problems += redis_template_problems(job, generation, await resolution.known_record(body, runtime, api),

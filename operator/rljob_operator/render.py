@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import posixpath
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional
 from urllib.parse import urlsplit
 
@@ -390,11 +390,12 @@ def static_children(job: Job, config: JobConfig, generation: Optional[int] = Non
 def override_problems(job: Job) -> list[SpecProblem]:
     """What each role's ``podTemplate`` sets that rljob sets itself (:func:`.overrides.conflicts`), found by rendering
     trainer pod 0, rollout pod 0 and the managed Redis Deployment; empty when the spec does not resolve (its check
-    reports why)."""
+    reports why). A job not created yet is rendered with a stand-in uid, so that its pods carry every env rljob sets."""
     try:
         config = job_config(job)
     except ValueError:
         return []
+    job = replace(job, uid=job.uid or "uid")
     renders = [lambda: trainer_pod(job, config, 0, 0), lambda: rollout_pod(job, config, 0)]
     if job.spec.redis.mode == "managed":
         renders.append(lambda: redis_deployment(job, config))
