@@ -139,6 +139,22 @@ def _container_conflicts(own: Mapping[str, Any], env: list[dict[str, Any]], moun
     return problems
 
 
+def secret_names(override: Optional[PodTemplateOverride]) -> list[str]:
+    """The Secrets ``override`` names (env valueFrom, envFrom, secret and projected volumes; of rljob's container and
+    the init containers), in order, each once."""
+    if override is None:
+        return []
+    spec = override.spec
+    containers = [*({"env": e.env, "envFrom": e.env_from} for e in spec.containers), *spec.init_containers]
+    found = [((var.get("valueFrom") or {}).get("secretKeyRef") or {}).get("name")
+             for entry in containers for var in entry.get("env") or []]
+    found += [(source.get("secretRef") or {}).get("name") for entry in containers for source in entry.get("envFrom") or []]
+    found += [(volume.get("secret") or {}).get("secretName") for volume in spec.volumes]
+    found += [(source.get("secret") or {}).get("name") for volume in spec.volumes
+              for source in (volume.get("projected") or {}).get("sources") or []]
+    return list(dict.fromkeys(name for name in found if name))
+
+
 def merge(template: dict[str, Any], override: Optional[PodTemplateOverride], container: str,
           field: str) -> dict[str, Any]:
     """``template`` (a rendered pod, or a Deployment's pod template: ``{"metadata", "spec"}``) with ``override`` merged

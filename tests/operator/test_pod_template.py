@@ -12,10 +12,10 @@ import pytest
 from rljob_api import constants as c
 from rljob_api.canonical import canonical_json
 from rljob_api.config import JobConfig
-from rljob_operator import render, resolution
+from rljob_operator import render, resolution, status
 from rljob_operator.admission import parse_spec, redis_template_problems, refusal_of_spec, refused_field
 
-from operator_helpers import make_job
+from operator_helpers import make_job, trainer
 
 
 def full_template(container: str) -> dict:
@@ -355,3 +355,17 @@ def test_a_refusal_of_a_templated_part_points_at_the_pod_template(message, field
 ])
 def test_which_refusals_are_the_specs_to_fix(status, message, spec_fault):
     assert refusal_of_spec(status, message) is spec_fault
+
+
+def test_a_missing_secret_a_template_names_is_told_with_its_field():
+    spec = make_job(trainer={"podTemplate": full_template("trainer")},
+                    rollout={"podTemplate": {"spec": {"volumes": [
+                        {"name": "creds", "secret": {"secretName": "s3"}},
+                        {"name": "both", "projected": {"sources": [{"secret": {"name": "wandb"}},
+                                                                   {"secret": {"name": "gcs"}}]}}]}}}).spec
+    assert status.secret_fields(spec) == {"wandb": "spec.trainer.podTemplate", "s3": "spec.rollout.podTemplate",
+                                          "gcs": "spec.rollout.podTemplate"}
+    pod = trainer(0, 0, phase="Pending", waiting_reason="CreateContainerConfigError", container="trainer",
+                  waiting_message='secret "wandb" not found')
+    (named,) = status.name_secret_fields([pod], status.secret_fields(spec))
+    assert named.waiting_message == 'secret "wandb" not found (spec.trainer.podTemplate)'
