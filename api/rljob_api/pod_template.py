@@ -23,6 +23,16 @@ def kube(field: str) -> dict[str, Any]:
     return {KUBE_FIELD: field}
 
 
+def kube_list(field: str, description: str) -> Any:
+    """A list field typed as Kubernetes' ``field`` (``Type.property``), empty by default."""
+    return Field(default_factory=list, json_schema_extra=kube(field), description=description)
+
+
+def kube_value(field: str, description: str) -> Any:
+    """An optional field typed as Kubernetes' ``field`` (``Type.property``), unset by default."""
+    return Field(None, json_schema_extra=kube(field), description=description)
+
+
 class _Sparse(ApiModel):
     """A model dumped without its unset and empty fields (None, [], {}), so that the resolved config holds only what
     the user set, and a field added later changes no config that does not set it."""
@@ -56,24 +66,24 @@ class ContainerOverride(_Sparse):
         "have exited, so a trainer pod would never reach Succeeded; run such a container as a native sidecar "
         "(initContainers with restartPolicy: Always).",
     )
-    env: list[dict[str, Any]] = Field(
-        default_factory=list, json_schema_extra=kube("Container.env"),
-        description="Appended to rljob's environment variables (use valueFrom.secretKeyRef for secrets: the "
+    env: list[dict[str, Any]] = kube_list(
+        "Container.env",
+        "Appended to rljob's environment variables (use valueFrom.secretKeyRef for secrets: the "
         "podTemplate is part of the job's config ConfigMap). Names rljob sets are refused.",
     )
-    env_from: list[dict[str, Any]] = Field(
-        default_factory=list, json_schema_extra=kube("Container.envFrom"),
-        description="ConfigMaps and Secrets whose keys become environment variables; rljob's own env wins over a "
+    env_from: list[dict[str, Any]] = kube_list(
+        "Container.envFrom",
+        "ConfigMaps and Secrets whose keys become environment variables; rljob's own env wins over a "
         "key of the same name (Kubernetes gives env precedence over envFrom).",
     )
-    volume_mounts: list[dict[str, Any]] = Field(
-        default_factory=list, json_schema_extra=kube("Container.volumeMounts"),
-        description="Appended to rljob's mounts (of volumes in spec.volumes, or rljob's own); a mountPath at or under "
+    volume_mounts: list[dict[str, Any]] = kube_list(
+        "Container.volumeMounts",
+        "Appended to rljob's mounts (of volumes in spec.volumes, or rljob's own); a mountPath at or under "
         "one of rljob's mounts is refused.",
     )
-    security_context: Optional[dict[str, Any]] = Field(
-        None, json_schema_extra=kube("Container.securityContext"),
-        description="Merged over rljob's container securityContext field by field (the managed Redis has one: "
+    security_context: Optional[dict[str, Any]] = kube_value(
+        "Container.securityContext",
+        "Merged over rljob's container securityContext field by field (the managed Redis has one: "
         "non-root, read-only root filesystem, no capabilities), e.g. capabilities {add: [IPC_LOCK]} for RDMA.",
     )
 
@@ -81,52 +91,52 @@ class ContainerOverride(_Sparse):
 class PodSpecOverride(_Sparse):
     """Pod-level settings of the role's pods; unset fields keep what rljob renders."""
 
-    service_account_name: Optional[str] = Field(
-        None, json_schema_extra=kube("PodSpec.serviceAccountName"),
-        description="ServiceAccount the pods run as (unset: the namespace's default).",
+    service_account_name: Optional[str] = kube_value(
+        "PodSpec.serviceAccountName",
+        "ServiceAccount the pods run as (unset: the namespace's default).",
     )
-    automount_service_account_token: Optional[bool] = Field(
-        None, json_schema_extra=kube("PodSpec.automountServiceAccountToken"),
-        description="rljob renders false (its processes never call the Kubernetes API); true mounts the "
+    automount_service_account_token: Optional[bool] = kube_value(
+        "PodSpec.automountServiceAccountToken",
+        "rljob renders false (its processes never call the Kubernetes API); true mounts the "
         "ServiceAccount's token, for a sidecar or tool that does.",
     )
-    priority_class_name: Optional[str] = Field(
-        None, json_schema_extra=kube("PodSpec.priorityClassName"), description="PriorityClass of the pods.",
+    priority_class_name: Optional[str] = kube_value(
+        "PodSpec.priorityClassName", "PriorityClass of the pods.",
     )
-    runtime_class_name: Optional[str] = Field(
-        None, json_schema_extra=kube("PodSpec.runtimeClassName"),
-        description="RuntimeClass of the pods (e.g. nvidia).",
+    runtime_class_name: Optional[str] = kube_value(
+        "PodSpec.runtimeClassName",
+        "RuntimeClass of the pods (e.g. nvidia).",
     )
-    scheduler_name: Optional[str] = Field(
-        None, json_schema_extra=kube("PodSpec.schedulerName"),
-        description="Scheduler of the pods (unset: default-scheduler).",
+    scheduler_name: Optional[str] = kube_value(
+        "PodSpec.schedulerName",
+        "Scheduler of the pods (unset: default-scheduler).",
     )
-    affinity: Optional[dict[str, Any]] = Field(
-        None, json_schema_extra=kube("PodSpec.affinity"),
-        description="Node, pod and anti-pod affinity of the pods (spec.<role>.nodeSelector still applies).",
+    affinity: Optional[dict[str, Any]] = kube_value(
+        "PodSpec.affinity",
+        "Node, pod and anti-pod affinity of the pods (spec.<role>.nodeSelector still applies).",
     )
-    topology_spread_constraints: list[dict[str, Any]] = Field(
-        default_factory=list, json_schema_extra=kube("PodSpec.topologySpreadConstraints"),
-        description="How the pods spread over zones or nodes; select the role's pods with the labels "
+    topology_spread_constraints: list[dict[str, Any]] = kube_list(
+        "PodSpec.topologySpreadConstraints",
+        "How the pods spread over zones or nodes; select the role's pods with the labels "
         "rljob.dev/job-name and rljob.dev/role.",
     )
-    image_pull_secrets: list[dict[str, Any]] = Field(
-        default_factory=list, json_schema_extra=kube("PodSpec.imagePullSecrets"),
-        description="Secrets for pulling the pods' images from a private registry.",
+    image_pull_secrets: list[dict[str, Any]] = kube_list(
+        "PodSpec.imagePullSecrets",
+        "Secrets for pulling the pods' images from a private registry.",
     )
-    security_context: Optional[dict[str, Any]] = Field(
-        None, json_schema_extra=kube("PodSpec.securityContext"),
-        description="Merged over rljob's pod securityContext field by field (the managed Redis has one: runs as "
+    security_context: Optional[dict[str, Any]] = kube_value(
+        "PodSpec.securityContext",
+        "Merged over rljob's pod securityContext field by field (the managed Redis has one: runs as "
         "uid 999, the official image's redis user).",
     )
-    volumes: list[dict[str, Any]] = Field(
-        default_factory=list, json_schema_extra=kube("PodSpec.volumes"),
-        description="Appended to rljob's volumes (datasets, model caches, credentials); the names rljob's own "
+    volumes: list[dict[str, Any]] = kube_list(
+        "PodSpec.volumes",
+        "Appended to rljob's volumes (datasets, model caches, credentials); the names rljob's own "
         "volumes use are refused.",
     )
-    init_containers: list[dict[str, Any]] = Field(
-        default_factory=list, json_schema_extra=kube("PodSpec.initContainers"),
-        description="Run before rljob's container: to completion (restartPolicy unset), or with restartPolicy: "
+    init_containers: list[dict[str, Any]] = kube_list(
+        "PodSpec.initContainers",
+        "Run before rljob's container: to completion (restartPolicy unset), or with restartPolicy: "
         "Always as native sidecars that run beside it and stop after it, so that a trainer pod still reaches "
         "Succeeded (log shippers, proxies, metrics agents). Names of rljob's containers and its ports are refused.",
     )

@@ -71,6 +71,12 @@ def test_the_api_server_refuses_a_wrong_template_and_explains_its_shape(kube, in
     assert "lifecycle <Object>" in sidecar and "startupProbe <Object>" in sidecar
 
 
+def _invalid(kube: Kube, namespace: str, name: str, why: str) -> dict:
+    """The job's Valid condition once it is False (``why``: what the wait is for)."""
+    return wait_for(lambda: (v := kube.condition(namespace, name, "Valid")).get("status") == "False" and v,
+                    f"Valid=False for {why}")
+
+
 def _live(kube: Kube, namespace: str, role: str) -> dict[str, dict]:
     return {p["metadata"]["name"]: p for p in kube.pods(namespace, role) if not p["metadata"].get("deletionTimestamp")}
 
@@ -89,8 +95,7 @@ def test_the_operator_merges_every_override_and_replaces_only_the_edited_roles_p
         kube.apply(job_manifest("tpl", **{role: {"podTemplate": t} for role, t in templates.items()}), namespace)
 
         # The PriorityClass does not exist yet: the API server refuses the pods, the job says which field names it.
-        valid = wait_for(lambda: (v := kube.condition(namespace, "tpl", "Valid")).get("status") == "False" and v,
-                         "Valid=False for the missing PriorityClass")
+        valid = _invalid(kube, namespace, "tpl", "the missing PriorityClass")
         assert valid["message"].startswith("spec.")
         assert f"podTemplate.spec.priorityClassName: the API server refused a child object: pods \"tpl-" \
                in valid["message"]
@@ -113,8 +118,7 @@ def test_the_operator_merges_every_override_and_replaces_only_the_edited_roles_p
         patch = ["patch", "rljob", "tpl", "-n", namespace, "--type=json", "-p"]
         kube.run(*patch, json.dumps([{"op": "add", "path": "/spec/trainer/podTemplate/spec/containers/0/env/-",
                                       "value": {"name": "RLJOB_CONFIG", "value": "/tmp/mine.json"}}]))
-        valid = wait_for(lambda: (v := kube.condition(namespace, "tpl", "Valid")).get("status") == "False" and v,
-                         "Valid=False for RLJOB_CONFIG")
+        valid = _invalid(kube, namespace, "tpl", "RLJOB_CONFIG")
         assert valid["message"] == (
             "spec.trainer.podTemplate.spec.containers[0].env[2].name: 'RLJOB_CONFIG' is set by rljob in the trainer "
             "container (RLJOB_CONFIG, RLJOB_REPLICA_INDEX, RLJOB_ATTEMPT, RLJOB_JOB_UID, POD_IP, POD_NAME, "
@@ -189,8 +193,7 @@ def test_an_emptydir_redis_is_not_replaced_for_its_template_until_the_loss_is_ac
     before = kube.json("get", "deployment", "ephemeral-redis", "-n", namespace)["metadata"]["generation"]
     kube.run("patch", "rljob", "ephemeral", "-n", namespace, "--type=merge", "-p",
              json.dumps({"spec": {"redis": {"podTemplate": {"metadata": {"labels": {"team": "rl"}}}}}}))
-    valid = wait_for(lambda: (v := kube.condition(namespace, "ephemeral", "Valid")).get("status") == "False" and v,
-                     "Valid=False for the emptyDir Redis")
+    valid = _invalid(kube, namespace, "ephemeral", "the emptyDir Redis")
     assert valid["message"] == (
         "spec.redis.podTemplate: changing it replaces the managed Redis pod, and this Redis keeps its data in an "
         "emptyDir (spec.redis.persistence.enabled is false, or the Redis was made before persistence existed): the "
