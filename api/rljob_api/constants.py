@@ -44,6 +44,10 @@ operator: while the generation is the same, the recorded config is kept as it is
 defaults reach a job only through an edit of the user's)."""
 ANNOTATION_ROLE_CONFIG_HASHES = f"{GROUP}/role-config-hashes"
 """On the config ConfigMap: JSON {role: role config hash} of the recorded config, the hashes its pods carry."""
+ANNOTATION_ALLOW_REDIS_DATA_LOSS = f"{GROUP}/allow-redis-data-loss"
+"""On an RLTrainingJob, set by the user to ``"true"``: an edit of ``spec.redis.podTemplate`` may replace a managed Redis
+that keeps its data in an emptyDir (its stream and hashes are lost). Without it such an edit is refused (Valid=False)
+and the Redis keeps running as it is. Read by the operator; it stays in force while it is set."""
 ANNOTATION_APPLIED_HASH = f"{GROUP}/applied-hash"
 """Short sha256 of the manifest the operator last applied, on the ConfigMap, the Services and the Redis Deployment.
 Written and read by the operator: a restarted operator re-applies a child only when it differs."""

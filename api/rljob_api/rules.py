@@ -7,7 +7,8 @@ it the CEL rule that states the same over the CRD's camelCase fields.
   the whole vocabulary);
 - documentsPerStep is global and divisible by DP (DESIGN §6);
 - HSDP: ``parallelism.replicate`` divides DP, and is 1 unless the strategy is fsdp (DESIGN §5);
-- the learning-rate floor: ``optimizer.minLearningRate`` <= ``optimizer.learningRate`` (a decay never rises).
+- the learning-rate floor: ``optimizer.minLearningRate`` <= ``optimizer.learningRate`` (a decay never rises);
+- a role's ``podTemplate.spec.containers`` name only rljob's own container of that role (no extra regular container).
 """
 
 from __future__ import annotations
@@ -78,6 +79,28 @@ CEL_MIN_LEARNING_RATE = {
     "fieldPath": ".minLearningRate",
     "reason": "FieldValueInvalid",
 }
+
+
+def extra_container_message(container: str) -> str:
+    """Why ``podTemplate.spec.containers`` may name only rljob's ``container`` (the CEL rule's message and the
+    operator's)."""
+    return (f"only the {container} container may be listed (to add env, envFrom, volumeMounts or securityContext to "
+            f"it): an extra regular container is refused because a pod ends only when all its regular containers "
+            f"have exited, so a trainer pod would never reach Succeeded; run it as a native sidecar instead, an "
+            f"initContainers entry with restartPolicy: Always")
+
+
+def cel_own_container_only(container: str) -> dict[str, str]:
+    """CEL rule on ``spec.<role>.podTemplate.spec.containers``: every entry names ``container``
+    (:func:`own_container_only`)."""
+    return {"rule": f"self.all(c, c.name == '{container}')", "message": extra_container_message(container),
+            "reason": "FieldValueInvalid"}
+
+
+def own_container_only(name: str, container: str) -> bool:
+    """Whether a ``podTemplate.spec.containers`` entry called ``name`` adds to rljob's ``container`` (not an extra
+    regular container)."""
+    return name == container
 
 
 def data_parallel(world_size: int, tensor_parallel: int, pipeline_parallel: int) -> Optional[int]:

@@ -9,26 +9,11 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
-from pydantic.alias_generators import to_camel
+from pydantic import Field
 
 from rljob_api import protocol
-
-
-def omitted_at_default(default: Any) -> Any:
-    """``exclude_if`` of a field added after 0.2: the field is left out of a dump (the resolved config JSON, the hashes
-    of the config and of each role) while it holds ``default``, so that a job which does not set it resolves to the
-    bytes, and the hashes, it resolved to before the field existed, and an older trainer or rollout image still reads
-    its config (the models reject unknown fields)."""
-    return lambda value: value == default
-
-
-class ApiModel(BaseModel):
-    """Base of every API model: camelCase aliases, unknown fields rejected, validated on assignment."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", validate_assignment=True
-    )
+from rljob_api.api_model import ApiModel, omitted_at_default
+from rljob_api.pod_template import PodTemplateOverride, pod_template_field
 
 
 # --- model ------------------------------------------------------------------------------------
@@ -313,6 +298,8 @@ class TrainerSpec(ApiModel):
     )
     node_selector: dict[str, str] = Field(default_factory=dict, description="Pod node selector.")
     tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Pod tolerations.")
+    pod_template: Optional[PodTemplateOverride] = pod_template_field(
+        "trainer", "A change restarts the gang from its newest checkpoint, like other trainer fields.")
     batch: BatchSpec = Field(default_factory=BatchSpec, description="Step and micro-batch sizes.")
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description="AdamW settings.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Cadence, storage.")
@@ -396,6 +383,8 @@ class RolloutSpec(ApiModel):
     resources: dict[str, Any] = Field(default_factory=dict, description="Rollout container resources.")
     node_selector: dict[str, str] = Field(default_factory=dict, description="Pod node selector.")
     tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Pod tolerations.")
+    pod_template: Optional[PodTemplateOverride] = pod_template_field(
+        "rollout", "A change replaces the rollout pods only, like other rollout fields; the gang keeps running.")
     prompts_per_batch: int = Field(16, ge=1, description="Prompts generated together.")
     samples_per_prompt: int = Field(
         8,
@@ -481,6 +470,11 @@ class RedisSpec(ApiModel):
         "(`url` + `passwordSecretRef`; keys are prefixed `rljob:{namespace}:{job}:`).",
     )
     image: str = Field("redis:7.2", description="Managed Redis image.")
+    pod_template: Optional[PodTemplateOverride] = pod_template_field(
+        "managed Redis", "Only with mode managed. A change replaces the Redis pod (the gang keeps running): refused "
+        "while the Redis keeps its data in an emptyDir (persistence.enabled false, or a Redis made before persistence "
+        "existed), which the new pod would start without, unless the job carries the annotation "
+        "rljob.dev/allow-redis-data-loss: \"true\".")
     url: Optional[str] = Field(None, description="A redis:// or rediss:// URL of an external Redis (mode=external).")
     password_secret_ref: Optional[SecretKeyRef] = Field(
         None, description="Secret key holding the external Redis password."

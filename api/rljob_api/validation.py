@@ -192,6 +192,12 @@ def _redis_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
             "only used with mode 'external' (the managed Redis's password is generated into the Secret "
             "<job>-redis-auth): remove passwordSecretRef, or set mode to 'external'",
         ))
+    if redis.mode == "external" and redis.pod_template is not None and not redis.pod_template.is_empty():
+        problems.append(SpecProblem(
+            "spec.redis.podTemplate",
+            "only used with mode 'managed' (rljob runs no Redis pod for an external Redis): remove podTemplate, or set "
+            "mode to 'managed'",
+        ))
     if redis.ca_secret_ref is not None and not (redis.mode == "external" and (redis.url or "").startswith("rediss://")):
         problems.append(SpecProblem(
             "spec.redis.caSecretRef",

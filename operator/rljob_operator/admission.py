@@ -2,8 +2,10 @@
 
 :func:`admit` returns one :class:`Decision`:
 
-- the job's name and spec are checked (:func:`parse_spec`); a child the API server refused (400/422) for this
-  generation is one more problem;
+- the job's name and spec are checked (:func:`parse_spec`, each role's ``podTemplate`` against the pods rljob
+  renders included); a child the API server refused (400/422) for this generation is one more problem;
+- an edit of ``spec.redis.podTemplate`` that would replace a managed Redis keeping its data in an emptyDir is a
+  problem unless the job accepts the loss (:func:`redis_template_problems`);
 - a valid spec runs, unless children of an earlier job of the same name are still there (:func:`foreign_children`):
   the pass waits for the garbage collector;
 - an invalid spec of a job with pods (Pending, Starting, Running, Restarting) or of a suspended job does not orphan
@@ -22,10 +24,11 @@ from pydantic import ValidationError
 from rljob_api import constants as c, names
 from rljob_api.config import JobConfig
 from rljob_api.constants import Phase
+from rljob_api.pod_template import PodTemplateOverride
 from rljob_api.spec import RLTrainingJobSpec, RunPolicySpec
 from rljob_api.validation import SpecProblem, check_spec
 
-from rljob_operator import gang
+from rljob_operator import gang, render, resolution
 from rljob_operator.apply import KubeApi
 from rljob_operator.observe import DeploymentView, PodView
 from rljob_operator.runtime import JobRuntime
@@ -58,8 +61,11 @@ class Decision:
         return self.run is not None and not self.problems and not self.leftovers
 
 
-def parse_spec(name: str, raw: Mapping[str, Any]) -> tuple[Optional[RLTrainingJobSpec], list[SpecProblem]]:
-    """Validate the job's name and ``raw`` spec with the pydantic model, then :func:`check_spec`.
+def parse_spec(name: str, raw: Mapping[str, Any], namespace: str = "default",
+               labels: Optional[Mapping[str, str]] = None) -> tuple[Optional[RLTrainingJobSpec], list[SpecProblem]]:
+    """Validate the job's name and ``raw`` spec with the pydantic model, then :func:`check_spec` and each role's
+    ``podTemplate`` against the pods rljob renders for the job (``namespace``, metadata ``labels``:
+    :func:`.render.override_problems`).
 
     Returns (spec or None, problems); every problem names its field (``metadata.name``, ``spec.a.b``).
     The name rule is checked here, not by CEL: the API server cannot bound the cost of a regex on
@@ -80,7 +86,36 @@ def parse_spec(name: str, raw: Mapping[str, Any]) -> tuple[Optional[RLTrainingJo
             SpecProblem("spec." + ".".join(str(part) for part in e["loc"]) if e["loc"] else "spec", e["msg"])
             for e in err.errors()
         ]
-    return spec, problems + check_spec(spec)
+    overrides = render.override_problems(render.Job(name, namespace, spec, labels or {}))
+    return spec, problems + check_spec(spec) + overrides
+
+
+def redis_template_problems(job: render.Job, generation: Optional[int], recorded: Optional[resolution.Recorded],
+                            annotations: Mapping[str, str]) -> list[SpecProblem]:
+    """The problem of an edit of ``spec.redis.podTemplate`` that replaces the managed Redis pod while it keeps its data
+    in an emptyDir (the ``recorded`` config's Redis has no claim, and the edit does not move it to one): the new pod
+    would start empty. None when the job's ``annotations`` accept the loss
+    (:data:`~rljob_api.constants.ANNOTATION_ALLOW_REDIS_DATA_LOSS`), or nothing is recorded yet.
+
+    Raises:
+        ValueError: the spec does not resolve (see :func:`.render.job_config`).
+    """
+    if recorded is None or job.spec.redis.mode != "managed" or recorded.config.spec.redis.mode != "managed":
+        return []
+    if annotations.get(c.ANNOTATION_ALLOW_REDIS_DATA_LOSS) == "true":
+        return []
+    config = resolution.effective_config(job, generation, recorded)
+    if render.redis_persistence(recorded.config) is not None or render.redis_persistence(config) is not None:
+        return []  # durable: the new pod reads the same file; or a move to a claim, which starts empty anyway
+    before = recorded.config.spec.redis.pod_template or PodTemplateOverride()
+    if before == (config.spec.redis.pod_template or PodTemplateOverride()):
+        return []
+    return [SpecProblem("spec.redis.podTemplate", (
+        "changing it replaces the managed Redis pod, and this Redis keeps its data in an emptyDir "
+        "(spec.redis.persistence.enabled is false, or the Redis was made before persistence existed): the new pod "
+        "would start without the stream, its consumer group and the progress and checkpoint hashes, and the gang "
+        "would restart from its newest checkpoint. Enable spec.redis.persistence instead (that also replaces the Redis "
+        f"pod, once), or accept the loss: kubectl annotate rljob {job.name} {c.ANNOTATION_ALLOW_REDIS_DATA_LOSS}=true"))]
 
 
 def live_workers(pods: Iterable[PodView]) -> list[PodView]:
@@ -128,17 +163,49 @@ async def kept_spec(
     return generation, spec.model_copy(update={"run_policy": run_policy})
 
 
-_REFUSED_ROLE = re.compile(r'(?:Pod|Deployment(?:\.apps)?) "[^"]*-(trainer|rollout|redis)(?:-[0-9]+)?" is invalid')
+_REFUSED_ROLE = re.compile(
+    r'(?:Pod|pods|Deployment(?:\.apps)?) "[^"]*-(trainer|rollout|redis)(?:-[0-9]+)?" is (?:invalid|forbidden)')
+MISSING_REFERENCES = {
+    "priorityClassName": re.compile(r"no PriorityClass with name \S+ was found"),
+    "serviceAccountName": re.compile(r'serviceaccount "[^"]*" not found'),
+    "runtimeClassName": re.compile(r'RuntimeClass "[^"]*" not found'),
+}
+"""What the API server's admission plugins say (403 Forbidden) when a pod names a PriorityClass, ServiceAccount or
+RuntimeClass that does not exist, by the ``podTemplate.spec`` field that names it."""
+
+
+def refusal_of_spec(status: int, message: str) -> bool:
+    """Whether the API server's refusal of a child (HTTP ``status``, ``message``) is the spec's to fix: invalid
+    (400/422), or a pod naming a PriorityClass, ServiceAccount or RuntimeClass that does not exist (403,
+    :data:`MISSING_REFERENCES`; not a missing permission of the operator's, nor a quota)."""
+    return status in (400, 422) or (status == 403 and missing_reference(message) is not None)
+
+
+def missing_reference(message: str) -> Optional[str]:
+    """The ``podTemplate.spec`` field whose object a 403 refusal ``message`` says does not exist; None if none."""
+    return next((field for field, pattern in MISSING_REFERENCES.items() if pattern.search(message)), None)
+
 _REFUSED_PART = re.compile(r"\.(resources|nodeSelector|tolerations)\b")
+_REFUSED_TEMPLATE_PART = re.compile(
+    r"(?:\bmetadata\.(?:labels|annotations)|\bspec\.(?:template\.spec\.)?(?:initContainers|volumes|affinity|"
+    r"topologySpreadConstraints|imagePullSecrets|securityContext|serviceAccountName|priorityClassName|"
+    r"runtimeClassName|schedulerName)|\.(?:env|envFrom|volumeMounts|securityContext))\b")
+"""Parts of a pod only a ``podTemplate`` sets or adds to."""
 
 
 def refused_field(message: str) -> str:
     """The spec field a refusal of the API server points at, e.g. ``spec.trainer.resources`` for a trainer pod whose
-    ``spec.containers[0].resources.limits`` is invalid; ``spec`` when the message names no role's object."""
+    ``spec.containers[0].resources.limits`` is invalid, ``spec.trainer.podTemplate`` for one whose volumes are;
+    ``spec`` when the message names no role's object."""
     role = _REFUSED_ROLE.search(message)
     if role is None:
         return "spec"
-    part = _REFUSED_PART.search(message[role.end():])
+    if (missing := missing_reference(message)) is not None:
+        return f"spec.{role.group(1)}.podTemplate.spec.{missing}"
+    rest = message[role.end():]
+    part = _REFUSED_PART.search(rest)
+    if part is None and _REFUSED_TEMPLATE_PART.search(rest):
+        return f"spec.{role.group(1)}.podTemplate"
     return f"spec.{role.group(1)}" + (f".{part.group(1)}" if part else "")
 
 
@@ -148,16 +215,21 @@ async def admit(body: Mapping[str, Any], before: gang.Lifecycle, pods: Iterable[
     ``redis`` Deployment) runs; see the module docstring. Forgets a refused child of an older generation.
 
     Raises:
-        ApiError: reading the config ConfigMap for a kept spec failed other than with 404.
+        ApiError: reading the config ConfigMap (the record, a kept spec) failed other than with 404.
     """
     meta = body["metadata"]
     name, generation = meta["name"], meta.get("generation")
-    spec, problems = parse_spec(name, body.get("spec") or {})
+    spec, problems = parse_spec(name, body.get("spec") or {}, meta["namespace"], meta.get("labels") or {})
     if runtime.rejected and runtime.rejected[0] != generation:
         runtime.rejected = None
     if runtime.rejected:
+        retried = " (tried again after a minute)" if missing_reference(runtime.rejected[1]) else ""
         problems.append(SpecProblem(refused_field(runtime.rejected[1]),
-                                    f"the API server refused a child object: {runtime.rejected[1]}"))
+                                    f"the API server refused a child object: {runtime.rejected[1]}{retried}"))
+    if spec is not None and not problems and spec.redis.mode == "managed":
+        job = render.Job(name, meta["namespace"], spec, meta.get("labels") or {}, meta.get("uid") or "")
+        problems += redis_template_problems(job, generation, await resolution.known_record(body, runtime, api),
+                                            meta.get("annotations") or {})
     if spec is not None and not problems:
         leftovers = tuple(foreign_children(meta.get("uid"), pods, redis))
         return Decision(spec, run=spec, leftovers=leftovers)

@@ -88,11 +88,14 @@ async def _pass(body: kopf.Body, memo: kopf.Memo, pods_by_job: kopf.Index, redis
 
 
 def pass_inputs(body: kopf.Body) -> tuple:
-    """What of the job's metadata a pass depends on: generation (the spec), labels (copied to pods) and whether
-    kopf's finalizer is on it (a new job's first pass waits for it). Its status is the operator's own."""
+    """What of the job's metadata a pass depends on: generation (the spec), labels (copied to pods), whether
+    kopf's finalizer is on it (a new job's first pass waits for it) and the annotation that accepts the loss of an
+    emptyDir Redis's data (:data:`~rljob_api.constants.ANNOTATION_ALLOW_REDIS_DATA_LOSS`). Its status is the
+    operator's own."""
     meta = body.get("metadata") or {}
     labels = tuple(sorted((meta.get("labels") or {}).items()))
-    return meta.get("generation"), labels, FINALIZER in (meta.get("finalizers") or ())
+    allow = (meta.get("annotations") or {}).get(c.ANNOTATION_ALLOW_REDIS_DATA_LOSS)
+    return meta.get("generation"), labels, FINALIZER in (meta.get("finalizers") or ()), allow
 
 
 @kopf.on.event(*JOBS)

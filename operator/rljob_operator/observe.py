@@ -268,6 +268,10 @@ def deployment_view(deployment: Mapping[str, Any]) -> DeploymentView:
     message = f"{ready}/{wanted} replicas available"
     if not available and available_cond.get("message"):
         message += f": {available_cond['message']}"
+    failure = next((cond for cond in status.get("conditions") or [] if cond.get("type") == "ReplicaFailure"
+                    and cond.get("status") == "True"), {})
+    if not available and failure.get("message"):  # its pod cannot even be created, e.g. a PriorityClass not found
+        message += f"; {failure.get('reason') or 'ReplicaFailure'}: {failure['message']}"
     return DeploymentView(name=meta.get("name", ""), available=available, message=message,
                           owner_uid=controller_uid(deployment))
 

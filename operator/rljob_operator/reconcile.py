@@ -9,10 +9,11 @@ Everything decided here comes from :mod:`.admission` and the pure modules (:mod:
    one), its problems, or children of an earlier job of the same name to wait for;
 2. apply the static children of a valid spec (Redis Secret and data claim create-only, ConfigMap, Services, Redis
    Deployment), only when their rendering changed since this process last applied them (:mod:`.applied`); a child the
-   API server refuses (400/422) makes the job Invalid in this pass (admission is asked again); a managed Redis moved
-   between an emptyDir and its claim is told in a RedisReplaced Event;
+   API server refuses as the spec's fault (400/422; 403 for a pod naming a PriorityClass, ServiceAccount or
+   RuntimeClass that does not exist) makes the job Invalid in this pass (admission is asked again); a managed Redis
+   moved between an emptyDir and its claim is told in a RedisReplaced Event;
 3. decide the pass's outcome: waiting for an earlier job's children; Invalid (nothing runs, no retry until the spec
-   changes); or the gang's plan (:func:`.gang.plan`) over the observed pods (the kopf index, plus pods this process
+   changes, but for a missing PriorityClass, ServiceAccount or RuntimeClass: tried again after a minute); or the gang's plan (:func:`.gang.plan`) over the observed pods (the kopf index, plus pods this process
    created or deleted that the watch has not reported yet), Redis's health and the progress hashes (planned again
    with the rollout hash's reward-failure streak when it holds one: past its deadline the job fails) — with the plan's
    pods created first: trainer pods only of the saved attempt, so the status that records the gang as created is
@@ -46,7 +47,7 @@ from rljob_operator import progress as progress_reads
 from rljob_operator.admission import Decision
 from rljob_operator.apply import ApiError
 from rljob_operator.observe import DeploymentView, NodeView, PodView, node_view
-from rljob_operator.runtime import Context, JobRuntime
+from rljob_operator.runtime import RETRY_REFUSED_S, Context, JobRuntime
 
 #: How long a pod this process created counts as present before the watch reports it (seconds).
 CREATED_GRACE_S = 30.0
@@ -148,10 +149,8 @@ class _Pass:
     async def config(self, spec: RLTrainingJobSpec) -> JobConfig:
         """The config this pass runs for ``spec`` (:func:`.resolution.effective_config`): the record of a job seen
         before is read from its ConfigMap once per process, then kept in the runtime."""
-        if self.runtime.recorded is None and self.body.get("status"):
-            self.runtime.recorded = await resolution.read_recorded(self.meta["name"], self.meta["namespace"],
-                                                                   self.ctx.api)
-        return resolution.effective_config(self.job(spec), self.meta.get("generation"), self.runtime.recorded)
+        recorded = await resolution.known_record(self.body, self.runtime, self.ctx.api)
+        return resolution.effective_config(self.job(spec), self.meta.get("generation"), recorded)
 
     def stream(self, spec: RLTrainingJobSpec, config: Optional[JobConfig] = None) -> StreamStatus:
         """status.stream for ``spec`` (:func:`.status.stream_status`) from ``config``, else from a fresh resolution."""
@@ -203,6 +202,9 @@ async def reconcile(
     # A snapshot: a kopf daemon's body is a live view that follows the watch during the pass, and a status computed
     # from the old object must be written with the old resourceVersion (refused as stale), never with a newer one.
     this = _Pass(runtime.catch_up(dict(body)), list(indexed_pods), redis_deployment, runtime, ctx, ctx.clock())
+    if (runtime.rejected and admission.missing_reference(runtime.rejected[1])
+            and time.monotonic() - runtime.rejected_at >= RETRY_REFUSED_S):
+        runtime.rejected = None  # what the pod named may exist by now: try again (refused, it is recorded again)
     decision = await _apply_children(this, await this.admit())
     if children_only:
         return 0.0
@@ -213,8 +215,9 @@ async def reconcile(
 
 
 async def _apply_children(this: _Pass, decision: Decision) -> Decision:
-    """Apply the static children of an admitted spec; a child the API server refuses (400/422) is recorded for this
-    generation and admission asked again (it becomes a problem of the spec)."""
+    """Apply the static children of an admitted spec; a child the API server refuses as the spec's fault
+    (:func:`.admission.refusal_of_spec`) is recorded for this generation and admission asked again (it becomes a
+    problem of the spec)."""
     if not decision.applies:
         return decision
     job, generation = this.job(decision.run), this.meta.get("generation")
@@ -223,9 +226,9 @@ async def _apply_children(this: _Pass, decision: Decision) -> Decision:
     try:
         await children.apply_static(job, config, generation, this.body, this.runtime, this.ctx)
     except ApiError as err:
-        if err.status not in (400, 422):
+        if not admission.refusal_of_spec(err.status, err.message):
             raise
-        this.runtime.rejected = (generation, err.message)
+        this.runtime.reject(generation, err.message)
         return await this.admit()
     this.runtime.last_valid = (generation, decision.run)
     this.runtime.recorded = resolution.Recorded(resolution.as_recorded(config), generation)
@@ -300,8 +303,8 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
     manifests += [render.rollout_pod(job, config, i) for i in plan.create_rollouts]
     error = await children.create_pods(manifests, this.body, runtime, ctx)
     lifecycle, problems, note = plan.lifecycle, decision.problems, decision.note
-    if error is not None and error.status in (400, 422):
-        runtime.rejected = (this.meta.get("generation"), error.message)
+    if error is not None and admission.refusal_of_spec(error.status, error.message):
+        runtime.reject(this.meta.get("generation"), error.message)
         decision, error = await this.admit(), None
         if decision.run is None:
             return _invalid(this, decision, this.pods(), plan.lifecycle)

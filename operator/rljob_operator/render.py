@@ -15,6 +15,9 @@ Children of a job ``J`` in namespace ``N`` (names from :mod:`rljob_api.names`, a
 - trainer pods ``J-trainer-<i>``: ``torchrun`` with a fixed node count and static rendezvous at pod 0.
 - rollout pods ``J-rollout-<i>``: ``python -m rljob_rollout``.
 
+A role's ``spec.<role>.podTemplate`` is merged onto its pods (the managed Redis's: onto its Deployment's pod template)
+by :mod:`.overrides`, which refuses what rljob sets itself (:func:`override_problems`).
+
 With ``spec.redis.caSecretRef`` (a private CA for a ``rediss://`` Redis), trainer and rollout pods mount that one
 Secret key read-only at ``/etc/rljob-redis-ca/ca.crt`` and get env ``REDIS_TLS_CA_FILE`` naming it.
 
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import json
 import posixpath
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional
 from urllib.parse import urlsplit
 
@@ -36,8 +39,11 @@ from rljob_api import constants as c
 from rljob_api import names
 from rljob_api.canonical import canonical_hash, canonical_json
 from rljob_api.config import JobConfig, RedisConnection, resolve
-from rljob_api.spec import RedisPersistenceSpec, RLTrainingJobSpec, RolloutSpec, RunPolicySpec, SecretKeyRef
+from rljob_api.spec import (RedisPersistenceSpec, RedisSpec, RLTrainingJobSpec, RolloutSpec, RunPolicySpec,
+                             SecretKeyRef, TrainerSpec)
+from rljob_api.validation import SpecProblem
 
+from rljob_operator import overrides
 from rljob_operator.gang import ConfigHashes
 
 REDIS_PASSWORD_KEY = "password"
@@ -66,7 +72,7 @@ ROLLOUT_ONLY_FIELDS = (
     "image", "backend", "replicas", "gpus_per_replica", "resources", "node_selector", "tolerations",
     "prompts_per_batch", "samples_per_prompt", "max_lag", "sampling.top_p", "sampling.max_new_tokens",
     "task.dataset_path", "task.reward_function", "task.digits", "advantage", "filter_zero_variance", "seed",
-    "reward_failure_deadline_seconds",
+    "reward_failure_deadline_seconds", "pod_template",
 )
 """Fields (or whole sections) of ``spec.rollout`` that no trainer process reads: left out of the trainer pods'
 :func:`role_config_hash`. Every rollout field is in exactly one of the two lists (tests check it), so a new field
@@ -77,6 +83,17 @@ ROLLOUT_POD_IGNORES = ("replicas", "reward_failure_deadline_seconds")
 """Fields of ``spec.rollout`` left out of the rollout pods' :func:`role_config_hash`: a kept replica runs the same
 whatever the replica count (a worker checks only that its index is below it, and pods above it are deleted), and
 only the operator reads the reward-failure deadline."""
+REDIS_POD_ONLY_FIELDS = ("pod_template",)
+"""Fields of ``spec.redis`` that only the managed Redis Deployment is made of (no trainer or rollout process reads
+them): left out of both pod roles' :func:`role_config_hash`, so that an edit replaces the Redis pod alone."""
+ROLE_IGNORES = {
+    c.Role.TRAINER: (*(f"rollout.{path}" for path in ROLLOUT_ONLY_FIELDS),
+                     *(f"redis.{path}" for path in REDIS_POD_ONLY_FIELDS)),
+    c.Role.ROLLOUT: (*(f"rollout.{path}" for path in ROLLOUT_POD_IGNORES), "trainer.pod_template",
+                     *(f"redis.{path}" for path in REDIS_POD_ONLY_FIELDS)),
+}
+"""Paths under ``spec`` (snake_case) left out of each pod role's :func:`role_config_hash`. The trainer's pod template
+is its own (a change restarts the gang), not the rollout's."""
 
 _CONFIG_VOLUME = "config"
 _SHM_VOLUME = "dshm"
@@ -153,28 +170,37 @@ def job_config(job: Job) -> JobConfig:
 
 
 def role_config_hash(config: JobConfig, role: c.Role) -> str:
-    """Short sha256 (16 hex digits) of the part of ``config`` that pods of ``role`` read: the config with the
-    ``spec.rollout`` fields of :data:`ROLLOUT_ONLY_FIELDS` (trainer) or :data:`ROLLOUT_POD_IGNORES` (rollout) reset
-    to their defaults; for a recorded config (:meth:`~rljob_api.config.JobConfig.from_recorded`), the hash recorded
-    with it. The value of the :data:`~rljob_api.constants.LABEL_ROLE_CONFIG_HASH` label.
+    """Short sha256 (16 hex digits) of the part of ``config`` that pods of ``role`` read: the config with the fields of
+    :data:`ROLE_IGNORES` reset to their defaults (left out where a default is left out of a dump); for a recorded
+    config (:meth:`~rljob_api.config.JobConfig.from_recorded`), the hash recorded with it. The value of the
+    :data:`~rljob_api.constants.LABEL_ROLE_CONFIG_HASH` label.
 
     Raises:
         ValueError: ``role`` has no pods (Redis, config).
     """
-    ignored = {c.Role.TRAINER: ROLLOUT_ONLY_FIELDS, c.Role.ROLLOUT: ROLLOUT_POD_IGNORES}.get(role)
+    ignored = ROLE_IGNORES.get(role)
     if ignored is None:
         raise ValueError(f"role {role.value!r} has no pods that read the config")
     if (recorded := config.recorded_role_hash(role.value)) is not None:
         return recorded
     view = config.model_dump(mode="json")
-    defaults = RolloutSpec().model_dump(mode="json")
+    defaults = {"trainer": TrainerSpec().model_dump(mode="json"), "rollout": RolloutSpec().model_dump(mode="json"),
+                "redis": RedisSpec().model_dump(mode="json")}
     for path in ignored:
-        *parents, leaf = path.split(".")
-        section, default = view["spec"]["rollout"], defaults
-        for part in parents:
-            section, default = section[part], default[part]
-        section[leaf] = default[leaf]
+        copy_field(view["spec"], defaults, path)
     return canonical_hash(view, digits=16)
+
+
+def copy_field(target: dict[str, Any], source: Mapping[str, Any], path: str) -> None:
+    """Set the field at dotted ``path`` of the dump ``target`` to its value in the dump ``source``, or remove it where
+    ``source`` leaves it out (a field omitted at its default, :func:`~rljob_api.spec.omitted_at_default`)."""
+    *parents, leaf = path.split(".")
+    for part in parents:
+        target, source = target.setdefault(part, {}), source.get(part) or {}
+    if leaf in source:
+        target[leaf] = source[leaf]
+    else:
+        target.pop(leaf, None)
 
 
 def role_hashes(config: JobConfig) -> dict[str, str]:
@@ -284,7 +310,7 @@ def redis_deployment(job: Job, config: JobConfig) -> dict[str, Any]:
         command = ["sh", "-c", durable_redis_script()]
         volume = {"name": _REDIS_DATA_VOLUME, "persistentVolumeClaim": {"claimName": names.redis_claim(job.name)}}
     container = {
-        "name": "redis",
+        "name": c.Role.REDIS.value,
         "image": config.spec.redis.image,
         "command": command,
         "env": [_secret_env(c.ENV_REDIS_PASSWORD, ref)],
@@ -298,6 +324,22 @@ def redis_deployment(job: Job, config: JobConfig) -> dict[str, Any]:
             "capabilities": {"drop": ["ALL"]},
         },
     }
+    template = {
+        "metadata": {"labels": labels(job, c.Role.REDIS)},
+        "spec": {
+            "enableServiceLinks": False,
+            "automountServiceAccountToken": False,
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": _REDIS_UID,
+                "runAsGroup": _REDIS_UID,
+                "fsGroup": _REDIS_UID,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "containers": [container],
+            "volumes": [volume],
+        },
+    }
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -306,22 +348,8 @@ def redis_deployment(job: Job, config: JobConfig) -> dict[str, Any]:
             "replicas": 1,
             "strategy": {"type": "Recreate"},
             "selector": {"matchLabels": selector(job, c.Role.REDIS)},
-            "template": {
-                "metadata": {"labels": labels(job, c.Role.REDIS)},
-                "spec": {
-                    "enableServiceLinks": False,
-                    "automountServiceAccountToken": False,
-                    "securityContext": {
-                        "runAsNonRoot": True,
-                        "runAsUser": _REDIS_UID,
-                        "runAsGroup": _REDIS_UID,
-                        "fsGroup": _REDIS_UID,
-                        "seccompProfile": {"type": "RuntimeDefault"},
-                    },
-                    "containers": [container],
-                    "volumes": [volume],
-                },
-            },
+            "template": overrides.merge(template, config.spec.redis.pod_template, c.Role.REDIS.value,
+                                        "spec.redis.podTemplate"),
         },
     }
 
@@ -357,6 +385,27 @@ def static_children(job: Job, config: JobConfig, generation: Optional[int] = Non
     if config.spec.redis.mode == "managed":
         children += [redis_service(job), redis_deployment(job, config)]
     return children
+
+
+def override_problems(job: Job) -> list[SpecProblem]:
+    """What each role's ``podTemplate`` sets that rljob sets itself (:func:`.overrides.conflicts`), found by rendering
+    trainer pod 0, rollout pod 0 and the managed Redis Deployment; empty when the spec does not resolve (its check
+    reports why). A job not created yet is rendered with a stand-in uid, so that its pods carry every env rljob sets."""
+    try:
+        config = job_config(job)
+    except ValueError:
+        return []
+    job = replace(job, uid=job.uid or "uid")
+    renders = [lambda: trainer_pod(job, config, 0, 0), lambda: rollout_pod(job, config, 0)]
+    if job.spec.redis.mode == "managed":
+        renders.append(lambda: redis_deployment(job, config))
+    problems: list[SpecProblem] = []
+    for render_one in renders:
+        try:
+            render_one()
+        except overrides.Refused as refused:
+            problems += refused.problems
+    return problems
 
 
 # --- pods ------------------------------------------------------------------------------------------------------
@@ -401,7 +450,7 @@ def trainer_pod(job: Job, config: JobConfig, index: int, attempt: int) -> dict[s
                {c.LABEL_ATTEMPT: str(attempt)}, checkpoints=True)
     pod["spec"]["hostname"] = name
     pod["spec"]["subdomain"] = names.trainer_service(job.name)
-    return pod
+    return overrides.merge(pod, t.pod_template, c.Role.TRAINER.value, "spec.trainer.podTemplate")
 
 
 def rollout_pod(job: Job, config: JobConfig, index: int) -> dict[str, Any]:
@@ -420,8 +469,9 @@ def rollout_pod(job: Job, config: JobConfig, index: int) -> dict[str, Any]:
         "volumeMounts": _mounts(job, checkpoints=False),
         "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
     }
-    return _pod(job, config, names.rollout_pod(job.name, index), c.Role.ROLLOUT, index, container, r.node_selector,
-                r.tolerations, "OnFailure", {}, checkpoints=False)
+    pod = _pod(job, config, names.rollout_pod(job.name, index), c.Role.ROLLOUT, index, container, r.node_selector,
+               r.tolerations, "OnFailure", {}, checkpoints=False)
+    return overrides.merge(pod, r.pod_template, c.Role.ROLLOUT.value, "spec.rollout.podTemplate")
 
 
 def _pod(job, config, name, role, index, container, node_selector, tolerations, restart_policy, extra_labels,

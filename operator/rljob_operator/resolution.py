@@ -9,7 +9,8 @@ change the pods' config hashes and restart every gang. So the job's config Confi
 - same generation as recorded: the recorded config, byte for byte, with its recorded hashes;
 - a new generation (the user edited the spec): the spec resolved anew, unless the edit changed nothing the trainer
   reads (its role hash is the same for the recorded spec and the edited one, both resolved by this version): then
-  the recorded config with the rollout-only fields of the new resolution, the trainer's recorded hash kept, and the
+  the recorded config with the rollout-only fields (and ``spec.redis.podTemplate``) of the new resolution, the
+  trainer's recorded hash kept, and the
   rollout's kept too when the edit changed nothing a rollout pod reads (``replicas``). So a role gets this version's
   defaults only when the user edits a field that role's hash covers;
 - nothing recorded (a new job), or a record this version cannot read: the new resolution.
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from pydantic import ValidationError
 from pydantic.alias_generators import to_camel
@@ -37,6 +38,9 @@ from rljob_api.config import JobConfig
 
 from rljob_operator import render
 from rljob_operator.apply import KubeApi
+
+if TYPE_CHECKING:
+    from rljob_operator.runtime import JobRuntime
 
 
 REDIS_STORAGE_FIELDS = ("mode", "image", "persistence")
@@ -90,12 +94,8 @@ def effective_config(job: render.Job, generation: Optional[int], recorded: Optio
         return _keep_redis_storage(fresh, recorded.config, before)
     merged = json.loads(recorded.config.to_json())
     new = json.loads(fresh.to_json())
-    for path in render.ROLLOUT_ONLY_FIELDS:
-        *parents, leaf = [to_camel(part) for part in path.split(".")]
-        target, source = merged["spec"]["rollout"], new["spec"]["rollout"]
-        for part in parents:
-            target, source = target.setdefault(part, {}), source[part]
-        target[leaf] = source[leaf]
+    for path in render.ROLE_IGNORES[c.Role.TRAINER]:  # what the edit changed: the trainer reads none of it
+        render.copy_field(merged["spec"], new["spec"], ".".join(to_camel(part) for part in path.split(".")))
     trainer = recorded.config.recorded_role_hash(c.Role.TRAINER.value)
     if render.role_config_hash(before, c.Role.ROLLOUT) == render.role_config_hash(fresh, c.Role.ROLLOUT):
         rollout = recorded.config.recorded_role_hash(c.Role.ROLLOUT.value)
@@ -130,6 +130,19 @@ def as_recorded(config: JobConfig) -> JobConfig:
     """``config`` as :func:`recorded_config` will read it back once its ConfigMap is written: its bytes and its role
     hashes fixed."""
     return JobConfig.from_recorded(config.to_json(), render.role_hashes(config))
+
+
+async def known_record(body: Mapping[str, Any], runtime: JobRuntime, api: KubeApi) -> Optional[Recorded]:
+    """The record of the job ``body`` this process keeps (``runtime.recorded``): read from its ConfigMap first
+    (:func:`read_recorded`) when it has none and the job was reconciled before (it has a status).
+
+    Raises:
+        ApiError: the read failed other than with 404.
+    """
+    if runtime.recorded is None and body.get("status"):
+        meta = body["metadata"]
+        runtime.recorded = await read_recorded(meta["name"], meta["namespace"], api)
+    return runtime.recorded
 
 
 async def read_recorded(name: str, namespace: str, api: KubeApi) -> Optional[Recorded]:

@@ -9,6 +9,7 @@ status write reads the job as written (:meth:`JobRuntime.catch_up`), so it is no
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
@@ -28,6 +29,12 @@ if TYPE_CHECKING:
     from rljob_operator.resolution import Recorded
 
 
+RETRY_REFUSED_S = 60.0
+"""How long a pod refused for naming a PriorityClass, ServiceAccount or RuntimeClass that does not exist stays refused
+before a pass tries again (it may have been created since; trying on every pass would create and delete the pods of
+the other role each time)."""
+
+
 @dataclass
 class JobRuntime:
     """State of one job in this operator process (lost on restart, rebuilt from the cluster)."""
@@ -38,7 +45,10 @@ class JobRuntime:
     """Digest of the static children this process last applied or found as rendered (re-applied only when it
     changes)."""
     rejected: Optional[tuple[int, str]] = None
-    """(generation, message) of a child the API server refused (422); cleared by a new generation."""
+    """(generation, message) of a child the API server refused (422); cleared by a new generation, or (a pod naming
+    an object that does not exist) once it is :data:`RETRY_REFUSED_S` old."""
+    rejected_at: float = 0.0
+    """time.monotonic() when ``rejected`` was recorded."""
     last_valid: Optional[tuple[Optional[int], RLTrainingJobSpec]] = None
     """(generation, spec) whose children this process last applied: what an invalid edit keeps running."""
     recorded: Optional[Recorded] = None
@@ -65,6 +75,10 @@ class JobRuntime:
     written: Optional[tuple[frozenset[str], str, dict[str, Any]]] = None
     """(resourceVersions this process's status writes replaced, the resourceVersion and status they left), until
     the watch shows the job at or past that write."""
+
+    def reject(self, generation: Optional[int], message: str) -> None:
+        """Record the API server's refusal (``message``) of a child of ``generation`` (see ``rejected``)."""
+        self.rejected, self.rejected_at = (generation, message), time.monotonic()
 
     def catch_up(self, body: dict[str, Any]) -> dict[str, Any]:
         """``body``, or — when it predates this process's last status write — ``body`` with that write's status

@@ -53,7 +53,7 @@ from rljob_api.spec import RedisPersistenceSpec, RLTrainingJobSpec, SecretKeyRef
 from rljob_api.status import Condition, RLTrainingJobStatus, SecretKeyStatus, StreamStatus
 from rljob_api.validation import SpecProblem
 
-from rljob_operator import eta
+from rljob_operator import eta, overrides
 from rljob_operator.gang import Lifecycle, plural
 from rljob_operator.observe import RESTART_REASONS, PodView
 from rljob_operator.progress import Progress, lost_checkpoint_message, status_fields
@@ -177,10 +177,15 @@ _LABELS = {Reason.UNSCHEDULABLE: "cannot be scheduled", Reason.CONTAINER_CANNOT_
 
 
 def secret_fields(spec: RLTrainingJobSpec) -> dict[str, str]:
-    """Secret name → the spec field that names it (hfTokenSecretRef, redis.passwordSecretRef, redis.caSecretRef)."""
+    """Secret name → the spec field that names it (hfTokenSecretRef, redis.passwordSecretRef, redis.caSecretRef, a
+    role's podTemplate)."""
     refs = (("spec.hfTokenSecretRef", spec.hf_token_secret_ref), ("spec.redis.passwordSecretRef",
             spec.redis.password_secret_ref), ("spec.redis.caSecretRef", spec.redis.ca_secret_ref))
-    return {ref.name: field for field, ref in refs if ref is not None}
+    fields = {ref.name: field for field, ref in refs if ref is not None}
+    for role, section in (("trainer", spec.trainer), ("rollout", spec.rollout)):
+        for name in overrides.secret_names(section.pod_template):
+            fields.setdefault(name, f"spec.{role}.podTemplate")
+    return fields
 
 
 def name_secret_fields(pods: Iterable[PodView], fields: Mapping[str, str]) -> list[PodView]:

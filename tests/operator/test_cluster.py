@@ -127,8 +127,12 @@ def kube(control_plane) -> Kube:
 def installed(kube, tmp_path_factory) -> Path:
     """Chart CRDs + ServiceAccount + RBAC + peering object applied; returns a kubeconfig of the ServiceAccount."""
     kube.run("apply", "--server-side", "-f", str(CHART / "crds"))
-    kube.run("wait", "--for=condition=Established", "--timeout=60s", "crd/rltrainingjobs.rljob.dev",
-             "crd/clusterkopfpeerings.kopf.dev")
+    for crd in ("rltrainingjobs.rljob.dev", "clusterkopfpeerings.kopf.dev"):
+        # polled: `kubectl wait --for=condition=Established` fails at once on a CRD with no conditions yet (a large
+        # CRD is still being processed when the wait starts)
+        wait_for(lambda: any(cond["type"] == "Established" and cond["status"] == "True"
+                             for cond in ((kube.json("get", "crd", crd) or {}).get("status") or {}).get("conditions")
+                             or ()), f"CRD {crd} Established", timeout=60)
     kube.run("create", "namespace", SYSTEM_NS, check=False)
     for obj in render(release=RELEASE, namespace=SYSTEM_NS):
         if obj["kind"] not in ("Deployment", "Service"):  # no nodes here: the operator runs as a process

@@ -1,13 +1,15 @@
-"""The generated CRD: committed bytes, descriptions, defaults, enums, bounds, CEL rules, columns."""
+"""The generated CRD: committed bytes, descriptions, defaults, enums, bounds, CEL rules, columns, the Kubernetes schemas
+of the pod templates and the file's size."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import yaml
 
 from rljob_api import rules
-from rljob_operator import crd
+from rljob_operator import crd, kube_schemas
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "crds" / "rltrainingjobs.rljob.dev.yaml"
@@ -37,13 +39,15 @@ def test_chart_carries_the_same_crd():
 
 
 def test_every_field_has_a_description_and_a_type():
+    """Kubernetes' own schemas under podTemplate (:class:`crd.Vendored`) go without descriptions, as kubebuilder's
+    maxDescLen=0 writes them; the podTemplate fields themselves are described."""
     missing = []
     for path, node in _walk(_schema(), "root"):
-        if path in ("root.metadata",) or path.endswith(".*"):
+        assert node.get("type") or node.get("x-kubernetes-int-or-string"), path
+        if path in ("root.metadata",) or path.endswith(".*") or isinstance(node, crd.Vendored):
             continue  # the API server forbids anything but a type on metadata; map values describe nothing
         if not node.get("description"):
             missing.append(path)
-        assert node.get("type") or node.get("x-kubernetes-int-or-string"), path
     assert missing == []
 
 
@@ -60,9 +64,11 @@ def test_descriptions_start_with_what_the_field_does_not_with_its_name():
 
 
 def test_schema_is_structural_no_refs_unions_or_unknown_field_passthrough():
-    text = yaml.safe_dump(_schema())
-    for forbidden in ("$ref", "anyOf: [{type: null", "title:", "x-kubernetes-preserve-unknown-fields"):
+    text = crd.crd_yaml()
+    for forbidden in ("$ref", "anyOf: [{type: null", "type: 'null'", "title:", "x-kubernetes-preserve-unknown-fields",
+                      "allOf", "oneOf", "x-kubernetes-patch", "int-or-string\n"):
         assert forbidden not in text
+    assert yaml.safe_load(text) == crd.crd()  # the flow-style parts read back as the same schema
     for _, node in _walk(_schema(), "root"):
         assert not ("properties" in node and "additionalProperties" in node)
 
@@ -142,3 +148,40 @@ def test_status_subresource_columns_and_names():
     conditions = _schema()["properties"]["status"]["properties"]["conditions"]
     assert conditions["x-kubernetes-list-type"] == "map" and conditions["x-kubernetes-list-map-keys"] == ["type"]
     assert _schema()["properties"]["status"]["properties"]["lastMetrics"]["additionalProperties"] == {"type": "number"}
+
+
+def test_the_crd_file_stays_under_the_bound_client_side_apply_can_store():
+    """Client-side ``kubectl apply`` keeps the whole object in an annotation, and annotations hold at most 256 KiB."""
+    assert len(COMMITTED.read_bytes()) < crd.MAX_CRD_BYTES == 250_000
+    assert len(json.dumps(crd.crd(), separators=(",", ":")).encode()) < 256 * 1024 - 1024  # the annotation's JSON
+
+
+def test_pod_template_fields_carry_kubernetes_schemas_without_nested_descriptions():
+    spec = _schema()["properties"]["spec"]["properties"]
+    for field, container in crd.POD_TEMPLATE_ROLES.items():
+        template = spec[field]["properties"]["podTemplate"]
+        assert "podTemplate" not in (spec[field].get("default") or {}) and "default" not in template  # unset stays so
+        pod = template["properties"]["spec"]["properties"]
+        volumes = pod["volumes"]
+        assert volumes["description"].startswith("Appended to rljob's volumes")
+        assert {k: v for k, v in volumes.items() if k != "description"} == kube_schemas.inline("PodSpec.volumes")
+        assert (volumes["x-kubernetes-list-type"], volumes["x-kubernetes-list-map-keys"]) == ("map", ["name"])
+        assert volumes["items"]["required"] == ["name"]
+        affinity = pod["affinity"]["properties"]["nodeAffinity"]["properties"]
+        terms = affinity["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert terms["required"] == ["nodeSelectorTerms"] and terms["properties"]["nodeSelectorTerms"]["type"] == "array"
+        sidecar = pod["initContainers"]["items"]["properties"]
+        assert sidecar["restartPolicy"] == {"type": "string"} and sidecar["ports"]["items"]["properties"]["protocol"] \
+            == {"type": "string", "default": "TCP"}  # Kubernetes' +default kept, as on a Pod
+        assert sidecar["resources"]["properties"]["limits"]["additionalProperties"]["x-kubernetes-int-or-string"]
+        spread = pod["topologySpreadConstraints"]["items"]["properties"]
+        assert "default" not in spread["whenUnsatisfiable"]  # required: no zero-value default from the generator
+        for path, node in _walk(template, "podTemplate"):
+            if isinstance(node, crd.Vendored):
+                assert "description" not in node, path
+        override = pod["containers"]
+        assert set(override["items"]["properties"]) == {"name", "env", "envFrom", "volumeMounts", "securityContext"}
+        assert override["items"]["required"] == ["name"]
+        assert override["x-kubernetes-validations"] == [rules.cel_own_container_only(container)]
+        assert override["x-kubernetes-validations"][0]["rule"] == f"self.all(c, c.name == '{container}')"
+        assert template["properties"]["metadata"]["properties"]["labels"]["additionalProperties"] == {"type": "string"}

@@ -48,6 +48,12 @@ def test_deployment_view():
         "conditions": [{"type": "Available", "status": "False", "message": "Deployment does not have minimum availability."}]}})
     assert not waiting.available
     assert waiting.message == "0/1 replicas available: Deployment does not have minimum availability."
+    refused = deployment_view({"metadata": {"name": "j-redis"}, "spec": {"replicas": 1}, "status": {"conditions": [
+        {"type": "Available", "status": "False", "message": "Deployment does not have minimum availability."},
+        {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate",
+         "message": 'pods "j-redis-5d9c-x" is forbidden: no PriorityClass with name high was found'}]}})
+    assert refused.message == ("0/1 replicas available: Deployment does not have minimum availability.; FailedCreate: "
+                               'pods "j-redis-5d9c-x" is forbidden: no PriorityClass with name high was found')
 
 
 def test_observed_pods_bridge_the_watch_lag_of_this_process_own_actions():
