@@ -1,0 +1,147 @@
+"""A node that stops reporting, on real kubelets (issue 11 item 7; DESIGN §5's exception to "the next attempt only
+once no old pod is left"): one job, two faults of the node that runs trainer rank 1 and neither Redis nor the rollout.
+
+1. Partitioned: its kubelet is killed, its containers go on running. The node goes NotReady, the taint manager
+   deletes its pods, which stay Terminating (nobody on the node confirms). Once the node has not been Ready for the
+   pods' toleration (the local control plane's default, 10 s) the operator force-deletes them (Warning Event
+   PodForceDeleted naming the node) and starts the next attempt, whose rank on the lost node cannot be placed until
+   the node returns. Back, the kubelet kills the containers of the pods the API no longer has: no process of the
+   old pod is left on the host.
+2. Shut down: kubelet and every container of the node killed, containerd stopped; the same path.
+
+Invariants, read from the pods' watch, the host's processes and Redis: every pod of attempt k is gone from the API
+before any pod of attempt k+1 exists; the job ends Succeeded with every document of every step trained once (the
+consumer group has nothing pending, nothing lost or dead-lettered) and the last checkpoint at the last step.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+from rljob_api import constants as c
+
+from .conftest import Recorder, checkpointed_job, get_job, phase, redis_snapshot, wait_for
+from .faults import pod_pids
+
+pytestmark = [pytest.mark.e2e, pytest.mark.chaos]
+
+MAX_STEPS = 40
+EVERY_STEPS = 5
+PER_STEP = 64
+GPU = "nvidia.com/gpu"
+GPUS_PER_RANK = 3
+"""Of the 4 fake GPUs per node: two ranks never fit on one node, so rank 1 runs on the node that has neither Redis
+nor the rollout (placed while it was cordoned), and the next attempt's rank 1 waits for that node's return."""
+
+
+def _pods(cluster, namespace, role: str) -> list[dict]:
+    return cluster.items("pods", namespace, f"{c.LABEL_ROLE}={role}")
+
+
+def _trainer(cluster, namespace, attempt: int, index: int) -> dict | None:
+    return next((p for p in _pods(cluster, namespace, "trainer")
+                 if p["metadata"]["labels"].get(c.LABEL_ATTEMPT) == str(attempt)
+                 and p["metadata"]["name"].endswith(f"-trainer-{index}")), None)
+
+
+def _committed_after_load(log: str) -> bool:
+    """A checkpoint committed by this attempt (after its 'checkpoint: loaded' line)."""
+    return "checkpoint: committed" in log.split("checkpoint: loaded")[-1] and "checkpoint: loaded" in log
+
+
+def _force_deleted(cluster, namespace) -> list[dict]:
+    return [e for e in cluster.items("events", namespace) if e["reason"] == "PodForceDeleted"]
+
+
+def test_a_partitioned_then_shut_down_node_restarts_the_gang_and_leaves_nothing_behind(cluster, operator, namespace,
+                                                                                        diagnostics):
+    if cluster.nodes is None:
+        pytest.skip("NODE FAULTS NOT TESTED: --cluster=existing has no node this test can stop (the local nodes can)")
+    nodes = cluster.nodes
+    safe, victim = nodes.names
+    name = "node-fault"
+    diagnostics.job = name
+    manifest = checkpointed_job(cluster, namespace, name, EVERY_STEPS, {
+        "trainer": {"nodes": 2, "processesPerNode": 1, "maxSteps": MAX_STEPS, "batch": {"documentsPerStep": PER_STEP},
+                    "resources": {"requests": {"cpu": "100m"}, "limits": {GPU: GPUS_PER_RANK}}},
+        "runPolicy": {"backoffLimit": 4, "cleanPodPolicy": "None"},
+    })
+    started = time.monotonic()
+    timings: dict[str, float] = {}
+    cluster.kubectl("cordon", victim)
+    try:
+        with Recorder(cluster, namespace, "pods") as pods, Recorder(cluster, namespace, "rljobs") as jobs:
+            cluster.apply(manifest, namespace)
+            wait_for(lambda: all(p["spec"].get("nodeName") == safe for role in ("redis", "rollout")
+                                 for p in _pods(cluster, namespace, role)) and len(_pods(cluster, namespace, "redis"))
+                     == 1 and len(_pods(cluster, namespace, "rollout")) == 1 and _trainer(cluster, namespace, 0, 0),
+                     180, f"Redis, the rollout and trainer rank 0 on {safe}", diagnostics)
+            cluster.kubectl("uncordon", victim)
+            for attempt, containers in ((0, False), (1, True)):
+                fault = "shut down" if containers else "partitioned"
+                victim_pod = wait_for(lambda a=attempt: (p := _trainer(cluster, namespace, a, 1)) and p["spec"].get(
+                    "nodeName") == victim and p, 180, f"attempt {attempt}'s rank 1 on {victim}", diagnostics)
+                rank0 = f"{name}-trainer-0"
+                wait_for(lambda a=attempt: "checkpoint: committed" in (log := cluster.kubectl(
+                    "logs", "-n", namespace, rank0, check=False).stdout) and (a == 0 or _committed_after_load(log)),
+                    300, f"a checkpoint of attempt {attempt}", diagnostics, interval=0.5)
+                uid = victim_pod["metadata"]["uid"]
+                assert pod_pids(uid), f"no process of {victim_pod['metadata']['name']} found on the host"
+                forced_before = len(_force_deleted(cluster, namespace))
+                t0 = time.monotonic()
+                nodes.stop_node(victim, containers=containers)
+                if not containers:
+                    assert pod_pids(uid), "a partitioned node's containers must keep running"
+                # The stuck pod is force-deleted, and attempt + 1's rank 1 waits for a node that can hold it.
+                wait_for(lambda: len(_force_deleted(cluster, namespace)) > forced_before, 180,
+                         f"PodForceDeleted after the node was {fault}", diagnostics)
+                timings[f"{fault}: force-deleted"] = time.monotonic() - t0
+                waiting = wait_for(lambda a=attempt: (p := _trainer(cluster, namespace, a + 1, 1)) and p, 120,
+                                   f"attempt {attempt + 1}'s rank 1", diagnostics)
+                assert not waiting["spec"].get("nodeName"), waiting["spec"]  # nowhere to go while the node is lost
+                job = get_job(cluster, namespace, name)
+                assert job["status"]["attempt"] == attempt + 1, job["status"]
+                t1 = time.monotonic()
+                nodes.start_node(victim)
+                wait_for(lambda: not pod_pids(uid), 120, f"the processes of {victim_pod['metadata']['name']} to end",
+                         diagnostics)
+                timings[f"{fault}: node back, old pod's processes gone"] = time.monotonic() - t1
+            final = wait_for(lambda: phase(job := get_job(cluster, namespace, name)) in ("Succeeded", "Failed") and job,
+                             600, "the job to finish", diagnostics)
+            timings["finished"] = time.monotonic() - started
+    finally:
+        cluster.kubectl("uncordon", victim, check=False)
+        if victim not in [n for n in nodes.names if f"kubelet-{n}" in nodes.pids]:
+            nodes.start_node(victim)
+    pods.check()
+    jobs.check()
+    print("seconds: " + ", ".join(f"{what} {s:.0f}" for what, s in timings.items()))
+    status = final["status"]
+    assert status["phase"] == "Succeeded", diagnostics()
+    assert status["attempt"] == 2 and status["step"] == MAX_STEPS, status
+    assert status["lastCheckpoint"]["step"] == MAX_STEPS, status
+
+    # Each force-delete named the node; the gang rule held: attempt k gone before attempt k+1 existed.
+    forced = _force_deleted(cluster, namespace)
+    assert len(forced) >= 2 and all(victim in e["message"] for e in forced), [e["message"] for e in forced]
+    by_attempt: dict[int, list[tuple[int, int | None]]] = {}
+    for attempt, first, deleted in pods.lifetimes(c.Role.TRAINER.value).values():
+        by_attempt.setdefault(attempt, []).append((first, deleted))
+    assert sorted(by_attempt) == [0, 1, 2], by_attempt
+    for k in (0, 1):
+        assert all(deleted is not None for _, deleted in by_attempt[k]), (k, by_attempt)
+        assert max(d for _, d in by_attempt[k]) < min(f for f, _ in by_attempt[k + 1]), (k, by_attempt)
+
+    # Nothing lost or trained twice; the resumed attempts went on from committed checkpoints.
+    snapshot = redis_snapshot(cluster, namespace, final, diagnostics)
+    assert int(snapshot["progress"]["documents_seen"]) == MAX_STEPS * PER_STEP == status["documentsSeen"]
+    (group,) = snapshot["groups"]
+    assert group["pending"] == 0, snapshot["groups"]
+    counters = json.loads(snapshot["progress"]["stream"])
+    assert counters["lost_pending"] == 0 and counters["dead_lettered"] == 0, counters
+    log = cluster.kubectl("logs", "-n", namespace, f"{name}-trainer-0").stdout
+    loaded = [int(s) for s in re.findall(r"checkpoint: loaded \S+ \(step (\d+)", log)]
+    assert loaded and loaded[-1] % EVERY_STEPS == 0 and loaded[-1] >= 2 * EVERY_STEPS, loaded
