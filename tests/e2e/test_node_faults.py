@@ -28,9 +28,11 @@ from .faults import pod_pids
 
 pytestmark = [pytest.mark.e2e, pytest.mark.chaos]
 
-MAX_STEPS = 40
-EVERY_STEPS = 5
+MAX_STEPS = 400
+EVERY_STEPS = 10
 PER_STEP = 64
+"""Steps of about 0.3 s on an idle machine: a partitioned rank trains on until the node's pods are evicted (the node
+NotReady after 16 s, then its 10 s toleration), so the job must outlast that twice (each fault follows a checkpoint)."""
 GPU = "nvidia.com/gpu"
 GPUS_PER_RANK = 3
 """Of the 4 fake GPUs per node: two ranks never fit on one node, so rank 1 runs on the node that has neither Redis
@@ -61,7 +63,10 @@ def test_a_partitioned_then_shut_down_node_restarts_the_gang_and_leaves_nothing_
     if cluster.nodes is None:
         pytest.skip("NODE FAULTS NOT TESTED: --cluster=existing has no node this test can stop (the local nodes can)")
     nodes = cluster.nodes
-    safe, victim = nodes.names
+    # The operator's node stays up (on a partitioned node it would run on beside its replacement: not this test).
+    (operator_pod,) = operator.pods()
+    safe = operator_pod["spec"]["nodeName"]
+    (victim,) = set(nodes.names) - {safe}
     name = "node-fault"
     diagnostics.job = name
     manifest = checkpointed_job(cluster, namespace, name, EVERY_STEPS, {
@@ -93,6 +98,7 @@ def test_a_partitioned_then_shut_down_node_restarts_the_gang_and_leaves_nothing_
                 forced_before = len(_force_deleted(cluster, namespace))
                 t0 = time.monotonic()
                 nodes.stop_node(victim, containers=containers)
+                step_at_fault = get_job(cluster, namespace, name)["status"].get("step")
                 if not containers:
                     assert pod_pids(uid), "a partitioned node's containers must keep running"
                 # The stuck pod is force-deleted, and attempt + 1's rank 1 waits for a node that can hold it.
@@ -104,6 +110,7 @@ def test_a_partitioned_then_shut_down_node_restarts_the_gang_and_leaves_nothing_
                 assert not waiting["spec"].get("nodeName"), waiting["spec"]  # nowhere to go while the node is lost
                 job = get_job(cluster, namespace, name)
                 assert job["status"]["attempt"] == attempt + 1, job["status"]
+                print(f"{fault} at step {step_at_fault}; attempt {attempt + 1} waits for {victim}")
                 t1 = time.monotonic()
                 nodes.start_node(victim)
                 wait_for(lambda: not pod_pids(uid), 120, f"the processes of {victim_pod['metadata']['name']} to end",
