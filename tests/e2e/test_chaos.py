@@ -9,11 +9,10 @@ every pending entry) and the progress, rollout and checkpoint hashes are all the
 (UIDs, no container restart), one trainer process made every step once, the step never went backwards, and the job
 reaches Succeeded with every entry acked and every step full.
 
-Without persistence (an emptyDir) the same fault empties Redis and the invariants fail. Tried once with this test's
-steps on ``persistence.enabled: false``: :func:`kept_after_restart` named the stream's entries-added and last id, the
-consumer group, the checkpoint record and the progress and rollout hashes, and the job ended Failed
-(BackoffLimitExceeded: the trainer exited on ``NOGROUP``). Issue 11 item 2 is what handles that case; until then this
-test runs the durable default only.
+Without persistence (an emptyDir) the same fault empties Redis: :func:`kept_after_restart` then names the stream's
+entries-added and last id, the consumer group, the checkpoint record and the progress and rollout hashes. That case is
+handled as a stream loss (issue 11 item 2): the second test injects it last, after a rollout kill and a trainer rank
+killed while a checkpoint is written, into one job.
 """
 
 from __future__ import annotations
