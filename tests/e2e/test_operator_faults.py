@@ -2,11 +2,13 @@
 
 - the operator killed between creating the pods of a gang: a ValidatingAdmissionPolicy refuses trainer pod 1
   (Forbidden), so the operator has created pod 0 and keeps retrying pod 1; its process is then SIGKILLed (its
-  container restarts) and the policy lifted. The new operator process completes the same gang: every trainer pod of
-  the job belongs to one attempt with one config hash, the job trains to Succeeded, nothing counts as a restart, and
-  every document is trained once.
-- the namespace of a running job deleted: the job, its pods, Redis, the claims and their volumes all go, the namespace
-  is gone within two minutes (kopf's finalizer is released), and the operator goes on without a restart or an error.
+  container restarts) and the policy lifted. The new operator process completes the same gang: both trainer pods
+  belong to attempt 0 with one config hash, the gang trains, nothing counts as a restart;
+- then the namespace of that running job deleted: the job, its pods, Redis, the claims and their volumes all go, the
+  namespace is gone within three minutes (kopf's finalizer is released), and the operator goes on without a restart
+  or an error.
+
+One job for both faults: a job's start costs a minute of the CI budget.
 """
 
 from __future__ import annotations
@@ -19,12 +21,11 @@ import uuid
 import pytest
 from rljob_api import constants as c
 
-from .conftest import checkpointed_job, get_job, phase, redis_snapshot, wait_for
+from .conftest import checkpointed_job, get_job, wait_for
 from .faults import command_line, pod_pids, signal_all
 
 pytestmark = [pytest.mark.e2e, pytest.mark.chaos]
 
-MAX_STEPS = 10
 PER_STEP = 64
 
 
@@ -62,8 +63,8 @@ def _kill_operator(operator) -> int:
     return restarts
 
 
-def test_operator_killed_between_the_pods_of_a_gang_completes_the_same_gang(cluster, operator, namespace,
-                                                                            diagnostics):
+def test_operator_killed_between_the_pods_of_a_gang_then_the_namespace_deleted(cluster, operator, namespace,
+                                                                              diagnostics):
     if cluster.nodes is None:
         pytest.skip("OPERATOR KILL NOT TESTED: --cluster=existing (the test signals the operator's host process)")
     name = "op-kill"
@@ -71,7 +72,7 @@ def test_operator_killed_between_the_pods_of_a_gang_completes_the_same_gang(clus
     refused = f"{name}-trainer-1"
     policy = f"rljob-chaos-{uuid.uuid4().hex[:6]}"
     manifest = checkpointed_job(cluster, namespace, name, 5, {
-        "trainer": {"nodes": 2, "processesPerNode": 1, "maxSteps": MAX_STEPS, "batch": {"documentsPerStep": PER_STEP}},
+        "trainer": {"nodes": 2, "processesPerNode": 1, "maxSteps": 10_000, "batch": {"documentsPerStep": PER_STEP}},
         "runPolicy": {"cleanPodPolicy": "None"},
     })
     for obj in _policy(policy, namespace, refused):
@@ -93,28 +94,19 @@ def test_operator_killed_between_the_pods_of_a_gang_completes_the_same_gang(clus
     finally:
         for kind in ("validatingadmissionpolicybinding", "validatingadmissionpolicy"):
             cluster.kubectl("delete", kind, policy, "--ignore-not-found", check=False)
-    final = wait_for(lambda: phase(job := get_job(cluster, namespace, name)) in ("Succeeded", "Failed") and job,
-                     600, "the job to finish", diagnostics)
-    status = final["status"]
-    assert status["phase"] == "Succeeded", diagnostics()
+    # The new operator process completed attempt 0's gang: both pods, one config hash, training goes on.
+    job = wait_for(lambda: ((j := get_job(cluster, namespace, name)).get("status") or {}).get("step", 0) >= 2 and j,
+                   300, "the completed gang to train", diagnostics)
+    status = job["status"]
     assert (status["attempt"], status["restarts"], status["failedAttempts"]) == (0, 0, 0), status
+    assert status["dataParallelSize"] == 2, status
     trainers = cluster.items("pods", namespace, f"{c.LABEL_ROLE}=trainer")
     assert sorted(p["metadata"]["name"] for p in trainers) == [f"{name}-trainer-0", refused], trainers
     assert {p["metadata"]["labels"][c.LABEL_ATTEMPT] for p in trainers} == {"0"}
     assert len({p["metadata"]["labels"][c.LABEL_CONFIG_HASH] for p in trainers}) == 1
-    snapshot = redis_snapshot(cluster, namespace, final, diagnostics)
-    assert int(snapshot["progress"]["documents_seen"]) == MAX_STEPS * PER_STEP == status["documentsSeen"]
-    (group,) = snapshot["groups"]
-    assert group["pending"] == 0, snapshot["groups"]
+    assert all(p["status"]["containerStatuses"][0]["restartCount"] == 0 for p in trainers), trainers
 
-
-def test_deleting_the_namespace_of_a_running_job_removes_everything(cluster, operator, namespace, diagnostics):
-    name = "ns-gone"
-    diagnostics.job = name
-    cluster.apply(checkpointed_job(cluster, namespace, name, 5, {
-        "trainer": {"maxSteps": 10_000, "batch": {"documentsPerStep": PER_STEP}}}), namespace)
-    wait_for(lambda: (get_job(cluster, namespace, name).get("status") or {}).get("step"), 300, "a training step",
-             diagnostics)
+    # Then the namespace of the running job deleted: everything goes, the operator goes on.
     claims = {p["spec"]["volumeName"] for p in cluster.items("pvc", namespace) if p["spec"].get("volumeName")}
     assert len(claims) == 2, claims  # the checkpoints' and Redis's
     pod = _operator_pod(operator)
