@@ -1,7 +1,8 @@
 """A node that stops reporting, on real kubelets (issue 11 item 7; DESIGN §5's exception to "the next attempt only
 once no old pod is left"): one job, two faults of the node that runs a trainer rank and neither Redis nor the rollout nor the operator.
 
-1. Partitioned: its kubelet is killed, its containers go on running. The node goes NotReady, the taint manager
+1. Partitioned: its kubelet is killed, its containers go on running (the rollout is paused meanwhile, see
+   MAX_LAG). The node goes NotReady, the taint manager
    deletes its pods, which stay Terminating (nobody on the node confirms). Once the node has not been Ready for the
    pods' toleration (the local control plane's default, 10 s) the operator force-deletes them (Warning Event
    PodForceDeleted naming the node) and starts the next attempt, whose rank on the lost node cannot be placed until
@@ -18,21 +19,25 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import time
 
 import pytest
 from rljob_api import constants as c
 
 from .conftest import Recorder, checkpointed_job, get_job, phase, redis_snapshot, wait_for
-from .faults import pod_pids
+from .faults import command_line, pod_pids, signal_all
 
 pytestmark = [pytest.mark.e2e, pytest.mark.chaos]
 
-MAX_STEPS = 400
-EVERY_STEPS = 10
+MAX_STEPS = 60
+EVERY_STEPS = 5
 PER_STEP = 64
-"""Steps of about 0.3 s on an idle machine: a partitioned rank trains on until the node's pods are evicted (the node
-NotReady after 16 s, then its 10 s toleration), so the job must outlast that twice (each fault follows a checkpoint)."""
+MAX_LAG = 512
+"""Documents the rollout may be ahead: 8 steps. A partitioned rank trains on until the node's pods are evicted (the node
+NotReady after 16 s, then its 10 s toleration: hundreds of steps on an idle machine), so while the node is partitioned
+the rollout's processes are stopped (SIGSTOP, from outside): the gang trains the backlog and waits for documents, and
+the job cannot end before the eviction on a fast machine."""
 GPU = "nvidia.com/gpu"
 GPUS_PER_RANK = 3
 """Of the 4 fake GPUs per node: two ranks never fit on one node, so one rank runs on the node that has neither Redis
@@ -60,6 +65,7 @@ def _force_deleted(cluster, namespace) -> list[dict]:
     return [e for e in cluster.items("events", namespace) if e["reason"] == "PodForceDeleted"]
 
 
+@pytest.mark.timeout(1500)  # two node losses, three gangs: long on a busy 2-core machine
 def test_a_partitioned_then_shut_down_node_restarts_the_gang_and_leaves_nothing_behind(cluster, operator, namespace,
                                                                                         diagnostics):
     if cluster.nodes is None:
@@ -74,6 +80,7 @@ def test_a_partitioned_then_shut_down_node_restarts_the_gang_and_leaves_nothing_
     manifest = checkpointed_job(cluster, namespace, name, EVERY_STEPS, {
         "trainer": {"nodes": 2, "processesPerNode": 1, "maxSteps": MAX_STEPS, "batch": {"documentsPerStep": PER_STEP},
                     "resources": {"requests": {"cpu": "100m"}, "limits": {GPU: GPUS_PER_RANK}}},
+        "rollout": {"maxLag": MAX_LAG},
         "runPolicy": {"backoffLimit": 4, "cleanPodPolicy": "None"},
     })
     started = time.monotonic()
@@ -99,6 +106,10 @@ def test_a_partitioned_then_shut_down_node_restarts_the_gang_and_leaves_nothing_
                 assert pod_pids(uid), f"no process of {victim_pod['metadata']['name']} found on the host"
                 forced_before = len(_force_deleted(cluster, namespace))
                 t0 = time.monotonic()
+                rollout_pids = [] if containers else [
+                    pid for pid in pod_pids(_pods(cluster, namespace, "rollout")[0]["metadata"]["uid"])
+                    if not command_line(pid).startswith("/pause")]
+                signal_all(rollout_pids, signal.SIGSTOP)
                 nodes.stop_node(victim, containers=containers)
                 step_at_fault = get_job(cluster, namespace, name)["status"].get("step")
                 if not containers:
@@ -112,6 +123,7 @@ def test_a_partitioned_then_shut_down_node_restarts_the_gang_and_leaves_nothing_
                                 and _trainer_on(cluster, namespace, a + 1, safe) and g, 120,
                                 f"attempt {attempt + 1}'s trainer pods, one on {safe}", diagnostics)
                 assert sorted(p["spec"].get("nodeName") or "" for p in gang) == ["", safe], gang
+                signal_all(rollout_pids, signal.SIGCONT)
                 job = get_job(cluster, namespace, name)
                 assert job["status"]["attempt"] == attempt + 1, job["status"]
                 print(f"{fault} at step {step_at_fault}; attempt {attempt + 1} waits for {victim}")
