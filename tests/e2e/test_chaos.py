@@ -28,7 +28,16 @@ from rljob_api import constants as c
 from rljob_api.protocol import entry_order
 from rljob_trainer.checkpoint import COMMIT_FILE
 
-from .conftest import Recorder, checkpointed_job, condition, get_job, phase, redis_snapshot, wait_for
+from .conftest import (
+    Recorder,
+    check_trained_once,
+    checkpointed_job,
+    condition,
+    get_job,
+    phase,
+    redis_snapshot,
+    wait_for,
+)
 from .faults import command_line, pod_pids, rank_pids, signal_all
 
 pytestmark = [pytest.mark.e2e, pytest.mark.chaos]
@@ -315,9 +324,4 @@ def test_rollout_killed_then_rank_killed_mid_checkpoint_then_redis_forgets(clust
     assert status.get("streamLostAttempt") == 1, status
 
     # The stream of attempt 2 holds what the trainer read after the loss; all of it was acked.
-    snapshot = redis_snapshot(cluster, namespace, final, diagnostics)
-    (group,) = snapshot["groups"]
-    assert group["pending"] == 0, snapshot["groups"]
-    assert int(snapshot["progress"]["documents_seen"]) == max_steps * per_step == status["documentsSeen"]
-    counters = json.loads(snapshot["progress"]["stream"])
-    assert counters["lost_pending"] == 0 and counters["dead_lettered"] == 0, counters
+    check_trained_once(redis_snapshot(cluster, namespace, final, diagnostics), status, max_steps * per_step)

@@ -17,7 +17,6 @@ consumer group has nothing pending, nothing lost or dead-lettered) and the last 
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import time
@@ -25,7 +24,16 @@ import time
 import pytest
 from rljob_api import constants as c
 
-from .conftest import Recorder, checkpointed_job, get_job, phase, redis_snapshot, wait_for
+from .conftest import (
+    Recorder,
+    check_attempts_never_mixed,
+    check_trained_once,
+    checkpointed_job,
+    get_job,
+    phase,
+    redis_snapshot,
+    wait_for,
+)
 from .faults import command_line, pod_pids, signal_all
 
 pytestmark = [pytest.mark.e2e, pytest.mark.chaos]
@@ -150,21 +158,10 @@ def test_a_partitioned_then_shut_down_node_restarts_the_gang_and_leaves_nothing_
     # Each force-delete named the node; the gang rule held: attempt k gone before attempt k+1 existed.
     forced = _force_deleted(cluster, namespace)
     assert len(forced) >= 2 and all(victim in e["message"] for e in forced), [e["message"] for e in forced]
-    by_attempt: dict[int, list[tuple[int, int | None]]] = {}
-    for attempt, first, deleted in pods.lifetimes(c.Role.TRAINER.value).values():
-        by_attempt.setdefault(attempt, []).append((first, deleted))
-    assert sorted(by_attempt) == [0, 1, 2], by_attempt
-    for k in (0, 1):
-        assert all(deleted is not None for _, deleted in by_attempt[k]), (k, by_attempt)
-        assert max(d for _, d in by_attempt[k]) < min(f for f, _ in by_attempt[k + 1]), (k, by_attempt)
+    check_attempts_never_mixed(pods, 3)
 
     # Nothing lost or trained twice; the resumed attempts went on from committed checkpoints.
-    snapshot = redis_snapshot(cluster, namespace, final, diagnostics)
-    assert int(snapshot["progress"]["documents_seen"]) == MAX_STEPS * PER_STEP == status["documentsSeen"]
-    (group,) = snapshot["groups"]
-    assert group["pending"] == 0, snapshot["groups"]
-    counters = json.loads(snapshot["progress"]["stream"])
-    assert counters["lost_pending"] == 0 and counters["dead_lettered"] == 0, counters
+    check_trained_once(redis_snapshot(cluster, namespace, final, diagnostics), status, MAX_STEPS * PER_STEP)
     log = cluster.kubectl("logs", "-n", namespace, f"{name}-trainer-0").stdout
     loaded = [int(s) for s in re.findall(r"checkpoint: loaded \S+ \(step (\d+)", log)]
     assert loaded and loaded[-1] % EVERY_STEPS == 0 and loaded[-1] >= 2 * EVERY_STEPS, loaded
