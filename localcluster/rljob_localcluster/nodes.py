@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -57,7 +58,7 @@ from .node.cleanup import (
 )
 from .node.checks import CNI_PLUGINS, REQUIRED_HOST_BINARIES
 from .node.configs import GPU
-from .node.processes import PortClash, Processes, drain
+from .node.processes import PortClash, Processes, drain, kill_tasks
 from .pids import free_port
 
 __all__ = ["CNI_PLUGINS", "REQUIRED_HOST_BINARIES", "LocalNodes", "NodesError", "clean_host", "host_leftovers",
@@ -267,6 +268,48 @@ class LocalNodes:
         for lay in self.layouts:
             images_mod.import_into(str(lay.containerd_socket), archives, snapshotter=self.snapshotter,
                                    log=lambda m, lay=lay: self._log(f"{lay.name}: {m}"))
+
+    # ------------------------------------------------------------------ node faults (for tests)
+    def stop_node(self, name: str, *, containers: bool) -> None:
+        """Make node ``name`` stop reporting, as a fault from outside: its kubelet is SIGKILLed (it reports
+        nothing more, its lease lapses and the node goes NotReady/Unknown). ``containers=True``, a node shut down:
+        every container of the node is SIGKILLed too and its containerd stopped. ``containers=False``, a node
+        partitioned from the control plane: its containers go on running under containerd (they still reach
+        Services on this host). :meth:`start_node` brings the node back.
+
+        Raises:
+            KeyError: ``name`` is not a running node of this set.
+        """
+        lay = self.layouts[self.names.index(name)]
+        self._processes.end(f"kubelet-{name}")
+        if containers:
+            kill_tasks(lay.containerd_socket)
+            self._processes.end(f"containerd-{name}", signal.SIGTERM)
+        self._log(f"{name}: kubelet stopped" + (", containers killed, containerd stopped" if containers else
+                                                 "; its containers keep running"))
+
+    def start_node(self, name: str, timeout: float = 180.0) -> None:
+        """Start what :meth:`stop_node` stopped on node ``name`` (its containerd if stopped, then its kubelet, with
+        the same configs and state) and wait until the node is Ready with its GPUs. The kubelet then kills the
+        containers of pods the API no longer has (pods force-deleted meanwhile).
+
+        Raises:
+            KeyError: ``name`` is not a node of this set; NodesError: it was not Ready within ``timeout`` seconds.
+        """
+        lay = self.layouts[self.names.index(name)]
+        deadline = time.monotonic() + timeout
+        if f"containerd-{name}" not in self._processes.procs:
+            self._processes.spawn(f"containerd-{name}", ["containerd", "--config", str(lay.containerd_config)],
+                                  marks=[str(lay.containerd_config)])
+            self._processes.wait(f"containerd-{name}", "its socket answers", lambda: subprocess.run(
+                ["ctr", "-a", str(lay.containerd_socket), "version"], capture_output=True, timeout=10,
+                check=False).returncode == 0, deadline)
+        if f"kubelet-{name}" not in self._processes.procs:
+            self._processes.spawn(f"kubelet-{name}", configs.kubelet_args(lay, str(Path(self.cp.bin_dir) / "kubelet")),
+                                  marks=[str(lay.kubelet_config)])
+        self._processes.wait(f"kubelet-{name}", f"node {name} Ready with {self.gpus_per_node} {GPU}",
+                             lambda: self._node_ready(name), deadline)
+        self._log(f"{name}: back, Ready")
 
     # ------------------------------------------------------------------ checks
     def _preflight(self) -> None:

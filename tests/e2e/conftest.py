@@ -486,6 +486,30 @@ def redis_snapshot(cluster: Cluster, namespace: str, job: dict[str, Any], diagno
         cluster.kubectl("delete", "pod", pod, "-n", namespace, "--wait=true", check=False)
 
 
+def check_trained_once(snapshot: dict[str, Any], status: dict[str, Any], documents: int) -> dict[str, Any]:
+    """Assert, from a :func:`redis_snapshot` and the job's final status, that ``documents`` documents were trained (the
+    progress hash and status agree), nothing is pending in the consumer group, and no pending entry was lost or
+    dead-lettered. Returns the trainer's stream counters."""
+    assert int(snapshot["progress"]["documents_seen"]) == documents == status["documentsSeen"], (snapshot, status)
+    (group,) = snapshot["groups"]
+    assert group["pending"] == 0, snapshot["groups"]
+    counters = json.loads(snapshot["progress"]["stream"])
+    assert counters["lost_pending"] == 0 and counters["dead_lettered"] == 0, counters
+    return counters
+
+
+def check_attempts_never_mixed(pods: Recorder, attempts: int) -> None:
+    """Assert from the pods' watch that the trainer pods of exactly ``attempts`` attempts existed and every pod of
+    attempt k was DELETED before any pod of attempt k+1 was ADDED (DESIGN §5)."""
+    by_attempt: dict[int, list[tuple[int, int | None]]] = {}
+    for attempt, first, deleted in pods.lifetimes(c.Role.TRAINER.value).values():
+        by_attempt.setdefault(attempt, []).append((first, deleted))
+    assert sorted(by_attempt) == list(range(attempts)), by_attempt
+    for k in range(attempts - 1):
+        assert all(deleted is not None for _, deleted in by_attempt[k]), f"a pod of attempt {k} was never deleted"
+        assert max(d for _, d in by_attempt[k]) < min(f for f, _ in by_attempt[k + 1]), (k, by_attempt)
+
+
 def rollout_rewards(rollout_hash: dict[str, str]) -> dict[int, tuple[float, int]]:
     """Per weights version: (mean raw reward, documents) from the rollout hash's reward_sum/reward_count fields."""
     return protocol.rewards_by_version(rollout_hash)

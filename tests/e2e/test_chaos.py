@@ -9,23 +9,36 @@ every pending entry) and the progress, rollout and checkpoint hashes are all the
 (UIDs, no container restart), one trainer process made every step once, the step never went backwards, and the job
 reaches Succeeded with every entry acked and every step full.
 
-Without persistence (an emptyDir) the same fault empties Redis and the invariants fail. Tried once with this test's
-steps on ``persistence.enabled: false``: :func:`kept_after_restart` named the stream's entries-added and last id, the
-consumer group, the checkpoint record and the progress and rollout hashes, and the job ended Failed
-(BackoffLimitExceeded: the trainer exited on ``NOGROUP``). Issue 11 item 2 is what handles that case; until then this
-test runs the durable default only.
+Without persistence (an emptyDir) the same fault empties Redis: :func:`kept_after_restart` then names the stream's
+entries-added and last id, the consumer group, the checkpoint record and the progress and rollout hashes. That case is
+handled as a stream loss (issue 11 item 2): the second test injects it last, after a rollout kill and a trainer rank
+killed while a checkpoint is written, into one job.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import time
 
 import pytest
 from rljob_api import constants as c
 from rljob_api.protocol import entry_order
+from rljob_trainer.checkpoint import COMMIT_FILE
 
-from .conftest import Recorder, checkpointed_job, condition, get_job, phase, redis_snapshot, wait_for
+from .conftest import (
+    Recorder,
+    check_trained_once,
+    checkpointed_job,
+    condition,
+    get_job,
+    phase,
+    redis_snapshot,
+    wait_for,
+)
+from .faults import command_line, pod_pids, rank_pids, signal_all
 
 pytestmark = [pytest.mark.e2e, pytest.mark.chaos]
 
@@ -202,3 +215,113 @@ def test_a_deleted_redis_pod_comes_back_with_its_stream_and_the_job_trains_on(cl
     counters = json.loads(snapshot["progress"]["stream"])
     assert counters["lost_pending"] == 0 and counters["dead_lettered"] == 0 and counters["redeliveries"] == 0, counters
     assert int(snapshot["checkpoint"]["step"]) == MAX_STEPS
+
+
+# ------------------------------------------------------------------------------------------------------------------
+def _checkpoint_dirs(root) -> dict[str, bool]:
+    """{step directory: committed} of the checkpoints under ``root`` (the claim's directory on the host)."""
+    return {str(d): (d / COMMIT_FILE).exists() for d in root.glob("**/step-*") if d.is_dir()}
+
+
+def _stop_rank_during_a_checkpoint(root, pid: int, timeout: float) -> str:
+    """SIGSTOP ``pid`` the moment a checkpoint directory without its commit file appears under ``root`` (polled every
+    millisecond); returns that directory once it is sure the save stopped there (no commit file after a second). A
+    save that committed before the signal landed is let go on (SIGCONT) and the next one is tried."""
+    deadline = time.monotonic() + timeout
+    seen = set(_checkpoint_dirs(root))
+    while time.monotonic() < deadline:
+        for path in root.glob("**/step-*"):
+            if str(path) in seen:
+                continue
+            seen.add(str(path))
+            if not (path / COMMIT_FILE).exists():
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(1.0)
+                if not (path / COMMIT_FILE).exists():
+                    return str(path)
+                os.kill(pid, signal.SIGCONT)
+        time.sleep(0.001)
+    raise AssertionError(f"no checkpoint save caught in {timeout:.0f} s under {root}")
+
+
+def test_rollout_killed_then_rank_killed_mid_checkpoint_then_redis_forgets(cluster, operator, namespace, diagnostics):
+    """One job, three faults in turn, without Redis persistence (``runPolicy.backoffLimit: 1``):
+
+    1. the rollout's processes SIGKILLed: the kubelet restarts its container (restartPolicy OnFailure); the gang goes
+       on (same attempt) and the rollout writes again;
+    2. trainer rank 1 SIGSTOPped as soon as a checkpoint directory appears without its commit file (the save is in
+       flight), then SIGKILLed: the gang restarts (counted: PodFailed), and attempt 1 resumes from the newest
+       *committed* checkpoint, never the half-written one;
+    3. the Redis pod deleted: the new Redis is empty. The gang restarts without counting it (StreamLost; a counted
+       restart would exceed ``backoffLimit``), a Warning Event StreamLost names what was lost and the checkpoint it
+       goes on from, and attempt 2 recreates the stream and its group and trains to the last step.
+    """
+    if cluster.nodes is None:
+        pytest.skip("PROCESS KILLS NOT TESTED: --cluster=existing (the test signals the pods' host processes)")
+    name = "faults"
+    diagnostics.job = name
+    max_steps, per_step = 40, 64
+    cluster.apply(checkpointed_job(cluster, namespace, name, EVERY_STEPS, {
+        "trainer": {"maxSteps": max_steps, "batch": {"documentsPerStep": per_step}},
+        "redis": {"persistence": {"enabled": False}},
+        "runPolicy": {"backoffLimit": 1, "cleanPodPolicy": "None"},
+    }), namespace)
+    trainer0, timings, started = f"{name}-trainer-0", {}, time.monotonic()
+
+    def trainer_log() -> str:
+        return cluster.kubectl("logs", "-n", namespace, trainer0, check=False).stdout
+
+    with Recorder(cluster, namespace, "rljobs") as jobs:
+        # 1. The rollout killed.
+        wait_for(lambda: "checkpoint: committed" in trainer_log(), 300, "the first checkpoint", diagnostics, interval=0.5)
+        rollout = cluster.items("pods", namespace, f"{c.LABEL_ROLE}=rollout")[0]
+        pids = [p for p in pod_pids(rollout["metadata"]["uid"]) if not command_line(p).startswith("/pause")]
+        assert pids, "no rollout process on the host"
+        signal_all(pids, signal.SIGKILL)
+        wait_for(lambda: (p := cluster.get("pod", rollout["metadata"]["name"], "-n", namespace)) and p["status"][
+            "containerStatuses"][0]["restartCount"] >= 1 and p["status"]["containerStatuses"][0].get("ready"), 120,
+            "the rollout container to restart", diagnostics)
+        assert get_job(cluster, namespace, name)["status"]["attempt"] == 0
+        timings["rollout killed -> back"] = time.monotonic() - started
+
+        # 2. Rank 1 killed while a checkpoint is written.
+        claim = cluster.get("pvc", f"{name}-checkpoints", "-n", namespace)
+        root = cluster.nodes.pv_root / claim["spec"]["volumeName"]
+        pod = cluster.get("pod", trainer0, "-n", namespace)
+        ranks = rank_pids(pod["metadata"]["uid"])
+        assert sorted(ranks) == [0, 1], ranks
+        partial = _stop_rank_during_a_checkpoint(root, ranks[1], 300)
+        committed_before = sorted(d for d, done in _checkpoint_dirs(root).items() if done)
+        os.kill(ranks[1], signal.SIGKILL)
+        timings["rank 1 killed mid-checkpoint"] = time.monotonic() - started
+        wait_for(lambda: (j := get_job(cluster, namespace, name))["status"].get("attempt") == 1
+                 and "checkpoint: loaded" in trainer_log(), 300, "attempt 1 to load a checkpoint", diagnostics)
+        loaded = re.findall(r"checkpoint: loaded (\S+) \(step (\d+)", trainer_log())
+        assert loaded and loaded[-1][0].rstrip("/").endswith(committed_before[-1].rsplit("/", 1)[-1]), (
+            loaded, committed_before, partial)
+        assert not partial.endswith(loaded[-1][0].rstrip("/").rsplit("/", 1)[-1])
+
+        # 3. Redis forgets: its pod deleted, no persistence.
+        wait_for(lambda: "checkpoint: committed" in trainer_log().split("checkpoint: loaded")[-1], 300,
+                 "a checkpoint of attempt 1", diagnostics, interval=0.5)
+        redis_pod = _redis_pod(cluster, namespace)
+        cluster.kubectl("delete", "pod", "-n", namespace, redis_pod["metadata"]["name"], "--wait=false")
+        timings["Redis pod deleted"] = time.monotonic() - started
+        final = wait_for(lambda: phase(job := get_job(cluster, namespace, name)) in ("Succeeded", "Failed") and job,
+                         600, "the job to finish", diagnostics)
+        timings["finished"] = time.monotonic() - started
+    jobs.check()
+    print("seconds: " + ", ".join(f"{what} {s:.0f}" for what, s in timings.items()))
+    status = final["status"]
+    assert status["phase"] == "Succeeded", diagnostics()
+    assert (status["attempt"], status["restarts"], status["failedAttempts"]) == (2, 2, 1), status
+    assert status["step"] == max_steps and status["lastCheckpoint"]["step"] == max_steps, status
+    reasons = [condition(e.object, c.ConditionType.RESTARTING).get("reason") for e in jobs.events
+               if e.status.get("phase") == "Restarting"]
+    assert c.Reason.POD_FAILED.value in reasons and c.Reason.STREAM_LOST.value in reasons, reasons
+    lost = [e for e in cluster.items("events", namespace) if e["reason"] == c.Reason.STREAM_LOST.value]
+    assert lost and lost[0]["type"] == "Warning" and "checkpoint" in lost[0]["message"], lost
+    assert status.get("streamLostAttempt") == 1, status
+
+    # The stream of attempt 2 holds what the trainer read after the loss; all of it was acked.
+    check_trained_once(redis_snapshot(cluster, namespace, final, diagnostics), status, max_steps * per_step)

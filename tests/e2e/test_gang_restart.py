@@ -15,7 +15,17 @@ import re
 import pytest
 from rljob_api import constants as c
 
-from .conftest import Recorder, checkpointed_job, condition, get_job, phase, redis_snapshot, wait_for
+from .conftest import (
+    Recorder,
+    check_attempts_never_mixed,
+    check_trained_once,
+    checkpointed_job,
+    condition,
+    get_job,
+    phase,
+    redis_snapshot,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -58,13 +68,7 @@ def test_deleted_trainer_pod_restarts_the_whole_gang_from_the_checkpoint(cluster
     assert final["spec"]["trainer"]["parallelism"] == {"strategy": "fsdp", "replicate": 1}, final["spec"]["trainer"]
 
     # The gang was torn down whole before attempt 1 started (one watch stream, API server order).
-    lives = pods.lifetimes(c.Role.TRAINER.value)
-    by_attempt: dict[int, list[tuple[int, int | None]]] = {}
-    for attempt, first, deleted in lives.values():
-        by_attempt.setdefault(attempt, []).append((first, deleted))
-    assert sorted(by_attempt) == [0, 1], lives
-    assert all(deleted is not None for _, deleted in by_attempt[0]), "a pod of attempt 0 was never deleted"
-    assert max(deleted for _, deleted in by_attempt[0]) < min(first for first, _ in by_attempt[1]), lives
+    check_attempts_never_mixed(pods, 2)
 
     # Restarting, with the reason, was reported between the attempts.
     restarting = [e.status for e in jobs.events if e.status.get("phase") == "Restarting"]
@@ -87,10 +91,6 @@ def test_deleted_trainer_pod_restarts_the_whole_gang_from_the_checkpoint(cluster
 
     # No document lost: every delivered entry acked, every step full, no dead letters or lost pending entries.
     snapshot = redis_snapshot(cluster, namespace, final, diagnostics)
-    assert int(snapshot["progress"]["documents_seen"]) == MAX_STEPS * PER_STEP == status["documentsSeen"]
-    (group,) = snapshot["groups"]
-    assert group["pending"] == 0, snapshot["groups"]
-    counters = json.loads(snapshot["progress"]["stream"])
-    assert counters["lost_pending"] == 0 and counters["dead_lettered"] == 0, counters
+    check_trained_once(snapshot, status, MAX_STEPS * PER_STEP)
     assert snapshot["dead_letter"] == 0
     assert int(snapshot["checkpoint"]["step"]) == MAX_STEPS, snapshot["checkpoint"]

@@ -9,7 +9,8 @@ only (the pods keep whatever image they run).
 The upgrade as a user does it (helm/rljob-operator/README.md, "Upgrading"):
 
 1. the suite's release and CRDs are removed and the earlier chart is ``helm install``ed from scratch (its own CRD);
-2. the earlier version's CPU example (2 trainer pods, 1 rollout pod, a checkpoint claim) trains;
+2. the earlier version's CPU example (2 trainer pods, 1 rollout pod, a checkpoint claim) trains and commits a
+   checkpoint;
 3. this checkout's CRD is applied (``kubectl apply --server-side --force-conflicts``): the API server fills its new
    defaults into the stored job on every read, without bumping ``metadata.generation``;
 4. ``helm upgrade`` to this checkout's chart and operator image. Once the new operator has made several passes and
@@ -22,7 +23,7 @@ The upgrade as a user does it (helm/rljob-operator/README.md, "Upgrading"):
 6. a trainer edit (``spec.trainer.maxSteps``) restarts the gang (reason ConfigChanged), resolved by this version: the
    new defaults are in its config, but for ``spec.redis.persistence``, which stays as recorded (absent) until
    ``spec.redis.persistence``, ``image`` or ``mode`` is edited: the Redis pod and its emptyDir stay through the
-   gang restart.
+   gang restart, and the restarted gang loads the checkpoint written before the upgrade (or a later one).
 
 The defaulted fields this version adds over the earlier one are printed; while there are none the test checks the
 operator and CRD swap all the same and says so in a warning. Between steps 3 and 4 the earlier operator reads a job
@@ -36,6 +37,7 @@ place at the end, also after a failure.
 from __future__ import annotations
 
 import json
+import re
 import time
 import warnings
 from dataclasses import dataclass
@@ -60,7 +62,7 @@ from .conftest import (
     wait_for,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.chaos]  # issue 11 item 6: part of the chaos suite
 
 UPGRADE_FROM = Path(__file__).with_name("upgrade-from")
 CRD_FILE = Path("crds") / "rltrainingjobs.rljob.dev.yaml"
@@ -305,6 +307,11 @@ def test_upgrade_restarts_nothing_until_an_edit_reaches_a_role(cluster, operator
         training = wait_for(lambda: (j := get_job(cluster, namespace, name)) and phase(j) == "Running"
                             and ((j.get("status") or {}).get("step") or 0) >= 1 and j, 600,
                             "the earlier operator's job to train", diagnostics)
+        trainer0 = f"{name}-trainer-0"
+        log = wait_for(lambda: "checkpoint: committed" in (text := cluster.kubectl(
+            "logs", "-n", namespace, trainer0, check=False).stdout) and text, 300, "a committed checkpoint", diagnostics)
+        checkpointed = max(int(s) for s in re.findall(r"checkpoint: committed \S+step-(\d+)", log))
+        training = get_job(cluster, namespace, name)
         generation = training["metadata"]["generation"]
         before, record = workers(cluster, namespace), recorded(cluster, namespace, name)
         assert (len(before["trainer"]), len(before["rollout"])) == (2, 1), before
@@ -395,6 +402,11 @@ def test_upgrade_restarts_nothing_until_an_edit_reaches_a_role(cluster, operator
         assert reasons == {c.Reason.CONFIG_CHANGED.value}, reasons
         assert redis_state(cluster, namespace, name) == redis_before and kept(pods, "redis", redis_before["pods"]), (
             redis_before, redis_state(cluster, namespace, name))  # the stream outlived the gang restart
+        # The restarted gang went on from a checkpoint written before the upgrade, or a later one.
+        resumed = wait_for(lambda: re.findall(r"checkpoint: loaded \S+ \(step (\d+)", cluster.kubectl(
+            "logs", "-n", namespace, trainer0, check=False).stdout), 300, "the restarted gang to load a checkpoint",
+            diagnostics)
+        assert int(resumed[-1]) >= checkpointed, (resumed, checkpointed)
         timings["trainer edit"] = time.monotonic() - started
     pods.check()
     jobs.check()

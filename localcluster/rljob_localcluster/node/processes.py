@@ -108,6 +108,20 @@ class Processes:
         raise NodesError(f"timed out waiting for {name} ({what}); last error {last!r}; log "
                          f"{self.log_path(name)}:\n{tail(self.log_path(name))}")
 
+    def end(self, name: str, sig: int = signal.SIGKILL, timeout: float = 20.0) -> None:
+        """End the one process ``name`` with ``sig`` (SIGKILL after ``timeout`` seconds if it is still running) and
+        forget it, so that :meth:`spawn` can start it again under the same name. Raises KeyError for an unknown name."""
+        proc = self.procs.pop(name)
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._logs.pop(name).close()
+
     def stop(self, first: Iterable[str], sockets: dict[str, Path], graceful: bool) -> None:
         """End the processes named in ``first`` (SIGTERM, SIGKILL after 20 s, 5 s when not ``graceful``), then
         the containers left in each running containerd (``sockets``: {its process name: its socket}), then every
