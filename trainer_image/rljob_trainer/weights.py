@@ -279,6 +279,8 @@ class WeightPublisher:
             self._record(ticket, members, received, documents_seen)
             log.info("weights: step %d (version %d) sent to %d of %d members (%s group)", step, documents_seen, len(received),
                      len(ticket.members), "kept" if reused else "new")
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()  # the late-joiner copies from the GPU have landed
             if self._snapshot is None or not later:
                 self._complete(step, documents_seen)
         if self._snapshot is not None and later:
