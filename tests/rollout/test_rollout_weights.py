@@ -355,24 +355,29 @@ def test_a_receiver_that_stalls_on_a_kept_group_holds_rank_0_no_longer_than_the_
 
     elapsed = {}
     try:
-        for version, sink in ((10, lambda *_: None), (20, lambda *_: time.sleep(6)), (30, lambda *_: None)):
+        for version, how in ((10, "reads"), (15, "late"), (20, "stalls"), (30, "reads")):
+            sink = (lambda *_: time.sleep(6)) if how == "stalls" else (lambda *_: None)
             receiving = threading.Thread(target=receive, args=(version, sink), daemon=True)
-            receiving.start()
+            if how != "late":
+                receiving.start()
             started = time.monotonic()
             sent = publisher.publish(tiny_model(config, seed=version).state_dict().items(), step=version // 10, documents_seen=version)
             elapsed[version] = (sent, time.monotonic() - started)
+            if how == "late":  # ready only after the join timeout: left out of an update nobody joined
+                receiving.start()
             receiving.join(30)
     finally:
         subscriber.leave()
         publisher.close()
     tickets = _tickets(client, config)
-    assert elapsed[10][0] == 1 and elapsed[30][0] == 1
-    # The second update goes over the kept group; its deadline (2 s) ends it on rank 0, which drops the group ...
+    assert [elapsed[v][0] for v in (10, 15, 30)] == [1, 0, 1], elapsed
+    # The third update goes over the group kept from the first (the second, which nobody joined, changed nothing);
+    # its deadline (2 s) ends it on rank 0, which drops the group ...
     assert elapsed[20][0] == 0 and 2.0 <= elapsed[20][1] < 3.5, elapsed
-    assert outcomes[0] is True and isinstance(outcomes[1], TransferFailed) and outcomes[2] is True, outcomes
-    # ... and so does the receiver: the third update forms a new one.
-    assert kept == [tickets[0].id, None, tickets[2].id]
-    assert [_group_of(config, t) for t in tickets] == [tickets[0].id, tickets[0].id, tickets[2].id]
+    assert outcomes[:2] == [True, False] and isinstance(outcomes[2], TransferFailed) and outcomes[3] is True, outcomes
+    # ... and so does the receiver: the fourth update forms a new one.
+    assert kept == [tickets[0].id, tickets[0].id, None, tickets[3].id]
+    assert [_group_of(config, tickets[i]) for i in (0, 2, 3)] == [tickets[0].id, tickets[0].id, tickets[3].id]
 
 
 def _older_publisher_update(store: TCPStore, ticket: TransferTicket, tensors: list) -> None:

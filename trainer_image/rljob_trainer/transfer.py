@@ -24,7 +24,8 @@ weights_ready event carrying the ticket:
    then that id. Otherwise (a member joined or left, a receiver or the publisher restarted or failed an update)
    both ends drop what they kept, ``group`` is ``U``, and rank 0 and the ``final`` members form a new group on the
    keys ``rljob/weights/U/pg/`` (collective timeout ``timeout_s``). A receiver that reads no ``group`` (an older
-   publisher) forms the new group as well.
+   publisher) forms the new group as well. When nobody joined, ``final`` is empty, no ``group`` is written and every
+   end keeps what it kept.
 3. Per tensor: an object broadcast of ``(shard name, parameter name, shape, dtype)``, then the tensor; an object
    broadcast of ``None`` ends the update. Object broadcasts use the layout of
    ``torch.distributed.broadcast_object_list`` for one object (an int64 size tensor, then the pickled bytes as
@@ -496,6 +497,8 @@ def receive_update(
         scoped.wait(["final"], datetime.timedelta(seconds=ticket.join_timeout_s + FINAL_MARGIN_S))
         final = json.loads(scoped.get("final"))
         if transfer_rank not in final:
+            if not final and kept is not None and groups is not None:
+                groups.keep(ticket.backend, kept)  # nobody joined: rank 0 kept its group too
             return False
         group_id = scoped.get(GROUP_KEY).decode() if scoped.check([GROUP_KEY]) else ticket.id  # none: an older publisher
         if kept is not None and kept.id == group_id and kept.members == tuple(final):
