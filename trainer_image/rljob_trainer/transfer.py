@@ -234,7 +234,7 @@ def _await_ready(
 
 
 class UpdateSender:
-    """Rank 0's end of one update's group: sends (name, tensor) pairs in the per-tensor layout of the module
+    """Rank 0's end of one update: sends (name, tensor) pairs in the per-tensor layout of the module
     docstring. Made by :func:`open_update`.
 
     :meth:`send` starts a tensor's three broadcasts (size, pickled ``(shard, name, shape, dtype)``, the tensor)
