@@ -1,16 +1,18 @@
 """Weight sync: one publication of a DDP trainer's weights to a rollout process beside a raw broadcast of the same
 bytes, and the share of an FSDP trainer's publication its gathers take.
 
-Processes (real ones, gloo on loopback, a real redis-server):
+Processes (real ones, gloo on loopback or NCCL between two GPUs, a real redis-server):
 
 - this process is global rank 0 of a DDP trainer: a random Llama of ``--params`` million parameters (plain
   tensors, as DDP holds them) and a real :class:`~rljob_trainer.weights.WeightPublisher`; each publication is one
   :func:`~rljob_trainer.weights.publish_weights` call (the ``weight_sync_time_ms`` the trainer reports: weights_ready
-  event, join handshake, the update's group, every tensor in the per-tensor layout of DESIGN §3, the late-joiner
-  copy);
+  event, join handshake, the transfer group (kept from the first publication, which is not timed), every tensor in
+  the per-tensor layout of DESIGN §3, the late-joiner copy); its phases (``Publication.phases_ms``) are printed too;
 - one rollout process: the real subscriber (:class:`~rljob_rollout.weights.WeightSubscriber`: heartbeats, events) and
   the CPU backend's real receive path (:meth:`CpuBackend.receive_weights`: staging buffers, then loading into its
-  own model of the same architecture);
+  own model of the same architecture); with ``--device cuda`` the receive path of vLLM's worker extension instead
+  (:func:`~rljob_trainer.transfer.receive_update` onto the second GPU, into buffers kept across updates, with the
+  group kept; no vLLM, so nothing is loaded into a model);
 - for the FSDP figure, two trainer ranks set up as the trainer sets them up (:func:`~rljob_trainer.parallel.
   init_distributed` and :func:`~rljob_trainer.parallel.wrap_model` with ``strategy: fsdp``: ``fully_shard`` per
   decoder layer, on the embedding and the output projection, then the root; a gloo world of 2) that publish the same
@@ -30,6 +32,7 @@ publications.
     python benchmarks/weight_sync.py                      # 125M parameters, float32 (about 1 minute on 2 cores)
     python benchmarks/weight_sync.py --params 500 --repeats 3
     python benchmarks/weight_sync.py --dtype bfloat16     # publish bf16 (cast on rank 0 / on the shards)
+    python benchmarks/weight_sync.py --device cuda --params 6740 --dtype bfloat16   # NCCL, GPU 0 -> GPU 1 (no FSDP)
 
 Exit status: 0 when every target is met, 1 when one is missed, 2 on an error.
 """
@@ -72,10 +75,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # --- the model: a random Llama of about P parameters, the same on every process -----------------------------------
 def llama_config(params_millions: float) -> Any:
-    """A Llama config of about ``params_millions`` million parameters (vocabulary 32000, untied head)."""
+    """A Llama config of about ``params_millions`` million parameters (vocabulary 32000, untied head): width 768
+    below 300M, 1536 below 3000M, Llama-2-7B's 4096 (intermediate 11008, 32 heads) from there (6740: its 32 blocks)."""
     from transformers import LlamaConfig
 
-    hidden, intermediate, heads = (768, 2048, 12) if params_millions < 300 else (1536, 4096, 12)
+    if params_millions < 300:
+        hidden, intermediate, heads = 768, 2048, 12
+    elif params_millions < 3000:
+        hidden, intermediate, heads = 1536, 4096, 12
+    else:
+        hidden, intermediate, heads = 4096, 11008, 32
     vocab = 32000
     per_layer = 4 * hidden * hidden + 3 * hidden * intermediate + 2 * hidden
     layers = max(1, round((params_millions * 1e6 - 2 * vocab * hidden - hidden) / per_layer))
@@ -83,14 +92,17 @@ def llama_config(params_millions: float) -> Any:
                        num_attention_heads=heads, num_key_value_heads=heads, tie_word_embeddings=False)
 
 
-def build_model(params_millions: float, seed: int) -> torch.nn.Module:
-    """The benchmark's model, float32 on CPU, parameters uniform in [-0.02, 0.02) from ``seed`` (fast: no HF init)."""
+def build_model(params_millions: float, seed: int, device: Any = "cpu") -> torch.nn.Module:
+    """The benchmark's model, float32 on ``device``, parameters uniform in [-0.02, 0.02) from ``seed`` (fast: no HF
+    init); on the meta device, shapes only."""
     from transformers import LlamaForCausalLM
 
     with torch.device("meta"):
         model = LlamaForCausalLM(llama_config(params_millions))
-    model.to_empty(device="cpu")
-    generator = torch.Generator().manual_seed(seed)
+    if torch.device(device).type == "meta":
+        return model
+    model.to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.uniform_(-0.02, 0.02, generator=generator)
@@ -101,7 +113,7 @@ def digest(named: Any) -> str:
     """sha256 over every (name, dtype, shape, bytes) by name: equal digests = bit-identical tensors."""
     h = hashlib.sha256()
     for name, tensor in sorted(named, key=lambda item: item[0]):
-        tensor = tensor.detach().contiguous()
+        tensor = tensor.detach().contiguous().cpu()
         h.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
         h.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     return h.hexdigest()
@@ -123,12 +135,26 @@ def free_port() -> int:
 
 
 # --- the raw baseline (both ends) ------------------------------------------------------------------------------
-def raw_group(rank: int, port: int) -> Any:
+def devices(args: argparse.Namespace) -> tuple[torch.device, torch.device]:
+    """(the driver's device, the rollout process's): CPU and CPU, or the first two GPUs."""
+    if args.device == "cuda":
+        return torch.device("cuda", 0), torch.device("cuda", 1)
+    return torch.device("cpu"), torch.device("cpu")
+
+
+def raw_group(rank: int, port: int, device: torch.device) -> Any:
+    """The raw baseline's group of 2 (driver, rollout process): gloo on CPU, NCCL on a GPU; and its store."""
     from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
     timeout = datetime.timedelta(seconds=300)
     store = TCPStore("127.0.0.1", port, 2, rank == 0, timeout)
-    return ProcessGroupGloo(PrefixStore("raw/", store), rank, 2, timeout), store
+    if device.type == "cpu":
+        return ProcessGroupGloo(PrefixStore("raw/", store), rank, 2, timeout), store
+    from torch.distributed import ProcessGroupNCCL
+
+    options = ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return ProcessGroupNCCL(PrefixStore("raw/", store), rank, 2, options), store
 
 
 def start_broadcast(group: Any, tensor: torch.Tensor) -> Any:
@@ -142,16 +168,20 @@ def start_broadcast(group: Any, tensor: torch.Tensor) -> Any:
 
 
 def broadcast(group: Any, tensor: torch.Tensor) -> None:
+    """A broadcast from group rank 0, complete on return (on a GPU: the device synchronised)."""
     start_broadcast(group, tensor).wait()
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
 
 
-def raw_buffers(model: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """A receiver's raw buffers: one flat uint8 tensor of the published bytes, touched once (warm, as ours are after
-    the first update), and a view of it per published tensor ([shape] of its published dtype)."""
+def raw_buffers(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A receiver's raw buffers on ``device``: one flat uint8 tensor of the published bytes, touched once (warm, as
+    ours are after the first update), and a view of it per published tensor ([shape] of its published dtype);
+    ``model`` may be on the meta device (only its shapes are read)."""
     state = model.state_dict().values()
     dtypes = [dtype if t.is_floating_point() else t.dtype for t in state]
     sizes = [t.numel() * torch.empty((), dtype=d).element_size() for t, d in zip(state, dtypes)]
-    flat = torch.zeros(sum(sizes), dtype=torch.uint8)
+    flat = torch.zeros(sum(sizes), dtype=torch.uint8, device=device)
     views, offset = [], 0
     for t, d, size in zip(state, dtypes, sizes):
         views.append(flat[offset:offset + size].view(d).view(t.shape))
@@ -162,12 +192,16 @@ def raw_buffers(model: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.Tenso
 def layout_tensors(names: list[str], tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Every tensor the per-tensor layout of DESIGN §3 broadcasts for ``tensors`` (and their ``names``), in order:
     per tensor the size (int64 [1]) and bytes (uint8 [n]) of its pickled metadata, then the tensor; then the
-    ``None`` object's two. The same on both ends (the metadata is pickled the way the publisher pickles it)."""
+    ``None`` object's two; on the tensors' device. The same on both ends (the metadata is pickled the way the
+    publisher pickles it)."""
     from rljob_trainer.transfer import SHARD_NAME
+
+    device = tensors[0].device
 
     def object_tensors(obj: Any) -> list[torch.Tensor]:
         payload = pickle.dumps(obj)
-        return [torch.tensor([len(payload)], dtype=torch.int64), torch.frombuffer(bytearray(payload), dtype=torch.uint8)]
+        return [torch.tensor([len(payload)], dtype=torch.int64, device=device),
+                torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)]
 
     out: list[torch.Tensor] = []
     for name, tensor in zip(names, tensors):
@@ -179,7 +213,7 @@ def raw_round(group: Any, flat: torch.Tensor, tensors: list[torch.Tensor], mode:
     """One raw round after a one-element sync; seconds on this end. ``mode``: ``flat`` (one broadcast of ``flat``),
     ``per-tensor`` (each of ``tensors`` in turn, each waited for) or ``layout`` (every broadcast of
     :func:`layout_tensors` started at once, then all waited for)."""
-    broadcast(group, torch.zeros(1))
+    broadcast(group, torch.zeros(1, device=flat.device))
     started = time.perf_counter()
     if mode == "per-tensor":
         for tensor in tensors:
@@ -187,29 +221,63 @@ def raw_round(group: Any, flat: torch.Tensor, tensors: list[torch.Tensor], mode:
     elif mode == "layout":
         for work in [start_broadcast(group, tensor) for tensor in tensors]:
             work.wait()
+        if flat.is_cuda:
+            torch.cuda.synchronize(flat.device)
     else:
         broadcast(group, flat)
     return time.perf_counter() - started
 
 
 # --- the rollout process -----------------------------------------------------------------------------------------
+class GpuReceiver:
+    """The rollout end with ``--device cuda``: what vLLM's worker extension does to receive (``receive_update`` onto
+    its GPU, the group kept), into buffers kept across updates; nothing is loaded into a model."""
+
+    def __init__(self, device: torch.device) -> None:
+        from rljob_trainer.transfer import GroupKeeper, ReceiveBuffers
+
+        self.device = device
+        self.staging = ReceiveBuffers()
+        self.groups = GroupKeeper()
+
+    def receive_weights(self, ticket: Any, address: Any, transfer_ranks: Any) -> Any:
+        from rljob_rollout.backends.base import UpdateOutcome
+        from rljob_trainer.transfer import TransferFailed, receive_update
+
+        try:
+            selected = receive_update(address, ticket, transfer_ranks[0], device=self.device, sink=lambda *_: None,
+                                      buffers=self.staging, groups=self.groups)
+        except TransferFailed as error:
+            print(f"weight_sync: the GPU receiver's update failed: {error}", file=sys.stderr)
+            return UpdateOutcome.FAILED_INTACT
+        return UpdateOutcome.LOADED if selected else UpdateOutcome.NOT_SELECTED
+
+
 def rollout_main(args: argparse.Namespace) -> int:
-    """The rollout process: subscriber + CPU backend; raw rounds on command; replies on REPLIES."""
+    """The rollout process: subscriber + CPU backend (or :class:`GpuReceiver`); raw rounds on command; replies on
+    REPLIES."""
     from rljob_rollout.backends.cpu import CpuBackend
     from rljob_rollout.backends.base import UpdateOutcome
     from rljob_rollout.weights import WeightSubscriber
     from rljob_trainer.stream.connection import connect
 
     torch.set_num_threads(1)
+    _, device = devices(args)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     config = JobConfig.load(args.config)
     client = connect(config, socket_timeout=WAIT_S + 60)
-    backend = CpuBackend(build_model(args.params, seed=12345), pad_token_id=0, eos_token_id=None)
+    if device.type == "cuda":
+        backend, shapes = GpuReceiver(device), build_model(args.params, seed=0, device="meta")
+    else:
+        backend = CpuBackend(build_model(args.params, seed=12345), pad_token_id=0, eos_token_id=None)
+        shapes = backend.model
     subscriber = WeightSubscriber(config, client, replica_index=0)
     subscriber.follow_from_now()
     subscriber.start_heartbeats(interval_s=0.5)
-    group, _store = raw_group(1, args.raw_port)
-    flat, tensors = raw_buffers(backend.model, DTYPES[args.dtype])
-    layout = layout_tensors(list(backend.model.state_dict()), tensors)
+    group, _store = raw_group(1, args.raw_port, device)
+    flat, tensors = raw_buffers(shapes, DTYPES[args.dtype], device)
+    layout = layout_tensors(list(shapes.state_dict()), tensors)
     client.rpush(REPLIES, "ready")
     while True:
         command = client.lpop(COMMANDS)
@@ -279,7 +347,8 @@ def wait_reply(client: redis.Redis, key: str = REPLIES, timeout_s: float = WAIT_
 def child(role: str, args: argparse.Namespace, config_path: Path, raw_port: int, extra_env: Optional[dict] = None) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", **(extra_env or {}))
     command = [sys.executable, str(HERE), "--role", role, "--config", str(config_path), "--params", str(args.params),
-               "--dtype", args.dtype, "--repeats", str(args.repeats), "--raw-port", str(raw_port), "--seed", str(args.seed)]
+               "--dtype", args.dtype, "--repeats", str(args.repeats), "--raw-port", str(raw_port), "--seed", str(args.seed),
+               "--device", args.device]
     return subprocess.Popen(command, env=env)
 
 
@@ -299,12 +368,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     figures: dict[str, Any] = {"load_start": os.getloadavg()[0]}
     try:
         children.append(child("rollout", args, config_path, raw_port))
-        group, _store = raw_group(0, raw_port)
-        model = build_model(args.params, seed=args.seed)
+        device, _ = devices(args)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        group, _store = raw_group(0, raw_port, device)
+        model = build_model(args.params, seed=args.seed, device=device)
         dtype = DTYPES[args.dtype] if args.dtype != "float32" else None
         state = model.state_dict()
         sent = [t.to(dtype) if dtype is not None and t.is_floating_point() else t for t in state.values()]
-        flat = torch.zeros(sum(t.numel() * t.element_size() for t in sent), dtype=torch.uint8)
+        flat = torch.zeros(sum(t.numel() * t.element_size() for t in sent), dtype=torch.uint8, device=device)
         figures.update(parameters=sum(p.numel() for p in model.parameters()), tensors=len(state), bytes=flat.numel())
         if wait_reply(client) != "ready":
             raise SystemExit("the rollout process did not start")
@@ -319,7 +391,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         publisher.settle()
         assert json.loads(wait_reply(client))["outcome"] == "loaded"
         layout = layout_tensors(list(state), sent)
-        raw, raw_per_tensor, raw_layout, ours, copies = [], [], [], [], []
+        raw, raw_per_tensor, raw_layout, ours, copies, phases = [], [], [], [], [], []
         for repeat in range(args.repeats):
             client.rpush(COMMANDS, "raw")
             raw.append(raw_round(group, flat, sent, "flat"))
@@ -338,8 +410,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if reply["outcome"] != "loaded" or publication.receivers != 1:
                 raise SystemExit(f"publication {repeat + 1} did not reach the rollout: {reply}, {publication}")
             ours.append(publication.duration_ms / 1e3)
+            phases.append({**publication.phases_ms,
+                           "other": publication.duration_ms - sum(publication.phases_ms.values())})
         figures.update(raw=raw, raw_per_tensor=raw_per_tensor, raw_layout=raw_layout, ours=ours, copies=copies,
-                       late_joiner_copy=publisher.late_joiner_copy.nbytes)
+                       phases=phases, late_joiner_copy=publisher.late_joiner_copy.nbytes)
         client.rpush(COMMANDS, "digest")
         figures["rollout_digest_ddp"] = wait_reply(client)
         figures["published_digest"] = digest(publisher.late_joiner_copy.items())
@@ -391,9 +465,10 @@ def report(args: argparse.Namespace, f: dict[str, Any]) -> tuple[str, bool]:
     ratio = fastest / best_ours
     met = ratio >= TARGET
     identical = f["rollout_digest_ddp"] == f["expected_digest"] == f["published_digest"]
+    transport = "NCCL, GPU 0 to GPU 1" if args.device == "cuda" else "gloo on loopback"
     lines = [
         f"model: {f['parameters'] / 1e6:.1f}M parameters, {f['tensors']} tensors, published as {args.dtype}: "
-        f"{megabytes:.1f} MB; load average {f['load_start']:.2f} at the start, {f['load_end']:.2f} at the end",
+        f"{megabytes:.1f} MB over {transport}; load average {f['load_start']:.2f} at the start, {f['load_end']:.2f} at the end",
         f"{'figure':<46} {'best s':>7} {'median s':>9} {'MB/s':>6} {'vs raw':>7}  target",
         f"{'raw broadcast, one flat tensor':<46} {best_raw:>7.3f} {statistics.median(f['raw']):>9.3f} "
         f"{megabytes / best_raw:>6.0f} {fastest / best_raw:>7.0%}",
@@ -414,6 +489,8 @@ def report(args: argparse.Namespace, f: dict[str, Any]) -> tuple[str, bool]:
         f"runs (s): raw {', '.join(f'{x:.3f}' for x in f['raw'])}; raw per tensor "
         f"{', '.join(f'{x:.3f}' for x in f['raw_per_tensor'])}; raw layout {', '.join(f'{x:.3f}' for x in f['raw_layout'])}; "
         f"ours {', '.join(f'{x:.3f}' for x in f['ours'])}",
+        "publication's phases on rank 0, median ms (Publication.phases_ms; other = bookkeeping): "
+        + ", ".join(f"{name} {statistics.median(p[name] for p in f['phases']):.1f}" for name in f["phases"][0]),
     ]
     if "fsdp" in f:
         shares = [r["gather_ms"] / r["duration_ms"] for r in f["fsdp"]]
@@ -437,6 +514,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="published dtype")
     parser.add_argument("--repeats", type=int, default=5, help="timed publications (and raw rounds) of each kind")
     parser.add_argument("--no-fsdp", dest="fsdp", action="store_false", help="skip the FSDP figure")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: gloo on loopback; cuda: NCCL from GPU 0 to GPU 1 (needs 2 GPUs; no FSDP figure)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--role", default="driver", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
@@ -446,6 +525,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         return rollout_main(args)
     if args.role == "fsdp":
         return fsdp_main(args)
+    if args.device == "cuda":
+        if torch.cuda.device_count() < 2:
+            print(f"weight_sync: --device cuda needs 2 GPUs (NCCL refuses two ranks on one device); "
+                  f"{torch.cuda.device_count()} visible", file=sys.stderr)
+            return 2
+        args.fsdp = False  # the FSDP figure is gloo only
     try:
         figures = run(args)
     except SystemExit as error:

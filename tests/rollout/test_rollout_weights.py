@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import io
 import json
 import os
@@ -14,14 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
+from portutil import free_port
 from rollout_harness import make_config, tiny_model, wait_until
 from rljob_api import protocol
 from rljob_api.protocol import TransferTicket, parse_event, parse_member
 from rljob_rollout.backends.base import UpdateOutcome
 from rljob_rollout.backends.cpu import CpuBackend
 from rljob_rollout.weights import WeightSubscriber
-from rljob_trainer.transfer import TransferFailed, _AllowListUnpickler, receive_update, unwrapped_name
+from rljob_trainer.transfer import (GROUP_KEY, STORE_PREFIX, GroupKeeper, KeptGroup, StoreAddress, TransferFailed, UpdateSender,
+                                    _AllowListUnpickler, _reported_group, connect_store, receive_update, unwrapped_name)
 from rljob_trainer.weights import WeightPublisher
 
 HERE = Path(__file__).resolve().parent
@@ -29,12 +33,16 @@ REPO = HERE.parents[1]
 JOIN_S, TRANSFER_S = 3.0, 8.0
 
 
-def _receiver(config_path: Path, replica: int, out: Path, password: str, die_after: int | None = None) -> subprocess.Popen:
+def _receiver(config_path: Path, replica: int, out: Path, password: str, die_after: int | None = None,
+              fresh_groups: bool = False) -> subprocess.Popen:
+    """A receiver process (transfer_receiver.py) as transfer rank 1 + ``replica``."""
     env = dict(os.environ, REDIS_PASSWORD=password, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "api"), str(REPO / "trainer_image"), env.get("PYTHONPATH", "")])
     args = [sys.executable, str(HERE / "transfer_receiver.py"), str(config_path), str(replica), str(out)]
     if die_after is not None:
-        args.append(str(die_after))
+        args += ["--die-after", str(die_after)]
+    if fresh_groups:
+        args.append("--fresh-groups")
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -68,6 +76,18 @@ def _live_ranks(publisher: WeightPublisher, ranks: set[int]) -> bool:
     return ranks <= set(publisher.live_members())
 
 
+def _tickets(client, config) -> list[TransferTicket]:
+    """The tickets of every weights_ready event so far, in order."""
+    events = [parse_event(i.decode(), f) for i, f in client.xrange(config.keys.events)]
+    return [e.ticket for e in events if e.type == protocol.EVENT_WEIGHTS_READY]
+
+
+def _group_of(config, ticket: TransferTicket) -> str:
+    """The group an update went over, as the publisher wrote it in the store (the id of the update that formed it)."""
+    store = connect_store(StoreAddress("127.0.0.1", config.weights_port), 10)
+    return PrefixStore(f"{STORE_PREFIX}{ticket.id}/", store).get(GROUP_KEY).decode()
+
+
 def test_two_receiver_processes_get_equal_tensors_and_a_dead_one_costs_one_join_timeout(setup, redis_server, tmp_path):
     config, path, client, publisher = setup
     receivers = [_receiver(path, i, tmp_path, redis_server.password) for i in range(2)]
@@ -94,6 +114,7 @@ def test_two_receiver_processes_get_equal_tensors_and_a_dead_one_costs_one_join_
         ready = [e for e in events if e.type == protocol.EVENT_WEIGHTS_READY]
         assert [(e.step, e.documents_seen) for e in ready][:2] == [(1, 10), (2, 20)]
         assert ready[1].ticket.members == (1, 2)
+        assert _group_of(config, ready[1].ticket) == ready[1].ticket.id  # one member left: a new group
 
         publisher.finish(step=2, documents_seen=20)
         assert receivers[0].wait(30) == 0
@@ -116,6 +137,8 @@ def test_receiver_dying_mid_transfer_does_not_hang_and_the_survivor_is_served_ag
         elapsed = time.monotonic() - started
         assert receivers[1].wait(10) == 17  # died after 3 tensors of update 20
         assert received < 2 and elapsed < JOIN_S + 2 * TRANSFER_S, (received, elapsed)
+        tickets = _tickets(client, config)
+        assert _group_of(config, tickets[1]) == tickets[0].id  # it died on the group kept from update 10
         # The survivor's update failed with the group; the late-joiner service sends version 20 again.
         wait_until(lambda: (tmp_path / "0-20.pt").exists(), 3 * (JOIN_S + TRANSFER_S), "survivor re-served with version 20")
         _assert_same(tmp_path / "0-20.pt", second)
@@ -183,37 +206,9 @@ def test_the_cpu_backend_receives_every_update_into_the_same_buffers(setup):
             assert torch.equal(backend.model.state_dict()[name], tensor), name
         pointers.append({name: t.data_ptr() for name, t in backend.staging.items()})
     assert pointers[0] == pointers[1] and sorted(pointers[0]) == sorted(model.state_dict())
+    first, second = _tickets(client, config)[:2]
+    assert _group_of(config, second) == first.id and backend.groups.kept_id("gloo") == first.id  # the group was kept
     assert backend.staging.nbytes == sum(t.numel() * t.element_size() for t in model.state_dict().values())
-
-
-def test_a_receiver_that_stops_reading_holds_rank_0_no_longer_than_the_transfer_timeout(redis_server):
-    config = make_config(redis_server)
-    client = redis_server.client()
-    publisher = WeightPublisher(config, client, join_timeout_s=JOIN_S, transfer_timeout_s=2.0, serve_late_joiners=False)
-    subscriber = WeightSubscriber(config, client, replica_index=0)
-    subscriber.follow_from_now()
-    subscriber.heartbeat()
-    failures: list[TransferFailed] = []
-
-    def receive_slowly() -> None:
-        event = _next_update(subscriber, 10)
-        try:
-            receive_update(subscriber.address, event.ticket, 1, device=torch.device("cpu"), sink=lambda *_: time.sleep(6))
-        except TransferFailed as error:
-            failures.append(error)
-
-    receiving = threading.Thread(target=receive_slowly, daemon=True)
-    receiving.start()
-    try:
-        started = time.monotonic()
-        received = publisher.publish(tiny_model(config, seed=1).state_dict().items(), step=1, documents_seen=10)
-        elapsed = time.monotonic() - started
-    finally:
-        publisher.close()
-    receiving.join(30)
-    # The update's deadline (2 s after its group formed) ends it; then the receiver's next broadcast fails.
-    assert received == 0 and 2.0 <= elapsed < 3.5, elapsed
-    assert len(failures) == 1 and failures[0].tensors_loaded == 1
 
 
 def test_a_publication_takes_over_from_a_late_joiner_update_waiting_for_its_member(setup):
@@ -270,3 +265,132 @@ def test_metadata_unpickling_refuses_anything_but_the_allow_list():
     assert _AllowListUnpickler(io.BytesIO(pickle.dumps(meta))).load() == meta
     with pytest.raises(pickle.UnpicklingError, match="refusing"):
         _AllowListUnpickler(io.BytesIO(pickle.dumps(threading.Thread))).load()
+
+
+def test_the_group_is_kept_while_the_members_stay_and_formed_anew_when_one_joins_or_leaves(redis_server, tmp_path):
+    config = make_config(redis_server)
+    path = tmp_path / "config.json"
+    path.write_text(config.to_json())
+    client = redis_server.client()
+    publisher = WeightPublisher(config, client, join_timeout_s=JOIN_S, transfer_timeout_s=TRANSFER_S, serve_late_joiners=False)
+    receivers = [_receiver(path, i, tmp_path, redis_server.password) for i in range(2)]
+
+    def publish(version: int, replicas: tuple[int, ...]) -> None:
+        model = tiny_model(config, seed=version)
+        assert publisher.publish(model.named_parameters(), step=version // 10, documents_seen=version) == len(replicas)
+        for replica in replicas:
+            wait_until(lambda r=replica: (tmp_path / f"{r}-{version}.pt").exists(), 10, f"receiver {replica} saving {version}")
+            _assert_same(tmp_path / f"{replica}-{version}.pt", model)
+
+    try:
+        wait_until(lambda: _live_ranks(publisher, {1, 2}), 60, "both receivers heartbeating")
+        publish(10, (0, 1))
+        publish(20, (0, 1))
+        receivers.append(_receiver(path, 2, tmp_path, redis_server.password))  # a member joins
+        wait_until(lambda: _live_ranks(publisher, {1, 2, 3}), 60, "the third receiver heartbeating")
+        publish(30, (0, 1, 2))
+        publish(40, (0, 1, 2))
+        receivers[2].kill()  # a member leaves; its heartbeat stays fresh for MEMBER_TTL_S: still invited, never ready
+        receivers[2].wait(10)
+        publish(50, (0, 1))
+        publish(60, (0, 1))
+        tickets = _tickets(client, config)
+        assert [t.members for t in tickets] == [(1, 2), (1, 2), (1, 2, 3), (1, 2, 3), (1, 2, 3), (1, 2, 3)]
+        ids = [t.id for t in tickets]
+        # Formed by the first update, reused by the second; formed anew when rank 3 joined, and when it left.
+        assert [_group_of(config, t) for t in tickets] == [ids[0], ids[0], ids[2], ids[2], ids[4], ids[4]]
+    finally:
+        _stop(receivers)
+        publisher.close()
+
+
+def test_a_receiver_that_stops_reading_holds_rank_0_no_longer_than_the_transfer_timeout_and_loses_its_group(redis_server):
+    config = make_config(redis_server)
+    client = redis_server.client()
+    publisher = WeightPublisher(config, client, join_timeout_s=JOIN_S, transfer_timeout_s=2.0, serve_late_joiners=False)
+    subscriber = WeightSubscriber(config, client, replica_index=0)
+    subscriber.follow_from_now()
+    subscriber.start_heartbeats(interval_s=0.5)
+    groups = GroupKeeper()
+    outcomes: list = []
+    kept: list = []
+
+    def receive(version: int, sink) -> None:
+        event = _next_update(subscriber, version)
+        try:
+            outcomes.append(receive_update(subscriber.address, event.ticket, 1, device=torch.device("cpu"), sink=sink, groups=groups))
+        except TransferFailed as error:
+            outcomes.append(error)
+        kept.append(groups.kept_id("gloo"))
+
+    elapsed = {}
+    try:
+        for version, how in ((10, "reads"), (15, "late"), (20, "stalls"), (30, "reads")):
+            sink = (lambda *_: time.sleep(6)) if how == "stalls" else (lambda *_: None)
+            receiving = threading.Thread(target=receive, args=(version, sink), daemon=True)
+            if how != "late":
+                receiving.start()
+            started = time.monotonic()
+            sent = publisher.publish(tiny_model(config, seed=version).state_dict().items(), step=version // 10, documents_seen=version)
+            elapsed[version] = (sent, time.monotonic() - started)
+            if how == "late":  # ready only after the join timeout: left out of an update nobody joined
+                receiving.start()
+            receiving.join(30)
+    finally:
+        subscriber.leave()
+        publisher.close()
+    tickets = _tickets(client, config)
+    assert [elapsed[v][0] for v in (10, 15, 30)] == [1, 0, 1], elapsed
+    # The third update goes over the group kept from the first (the second, which nobody joined, changed nothing);
+    # its deadline (2 s) ends it on rank 0, which drops the group ...
+    assert elapsed[20][0] == 0 and 2.0 <= elapsed[20][1] < 3.5, elapsed
+    assert outcomes[:2] == [True, False] and isinstance(outcomes[2], TransferFailed) and outcomes[3] is True, outcomes
+    assert outcomes[2].tensors_loaded == 1  # the first tensor's sink stalled; the next broadcast failed
+    # ... and so does the receiver: the fourth update forms a new one.
+    assert kept == [tickets[0].id, tickets[0].id, None, tickets[3].id]
+    assert [_group_of(config, tickets[i]) for i in (0, 2, 3)] == [tickets[0].id, tickets[0].id, tickets[3].id]
+
+
+def _older_publisher_update(store: TCPStore, ticket: TransferTicket, tensors: list) -> None:
+    """Rank 0 of an update as a publisher before kept groups sent it: no ``group`` key, a new group every time."""
+    scoped = PrefixStore(f"{STORE_PREFIX}{ticket.id}/", store)
+    scoped.wait([f"ready/{rank}" for rank in ticket.members])
+    scoped.set("final", json.dumps(list(ticket.members)))
+    group = ProcessGroupGloo(PrefixStore("pg/", scoped), 0, 1 + len(ticket.members), datetime.timedelta(seconds=10))
+    sender = UpdateSender(KeptGroup(ticket.id, ticket.members, group), torch.device("cpu"), time.monotonic() + 10)
+    for name, tensor in tensors:
+        sender.send(name, tensor)
+    sender.finish()
+
+
+def test_older_receivers_and_an_older_publisher_get_a_new_group_for_every_update(setup, redis_server, tmp_path):
+    config, path, client, publisher = setup
+    older = _receiver(path, 0, tmp_path, redis_server.password, fresh_groups=True)  # reports no group
+    try:
+        wait_until(lambda: _live_ranks(publisher, {1}), 60, "the receiver heartbeating")
+        for version in (10, 20):
+            model = tiny_model(config, seed=version)
+            assert publisher.publish(model.named_parameters(), step=version // 10, documents_seen=version) == 1
+            wait_until(lambda v=version: (tmp_path / f"0-{v}.pt").exists(), 10, f"update {version} saved")
+            _assert_same(tmp_path / f"0-{version}.pt", model)
+        assert [_group_of(config, t) == t.id for t in _tickets(client, config)] == [True, True]
+    finally:
+        _stop([older])
+    assert _reported_group(b"1") is None and _reported_group(b'{"group": null}') is None  # an older receiver's value
+    assert _reported_group(b'{"group": "abc"}') == "abc"
+
+    # A receiver that keeps groups, served by a publisher that writes no `group`: it forms each update's group.
+    store = TCPStore("127.0.0.1", free_port(), None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
+    address = StoreAddress("127.0.0.1", store.port)
+    groups = GroupKeeper()
+    for seed in (1, 2):
+        ticket = TransferTicket(f"older-{seed}", (1,), "gloo", 5.0, 10.0)
+        tensors = list(tiny_model(config, seed=seed).state_dict().items())
+        sending = threading.Thread(target=_older_publisher_update, args=(store, ticket, tensors), daemon=True)
+        sending.start()
+        received: dict[str, torch.Tensor] = {}
+        assert receive_update(address, ticket, 1, device=torch.device("cpu"), sink=received.__setitem__, groups=groups)
+        sending.join(30)
+        assert list(received) == [name for name, _ in tensors]
+        assert all(torch.equal(received[name], tensor) for name, tensor in tensors)
+        assert groups.kept_id("gloo") == ticket.id

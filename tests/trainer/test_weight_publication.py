@@ -154,6 +154,9 @@ def test_the_models_own_tensors_are_copied_after_the_broadcast_and_settle_waits_
         for version in (10, 20):
             publication = publish_weights(model, publisher, step=version // 10, documents_seen=version)
             assert publication.receivers == 1 and publication.gather_ms == 0 and publication.duration_ms > 0
+            phases = publication.phases_ms
+            assert list(phases) == ["announce", "join", "group", "tensors", "end"] and min(phases.values()) >= 0, phases
+            assert sum(phases.values()) <= publication.duration_ms, (phases, publication.duration_ms)
             publisher.settle()  # what the trainer does before its optimizer step
             expected = {name: t.clone() for name, t in model.state_dict().items()}
             copy = dict(publisher.late_joiner_copy.items())

@@ -9,6 +9,10 @@ gathers one tensor at a time in ``state_dict`` order; rank 0 sends each and drop
 the other ranks drop theirs at once. Only rank 0 owns the store and the rollout groups. With DDP the generator
 yields the parameters themselves and the other ranks return at once.
 
+Groups: rank 0 keeps the transfer group of a complete update and sends the next update over it while the members
+that join are the same and all kept it too; a member that joins or leaves, or a failed update, makes the next update
+form a new group (:mod:`rljob_trainer.transfer`, DESIGN §3).
+
 Membership: each rollout process heartbeats ``HSET {prefix}members <transfer rank> <JSON>`` every
 ``HEARTBEAT_INTERVAL_S`` (:func:`rljob_api.protocol.encode_member`). A member is live while its time is less than
 ``MEMBER_TTL_S`` old (Redis's clock on both sides, so pod clocks never matter); entries older than
@@ -36,7 +40,8 @@ members at most ``join_timeout_s`` and bounds the rest of an update by ``transfe
 formation and every tensor, :attr:`rljob_trainer.transfer.UpdateSender.deadline`), so both waits stay below it;
 the late-joiner copy (a host memory copy) comes on top. A receiver lost in the middle of an update makes rank 0's
 broadcast fail: over gloo at once (connection reset) or at the deadline; the update is abandoned (the surviving
-receivers keep their old weights, see :func:`rljob_trainer.transfer.receive_update`), the generator is still
+receivers keep their old weights, see :func:`rljob_trainer.transfer.receive_update`) and its group dropped on every
+end (the next update forms a new one), the generator is still
 consumed to its end (the gathers stay in step on every rank, the late-joiner copy completes) and the late-joiner
 thread serves them again. Over NCCL, PyTorch's NCCL watchdog may instead end the trainer process when an
 operation times out (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, process-wide): a gang restart, still never a hang.
@@ -51,7 +56,7 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import redis
@@ -64,7 +69,8 @@ from rljob_api import protocol
 from rljob_api.config import JobConfig, RedisKeys
 from rljob_api.protocol import MEMBER_TTL_S, MemberInfo, TransferTicket, parse_member
 from rljob_trainer import fence
-from rljob_trainer.transfer import TransferCancelled, UpdateSender, open_update, redis_time, send_update, unwrapped_name
+from rljob_trainer.transfer import (GroupKeeper, TransferCancelled, UpdateSender, open_update, redis_time, send_update,
+                                    unwrapped_name)
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +89,14 @@ class WeightPublisher:
         serve_late_joiners: keep a host copy of the last published weights and a thread that serves members that
             missed them (module docstring). Costs one model's worth of host memory in the published dtype.
         poll_interval_s: how often that thread looks at the members hash.
+
+    Attributes:
+        last_phases: where the last :meth:`publish` spent its time on this rank (milliseconds): ``announce`` (the
+            members hash, the first tensor (a gather under FSDP) and the weights_ready event), ``join`` (waiting for
+            the invited members to be ready), ``group`` (reusing the kept group, or forming a new one), ``tensors``
+            (every tensor made and queued on the wire; the gathers under FSDP), ``end`` (the closing ``None`` and the
+            wait for the tensors still in flight). What the duration holds beyond them is bookkeeping (and a failed
+            group's teardown).
 
     Raises:
         ValueError: ``join_timeout_s + transfer_timeout_s`` >= the DP collective timeout (names all three).
@@ -114,6 +128,7 @@ class WeightPublisher:
             host = os.environ.get(c.ENV_POD_IP) or "127.0.0.1"  # the server binds every interface; this is its own client
             store = TCPStore(host, config.weights_port, None, True, datetime.timedelta(seconds=self.transfer_timeout_s), wait_for_workers=False)
         self._store = store
+        self._groups = GroupKeeper()  # the transfer groups kept while the members stay the same
         self._lock = threading.Lock()
         self._preempt = threading.Event()  # a publication waits for the lock: the late-joiner service lets go
         self._snapshot: Optional[LateJoinerCopy] = LateJoinerCopy() if serve_late_joiners else None
@@ -122,6 +137,7 @@ class WeightPublisher:
         self._attempted: dict[tuple[int, str], tuple[int, float]] = {}  # -> (documents_seen, monotonic time)
         self._retry_s = 2 * self.join_timeout_s + 1.0
         self._copier: Optional[threading.Thread] = None  # the late-joiner copy of the last publication
+        self.last_phases: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         if serve_late_joiners:
@@ -210,18 +226,22 @@ class WeightPublisher:
         self._preempt.set()
         with self._lock:
             self._preempt.clear()
+            clock = [time.perf_counter()]
             members = self._live_or_none()
             iterator = iter(named_tensors)
             first = next(iterator, None)
             device = first[1].device if first is not None and first[1].is_cuda else torch.device("cpu")
             ticket = self._ticket(sorted(members), "nccl" if device.type == "cuda" else "gloo")
             announced = self._announce(step, documents_seen, ticket)
+            clock.append(time.perf_counter())
             sender: Optional[UpdateSender] = None
             if announced and ticket.members:
                 try:
-                    sender = open_update(self._store, ticket, device=device)
+                    sender = open_update(self._store, ticket, device=device, groups=self._groups)
                 except Exception as error:  # noqa: BLE001 - any transfer failure must not stop training
                     log.warning("weights: update %s (step %d) failed: %s", ticket.id, step, error)
+            join_s, reused = (sender.join_s, sender.reused) if sender is not None else (0.0, False)
+            clock.append(time.perf_counter())
             pairs = iterator if first is None else _chain_first(first, iterator)
             del first
             self._current = None
@@ -244,14 +264,23 @@ class WeightPublisher:
                 if not stable and self._snapshot is not None and not self._snapshot.holds(name):
                     self._snapshot.store(name, tensor, out_dtype)
                 del tensor  # before the next one is gathered
+            clock.append(time.perf_counter())
             if sender is not None:
                 try:
                     sender.finish()
                     received = sender.joined
                 except Exception as error:  # noqa: BLE001
                     log.warning("weights: update %s (step %d) failed at its end: %s", ticket.id, step, error)
+            sender = None  # a group that failed is torn down here
+            clock.append(time.perf_counter())
+            self.last_phases = {name: seconds * 1e3 for name, seconds in (
+                ("announce", clock[1] - clock[0]), ("join", join_s), ("group", clock[2] - clock[1] - join_s),
+                ("tensors", clock[3] - clock[2]), ("end", clock[4] - clock[3]))}
             self._record(ticket, members, received, documents_seen)
-            log.info("weights: step %d (version %d) sent to %d of %d members", step, documents_seen, len(received), len(ticket.members))
+            log.info("weights: step %d (version %d) sent to %d of %d members (%s group)", step, documents_seen, len(received),
+                     len(ticket.members), "kept" if reused else "new")
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()  # the late-joiner copies from the GPU have landed
             if self._snapshot is None or not later:
                 self._complete(step, documents_seen)
         if self._snapshot is not None and later:
@@ -334,7 +363,7 @@ class WeightPublisher:
             if self._announce(step, seen, ticket):
                 try:
                     received = send_update(self._store, ticket, self._snapshot.items(), device=torch.device("cpu"),
-                                           cancelled=self._preempt.is_set)
+                                           cancelled=self._preempt.is_set, groups=self._groups)
                 except TransferCancelled:
                     log.info("weights: late-joiner update %s gave way to a publication", ticket.id)
                 except Exception as error:  # noqa: BLE001
@@ -355,11 +384,13 @@ class WeightPublisher:
         _add_event(self._client, self._keys, protocol.training_finished_event(step, documents_seen))
 
     def close(self) -> None:
-        """Stop the late-joiner thread and the store server."""
+        """Stop the late-joiner thread, drop the kept transfer groups and stop the store server."""
         self.settle()
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.join_timeout_s + self.transfer_timeout_s + 5)
+        with self._lock:
+            self._groups.close()
         self._store = None
         self._snapshot = None
 
@@ -476,17 +507,20 @@ class Publication:
     """What one call of :func:`publish_weights` cost on this rank.
 
     Attributes:
-        duration_ms: its wall time (milliseconds); on global rank 0 the whole publication (announce, join, gathers,
-            sends, the late-joiner copy of gathered or cast tensors, the update group's teardown), reported as the
+        duration_ms: its wall time (milliseconds); on global rank 0 the whole publication (announce, join, the
+            group (kept or new), gathers, sends, the late-joiner copy of gathered or cast tensors), reported as the
             step metric ``weight_sync_time_ms``; a DDP model's own tensors are copied afterwards on a thread
             (:meth:`WeightPublisher.settle`).
         gather_ms: the part spent in ``DTensor.full_tensor()`` (milliseconds; 0 without sharded parameters).
         receivers: rollout processes that received the whole update (global rank 0), None on other ranks.
+        phases_ms: on global rank 0, where the publication's time went (:attr:`WeightPublisher.last_phases`);
+            empty on other ranks.
     """
 
     duration_ms: float
     gather_ms: float
     receivers: Optional[int]
+    phases_ms: Mapping[str, float] = field(default_factory=dict)
 
 
 def full_tensors(
@@ -556,10 +590,12 @@ def publish_weights(
     gather_seconds = [0.0]
     pairs = full_tensors(model, dtype=dtype, gather_seconds=gather_seconds)
     receivers: Optional[int] = None
+    phases: dict[str, float] = {}
     if publisher is not None:
         sharded = any(isinstance(p, DTensor) for p in model.parameters())
         receivers = publisher.publish(pairs, step=step, documents_seen=documents_seen, dtype=dtype, transient=sharded)
+        phases = dict(publisher.last_phases)
     else:
         for item in pairs:
             del item
-    return Publication((time.perf_counter() - started) * 1e3, gather_seconds[0] * 1e3, receivers)
+    return Publication((time.perf_counter() - started) * 1e3, gather_seconds[0] * 1e3, receivers, phases)

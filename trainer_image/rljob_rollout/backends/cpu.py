@@ -10,7 +10,8 @@ Weight updates are staged: every tensor of an update is received into host memor
 the whole update has arrived and matches the model's parameters, so a failed transfer leaves the old weights
 (and their version) intact. The staging buffers are kept from one update to the next
 (:class:`~rljob_trainer.transfer.ReceiveBuffers`): a second copy of the published weights held for good, in
-exchange for no fresh memory (and its page faults) per update.
+exchange for no fresh memory (and its page faults) per update. So is the transfer group, while the trainer keeps
+it too (:class:`~rljob_trainer.transfer.GroupKeeper`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from rljob_api.spec import SamplingSpec
 from rljob_trainer.model import build_model
 from rljob_rollout.backends.base import Completion, GenerationBackend, UpdateOutcome
 from rljob_api.protocol import TransferTicket
-from rljob_trainer.transfer import ReceiveBuffers, StoreAddress, TransferFailed, receive_update
+from rljob_trainer.transfer import GroupKeeper, ReceiveBuffers, StoreAddress, TransferFailed, receive_update
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class CpuBackend(GenerationBackend):
 
     Attributes:
         staging: the buffers weight updates are received into (on CPU, in the sent dtype), kept between updates.
+        groups: the transfer group kept between updates.
     """
 
     def __init__(
@@ -61,6 +63,7 @@ class CpuBackend(GenerationBackend):
         self.eos_token_id = eos_token_id
         self.max_rows = max_rows
         self.staging = ReceiveBuffers()
+        self.groups = GroupKeeper()
 
     @classmethod
     def from_config(cls, config: JobConfig, tokenizer: Any, seed: int) -> "CpuBackend":
@@ -138,10 +141,14 @@ class CpuBackend(GenerationBackend):
         staged: dict[str, torch.Tensor] = {}
         try:
             if not receive_update(address, ticket, transfer_ranks[0], device=torch.device("cpu"), sink=staged.__setitem__,
-                                  buffers=self.staging):
+                                  buffers=self.staging, groups=self.groups):
                 return UpdateOutcome.NOT_SELECTED
             self.load_weights(staged.items())
         except (TransferFailed, ValueError) as error:
             log.warning("cpu backend: weight update %s not loaded, keeping the old weights: %s", ticket.id, error)
             return UpdateOutcome.FAILED_INTACT
         return UpdateOutcome.LOADED
+
+    def close(self) -> None:
+        """Drop the kept transfer group."""
+        self.groups.close()

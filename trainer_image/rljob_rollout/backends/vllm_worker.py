@@ -5,7 +5,9 @@ examples), so each tensor-parallel worker t of rollout pod i joins the transfer 
 ``base_rank + t`` (DESIGN §2), receives every full tensor onto its own GPU (NCCL tickets) or into host memory
 (gloo tickets) and hands it to the model's ``load_weights``, which keeps the worker's tensor-parallel shard.
 
-Loading is tensor by tensor, as vLLM's own weight updates are: no second copy of the model is held. The price
+Loading is tensor by tensor, as vLLM's own weight updates are: no second copy of the model is held. The transfer
+group is kept in the worker between updates while the trainer keeps it too (:class:`~rljob_trainer.transfer.
+GroupKeeper`, attribute ``rljob_groups``). The price
 is that a transfer failing half-way leaves mixed weights; :meth:`rljob_receive_weights` then reports
 ``failed_torn`` and the rollout worker generates nothing until the next complete update.
 
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 
 from rljob_api.protocol import TransferTicket
-from rljob_trainer.transfer import StoreAddress, TransferFailed, receive_update
+from rljob_trainer.transfer import GroupKeeper, StoreAddress, TransferFailed, receive_update
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +53,11 @@ class WeightReceiverExtension:
             model.load_weights(weights=[(name, tensor)])
             loaded += 1
 
+        groups = getattr(self, "rljob_groups", None)
+        if groups is None:
+            groups = self.rljob_groups = GroupKeeper()
         try:
-            selected = receive_update(StoreAddress(host, port), parsed, rank, device=device, sink=load)
+            selected = receive_update(StoreAddress(host, port), parsed, rank, device=device, sink=load, groups=groups)
         except TransferFailed as error:
             log.warning("vllm worker %d: weight update %s failed: %s", rank, parsed.id, error)
             return {"outcome": "failed", "tensors_loaded": error.tensors_loaded, "error": str(error)}
