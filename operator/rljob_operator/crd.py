@@ -227,6 +227,10 @@ def crd() -> dict[str, Any]:
         rules.CEL_REPLICATE_NEEDS_FSDP]
     spec["properties"]["trainer"]["properties"]["optimizer"]["x-kubernetes-validations"] = [
         rules.CEL_MIN_LEARNING_RATE]
+    task = spec["properties"]["rollout"]["properties"]["task"]
+    task["x-kubernetes-validations"] = [rules.CEL_REWARD_SOURCE_NEEDS_CUSTOM]
+    task["properties"]["rewardSource"]["x-kubernetes-validations"] = [rules.CEL_ONE_REWARD_SOURCE,
+                                                                      rules.CEL_REWARD_VOLUME_NEEDS_PATH]
     status = model_schema(RLTrainingJobStatus, "status", with_defaults=False)
     status["properties"]["conditions"].update(
         {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}

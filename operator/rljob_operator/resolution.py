@@ -95,7 +95,10 @@ def effective_config(job: render.Job, generation: Optional[int], recorded: Optio
         target, source = merged["spec"]["rollout"], new["spec"]["rollout"]
         for part in parents:
             target, source = target.setdefault(part, {}), source[part]
-        target[leaf] = source[leaf]
+        if leaf in source:
+            target[leaf] = source[leaf]
+        else:  # left out of the new resolution at its default (spec.omitted_at_default)
+            target.pop(leaf, None)
     trainer = recorded.config.recorded_role_hash(c.Role.TRAINER.value)
     if render.role_config_hash(before, c.Role.ROLLOUT) == render.role_config_hash(fresh, c.Role.ROLLOUT):
         rollout = recorded.config.recorded_role_hash(c.Role.ROLLOUT.value)
