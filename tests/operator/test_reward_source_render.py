@@ -5,13 +5,17 @@ outdated, RolloutReady, and the spec check."""
 from __future__ import annotations
 
 import json
+import posixpath
+from pathlib import Path
 
 import pytest
+import yaml
 
 from rljob_api import constants as c
 from rljob_api.canonical import canonical_json
 from rljob_api.config import JobConfig
 from rljob_api.constants import ConditionType, Phase, Reason
+from rljob_api.spec import RLTrainingJobSpec
 from rljob_api.status import RLTrainingJobStatus
 from rljob_api.validation import check_spec
 
@@ -191,3 +195,18 @@ def test_a_source_the_pods_could_not_use_is_a_spec_problem_naming_the_field(over
 def test_valid_sources_are_no_problem():
     for source in (CONFIG_MAP, {"path": "/r/score.py"}, {"path": "/r/score.py", "volume": "rewards"}):
         assert check_spec(make_spec(rollout=custom(source))) == []
+
+
+def test_the_example_passes_the_code_checks_and_names_keys_its_configmap_holds():
+    path = Path(__file__).resolve().parents[2] / "examples" / "rljob-cpu-configmap-reward.yaml"
+    documents = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    (config_map,) = [d for d in documents if d["kind"] == "ConfigMap"]
+    (manifest,) = [d for d in documents if d["kind"] == c.KIND]
+    spec = RLTrainingJobSpec.model_validate(manifest["spec"])
+    assert check_spec(spec) == []
+    assert reward_source_state(spec, "default", config_map).problem is None
+    source = render.reward_source(render.Job(manifest["metadata"]["name"], "default", spec))
+    assert source.volume == {"name": "reward-source", "configMap": {"name": config_map["metadata"]["name"]}}
+    assert source.file == "/etc/rljob-reward/reward.py"
+    dataset = spec.rollout.task.dataset_path  # the prompts are a key of the same ConfigMap
+    assert posixpath.dirname(dataset) == c.REWARD_SOURCE_MOUNT_DIR and posixpath.basename(dataset) in config_map["data"]

@@ -10,13 +10,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from rollout_harness import make_config, tiny_model, wait_until
 from rljob_api import constants as c
 from rljob_api import protocol
-from rljob_api.spec import RewardSourceSpec
+from rljob_api.spec import RewardSourceSpec, RLTrainingJobSpec
 from rljob_rollout.__main__ import reward_file
-from rljob_rollout.tasks import load_reward_function
+from rljob_rollout.tasks import build_task, load_reward_function
+from rljob_trainer.model import build_tokenizer
 from rljob_trainer.weights import WeightPublisher
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,7 +36,7 @@ def mounted(tmp_path):
     before = set(sys.modules)
     yield directory
     for name in set(sys.modules) - before:
-        if name.startswith(("src_test_", "scoring")):
+        if name.startswith(("src_test_", "scoring", "letters_reward")):
             del sys.modules[name]
     if str(directory) in sys.path:
         sys.path.remove(str(directory))
@@ -173,3 +175,22 @@ def test_the_rollout_process_with_a_syntax_error_exits_2_naming_the_file_and_lin
     assert last.endswith(f"ERROR rljob_rollout: rollout: cannot start: spec.rollout.task.rewardSource: "
                          f"{mounted}/reward.py:3 (ConfigMap rewards, key reward.py): SyntaxError: expected ':'"), out
     assert "Traceback" not in out
+
+
+def test_the_examples_reward_loads_from_its_configmap_and_scores_its_prompts(mounted):
+    """examples/rljob-cpu-configmap-reward.yaml's ConfigMap, mounted: the custom task reads the prompts key and scores
+    with reward.py, which imports scoring.py beside it."""
+    documents = [d for d in yaml.safe_load_all((REPO / "examples" / "rljob-cpu-configmap-reward.yaml").read_text()) if d]
+    (config_map,) = [d for d in documents if d["kind"] == "ConfigMap"]
+    (manifest,) = [d for d in documents if d["kind"] == c.KIND]
+    for key, text in config_map["data"].items():
+        (mounted / key).write_text(text)
+    spec = RLTrainingJobSpec.model_validate(manifest["spec"])
+    source = spec.rollout.task.reward_source.config_map_key_ref
+    task_spec = spec.rollout.task.model_copy(update={"dataset_path": str(mounted / "prompts.jsonl")})
+    task = build_task(task_spec, build_tokenizer(spec.model, spec.rollout.task), seed=0,
+                      reward_file=str(mounted / source.key))
+    prompt = next(p for p in task.next_prompts(5) if p.record["letter"] == "a")
+    assert prompt.text == "say aaa"
+    assert task.reward(prompt, [], "abca") == 0.5
+    assert task.reward(prompt, [], "") == 0.0
