@@ -35,8 +35,8 @@ the operator: a pod is outdated only when this changes, so a rollout-only change
 LABEL_REPLICA_INDEX = f"{GROUP}/replica-index"
 """Trainer node rank or rollout replica index, on pods."""
 LABEL_REWARD_SOURCE_HASH = f"{GROUP}/reward-source-hash"
-"""On rollout pods of a job whose reward code comes from a ConfigMap (``spec.rollout.task.rewardSource.configMapKeyRef``):
-short sha256 of that ConfigMap's data when the pod was made. Written and read by the operator: a rollout pod whose
+"""On rollout pods of a job whose reward code comes from a ConfigMap (``spec.rollout.task.rewardSource.
+configMapKeyRef``): short sha256 of that ConfigMap's data when the pod was made. Written and read by the operator: a rollout pod whose
 value differs from the ConfigMap's current content is replaced (the trainer gang is not)."""
 LABEL_KUEUE_QUEUE_NAME = "kueue.x-k8s.io/queue-name"
 """Copied from the job's labels to its pods (Kueue compatibility)."""

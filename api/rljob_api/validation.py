@@ -233,8 +233,8 @@ def _reward_source_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
         return []
     problems: list[SpecProblem] = []
     if not rules.reward_source_allowed(task.name, True):
-        problems.append(SpecProblem(field, f"needs task name 'custom', got {task.name!r}: the built-in tasks score with "
-                                           "their own rewards"))
+        problems.append(SpecProblem(field, f"needs task name 'custom', got {task.name!r}: the built-in tasks score "
+                                           "with their own rewards"))
     if not rules.one_reward_source(source.config_map_key_ref is not None, source.path is not None):
         problems.append(SpecProblem(field, "needs exactly one of configMapKeyRef or path"))
     if source.volume and not source.path:

@@ -69,8 +69,8 @@ temperature (DESIGN §2 "Token alignment"), and the tiny model's alphabet follow
 ROLLOUT_ONLY_FIELDS = (
     "image", "backend", "replicas", "gpus_per_replica", "resources", "node_selector", "tolerations",
     "prompts_per_batch", "samples_per_prompt", "max_lag", "sampling.top_p", "sampling.max_new_tokens",
-    "task.dataset_path", "task.reward_function", "task.reward_source", "task.digits", "advantage", "filter_zero_variance", "seed",
-    "reward_failure_deadline_seconds",
+    "task.dataset_path", "task.reward_function", "task.reward_source", "task.digits", "advantage",
+    "filter_zero_variance", "seed", "reward_failure_deadline_seconds",
 )
 """Fields (or whole sections) of ``spec.rollout`` that no trainer process reads: left out of the trainer pods'
 :func:`role_config_hash`. Every rollout field is in exactly one of the two lists (tests check it), so a new field
@@ -448,7 +448,7 @@ def rollout_pod(job: Job, config: JobConfig, index: int, reward_source_hash: Opt
 class RewardSource:
     """How a rollout pod gets ``spec.rollout.task.rewardSource``: ``file``, the module's path in the container (env
     :data:`~rljob_api.constants.ENV_REWARD_SOURCE`), and the ``volume`` and its ``mount`` that hold it (None: the
-    file is on a volume the pod mounts anyway, the model's)."""
+    file is on a volume the pod mounts anyway, the model's, or in the image)."""
 
     file: str
     volume: Optional[dict[str, Any]]

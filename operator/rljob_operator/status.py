@@ -23,8 +23,8 @@ RolloutReady            every rollout pod is ready; ExternalProducers (True): sp
                         stays so between restarts (:func:`failing`; a reward module that does not load says its
                         file and line there, rljob_rollout.tasks); RewardSourceMissing: the ConfigMap of
                         spec.rollout.task.rewardSource, or its key, does not exist (the message names them);
-                        AllRewardsFailed: every sample of a worker's last
-                        batch failed its reward function (the rollout hash's ``all_rewards_failed``), so nothing
+                        AllRewardsFailed: every sample of a worker's last batch failed its reward function (the
+                        rollout hash's ``all_rewards_failed``), so nothing
                         reaches the trainer; the message says since when and when the job fails for it
                         (rewardFailureDeadlineSeconds, then Failed/RewardsFailing); cleared when a batch scores again.
 TrainerReady            every trainer pod of the current attempt is running; Unschedulable names pods the
@@ -78,7 +78,8 @@ _PHASE_CONDITIONS = (ConditionType.RESTARTING, ConditionType.SUSPENDED, Conditio
 _WARNINGS = (Reason.UNSCHEDULABLE, Reason.ALL_REWARDS_FAILED, Reason.CONTAINER_CANNOT_START, Reason.CONTAINER_FAILING,
              Reason.CHECKPOINT_LOST, Reason.REDIS_UNAVAILABLE, Reason.CLAIM_PENDING, Reason.REWARD_SOURCE_MISSING)
 """Reasons whose Events are Warnings (besides Failed, Restarting and Valid=False)."""
-_STARVED = (Reason.UNSCHEDULABLE, Reason.CONTAINER_CANNOT_START, Reason.CONTAINER_FAILING, Reason.REWARD_SOURCE_MISSING)
+_STARVED = (Reason.UNSCHEDULABLE, Reason.CONTAINER_CANNOT_START, Reason.CONTAINER_FAILING,
+            Reason.REWARD_SOURCE_MISSING)
 """RolloutReady reasons that, with no rollout pod ready, mean that no new document reaches the trainer."""
 
 FAILING_WINDOW_PER_RESTART_S = 60.0
