@@ -94,6 +94,15 @@ def test_a_missing_file_or_function_is_named():
                                  "key reward.py)")
 
 
+@pytest.mark.parametrize("module", ["json", "numpy.linalg"])
+def test_a_module_name_the_process_has_imported_is_refused(mounted, module):
+    with pytest.raises(ValueError) as raised:
+        _load(mounted, {"reward.py": "def score(p, c, r):\n    return 1.0\n"}, module=module)
+    assert str(raised.value) == (f"spec.rollout.task.rewardFunction: the module name {module!r} is taken by a module "
+                                 "the rollout process has imported already; give the reward module another name")
+    assert sys.modules["json"].dumps([1]) == "[1]"
+
+
 def test_no_function_of_that_name(mounted):
     with pytest.raises(ValueError, match="spec.rollout.task.rewardFunction: 'src_test_reward' has no callable 'score'"):
         _load(mounted, {"reward.py": "scores = 1\n"})

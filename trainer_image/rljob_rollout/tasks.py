@@ -318,12 +318,16 @@ def load_reward_module(module_name: str, file: str, source: Optional[RewardSourc
     that it imports the files beside it. ``source``: the spec's ``rewardSource``, named in errors.
 
     Raises:
-        ValueError: no file at ``file``, or running it raised (a SyntaxError, an ImportError of what it imports, any
-            exception at import). The message is one line naming ``spec.rollout.task.rewardSource``, the file and line
+        ValueError: ``module_name`` is a module this process has imported already (a standard or installed one, which
+            the reward module would replace under everything that uses it); no file at ``file``; or running it raised
+            (a SyntaxError, an ImportError of what it imports, any exception at import). The message is one line naming ``spec.rollout.task.rewardSource``, the file and line
             where it failed (:func:`_failed_at`) with where that file comes from, and the exception, e.g.
             "spec.rollout.task.rewardSource: /etc/rljob-reward/reward.py:3 (ConfigMap rewards, key reward.py):
             SyntaxError: '(' was never closed".
     """
+    if module_name in sys.modules:
+        raise ValueError(f"spec.rollout.task.rewardFunction: the module name {module_name!r} is taken by a module the "
+                         "rollout process has imported already; give the reward module another name")
     if not posixpath.isfile(file):
         raise ValueError(f"spec.rollout.task.rewardSource: no file at {file}{_source_origin(source, file, file)}")
     directory = posixpath.dirname(file)
