@@ -10,7 +10,7 @@ import pytest
 import yaml
 from rljob_api import constants as c
 
-from .conftest import EXAMPLES, Recorder, wait_for
+from .conftest import EXAMPLES, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -33,37 +33,36 @@ def test_the_configmap_reward_example_trains_to_succeeded_and_an_edit_of_it_repl
     def job() -> dict:
         return cluster.get("rljob", name, "-n", namespace) or {}
 
-    with Recorder(cluster, namespace, "pods") as pods:
-        cluster.kubectl("apply", "-n", namespace, "-f", str(EXAMPLES / EXAMPLE))
-        first = wait_for(lambda: (j := job()) and (j.get("status") or {}).get("step", 0) >= 2
-                         and j["status"].get("rolloutReward") is not None and j, 600,
-                         "two steps trained on the ConfigMap's reward", diagnostics)
-        assert first["status"]["phase"] == "Running", first["status"]
-        assert 0.0 <= first["status"]["rolloutReward"] <= 1.0, first["status"]
-        (rollout,) = cluster.items("pods", namespace, f"{c.LABEL_ROLE}=rollout")
-        volumes = {v["name"]: v for v in rollout["spec"]["volumes"]}
-        assert volumes["reward-source"]["configMap"]["name"] == config_map["metadata"]["name"]
-        trainers = {p["metadata"]["uid"] for p in cluster.items("pods", namespace, f"{c.LABEL_ROLE}=trainer")}
-        assert len(trainers) == 2
+    def pods(role: str) -> list[dict]:
+        return [p for p in cluster.items("pods", namespace, f"{c.LABEL_ROLE}={role}")
+                if not p["metadata"].get("deletionTimestamp")]
 
-        config_map["data"]["scoring.py"] = EDITED_SCORING
-        cluster.apply(config_map, namespace)
-        edited = wait_for(lambda: (j := job()) and ((j.get("status") or {}).get("rolloutReward") or 0) >= EDITED_OFFSET
-                          and j, 600, "a reward of the edited ConfigMap in status.rolloutReward", diagnostics)
-        assert edited["status"]["phase"] in ("Running", "Succeeded"), edited["status"]
-        (replaced,) = [p for p in cluster.items("pods", namespace, f"{c.LABEL_ROLE}=rollout")
-                       if not p["metadata"].get("deletionTimestamp")]
-        assert replaced["metadata"]["uid"] != rollout["metadata"]["uid"]
-        assert (replaced["metadata"]["labels"][c.LABEL_REWARD_SOURCE_HASH]
-                != rollout["metadata"]["labels"][c.LABEL_REWARD_SOURCE_HASH])
+    cluster.kubectl("apply", "-n", namespace, "-f", str(EXAMPLES / EXAMPLE))
+    first = wait_for(lambda: (j := job()) and (j.get("status") or {}).get("step", 0) >= 2
+                     and j["status"].get("rolloutReward") is not None and j, 600,
+                     "two steps trained on the ConfigMap's reward", diagnostics)
+    assert first["status"]["phase"] == "Running", first["status"]
+    assert 0.0 <= first["status"]["rolloutReward"] <= 1.0, first["status"]
+    (rollout,) = pods("rollout")
+    volumes = {v["name"]: v for v in rollout["spec"]["volumes"]}
+    assert volumes["reward-source"]["configMap"]["name"] == config_map["metadata"]["name"]
+    trainers = {p["metadata"]["uid"] for p in pods("trainer")}
+    assert len(trainers) == 2
 
-        final = wait_for(lambda: (j := job()) and (j.get("status") or {}).get("phase") in ("Succeeded", "Failed") and j,
-                         900, "the job to finish", diagnostics)
-    pods.check()
+    config_map["data"]["scoring.py"] = EDITED_SCORING
+    cluster.apply(config_map, namespace)
+    edited = wait_for(lambda: (j := job()) and ((j.get("status") or {}).get("rolloutReward") or 0) >= EDITED_OFFSET
+                      and j, 600, "a reward of the edited ConfigMap in status.rolloutReward", diagnostics)
+    assert edited["status"]["phase"] == "Running", edited["status"]
+    assert {p["metadata"]["uid"] for p in pods("trainer")} == trainers  # the gang the edit found, still running
+    (replaced,) = pods("rollout")
+    assert replaced["metadata"]["uid"] != rollout["metadata"]["uid"]
+    assert (replaced["metadata"]["labels"][c.LABEL_REWARD_SOURCE_HASH]
+            != rollout["metadata"]["labels"][c.LABEL_REWARD_SOURCE_HASH])
+
+    final = wait_for(lambda: (j := job()) and (j.get("status") or {}).get("phase") in ("Succeeded", "Failed") and j,
+                     900, "the job to finish", diagnostics)
     status = final["status"]
     assert status["phase"] == "Succeeded", diagnostics()
-    assert (status["step"], status["restarts"], status["attempt"]) == (steps, 0, 0), status
+    assert (status["step"], status["restarts"], status["attempt"], status["failedAttempts"]) == (steps, 0, 0, 0), status
     assert status["rolloutReward"] >= EDITED_OFFSET
-    trainer_lives = pods.lifetimes("trainer")
-    assert set(trainer_lives) == trainers and {a for a, _, _ in trainer_lives.values()} == {0}, trainer_lives
-    assert len(pods.lifetimes("rollout")) == 2  # the first, and the one made for the edited ConfigMap
