@@ -34,6 +34,10 @@ rollout-only fields; rollout pods: without spec.rollout.replicas), on trainer an
 the operator: a pod is outdated only when this changes, so a rollout-only change never restarts the trainer gang."""
 LABEL_REPLICA_INDEX = f"{GROUP}/replica-index"
 """Trainer node rank or rollout replica index, on pods."""
+LABEL_REWARD_SOURCE_HASH = f"{GROUP}/reward-source-hash"
+"""On rollout pods of a job whose reward code comes from a ConfigMap (``spec.rollout.task.rewardSource.
+configMapKeyRef``): short sha256 of that ConfigMap's data when the pod was made. Written and read by the operator: a rollout pod whose
+value differs from the ConfigMap's current content is replaced (the trainer gang is not)."""
 LABEL_KUEUE_QUEUE_NAME = "kueue.x-k8s.io/queue-name"
 """Copied from the job's labels to its pods (Kueue compatibility)."""
 
@@ -76,6 +80,9 @@ ENV_POD_NAMESPACE = "POD_NAMESPACE"
 ENV_REPLICA_INDEX = "RLJOB_REPLICA_INDEX"
 """Rollout replica index i (pod ``<job>-rollout-<i>``), or trainer node rank."""
 ENV_ATTEMPT = "RLJOB_ATTEMPT"
+ENV_REWARD_SOURCE = "RLJOB_REWARD_SOURCE"
+"""On rollout pods with ``spec.rollout.task.rewardSource``: the path of the file the reward module is loaded from
+(the ConfigMap key under :data:`REWARD_SOURCE_MOUNT_DIR`, or ``rewardSource.path``). Read by rljob_rollout."""
 ENV_JOB_UID = "RLJOB_JOB_UID"
 """The RLTrainingJob's metadata.uid on trainer pods: with the attempt, the owner of the job's Redis writes."""
 
@@ -89,6 +96,9 @@ layout) at maxSteps; the operator names ``CHECKPOINT_MOUNT_DIR/EXPORT_SUBDIR`` i
 REDIS_CA_MOUNT_DIR = "/etc/rljob-redis-ca"
 """Where trainer and rollout pods mount ``spec.redis.caSecretRef`` (read-only); env REDIS_TLS_CA_FILE names the file."""
 REDIS_CA_PATH = f"{REDIS_CA_MOUNT_DIR}/ca.crt"
+REWARD_SOURCE_MOUNT_DIR = "/etc/rljob-reward"
+"""Where rollout pods mount the ConfigMap of ``spec.rollout.task.rewardSource.configMapKeyRef`` (read-only, every key a
+file)."""
 SHM_MOUNT_DIR = "/dev/shm"
 
 #: The extended resource of an NVIDIA GPU (device plugin), in pod resources and node capacity.
@@ -179,6 +189,9 @@ class Reason(str, Enum):
     """Warning Event: ``spec.redis.persistence.enabled`` was switched on a job whose managed Redis existed, so the Redis
     pod was replaced and its data (stream, consumer group, pending entries, progress and checkpoint hashes) started
     empty."""
+    REWARD_SOURCE_MISSING = "RewardSourceMissing"
+    """RolloutReady=False: the ConfigMap of ``spec.rollout.task.rewardSource.configMapKeyRef``, or its key, does not
+    exist, so rollout pods cannot start (the kubelet cannot mount it); the message names the ConfigMap and key."""
     CHECKPOINT_LOST = "CheckpointLost"
     """Running=True, but the attempt started below the last recorded checkpoint because it is gone from the checkpoint
     volume (the progress hash's ``checkpoint_lost``)."""

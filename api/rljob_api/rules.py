@@ -9,6 +9,8 @@ it the CEL rule that states the same over the CRD's camelCase fields.
 - HSDP: ``parallelism.replicate`` divides DP, and is 1 unless the strategy is fsdp (DESIGN §5);
 - the learning-rate floor: ``optimizer.minLearningRate`` <= ``optimizer.learningRate`` (a decay never rises);
 - a role's ``podTemplate.spec.containers`` name only rljob's own container of that role (no extra regular container).
+- the reward source: ``task.rewardSource`` only with task ``custom``, and exactly one of its ``configMapKeyRef`` and
+  ``path`` (``volume`` only with ``path``).
 """
 
 from __future__ import annotations
@@ -80,6 +82,27 @@ CEL_MIN_LEARNING_RATE = {
     "reason": "FieldValueInvalid",
 }
 
+#: CEL rule on ``spec.rollout.task``: only the custom task reads a reward source (:func:`reward_source_allowed`).
+CEL_REWARD_SOURCE_NEEDS_CUSTOM = {
+    "rule": "!has(self.rewardSource) || self.name == 'custom'",
+    "message": "rewardSource needs name custom: the built-in tasks score with their own rewards",
+    "fieldPath": ".rewardSource",
+    "reason": "FieldValueInvalid",
+}
+#: CEL rule on ``spec.rollout.task.rewardSource``: one source (:func:`one_reward_source`).
+CEL_ONE_REWARD_SOURCE = {
+    "rule": "has(self.configMapKeyRef) != has(self.path)",
+    "message": "rewardSource needs exactly one of configMapKeyRef or path",
+    "reason": "FieldValueInvalid",
+}
+#: CEL rule on ``spec.rollout.task.rewardSource``: a volume holds the file ``path`` names.
+CEL_REWARD_VOLUME_NEEDS_PATH = {
+    "rule": "!has(self.volume) || has(self.path)",
+    "message": "rewardSource.volume needs path, the module's file on that volume",
+    "fieldPath": ".volume",
+    "reason": "FieldValueInvalid",
+}
+
 
 def extra_container_message(container: str) -> str:
     """Why ``podTemplate.spec.containers`` may name only rljob's ``container`` (the CEL rule's message and the
@@ -134,3 +157,13 @@ def replicate_allowed(strategy: str, replicate: int, data_parallel_size: int) ->
 def learning_rate_floor_allowed(min_learning_rate: float, learning_rate: float) -> bool:
     """Whether a schedule may decay from ``learning_rate`` to the floor ``min_learning_rate`` (it is not above it)."""
     return min_learning_rate <= learning_rate
+
+
+def reward_source_allowed(task_name: str, has_source: bool) -> bool:
+    """Whether a task named ``task_name`` may have a ``rewardSource`` (only ``custom`` calls a user function)."""
+    return not has_source or task_name == "custom"
+
+
+def one_reward_source(has_config_map_key_ref: bool, has_path: bool) -> bool:
+    """Whether a ``rewardSource`` names exactly one source: a ConfigMap key or a path."""
+    return has_config_map_key_ref != has_path

@@ -335,6 +335,46 @@ class SamplingSpec(ApiModel):
     max_new_tokens: int = Field(256, ge=1, le=131072, description="Completion length limit.")
 
 
+class ConfigMapKeyRef(ApiModel):
+    name: str = Field(..., min_length=1, max_length=253, description="ConfigMap name in the job's namespace.")
+    key: str = Field(
+        ...,
+        min_length=1,
+        max_length=253,
+        pattern=r"^[-._a-zA-Z0-9]+$",
+        description="Key of the ConfigMap that holds the reward module's Python source.",
+    )
+
+
+class RewardSourceSpec(ApiModel):
+    """The reward function's code when the rollout image does not hold it: a ConfigMap key, or a file on a volume."""
+
+    config_map_key_ref: Optional[ConfigMapKeyRef] = Field(
+        None,
+        description="A key of a ConfigMap in the job's namespace. Rollout pods mount the whole ConfigMap read-only at "
+        "/etc/rljob-reward, every key a file, so the module can import the keys beside it and datasetPath can name "
+        "one (a ConfigMap holds at most 1 MiB). When the ConfigMap's content changes the operator replaces the "
+        "rollout pods at its next pass (seconds); the trainer gang keeps running. A missing ConfigMap or key makes "
+        "RolloutReady False (RewardSourceMissing) naming it.",
+    )
+    path: Optional[str] = Field(
+        None,
+        min_length=2,
+        max_length=4096,
+        pattern=r"^/",
+        description="Absolute path of the module's file in the rollout container, on `volume` (or on model.volume). "
+        "Rollout pods keep the code they loaded at start: after changing the file, delete them "
+        "(kubectl delete pods -l rljob.dev/role=rollout,rljob.dev/job-name=<job>); they are recreated and the gang "
+        "keeps running.",
+    )
+    volume: Optional[str] = Field(
+        None,
+        min_length=1,
+        max_length=253,
+        description="PersistentVolumeClaim mounted read-only at path's parent directory in the rollout pods.",
+    )
+
+
 DIGIT_TASKS = ("digits-copy", "digits-reverse", "digits-sort")
 """The built-in toy tasks (DESIGN §10): digit prompts, digit completions, the digits-only tokenizer of a tiny model."""
 
@@ -351,6 +391,15 @@ class TaskSpec(ApiModel):
         None, description="`module:function` returning a float reward (custom)."
     )
     digits: int = Field(4, ge=1, le=32, description="Prompt and completion length of the toy task.")
+    reward_source: Optional[RewardSourceSpec] = Field(
+        None,
+        exclude_if=omitted_at_default(None),
+        description="Where the code of rewardFunction's module comes from when the rollout image does not hold it "
+        "(task custom): exactly one of configMapKeyRef or path. The file is loaded as the module rewardFunction "
+        "names, with its directory first on sys.path; a syntax or import error makes RolloutReady False "
+        "(ContainerFailing) with the file and line. A rollout-only field: changing it replaces the rollout pods, "
+        "never the trainer gang. Unset (the default): the module is imported from the image.",
+    )
 
 
 class AdvantageSpec(ApiModel):

@@ -6,6 +6,7 @@ Every problem names the field by its camelCase path, so the message reads like t
 
 from __future__ import annotations
 
+import posixpath
 import re
 from dataclasses import dataclass
 
@@ -217,6 +218,7 @@ def _rollout_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
         problems.append(
             SpecProblem("spec.rollout.task.rewardFunction", f"must be 'module:function', got {r.task.reward_function!r}")
         )
+    problems += _reward_source_problems(spec)
     if r.backend == "vllm" and r.gpus_per_replica < 1:
         problems.append(SpecProblem("spec.rollout.gpusPerReplica", "must be >= 1 with backend 'vllm'"))
     if r.backend == "cpu" and r.gpus_per_replica > 0:
@@ -225,4 +227,29 @@ def _rollout_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
             f"must be 0 with backend 'cpu' (it generates on CPU; {r.gpus_per_replica} would hold "
             f"{r.gpus_per_replica} GPUs per rollout pod unused): set it to 0, or backend to 'vllm'",
         ))
+    return problems
+
+
+def _reward_source_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
+    """spec.rollout.task.rewardSource: the custom task only, one source, a volume with a path, and no second volume at
+    the directory where model.volume is mounted (the pod would mount two volumes at one path)."""
+    task, field = spec.rollout.task, "spec.rollout.task.rewardSource"
+    source = task.reward_source
+    if source is None:
+        return []
+    problems: list[SpecProblem] = []
+    if not rules.reward_source_allowed(task.name, True):
+        problems.append(SpecProblem(field, f"needs task name 'custom', got {task.name!r}: the built-in tasks score "
+                                           "with their own rewards"))
+    if not rules.one_reward_source(source.config_map_key_ref is not None, source.path is not None):
+        problems.append(SpecProblem(field, "needs exactly one of configMapKeyRef or path"))
+    if source.volume and not source.path:
+        problems.append(SpecProblem(f"{field}.volume", "needs path, the module's file on that volume"))
+    model = spec.model
+    if source.volume and source.path and model.volume and model.path:
+        here, there = posixpath.dirname(source.path), posixpath.dirname(model.path.rstrip("/"))
+        if here == there:
+            problems.append(SpecProblem(f"{field}.volume", (
+                f"{source.volume!r} would be mounted at {here}, where spec.model.volume {model.volume!r} is mounted "
+                "already: put the file on that volume and remove rewardSource.volume, or use another directory")))
     return problems

@@ -270,6 +270,10 @@ def crd() -> dict[str, Any]:
     for field, container in POD_TEMPLATE_ROLES.items():
         template = spec["properties"][field]["properties"]["podTemplate"]["properties"]["spec"]
         template["properties"]["containers"]["x-kubernetes-validations"] = [rules.cel_own_container_only(container)]
+    task = spec["properties"]["rollout"]["properties"]["task"]
+    task["x-kubernetes-validations"] = [rules.CEL_REWARD_SOURCE_NEEDS_CUSTOM]
+    task["properties"]["rewardSource"]["x-kubernetes-validations"] = [rules.CEL_ONE_REWARD_SOURCE,
+                                                                      rules.CEL_REWARD_VOLUME_NEEDS_PATH]
     status = model_schema(RLTrainingJobStatus, "status", with_defaults=False)
     status["properties"]["conditions"].update(
         {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}

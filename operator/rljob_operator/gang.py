@@ -32,7 +32,8 @@ Rules (JobSet's BlockingRecreate, Kubernetes Job's backoffLimit, suspend and dea
   Its processes may still run on that node: fencing (DESIGN §6) refuses their writes once the next attempt starts.
 - Rollout pods are reconciled apart: a missing one is created, a failed or outdated one deleted (and
   recreated on the next pass), one above ``spec.rollout.replicas`` deleted; nothing about them ever touches the
-  gang, and a change of rollout-only fields (replicas, image, resources, sampling ...) leaves the attempt running.
+  gang, and a change of rollout-only fields (replicas, image, resources, sampling ...) or of the reward ConfigMap's
+  content leaves the attempt running.
 """
 
 from __future__ import annotations
@@ -110,10 +111,16 @@ class ConfigHashes:
     config: str
     trainer: str
     rollout: str
+    reward_source: Optional[str] = None
+    """The content hash of the reward ConfigMap (:mod:`rljob_operator.reward_source`) rollout pods must carry; None:
+    any (no ConfigMap source, or not found)."""
 
     def outdated(self, pod: PodView) -> bool:
-        """Whether ``pod`` runs a config its role would now read differently. Pods without the role label (made
-        by an operator before it existed) are compared by the whole config's hash."""
+        """Whether ``pod`` runs a config its role would now read differently, or a rollout pod reward code other than
+        :attr:`reward_source`. Pods without the role label (made by an operator before it existed) are compared by
+        the whole config's hash."""
+        if pod.role == c.Role.ROLLOUT and self.reward_source is not None and pod.reward_source_hash != self.reward_source:
+            return True
         if pod.role_config_hash is None:
             return pod.config_hash != self.config
         return pod.role_config_hash != (self.trainer if pod.role == c.Role.TRAINER else self.rollout)

@@ -55,6 +55,8 @@ class PodView:
     owner_uid: str = ""
     """uid of the controller owner (the RLTrainingJob); another uid means a deleted job of the same name."""
     role_config_hash: Optional[str] = None
+    reward_source_hash: Optional[str] = None
+    """A rollout pod's ``rljob.dev/reward-source-hash`` label: the content of the reward ConfigMap it was made with."""
     container: str = ""
     """Name of the container the next fields describe: the first that waits for a reason other than being created,
     else the first that exited with an error, else the first that restarted."""
@@ -123,6 +125,7 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         attempt=_int(labels.get(c.LABEL_ATTEMPT)),
         config_hash=labels.get(c.LABEL_CONFIG_HASH),
         role_config_hash=labels.get(c.LABEL_ROLE_CONFIG_HASH),
+        reward_source_hash=labels.get(c.LABEL_REWARD_SOURCE_HASH),
         phase=status.get("phase") or "Pending",
         ready=ready,
         deleting=bool(meta.get("deletionTimestamp")),

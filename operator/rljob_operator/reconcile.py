@@ -15,7 +15,8 @@ Everything decided here comes from :mod:`.admission` and the pure modules (:mod:
 3. decide the pass's outcome: waiting for an earlier job's children; Invalid (nothing runs, no retry until the spec
    changes, but for a missing PriorityClass, ServiceAccount or RuntimeClass: tried again after a minute); or the gang's plan (:func:`.gang.plan`) over the observed pods (the kopf index, plus pods this process
    created or deleted that the watch has not reported yet), Redis's health and the progress hashes (planned again
-   with the rollout hash's reward-failure streak when it holds one: past its deadline the job fails) — with the plan's
+   with the rollout hash's reward-failure streak when it holds one: past its deadline the job fails) and the reward
+   ConfigMap's content (:mod:`.reward_source`: rollout pods made from other content are outdated) — with the plan's
    pods created first: trainer pods only of the saved attempt, so the status that records the gang as created is
    written once they exist, and a refused pod makes the job Invalid in the same pass;
 4. write the status once (merge patch with a resourceVersion precondition: a stale view is refused, not written),
@@ -47,6 +48,7 @@ from rljob_operator import progress as progress_reads
 from rljob_operator.admission import Decision
 from rljob_operator.apply import ApiError
 from rljob_operator.observe import DeploymentView, NodeView, PodView, node_view
+from rljob_operator.reward_source import read_reward_source
 from rljob_operator.runtime import RETRY_REFUSED_S, Context, JobRuntime
 
 #: How long a pod this process created counts as present before the watch reports it (seconds).
@@ -282,7 +284,8 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
     job = this.job(spec)
     config = await this.config(spec)
     pods = this.pods()
-    hashes = render.config_hashes(config)
+    source = await read_reward_source(spec, job.namespace, ctx)
+    hashes = replace(render.config_hashes(config), reward_source=source.hash)
     nodes = await _lost_nodes(this.ctx, pods, this.now)
     stream_lost = this.previous.stream_lost_attempt == this.before.attempt
     plan = gang.plan(job.name, spec, this.before, pods, hashes, this.now, nodes=nodes, stream_lost=stream_lost)
@@ -300,7 +303,7 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
             plan = gang.plan(job.name, spec, this.before, pods, hashes, this.now, rewards=fetched.reward_failures,
                              nodes=nodes, stream_lost=stream_lost or forgot is not None)
     manifests = [render.trainer_pod(job, config, i, plan.lifecycle.attempt) for i in plan.create_trainers]
-    manifests += [render.rollout_pod(job, config, i) for i in plan.create_rollouts]
+    manifests += [render.rollout_pod(job, config, i, source.hash) for i in plan.create_rollouts]
     error = await children.create_pods(manifests, this.body, runtime, ctx)
     lifecycle, problems, note = plan.lifecycle, decision.problems, decision.note
     if error is not None and admission.refusal_of_spec(error.status, error.message):
@@ -318,7 +321,7 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
                       steps_per_second=runtime.step_rate.per_second(),
                       checkpoint_volume=spec.trainer.checkpoint.volume,
                       reward_deadline_s=spec.rollout.reward_failure_deadline_seconds, kept=note,
-                      stream=this.stream(spec, config))
+                      stream=this.stream(spec, config), reward_source=source.problem)
     if fetched is not None:
         new = _stream_identity(this, new, fetched, forgot)
     uids = {p.name: p.uid for p in pods}

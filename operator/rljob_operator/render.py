@@ -18,6 +18,10 @@ Children of a job ``J`` in namespace ``N`` (names from :mod:`rljob_api.names`, a
 A role's ``spec.<role>.podTemplate`` is merged onto its pods (the managed Redis's: onto its Deployment's pod template)
 by :mod:`.overrides`, which refuses what rljob sets itself (:func:`override_problems`).
 
+With ``spec.rollout.task.rewardSource`` rollout pods mount the reward code (:func:`reward_source`): the ConfigMap at
+``/etc/rljob-reward`` (every key a file) or the claim at ``path``'s parent, with env ``RLJOB_REWARD_SOURCE`` naming the
+module's file and, for a ConfigMap, the label ``rljob.dev/reward-source-hash`` of its content.
+
 With ``spec.redis.caSecretRef`` (a private CA for a ``rediss://`` Redis), trainer and rollout pods mount that one
 Secret key read-only at ``/etc/rljob-redis-ca/ca.crt`` and get env ``REDIS_TLS_CA_FILE`` naming it.
 
@@ -71,8 +75,8 @@ temperature (DESIGN §2 "Token alignment"), and the tiny model's alphabet follow
 ROLLOUT_ONLY_FIELDS = (
     "image", "backend", "replicas", "gpus_per_replica", "resources", "node_selector", "tolerations",
     "prompts_per_batch", "samples_per_prompt", "max_lag", "sampling.top_p", "sampling.max_new_tokens",
-    "task.dataset_path", "task.reward_function", "task.digits", "advantage", "filter_zero_variance", "seed",
-    "reward_failure_deadline_seconds", "pod_template",
+    "task.dataset_path", "task.reward_function", "task.reward_source", "task.digits", "advantage",
+    "filter_zero_variance", "seed", "reward_failure_deadline_seconds", "pod_template",
 )
 """Fields (or whole sections) of ``spec.rollout`` that no trainer process reads: left out of the trainer pods'
 :func:`role_config_hash`. Every rollout field is in exactly one of the two lists (tests check it), so a new field
@@ -101,6 +105,7 @@ _CHECKPOINT_VOLUME = "checkpoints"
 _MODEL_VOLUME = "model"
 _REDIS_DATA_VOLUME = "data"
 _REDIS_CA_VOLUME = "redis-ca"
+_REWARD_SOURCE_VOLUME = "reward-source"
 _REDIS_UID = 999  # the redis user of the official image
 REDIS_DATA_DIR = "/data"
 """Where the managed Redis writes its append-only file (the emptyDir or the claim ``<job>-redis-data``)."""
@@ -453,25 +458,72 @@ def trainer_pod(job: Job, config: JobConfig, index: int, attempt: int) -> dict[s
     return overrides.merge(pod, t.pod_template, c.Role.TRAINER.value, "spec.trainer.podTemplate")
 
 
-def rollout_pod(job: Job, config: JobConfig, index: int) -> dict[str, Any]:
-    """Rollout pod ``index``; restartPolicy OnFailure (a crash restarts the container, never the gang)."""
+def rollout_pod(job: Job, config: JobConfig, index: int, reward_source_hash: Optional[str] = None) -> dict[str, Any]:
+    """Rollout pod ``index``; restartPolicy OnFailure (a crash restarts the container, never the gang). With
+    ``spec.rollout.task.rewardSource`` it mounts the reward code (:func:`reward_source`) and carries
+    ``reward_source_hash`` (the ConfigMap's content, :mod:`.reward_source`; None: no label) as
+    :data:`~rljob_api.constants.LABEL_REWARD_SOURCE_HASH`."""
     r = job.spec.rollout
     resources = {key: dict(value) for key, value in r.resources.items()}
     if r.gpus_per_replica:
         resources.setdefault("limits", {})[c.GPU_RESOURCE] = r.gpus_per_replica
+    source = reward_source(job)
+    env, mounts = _env(job, index, attempt=None), _mounts(job, checkpoints=False)
+    if source is not None:
+        env.append({"name": c.ENV_REWARD_SOURCE, "value": source.file})
+        mounts += [source.mount] if source.mount else []
     container = {
         "name": c.Role.ROLLOUT.value,
         "image": r.image,
         "command": list(ROLLOUT_COMMAND),
-        "env": _env(job, index, attempt=None),
+        "env": env,
         "ports": [{"name": "metrics", "containerPort": c.PORT_METRICS, "protocol": "TCP"}],
         "resources": resources,
-        "volumeMounts": _mounts(job, checkpoints=False),
+        "volumeMounts": mounts,
         "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
     }
+    extra_labels = {c.LABEL_REWARD_SOURCE_HASH: reward_source_hash} if reward_source_hash else {}
     pod = _pod(job, config, names.rollout_pod(job.name, index), c.Role.ROLLOUT, index, container, r.node_selector,
-               r.tolerations, "OnFailure", {}, checkpoints=False)
+               r.tolerations, "OnFailure", extra_labels, checkpoints=False)
+    if source is not None and source.volume:
+        pod["spec"]["volumes"].append(source.volume)
     return overrides.merge(pod, r.pod_template, c.Role.ROLLOUT.value, "spec.rollout.podTemplate")
+
+
+@dataclass(frozen=True)
+class RewardSource:
+    """How a rollout pod gets ``spec.rollout.task.rewardSource``: ``file``, the module's path in the container (env
+    :data:`~rljob_api.constants.ENV_REWARD_SOURCE`), and the ``volume`` and its ``mount`` that hold it (None: the
+    file is on a volume the pod mounts anyway, the model's, or in the image)."""
+
+    file: str
+    volume: Optional[dict[str, Any]]
+    mount: Optional[dict[str, Any]]
+
+
+def reward_source(job: Job) -> Optional[RewardSource]:
+    """The :class:`RewardSource` of the job's rollout pods: a ConfigMap key is the file ``<key>`` in
+    :data:`~rljob_api.constants.REWARD_SOURCE_MOUNT_DIR`, where the whole ConfigMap is mounted read-only (not
+    ``subPath``: its files stay the ConfigMap's, and the module can import the keys beside it); a path is the file
+    itself, with ``volume``'s claim mounted read-only at its parent directory. None without a reward source."""
+    source = job.spec.rollout.task.reward_source
+    if source is None:
+        return None
+    if source.config_map_key_ref is not None:
+        ref = source.config_map_key_ref
+        return RewardSource(
+            posixpath.join(c.REWARD_SOURCE_MOUNT_DIR, ref.key),
+            {"name": _REWARD_SOURCE_VOLUME, "configMap": {"name": ref.name}},
+            {"name": _REWARD_SOURCE_VOLUME, "mountPath": c.REWARD_SOURCE_MOUNT_DIR, "readOnly": True},
+        )
+    path = source.path or ""
+    if not source.volume:
+        return RewardSource(path, None, None)
+    return RewardSource(
+        path,
+        {"name": _REWARD_SOURCE_VOLUME, "persistentVolumeClaim": {"claimName": source.volume, "readOnly": True}},
+        {"name": _REWARD_SOURCE_VOLUME, "mountPath": posixpath.dirname(path), "readOnly": True},
+    )
 
 
 def _pod(job, config, name, role, index, container, node_selector, tolerations, restart_policy, extra_labels,

@@ -20,8 +20,11 @@ RolloutReady            every rollout pod is ready; ExternalProducers (True): sp
                         ContainerCannotStart names the kubelet's waiting reason and message (a missing Secret,
                         an image that cannot be pulled); ContainerFailing: a container keeps exiting with an error
                         (CrashLoopBackOff), with its restart count and last exit code and termination message, and
-                        stays so between restarts (:func:`failing`); AllRewardsFailed: every sample of a worker's last
-                        batch failed its reward function (the rollout hash's ``all_rewards_failed``), so nothing
+                        stays so between restarts (:func:`failing`; a reward module that does not load says its
+                        file and line there, rljob_rollout.tasks); RewardSourceMissing: the ConfigMap of
+                        spec.rollout.task.rewardSource, or its key, does not exist (the message names them);
+                        AllRewardsFailed: every sample of a worker's last batch failed its reward function (the
+                        rollout hash's ``all_rewards_failed``), so nothing
                         reaches the trainer; the message says since when and when the job fails for it
                         (rewardFailureDeadlineSeconds, then Failed/RewardsFailing); cleared when a batch scores again.
 TrainerReady            every trainer pod of the current attempt is running; Unschedulable names pods the
@@ -73,9 +76,10 @@ one transition that tells a user the operator has accepted the job."""
 _PHASE_CONDITIONS = (ConditionType.RESTARTING, ConditionType.SUSPENDED, ConditionType.SUCCEEDED, ConditionType.FAILED)
 """Conditions that describe a phase: of conditions that say the same, they give the Event."""
 _WARNINGS = (Reason.UNSCHEDULABLE, Reason.ALL_REWARDS_FAILED, Reason.CONTAINER_CANNOT_START, Reason.CONTAINER_FAILING,
-             Reason.CHECKPOINT_LOST, Reason.REDIS_UNAVAILABLE, Reason.CLAIM_PENDING)
+             Reason.CHECKPOINT_LOST, Reason.REDIS_UNAVAILABLE, Reason.CLAIM_PENDING, Reason.REWARD_SOURCE_MISSING)
 """Reasons whose Events are Warnings (besides Failed, Restarting and Valid=False)."""
-_STARVED = (Reason.UNSCHEDULABLE, Reason.CONTAINER_CANNOT_START, Reason.CONTAINER_FAILING)
+_STARVED = (Reason.UNSCHEDULABLE, Reason.CONTAINER_CANNOT_START, Reason.CONTAINER_FAILING,
+            Reason.REWARD_SOURCE_MISSING)
 """RolloutReady reasons that, with no rollout pod ready, mean that no new document reaches the trainer."""
 
 FAILING_WINDOW_PER_RESTART_S = 60.0
@@ -285,7 +289,7 @@ def external_producers(stream: Optional[StreamStatus]) -> _Cond:
 def _conditions(lc: Lifecycle, valid: _Cond, redis: RedisHealth, trainers: Sequence[PodView],
                 rollouts: Sequence[PodView], nodes: int, replicas: int, rewards_failure: Optional[str],
                 saved_redis: Optional[Condition], lost: Optional[str], stream: Optional[StreamStatus],
-                now: datetime) -> dict[ConditionType, _Cond]:
+                now: datetime, reward_source: Optional[str] = None) -> dict[ConditionType, _Cond]:
     idle = lc.phase in IDLE_PHASES
     idle_cond = _Cond("False", lc.reason, lc.message)
     conds = {ConditionType.VALID: valid}
@@ -308,6 +312,8 @@ def _conditions(lc: Lifecycle, valid: _Cond, redis: RedisHealth, trainers: Seque
         conds[ConditionType.ROLLOUT_READY] = idle_cond
     elif replicas == 0:  # a trainer-only job: a reward streak left by earlier rollout pods is no longer anyone's
         conds[ConditionType.ROLLOUT_READY] = external_producers(stream)
+    elif reward_source:
+        conds[ConditionType.ROLLOUT_READY] = _Cond("False", Reason.REWARD_SOURCE_MISSING, reward_source)
     elif rewards_failure:
         conds[ConditionType.ROLLOUT_READY] = _Cond("False", Reason.ALL_REWARDS_FAILED, rewards_failure)
     else:
@@ -356,6 +362,7 @@ def build_status(
     max_steps: Optional[int] = None,
     steps_per_second: Optional[float] = None,
     stream: Optional[StreamStatus] = None,
+    reward_source: Optional[str] = None,
 ) -> RLTrainingJobStatus:
     """The new status. Conditions keep their lastTransitionTime while their status is unchanged; conditions
     that were True once stay listed (False with the current phase's reason) once they no longer hold.
@@ -367,7 +374,8 @@ def build_status(
     ``max_steps``: spec.trainer.maxSteps, for progressPercentage (None: the progress fields are kept as they are);
     ``steps_per_second``: the trainer's recent rate (:class:`.eta.StepRate`) for the estimated time left, which is
     shown only while Running and kept on a pass that did not read Redis. ``stream``: status.stream
-    (:func:`stream_status`; None keeps the saved one)."""
+    (:func:`stream_status`; None keeps the saved one). ``reward_source``: why the rollout pods cannot load the reward
+    module from its ConfigMap (:mod:`.reward_source`), RolloutReady=False/RewardSourceMissing; None: they can."""
     pods = list(pods)
     old = {cond.type: cond for cond in previous.conditions}
     fresh = _conditions(
@@ -383,6 +391,7 @@ def build_status(
         _lost_checkpoint(progress, lifecycle.attempt, checkpoint_volume),
         stream or previous.stream,
         now,
+        reward_source,
     )
     old_running = old.get(ConditionType.RUNNING)
     if (progress is None and lifecycle.phase == Phase.RUNNING and lifecycle.attempt == previous.attempt

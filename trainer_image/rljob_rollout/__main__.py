@@ -1,7 +1,8 @@
 """``python -m rljob_rollout``: the rollout pod's entry point (DESIGN §2).
 
 Reads the resolved config (env ``RLJOB_CONFIG``), the replica index (env ``RLJOB_REPLICA_INDEX``, required when
-``spec.rollout.replicas`` > 1) and the Redis password (env ``REDIS_PASSWORD``), serves Prometheus metrics
+``spec.rollout.replicas`` > 1), the reward module's file (env ``RLJOB_REWARD_SOURCE``, with
+``spec.rollout.task.rewardSource``) and the Redis password (env ``REDIS_PASSWORD``), serves Prometheus metrics
 (:mod:`.metrics`) on ``config.metrics_port`` at env ``POD_IP``, then runs
 :class:`~rljob_rollout.worker.RolloutWorker` until ``training_finished`` (exit 0) or SIGTERM (exit 0).
 Exit 2: bad config or replica index (the message names the field).
@@ -43,6 +44,23 @@ def replica_index(config: JobConfig, environ: Optional[dict[str, str]] = None) -
     return index
 
 
+def reward_file(config: JobConfig, environ: Optional[dict[str, str]] = None) -> Optional[str]:
+    """The file of ``spec.rollout.task.rewardSource`` in this container, from env ``RLJOB_REWARD_SOURCE`` (the operator
+    sets it where it mounts the file); None without a reward source.
+
+    Raises:
+        ValueError: a reward source but no env.
+    """
+    env = os.environ if environ is None else environ
+    if config.spec.rollout.task.reward_source is None:
+        return None
+    file = env.get(c.ENV_REWARD_SOURCE)
+    if not file:
+        raise ValueError(f"env {c.ENV_REWARD_SOURCE}: required with spec.rollout.task.rewardSource (the operator sets "
+                         "it on rollout pods)")
+    return file
+
+
 def main() -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -50,7 +68,7 @@ def main() -> int:
         index = replica_index(config)
         from rljob_rollout.worker import RolloutWorker
 
-        worker = RolloutWorker.from_config(config, index)
+        worker = RolloutWorker.from_config(config, index, reward_file(config))
     except (OSError, ValueError, ImportError) as error:
         log.error("rollout: cannot start: %s", error)
         return 2

@@ -12,7 +12,9 @@ The tasks (``spec.rollout.task.name``):
   when the number extracted from the completion equals the reference, else 0.0 (:func:`extract_number`).
 * ``custom`` — JSONL records with a ``prompt`` string (any other keys are passed through), scored by the user
   function named in ``rewardFunction`` as ``module:function``, imported with :mod:`importlib` (the module
-  must be importable in the rollout image, e.g. installed or on ``PYTHONPATH``). It is called as
+  must be importable in the rollout image, e.g. installed or on ``PYTHONPATH``), or with ``rewardSource`` loaded
+  from the file the operator mounts (:func:`load_reward_module`: a ConfigMap key or a file on a volume, env
+  ``RLJOB_REWARD_SOURCE``) as that module, whatever the image holds under its name. It is called as
   ``function(prompt: str, completion: str, record: dict) -> float`` with the prompt text, the decoded
   completion (special tokens skipped) and the JSONL record. It may raise: the worker drops that sample and
   counts the exception's class name (:mod:`rljob_rollout.worker`).
@@ -24,9 +26,14 @@ turn, generation prompt added), else it is encoded as is with the tokenizer's sp
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
 import json
 import math
+import posixpath
 import re
+import sys
+import traceback
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +41,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from rljob_api.spec import TaskSpec
+from rljob_api import protocol
+from rljob_api.spec import RewardSourceSpec, TaskSpec
 
 MATH_TEMPLATE = "{question}\nSolve the problem step by step. Write the final answer as '#### <number>'."
 """Prompt text of a ``math`` record that has a ``question`` and no ``prompt``."""
@@ -305,20 +313,83 @@ class MathTask(_DatasetTask):
         return 1.0 if answer is not None and numbers_equal(answer, prompt.reference) else 0.0
 
 
-def load_reward_function(reference: str) -> Callable[[str, str, dict], Any]:
-    """Import ``module:function`` (``module`` may be dotted).
+def _source_origin(source: Optional[RewardSourceSpec], module_file: str, file: str) -> str:
+    """Where ``file`` (the reward module's ``module_file`` or a file beside it) comes from, in the user's terms:
+    " (ConfigMap rewards, key reward.py)", " (claim rewards)", or ""."""
+    if source is None:
+        return ""
+    if source.config_map_key_ref is not None:
+        key = f", key {posixpath.basename(file)}" if posixpath.dirname(file) == posixpath.dirname(module_file) else ""
+        return f" (ConfigMap {source.config_map_key_ref.name}{key})"
+    return f" (claim {source.volume})" if source.volume else ""
+
+
+def _failed_at(error: BaseException, module_file: str) -> tuple[str, Optional[int]]:
+    """(file, line) where loading the reward module failed: a SyntaxError's own, else the innermost frame in the
+    module's file or a file beside it (what it imports from there), else the module's file (no line)."""
+    if isinstance(error, SyntaxError) and error.filename:
+        return error.filename, error.lineno
+    here = posixpath.dirname(module_file)
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if posixpath.dirname(f.filename) == here]
+    return (frames[-1].filename, frames[-1].lineno) if frames else (module_file, None)
+
+
+def load_reward_module(module_name: str, file: str, source: Optional[RewardSourceSpec] = None) -> Any:
+    """Load the Python source ``file`` (any name: a ConfigMap key need not end in ``.py``) as the module
+    ``module_name`` (``sys.modules`` holds it under that name), with ``file``'s directory first on ``sys.path`` so
+    that it imports the files beside it. ``source``: the spec's ``rewardSource``, named in errors.
 
     Raises:
-        ValueError: not of the form ``module:function``, the module cannot be imported, or it has no callable
-            of that name (each message names ``spec.rollout.task.rewardFunction``).
+        ValueError: ``module_name`` is a module this process has imported already (a standard or installed one, which
+            the reward module would replace under everything that uses it); no file at ``file``; or running it raised
+            (a SyntaxError, an ImportError of what it imports, any exception at import). The message is one line naming ``spec.rollout.task.rewardSource``, the file and line
+            where it failed (:func:`_failed_at`) with where that file comes from, and the exception, e.g.
+            "spec.rollout.task.rewardSource: /etc/rljob-reward/reward.py:3 (ConfigMap rewards, key reward.py):
+            SyntaxError: '(' was never closed".
+    """
+    if module_name in sys.modules:
+        raise ValueError(f"spec.rollout.task.rewardFunction: the module name {module_name!r} is taken by a module the "
+                         "rollout process has imported already; give the reward module another name")
+    if not posixpath.isfile(file):
+        raise ValueError(f"spec.rollout.task.rewardSource: no file at {file}{_source_origin(source, file, file)}")
+    directory = posixpath.dirname(file)
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    loader = importlib.machinery.SourceFileLoader(module_name, file)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(module_name, loader))
+    sys.modules[module_name] = module
+    try:
+        loader.exec_module(module)
+    except Exception as error:  # noqa: BLE001 - user code: whatever it raises is reported with its line
+        sys.modules.pop(module_name, None)
+        failed, line = _failed_at(error, file)
+        where = f"{failed}:{line}" if line else failed
+        message = error.msg if isinstance(error, SyntaxError) else str(error)
+        raise ValueError(f"spec.rollout.task.rewardSource: {where}{_source_origin(source, file, failed)}: "
+                         f"{protocol.reward_error_key(type(error).__name__, message)}") from error
+    return module
+
+
+def load_reward_function(reference: str, file: Optional[str] = None,
+                         source: Optional[RewardSourceSpec] = None) -> Callable[[str, str, dict], Any]:
+    """Import ``module:function`` (``module`` may be dotted): from ``file`` when given (``spec.rollout.task.
+    rewardSource``, :func:`load_reward_module`), else from the image.
+
+    Raises:
+        ValueError: not of the form ``module:function``, the module cannot be imported or loaded from ``file``, or it
+            has no callable of that name (each message names ``spec.rollout.task.rewardFunction`` or, for what
+            ``file`` raised, ``spec.rollout.task.rewardSource``).
     """
     module_name, sep, attribute = reference.partition(":")
     if not sep or not module_name or not attribute:
         raise ValueError(f"spec.rollout.task.rewardFunction: must be 'module:function', got {reference!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"spec.rollout.task.rewardFunction: cannot import {module_name!r}: {error}") from error
+    if file is not None:
+        module = load_reward_module(module_name, file, source)
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:
+            raise ValueError(f"spec.rollout.task.rewardFunction: cannot import {module_name!r}: {error}") from error
     function = module
     for part in attribute.split("."):
         function = getattr(function, part, None)
@@ -332,8 +403,9 @@ class CustomTask(_DatasetTask):
 
     name = "custom"
 
-    def __init__(self, tokenizer: Any, path: str, reward_function: str, seed: int) -> None:
-        self._function = load_reward_function(reward_function)
+    def __init__(self, tokenizer: Any, path: str, reward_function: str, seed: int, reward_file: Optional[str] = None,
+                 reward_source: Optional[RewardSourceSpec] = None) -> None:
+        self._function = load_reward_function(reward_function, reward_file, reward_source)
         super().__init__(tokenizer, load_jsonl(path, required=("prompt",)), seed)
 
     def _prompt_text(self, record: dict[str, Any]) -> str:
@@ -351,8 +423,9 @@ class CustomTask(_DatasetTask):
         return float(value)
 
 
-def build_task(spec: TaskSpec, tokenizer: Any, seed: int) -> Task:
-    """The task named by ``spec.name``, seeded with ``seed`` (the rollout seed + the replica index).
+def build_task(spec: TaskSpec, tokenizer: Any, seed: int, reward_file: Optional[str] = None) -> Task:
+    """The task named by ``spec.name``, seeded with ``seed`` (the rollout seed + the replica index). ``reward_file``:
+    the file of ``spec.rewardSource`` in this container (env ``RLJOB_REWARD_SOURCE``), for the custom task.
 
     Raises:
         ValueError / FileNotFoundError: a missing or malformed dataset, reward function or tokenizer
@@ -366,4 +439,4 @@ def build_task(spec: TaskSpec, tokenizer: Any, seed: int) -> Task:
         return MathTask(tokenizer, spec.dataset_path, seed)
     if not spec.reward_function:
         raise ValueError("spec.rollout.task.rewardFunction: required for task 'custom'")
-    return CustomTask(tokenizer, spec.dataset_path, spec.reward_function, seed)
+    return CustomTask(tokenizer, spec.dataset_path, spec.reward_function, seed, reward_file, spec.reward_source)

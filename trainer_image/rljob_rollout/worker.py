@@ -143,8 +143,9 @@ class RolloutWorker:
         self._held_since_update = 16  # checks held back since the last weight update; none yet: the long wait
 
     @classmethod
-    def from_config(cls, config: JobConfig, replica_index: int) -> "RolloutWorker":
+    def from_config(cls, config: JobConfig, replica_index: int, reward_file: Optional[str] = None) -> "RolloutWorker":
         """Build the worker of a rollout pod: Redis client, tokenizer, task, backend (seed = rollout seed + i).
+        ``reward_file``: the file of ``spec.rollout.task.rewardSource`` in this container.
 
         Raises:
             ValueError / FileNotFoundError / OSError: a bad task, dataset, reward function or model (names the field).
@@ -156,7 +157,7 @@ class RolloutWorker:
 
         seed = config.spec.rollout.seed + replica_index
         tokenizer = build_tokenizer(config.spec.model, config.spec.rollout.task)
-        task = build_task(config.spec.rollout.task, tokenizer, seed)
+        task = build_task(config.spec.rollout.task, tokenizer, seed, reward_file)
         backend = build_backend(config, tokenizer, seed)
         return cls(config, replica_index, client=connect(config), backend=backend, task=task, tokenizer=tokenizer)
 
