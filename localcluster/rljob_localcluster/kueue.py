@@ -12,7 +12,11 @@ version):
 2. writes a serving certificate for 127.0.0.1 signed by the cluster CA and a Kueue ``Configuration``: webhooks,
    health probe and metrics on free loopback ports, no leader election, no internal cert management, no visibility
    API server, ``integrations.externalFrameworks`` (RLTrainingJob by default: rljob creates the jobs' Workloads);
-3. starts ``kueue --config`` as admin (a client cert in ``system:masters``) and waits for its readiness probe;
+3. starts ``kueue --config`` as admin (a client cert in ``system:masters``) and waits for its readiness probe.
+   Kueue reads its metrics serving certificate from the fixed path ``/etc/kueue/metrics/certs`` when it does not
+   manage certificates itself, so the process runs in a private mount namespace (``unshare --mount``) where an
+   overlay adds that directory, holding a certificate from the cluster CA, to ``/etc``: nothing is written to the
+   host's ``/etc``. That needs root, as the local nodes do;
 4. registers Kueue's own admission webhooks (those of its ``kueue.x-k8s.io`` types, and of pods when the ``pod``
    integration is on) as ``url:`` webhooks on 127.0.0.1 — the API server runs on the host, so loopback reaches Kueue
    the same way on the control-plane-only cluster and on the node cluster — and waits until the API server gets
@@ -57,6 +61,8 @@ CONVERTED_CRDS = ("clusterqueues", "cohorts", "localqueues", "workloads", "multi
 KUEUE_WEBHOOK_PATHS = ("-kueue-x-k8s-io-",)
 """Webhook paths of Kueue's own types; a framework's webhooks are added when the framework is enabled."""
 FRAMEWORK_WEBHOOK_PATHS = {"pod": "--v1-pod", "batch/job": "-batch-v1-job"}
+METRICS_CERT_DIR = Path("/etc/kueue/metrics/certs")
+"""Where Kueue's manager reads its metrics serving certificate when it does not manage certificates itself."""
 
 
 class LocalKueue:
@@ -64,14 +70,14 @@ class LocalKueue:
 
     Args:
         cp: the started control plane (its bin dir holds ``kueue``, its CA signs the webhook certificate).
-        frameworks: Kueue's built-in integrations to enable (``integrations.frameworks``); none by default, so Kueue
-            manages nothing but Workloads made by others.
+        frameworks: Kueue's built-in integrations to enable (``integrations.frameworks``; Kueue's default,
+            ``batch/job``, which it also takes for an empty list), their webhooks registered with its own.
         external_frameworks: ``integrations.externalFrameworks`` (``Kind.version.group``).
         data_dir: certificates, config and log; a fresh temp dir if None (removed by stop).
         start_timeout: seconds for the whole start.
     """
 
-    def __init__(self, cp: ControlPlane, *, frameworks: Iterable[str] = (),
+    def __init__(self, cp: ControlPlane, *, frameworks: Iterable[str] = ("batch/job",),
                  external_frameworks: Iterable[str] = (RLJOB_FRAMEWORK,), data_dir: str | os.PathLike | None = None,
                  start_timeout: float = 180.0) -> None:
         self.cp = cp
@@ -128,6 +134,9 @@ class LocalKueue:
                 return self
             if not self.binary.exists():
                 raise ControlPlaneError(f"{self.binary} missing (run localcluster/build-go-tools.sh)")
+            if os.geteuid() != 0:
+                raise ControlPlaneError("Kueue runs in a mount namespace of its own (its metrics certificate path is "
+                                        "fixed, see rljob_localcluster.kueue): run as root")
             self.data_dir = self._data_dir_arg or Path(tempfile.mkdtemp(prefix="rljob-kueue-"))
             self.data_dir.mkdir(parents=True, exist_ok=True)
             try:
@@ -164,8 +173,9 @@ class LocalKueue:
         ca_bundle = base64.b64encode(Path(self.cp.ca_cert_path).read_bytes()).decode()
         self._apply_crds(ca_bundle)
         certs = self.data_dir / "certs"
-        self.cp.write_serving_cert(certs / "tls.crt", certs / "tls.key", "rljob-local-kueue-webhook",
-                                   dns_names=["localhost"], ips=["127.0.0.1"])
+        for where in (certs, self.data_dir / "etc" / METRICS_CERT_DIR.relative_to("/etc")):
+            self.cp.write_serving_cert(where / "tls.crt", where / "tls.key", "rljob-local-kueue",
+                                       dns_names=["localhost"], ips=["127.0.0.1"])
         kubeconfig = self.cp.write_kubeconfig(self.data_dir / "kueue.kubeconfig", "rljob-local-kueue",
                                               ["system:masters"])
         self.cp.kubectl("create", "namespace", KUEUE_NAMESPACE, check=False)
@@ -173,8 +183,10 @@ class LocalKueue:
         config.write_text(yaml.safe_dump(self.configuration(certs)))
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - stays open while the process runs
         use_pdeathsig = threading.current_thread() is threading.main_thread()
+        overlay = f"mount -t overlay rljob-local-kueue -o lowerdir={self.data_dir / 'etc'}:/etc /etc"
         self.proc = subprocess.Popen(
-            [str(self.binary), f"--config={config}", "--feature-gates=VisibilityOnDemand=false",
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", f'{overlay} && exec "$0" "$@"',
+             str(self.binary), f"--config={config}", "--feature-gates=VisibilityOnDemand=false",
              "--zap-log-level=info"],
             env={**os.environ, "KUBECONFIG": kubeconfig}, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, cwd=self.data_dir,
             start_new_session=True, preexec_fn=set_pdeathsig if use_pdeathsig else None,  # noqa: PLW1509

@@ -130,11 +130,14 @@ class KubeApi:
             data = await response.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as err:
             raise ApiError(0, "Unreachable", f"{type(err).__name__}: {err}", what) from err
-        payload = json.loads(data) if data else None
         if response.status >= 300:
+            try:  # a Status object; an API group the server does not serve answers with plain text
+                payload = json.loads(data) if data else None
+            except ValueError:
+                payload = None
             message = payload.get("message", "") if isinstance(payload, dict) else (data or b"").decode(errors="replace")
-            raise ApiError(response.status, response.reason or "", message, what)
-        return payload
+            raise ApiError(response.status, response.reason or "", message.strip(), what)
+        return json.loads(data) if data else None
 
     async def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         """Server-side apply ``obj`` (field manager rljob-operator, conflicts forced)."""

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from rljob_localcluster import pinned_versions
 from rljob_localcluster.kueue import WEBHOOK_PREFIX, LocalKueue
 from rljob_localcluster.pids import pid_running
+
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.cluster,
@@ -51,3 +56,30 @@ def test_kueue_answers_its_webhooks_and_conversions_and_stop_removes_its_webhook
     assert _webhooks(control_plane) == []
     assert kueue.proc is None and not pid_running(pid)
     assert not kueue.data_dir.exists()
+
+
+def test_cli_up_kueue_runs_it_next_to_the_control_plane_and_down_ends_it(tmp_path):
+    d = tmp_path / "cluster"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "localcluster"), os.environ.get("PYTHONPATH", "")]))
+    cli = [sys.executable, "-m", "rljob_localcluster"]
+    up = subprocess.run([*cli, "up", "--dir", str(d), "--no-nodes", "--kueue"], capture_output=True, text=True,
+                        env=env, timeout=400, check=False)
+    st: dict = {}
+    try:
+        assert up.returncode == 0, up.stderr
+        assert f"# Kueue {pinned_versions()['kueue']} (pid " in up.stderr
+        st = json.loads(subprocess.run([*cli, "status", "--dir", str(d)], capture_output=True, text=True, env=env,
+                                       check=True).stdout)
+        assert st["requested"] == {"nodes": 0, "gpus_per_node": 4, "kueue": True}
+        assert st["pids"]["kueue"] == st["kueue"]["pid"] and pid_running(st["kueue"]["pid"])
+        kubectl = subprocess.run(["bash", "-c", up.stdout + "\nkubectl get validatingwebhookconfigurations -o name"],
+                                 capture_output=True, text=True, check=True)
+        assert f"validatingwebhookconfiguration.admissionregistration.k8s.io/{WEBHOOK_PREFIX}" in kubectl.stdout
+        other = subprocess.run([*cli, "up", "--dir", str(d), "--no-nodes"], capture_output=True, text=True,
+                               env=env, timeout=60, check=False)
+        assert other.returncode == 1 and "'kueue': True" in other.stderr
+    finally:
+        down = subprocess.run([*cli, "down", "--dir", str(d)], capture_output=True, text=True, env=env, timeout=180,
+                              check=False)
+    assert down.returncode == 0, down.stderr
+    assert st and not pid_running(st["kueue"]["pid"])

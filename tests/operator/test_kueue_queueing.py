@@ -6,11 +6,20 @@ all admission needs).
 
 from __future__ import annotations
 
+import asyncio
 import json
+from datetime import datetime, timezone
 
 import pytest
 
+from rljob_api import constants as c
+from rljob_api.constants import Phase, Reason
+from rljob_api.spec import RLTrainingJobSpec
+from rljob_localcluster import ControlPlane
 from rljob_localcluster.kueue import LocalKueue
+from rljob_operator import gang, queueing, render
+from rljob_operator.apply import KubeApi
+from rljob_operator.runtime import Context, JobRuntime
 
 from test_cluster import Kube, installed, job_manifest, kube, namespace, operator, wait_for  # noqa: F401
 
@@ -19,7 +28,8 @@ pytestmark = [pytest.mark.cluster, pytest.mark.kueue]
 POOL_LABEL = "rljob.dev/test-pool"
 GPU = "nvidia.com/gpu"
 # trainer: 2 pods x 2 GPUs; rollout: 1 pod x 1 GPU -> 5 GPUs for the whole job
-JOB = dict(trainer={"nodes": 2, "resources": {"limits": {GPU: 2}}}, rollout={"replicas": 1, "gpusPerReplica": 1})
+JOB = dict(trainer={"nodes": 2, "resources": {"limits": {GPU: 2}}},
+           rollout={"replicas": 1, "resources": {"limits": {GPU: 1}}})  # (CPU backend: gpusPerReplica must be 0)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -132,3 +142,31 @@ def test_a_higher_priority_job_preempts_a_running_one_which_resumes_afterwards_w
     attempts = {p["metadata"]["labels"]["rljob.dev/attempt"] for p in kube.pods(namespace, "trainer")
                 if p["metadata"]["labels"]["rljob.dev/job-name"] == "low"}
     assert attempts == {"1"}
+
+
+def test_a_queued_job_on_a_cluster_without_kueue_is_held_with_a_message_that_says_so(tmp_path):
+    """A control plane of its own, where no Kueue API was ever served: the Workload cannot be created, and the pass
+    holds the job (Pending, KueueNotAvailable) instead of failing or running unqueued pods."""
+    job = render.Job("lone", "default", RLTrainingJobSpec.model_validate(job_manifest("lone", **JOB)["spec"]),
+                     {c.LABEL_KUEUE_QUEUE_NAME: "lq"}, "uid-1")
+    body = {"apiVersion": c.API_VERSION, "kind": c.KIND, "metadata": {"name": "lone", "namespace": "default",
+                                                                       "uid": "uid-1"}}
+
+    async def decide(kubeconfig: str):
+        api = await KubeApi.connect(kubeconfig)
+        try:
+            return await queueing.decide(job, render.job_config(job), body, gang.Lifecycle(), JobRuntime(),
+                                         Context(api=api, post_event=lambda *_: None))
+        finally:
+            await api.close()
+
+    with ControlPlane(tmp_path / "cp") as bare:
+        queued = asyncio.run(decide(bare.kubeconfig))
+    assert queued.hold.reason == Reason.KUEUE_NOT_AVAILABLE and queued.workload is None
+    assert queued.hold.message == (
+        "the job has label kueue.x-k8s.io/queue-name but the cluster serves no kueue.x-k8s.io/v1beta2 Workload API: "
+        "install Kueue (v0.15 or later) with integrations.externalFrameworks [RLTrainingJob.v1alpha1.rljob.dev], or "
+        "remove the label; nothing runs until then")
+    plan = gang.plan("lone", job.spec, gang.Lifecycle(), [], render.config_hashes(render.job_config(job)),
+                     datetime.now(timezone.utc), hold=queued.hold)
+    assert plan.lifecycle.phase == Phase.PENDING and plan.create_trainers == () and plan.create_rollouts == ()
