@@ -329,7 +329,9 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
         new = _stream_identity(this, new, fetched, forgot)
     uids = {p.name: p.uid for p in pods}
     idle = plan.lifecycle.phase in status.IDLE_PHASES
-    interval = ctx.idle_interval_s if idle else ctx.active_interval_s
+    # A job Kueue holds with no pod left waits for its Workload, whose changes wake it (handlers.WORKLOADS).
+    waiting = hold is not None and not admission.live_workers(pods)
+    interval = ctx.idle_interval_s if idle or waiting else ctx.active_interval_s
     if plan.requeue_after is not None and not plan.delete_job:
         interval = min(interval, plan.requeue_after)
     return _Outcome(
