@@ -60,8 +60,11 @@ def queues(cluster: Cluster, namespace: str, gpus: int, *, preempt: bool = False
     cq = f"cq-{namespace}"
     cluster.apply({"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": namespace},
                    "spec": {"nodeLabels": {HOSTNAME: NODE}}}, namespace)
+    # Kueue admits only resources the queue covers: the pods' CPU and memory get room to spare, GPUs are the limit
+    resources = [{"name": "cpu", "nominalQuota": 64}, {"name": "memory", "nominalQuota": "256Gi"},
+                 {"name": GPU, "nominalQuota": gpus}]
     spec = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}, "resourceGroups": [{
-        "coveredResources": [GPU], "flavors": [{"name": namespace, "resources": [{"name": GPU, "nominalQuota": gpus}]}]}]}
+        "coveredResources": [r["name"] for r in resources], "flavors": [{"name": namespace, "resources": resources}]}]}
     if preempt:
         spec["preemption"] = {"withinClusterQueue": "LowerPriority"}
     cluster.apply({"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue", "metadata": {"name": cq},
@@ -115,7 +118,7 @@ def test_a_job_waits_for_gpu_quota_for_trainer_and_rollout_together_then_runs_on
     assert cluster.items("pods", namespace, f"{c.LABEL_ROLE} in (trainer,rollout)") == [], diagnostics()
 
     cluster.kubectl("patch", "clusterqueue", cq, "--type=json", "-p", json.dumps([{
-        "op": "replace", "path": "/spec/resourceGroups/0/flavors/0/resources/0/nominalQuota", "value": 3}]))
+        "op": "replace", "path": "/spec/resourceGroups/0/flavors/0/resources/2/nominalQuota", "value": 3}]))
     final = wait_for(lambda: phase(job := get_job(cluster, namespace, name)) in ("Succeeded", "Failed") and job,
                      600, "the admitted job to finish", diagnostics)
     assert phase(final) == "Succeeded", diagnostics()

@@ -170,3 +170,22 @@ def test_a_queued_job_on_a_cluster_without_kueue_is_held_with_a_message_that_say
     plan = gang.plan("lone", job.spec, gang.Lifecycle(), [], render.config_hashes(render.job_config(job)),
                      datetime.now(timezone.utc), hold=queued.hold)
     assert plan.lifecycle.phase == Phase.PENDING and plan.create_trainers == () and plan.create_rollouts == ()
+
+
+def test_suspending_a_queued_job_deactivates_its_workload_and_resuming_queues_it_again(kube, operator, namespace):
+    queues(kube, namespace, gpus=5)
+    kube.apply(queued_job("pause"), namespace)
+    wait_for(lambda: len(live(kube, namespace, "pause")) == 3, "the admitted job's pods")
+    patch = ["patch", "rljob", "pause", "-n", namespace, "--type=merge", "-p"]
+    kube.run(*patch, json.dumps({"spec": {"runPolicy": {"suspend": True}}}))
+    wait_for(lambda: kube.condition(namespace, "pause", "Suspended").get("status") == "True", "Suspended=True")
+    wait_for(lambda: workload_condition(kube, namespace, "pause", "QuotaReserved").get("status") == "False",
+             "the quota given back")
+    wl = kube.json("get", "workloads.kueue.x-k8s.io", "pause-workload", "-n", namespace)
+    assert wl["spec"]["active"] is False and "admission" not in wl["status"]
+    assert live(kube, namespace, "pause") == []
+    kube.run(*patch, json.dumps({"spec": {"runPolicy": {"suspend": False}}}))
+    wait_for(lambda: len(live(kube, namespace, "pause")) == 3, "the pods once Kueue admits it again")
+    assert kube.json("get", "workloads.kueue.x-k8s.io", "pause-workload", "-n", namespace)["spec"]["active"] is True
+    status = kube.job(namespace, "pause")["status"]
+    assert (status["restarts"], status["failedAttempts"]) == (0, 0)
