@@ -21,7 +21,9 @@ from rljob_operator import gang, queueing, render
 from rljob_operator.apply import KubeApi
 from rljob_operator.runtime import Context, JobRuntime
 
-from test_cluster import Kube, installed, job_manifest, kube, namespace, operator, wait_for  # noqa: F401
+from test_cluster import (  # noqa: F401  (fixtures)
+    Kube, bind, ghost_node, installed, job_manifest, kube, kubelet_status, namespace, operator, wait_for,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.kueue]
 
@@ -76,7 +78,8 @@ def workload_condition(kube: Kube, namespace: str, job: str, ctype: str) -> dict
     return next((c for c in (found.get("status") or {}).get("conditions", []) if c["type"] == ctype), {})
 
 
-def test_a_job_is_admitted_when_quota_allows_and_its_pods_go_to_the_flavors_nodes(kube, operator, namespace):
+def test_a_job_is_admitted_when_quota_allows_its_pods_go_to_the_flavors_nodes_and_its_end_frees_the_quota(
+        kube, operator, namespace, ghost_node):
     queues(kube, namespace, gpus=8)
     kube.apply(queued_job("fits"), namespace)
     pods = wait_for(lambda: len(p := live(kube, namespace, "fits")) == 3 and p, "2 trainer + 1 rollout pods")
@@ -92,6 +95,16 @@ def test_a_job_is_admitted_when_quota_allows_and_its_pods_go_to_the_flavors_node
     assignment = {a["name"]: a["flavors"] for a in wl["status"]["admission"]["podSetAssignments"]}
     assert assignment == {"trainer": {GPU: namespace}, "rollout": {GPU: namespace}}
     assert kube.json("get", "deployment", "fits-redis", "-n", namespace) is not None
+
+    # trainer pod 0 (global rank 0) exits 0, as its kubelet would report it: the job succeeds, its Workload is Finished
+    bind(kube, namespace, "fits-trainer-0", ghost_node)
+    kubelet_status(kube, namespace, "fits-trainer-0", "Succeeded", {
+        "name": "trainer", "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}})
+    wait_for(lambda: (kube.job(namespace, "fits").get("status") or {}).get("phase") == "Succeeded", "Succeeded")
+    finished = wait_for(lambda: (c := workload_condition(kube, namespace, "fits", "Finished")).get("status") == "True"
+                        and c, "the Workload Finished")
+    assert finished["reason"] == "Succeeded"
+    assert finished["message"] == kube.condition(namespace, "fits", "Succeeded")["message"]
 
 
 def test_every_pod_is_held_while_the_cluster_queue_lacks_gpus_for_trainer_and_rollout_together(
