@@ -9,6 +9,11 @@
 #   coredns     CoreDNS, the cluster DNS of the local nodes (github.com/coredns/coredns with the
 #               plugins the local Corefile uses; wrapper module localcluster/gotools/coredns,
 #               whose main.go is the command)
+#   kueue       Kueue's manager (sigs.k8s.io/kueue/cmd/kueue, wrapper module localcluster/gotools/kueue),
+#               with the manifests it needs copied from the same module version next to the
+#               binary: config/components/crd/bases/*.yaml -> <cache>/kueue-<version>/crds/ and
+#               config/components/webhook/manifests.yaml -> <cache>/kueue-<version>/webhooks.yaml
+#               (read by rljob_localcluster.kueue; go.sum pins their bytes like the code's)
 #
 # Versions are pinned by the committed go.mod/go.sum of each wrapper module (the
 # only place to change them). Binaries are cached OUTSIDE the repository, keyed
@@ -27,7 +32,7 @@
 # works. With the cache present a run returns in well under a second. A cold
 # build takes tens of minutes on 2 cores (kube-apiserver dominates).
 #
-# Usage: build-go-tools.sh [--versions] [TOOL...]     (TOOL: kubernetes etcd helm coredns; default all)
+# Usage: build-go-tools.sh [--versions] [TOOL...]     (TOOL: kubernetes etcd helm coredns kueue; default all)
 #   --versions   print "tool version" lines for the pinned set and exit
 # Env:
 #   RLJOB_TOOLS_DIR         cache root (default $HOME/.cache/rljob/tools)
@@ -55,12 +60,13 @@ K8S_VERSION="$(modver "$GOTOOLS/kubernetes/go.mod" k8s.io/kubernetes)"
 ETCD_VERSION="$(modver "$GOTOOLS/etcd/go.mod" go.etcd.io/etcd/server/v3)"
 HELM_VERSION="$(modver "$GOTOOLS/helm/go.mod" helm.sh/helm/v3)"
 COREDNS_VERSION="$(modver "$GOTOOLS/coredns/go.mod" github.com/coredns/coredns)"
-[[ -n "$K8S_VERSION" && -n "$ETCD_VERSION" && -n "$HELM_VERSION" && -n "$COREDNS_VERSION" ]] ||
+KUEUE_VERSION="$(modver "$GOTOOLS/kueue/go.mod" sigs.k8s.io/kueue)"
+[[ -n "$K8S_VERSION" && -n "$ETCD_VERSION" && -n "$HELM_VERSION" && -n "$COREDNS_VERSION" && -n "$KUEUE_VERSION" ]] ||
   die "could not read pinned versions from $GOTOOLS/*/go.mod"
 
 if [[ "${1:-}" == "--versions" ]]; then
-  printf 'kubernetes %s\netcd %s\nhelm %s\ncoredns %s\n' "$K8S_VERSION" "$ETCD_VERSION" "$HELM_VERSION" \
-    "$COREDNS_VERSION"
+  printf 'kubernetes %s\netcd %s\nhelm %s\ncoredns %s\nkueue %s\n' "$K8S_VERSION" "$ETCD_VERSION" "$HELM_VERSION" \
+    "$COREDNS_VERSION" "$KUEUE_VERSION"
   exit 0
 fi
 
@@ -68,12 +74,15 @@ K8S_DIR="$TOOLS_DIR/kubernetes-$K8S_VERSION"
 ETCD_DIR="$TOOLS_DIR/etcd-$ETCD_VERSION"
 HELM_DIR="$TOOLS_DIR/helm-$HELM_VERSION"
 COREDNS_DIR="$TOOLS_DIR/coredns-$COREDNS_VERSION"
+KUEUE_DIR="$TOOLS_DIR/kueue-$KUEUE_VERSION"
 K8S_BINS=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy)
 
-have_all() { # <dir> <bin>...
+have_all() { # <dir> <file>...   (binaries must be executable, *.yaml files only present)
   local d="$1"; shift
   [[ -f "$d/.complete" ]] || return 1
-  local b; for b in "$@"; do [[ -x "$d/$b" ]] || return 1; done
+  local b; for b in "$@"; do
+    if [[ "$b" == *.yaml ]]; then [[ -f "$d/$b" ]] || return 1; else [[ -x "$d/$b" ]] || return 1; fi
+  done
 }
 
 find_go() {
@@ -99,8 +108,10 @@ mod_time() { # <wrapper dir> <module>
     true
 }
 
-# Build the given packages of a wrapper module into a temp dir, then move the
-# results into the cache dir atomically and mark it complete.
+# Build the given packages of a wrapper module into a temp dir (then run the
+# function named by $STAGE_EXTRA, if any, with that dir: more files to cache),
+# move the results into the cache dir and mark it complete.
+STAGE_EXTRA=""
 build_into() { # <wrapper dir> <dest dir> <ldflags> <pkg>...
   local wrapper="$1" dest="$2" ldflags="$3"; shift 3
   local tmp; tmp="$(mktemp -d "$TOOLS_DIR/.build.XXXXXX")"
@@ -110,8 +121,9 @@ build_into() { # <wrapper dir> <dest dir> <ldflags> <pkg>...
   log "building $(basename "$dest"): $*"
   (cd "$wrapper" && "$GO" build -p "$GOP" -ldflags "$ldflags" -o "$tmp/" "$@") ||
     die "go build failed for $(basename "$dest")"
+  if [[ -n "$STAGE_EXTRA" ]]; then "$STAGE_EXTRA" "$tmp"; fi
   mkdir -p "$dest"
-  local f; for f in "$tmp"/*; do mv -f "$f" "$dest/"; done
+  local f; for f in "$tmp"/*; do rm -rf "${dest:?}/$(basename "$f")"; mv -f "$f" "$dest/"; done
   date -u +%Y-%m-%dT%H:%M:%SZ > "$dest/.complete"
   log "built $(basename "$dest") in $((SECONDS - start))s -> $dest"
 }
@@ -162,9 +174,30 @@ build_coredns() {
   [[ -x "$COREDNS_DIR/coredns" ]] || die "coredns binary missing after build"
 }
 
-want=("$@"); [[ ${#want[@]} -gt 0 ]] || want=(kubernetes etcd helm coredns)
+# Kueue's manifests of exactly the pinned module version (the module cache holds the
+# source 'go build' just compiled, verified against go.sum).
+stage_kueue_manifests() { # <staging dir>
+  local src; src="$(cd "$GOTOOLS/kueue" && "$GO" list -m -f '{{.Dir}}' sigs.k8s.io/kueue)"
+  [[ -d "$src/config/components/crd/bases" ]] || die "no config/components/crd/bases in $src"
+  mkdir -p "$1/crds"
+  cp "$src"/config/components/crd/bases/*.yaml "$1/crds/"
+  cp "$src/config/components/webhook/manifests.yaml" "$1/webhooks.yaml"
+  chmod -R u+w "$1/crds" "$1/webhooks.yaml"   # the module cache is read-only
+}
+
+build_kueue() {
+  local date; date="$(mod_time "$GOTOOLS/kueue" sigs.k8s.io/kueue)"
+  [[ -n "$date" ]] || date="1970-01-01T00:00:00Z"
+  local p=sigs.k8s.io/kueue/pkg/version
+  local ld="-s -w -X $p.GitVersion=$KUEUE_VERSION -X $p.GitCommit=module-$KUEUE_VERSION -X $p.BuildDate=$date"
+  STAGE_EXTRA=stage_kueue_manifests build_into "$GOTOOLS/kueue" "$KUEUE_DIR" "$ld" sigs.k8s.io/kueue/cmd/kueue
+  [[ -x "$KUEUE_DIR/kueue" && -f "$KUEUE_DIR/webhooks.yaml" ]] || die "kueue binary or manifests missing after build"
+}
+
+want=("$@"); [[ ${#want[@]} -gt 0 ]] || want=(kubernetes etcd helm coredns kueue)
 for t in "${want[@]}"; do
-  case "$t" in kubernetes|etcd|helm|coredns) ;; *) die "unknown tool '$t' (kubernetes, etcd, helm, coredns)";; esac
+  case "$t" in kubernetes|etcd|helm|coredns|kueue) ;;
+    *) die "unknown tool '$t' (kubernetes, etcd, helm, coredns, kueue)";; esac
 done
 
 mkdir -p "$TOOLS_DIR"
@@ -184,6 +217,7 @@ for t in "${want[@]}"; do
     etcd)       d="$ETCD_DIR"; bins=(etcd);;
     helm)       d="$HELM_DIR"; bins=(helm);;
     coredns)    d="$COREDNS_DIR"; bins=(coredns);;
+    kueue)      d="$KUEUE_DIR"; bins=(kueue webhooks.yaml crds/kueue.x-k8s.io_workloads.yaml);;
   esac
   if [[ "${RLJOB_FORCE_REBUILD:-0}" != "1" ]] && have_all "$d" "${bins[@]}"; then
     quiet_log "cached: $d"
@@ -194,8 +228,8 @@ for t in "${want[@]}"; do
 done
 
 # A bin dir of symlinks for exactly this pinned set.
-set_key="$(printf 'kubernetes-%s etcd-%s helm-%s coredns-%s' "$K8S_VERSION" "$ETCD_VERSION" \
-  "$HELM_VERSION" "$COREDNS_VERSION" | sha256sum | cut -c1-12)"
+set_key="$(printf 'kubernetes-%s etcd-%s helm-%s coredns-%s kueue-%s' "$K8S_VERSION" "$ETCD_VERSION" \
+  "$HELM_VERSION" "$COREDNS_VERSION" "$KUEUE_VERSION" | sha256sum | cut -c1-12)"
 BIN_DIR="$TOOLS_DIR/bin-$set_key"
 mkdir -p "$BIN_DIR"
 link() { [[ -x "$1/$2" ]] && ln -sfn "$1/$2" "$BIN_DIR/$2"; return 0; }
@@ -203,7 +237,8 @@ for b in "${K8S_BINS[@]}"; do link "$K8S_DIR" "$b"; done
 link "$ETCD_DIR" etcd
 link "$HELM_DIR" helm
 link "$COREDNS_DIR" coredns
-printf 'kubernetes %s\netcd %s\nhelm %s\ncoredns %s\n' "$K8S_VERSION" "$ETCD_VERSION" "$HELM_VERSION" \
-  "$COREDNS_VERSION" > "$BIN_DIR/VERSIONS"
-quiet_log "bin dir (kubernetes $K8S_VERSION, etcd $ETCD_VERSION, helm $HELM_VERSION, coredns $COREDNS_VERSION):"
+link "$KUEUE_DIR" kueue
+printf 'kubernetes %s\netcd %s\nhelm %s\ncoredns %s\nkueue %s\n' "$K8S_VERSION" "$ETCD_VERSION" "$HELM_VERSION" \
+  "$COREDNS_VERSION" "$KUEUE_VERSION" > "$BIN_DIR/VERSIONS"
+quiet_log "bin dir (kubernetes $K8S_VERSION, etcd $ETCD_VERSION, helm $HELM_VERSION, coredns $COREDNS_VERSION, kueue $KUEUE_VERSION):"
 echo "$BIN_DIR"

@@ -2,7 +2,7 @@
 # Installs everything rljob's tests and demo need on a fresh Debian machine (idempotent):
 # Debian packages (redis-server, iproute2, util-linux; containerd, runc, the CNI plugins, iptables and
 # conntrack for the local cluster's nodes; buildah and debootstrap for its images), the Python package with
-# its trainer and test extras, the Go-built control plane, node components and helm (cached under
+# its trainer and test extras, the Go-built control plane, node components, helm and Kueue (cached under
 # ~/.cache/rljob/tools by version), and the images built from the project's Dockerfiles (cached under
 # ~/.cache/rljob/images by a hash of their inputs), and the operator image of the commit the e2e upgrade test
 # starts from (tests/e2e/upgrade-from; ~/.cache/rljob/releases, by commit).
@@ -35,7 +35,7 @@ echo "setup: pip install -e .[trainer,test]"
 python3 -m pip install -q --disable-pip-version-check -e '.[trainer,test]'
 
 if [ -x localcluster/build-go-tools.sh ]; then
-  echo "setup: Go tools (control plane, kubectl, helm)"
+  echo "setup: Go tools (control plane, node components, kubectl, helm, Kueue)"
   localcluster/build-go-tools.sh
 fi
 

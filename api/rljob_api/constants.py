@@ -39,7 +39,18 @@ LABEL_REWARD_SOURCE_HASH = f"{GROUP}/reward-source-hash"
 configMapKeyRef``): short sha256 of that ConfigMap's data when the pod was made. Written and read by the operator: a rollout pod whose
 value differs from the ConfigMap's current content is replaced (the trainer gang is not)."""
 LABEL_KUEUE_QUEUE_NAME = "kueue.x-k8s.io/queue-name"
-"""Copied from the job's labels to its pods (Kueue compatibility)."""
+"""On a job (set by the user): its pods start only once Kueue admitted the job's Workload in this LocalQueue
+(:mod:`rljob_operator.workload`). Never copied to pods, so Kueue's pod integration makes no Workload of its own."""
+LABEL_KUEUE_PRIORITY_CLASS = "kueue.x-k8s.io/priority-class"
+"""On a queued job (set by the user): the WorkloadPriorityClass whose value the job's Workload gets."""
+ANNOTATION_WORKLOAD_PODSETS_HASH = f"{GROUP}/podsets-hash"
+"""On a job's Workload: short sha256 of its pod sets as rendered. Written and read by the operator: a Workload whose
+pod sets no longer match the spec (Kueue keeps them immutable) is replaced."""
+
+# --- Kueue (the API the operator writes Workloads to) ------------------------------------------
+KUEUE_GROUP = "kueue.x-k8s.io"
+KUEUE_API_VERSION = f"{KUEUE_GROUP}/v1beta2"
+"""The storage version of the pinned Kueue (v0.17: v1beta2; served since Kueue v0.15)."""
 
 # --- Annotations -----------------------------------------------------------------------------
 ANNOTATION_RESOLVED_GENERATION = f"{GROUP}/resolved-generation"
@@ -192,6 +203,14 @@ class Reason(str, Enum):
     REWARD_SOURCE_MISSING = "RewardSourceMissing"
     """RolloutReady=False: the ConfigMap of ``spec.rollout.task.rewardSource.configMapKeyRef``, or its key, does not
     exist, so rollout pods cannot start (the kubelet cannot mount it); the message names the ConfigMap and key."""
+    WAITING_FOR_ADMISSION = "WaitingForAdmission"
+    """Pending: the job's Workload is not admitted by Kueue (yet); the message quotes Kueue's condition."""
+    EVICTED_BY_KUEUE = "EvictedByKueue"
+    """Pending: Kueue evicted the job's Workload (preemption, a stopped queue, deactivation ...): its pods are deleted
+    like a suspend, not counted against backoffLimit, and the job waits to be admitted again."""
+    KUEUE_NOT_AVAILABLE = "KueueNotAvailable"
+    """Pending: the job asks for a Kueue queue but the cluster serves no Kueue Workload API, or the job's
+    WorkloadPriorityClass does not exist."""
     CHECKPOINT_LOST = "CheckpointLost"
     """Running=True, but the attempt started below the last recorded checkpoint because it is gone from the checkpoint
     volume (the progress hash's ``checkpoint_lost``)."""

@@ -54,6 +54,11 @@ def config_map(job: str) -> str:
     return f"{base_name(job)}-config"
 
 
+def workload(job: str) -> str:
+    """The job's Kueue Workload (with a ``kueue.x-k8s.io/queue-name`` label on the job)."""
+    return f"{base_name(job)}-workload"
+
+
 def pod_dns(pod: str, service: str, namespace: str) -> str:
     """``<pod>.<service>.<namespace>.svc.cluster.local`` (pod hostname + headless subdomain)."""
     return f"{pod}.{service}.{namespace}.svc.cluster.local"

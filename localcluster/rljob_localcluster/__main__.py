@@ -2,6 +2,7 @@
 
     python -m rljob_localcluster up       # build tools if missing; control plane + 2 nodes in the background
     python -m rljob_localcluster up --no-nodes   # the control plane alone (on 127.0.0.1)
+    python -m rljob_localcluster up --kueue      # ... and Kueue next to it (README "Kueue"; rljob_localcluster.kueue)
     eval "$(python -m rljob_localcluster env)"
     kubectl get nodes -o wide
     python -m rljob_localcluster status   # state JSON and the nodes; exit 1 when down or starting,
@@ -33,7 +34,7 @@ from pathlib import Path
 from . import demo, statefile
 from .controlplane import ControlPlane
 from .pids import pid_running, terminate, terminate_all
-from .tools import tools_bin_dir
+from .tools import pinned_versions, tools_bin_dir
 
 
 def default_dir() -> Path:
@@ -85,7 +86,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 1
     if _daemon_pid(d) and (st := _read_state(d)):
         running = st.get("requested") or {}
-        asked = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node}
+        asked = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node, **({"kueue": True} if args.kueue else {})}
         if running and running != asked:
             print(f"a local cluster already runs in {d} with {running}, not {asked}: "
                   "'python -m rljob_localcluster down' first", file=sys.stderr)
@@ -104,11 +105,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     bin_dir = str(args.bin_dir or tools_bin_dir())  # may build for tens of minutes, in the foreground
     if args.foreground:
         return _serve(d, bin_dir, args.bind_address, args.timeout, args.nodes, args.gpus_per_node,
-                      args.nodes_timeout)
+                      args.nodes_timeout, args.kueue)
     cmd = [
         sys.executable, "-m", "rljob_localcluster", "_serve", "--dir", str(d), "--bin-dir", bin_dir,
         "--bind-address", args.bind_address or "", "--timeout", str(args.timeout), "--nodes", str(args.nodes),
         "--gpus-per-node", str(args.gpus_per_node), "--nodes-timeout", str(args.nodes_timeout),
+        *(["--kueue"] if args.kueue else []),
     ]
     env = dict(os.environ)
     # Make the package importable for the daemon even when it is not installed.
@@ -138,6 +140,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             if st.get("nodes"):
                 print(f"# nodes Ready: {', '.join(st['nodes']['nodes'])} ({args.gpus_per_node} nvidia.com/gpu each; "
                       f"DNS {st['nodes']['dns']}; logs {d / 'nodes' / 'logs'})", file=sys.stderr)
+            if st.get("kueue"):
+                print(f"# Kueue {st['kueue']['version']} (pid {st['kueue']['pid']}; log {st['kueue']['log']})",
+                      file=sys.stderr)
             print(_exports(d, bin_dir))
             return 0
         time.sleep(0.5)
@@ -156,9 +161,9 @@ class _Stopped(BaseException):
 
 
 def _serve(d: Path, bin_dir: str, bind_address: str | None, timeout: float, nodes: int = 0,
-           gpus_per_node: int = 4, nodes_timeout: float = 900.0) -> int:
-    """The daemon: the control plane and (``nodes`` > 0) the local nodes, until SIGTERM; then the nodes stop
-    (pods first, host cleaned) before the control plane.
+           gpus_per_node: int = 4, nodes_timeout: float = 900.0, kueue: bool = False) -> int:
+    """The daemon: the control plane, (``nodes`` > 0) the local nodes and (``kueue``) Kueue, until SIGTERM; then
+    Kueue stops (its webhooks deleted), then the nodes (pods first, host cleaned), then the control plane.
 
     ``state.json`` is written as soon as the control plane runs (``phase: starting``, its pids) and again when
     the nodes are Ready (``phase: ready``), so ``down`` can end the processes of a daemon killed at any
@@ -166,6 +171,7 @@ def _serve(d: Path, bin_dir: str, bind_address: str | None, timeout: float, node
     component that exits stops the daemon; a node process that exits (a kubelet, a containerd, kube-proxy,
     CoreDNS, the node controller) is logged and recorded under ``exited`` in state.json, and the rest keeps
     running (nodes fail on real clusters too; ``status`` shows it)."""
+    from .kueue import LocalKueue
     from .nodes import LocalNodes, node_control_plane_options
 
     stop = threading.Event()
@@ -181,7 +187,7 @@ def _serve(d: Path, bin_dir: str, bind_address: str | None, timeout: float, node
         signal.signal(sig, on_signal)
     (d / "daemon.pid").write_text(str(os.getpid()))
     rc = 0
-    cp = local_nodes = None
+    cp = local_nodes = local_kueue = None
     try:
         if nodes:
             opts = node_control_plane_options()
@@ -194,7 +200,8 @@ def _serve(d: Path, bin_dir: str, bind_address: str | None, timeout: float, node
         shutil.copyfile(cp.kubeconfig, d / "kubeconfig")
         (d / "kubeconfig").chmod(0o600)
         st = cp.state() | {"daemon_pid": os.getpid(), "kubeconfig": str(d / "kubeconfig"), "phase": "starting",
-                           "requested": {"nodes": nodes, "gpus_per_node": gpus_per_node}}
+                           "requested": {"nodes": nodes, "gpus_per_node": gpus_per_node,
+                                         **({"kueue": True} if kueue else {})}}
         statefile.write(d / "state.json", st)
         if nodes:
             print(f"control plane up ({cp.server}); starting {nodes} nodes", flush=True)
@@ -202,13 +209,20 @@ def _serve(d: Path, bin_dir: str, bind_address: str | None, timeout: float, node
                                      start_timeout=nodes_timeout, log=lambda m: print(m, flush=True))
             local_nodes.start()
             st["nodes"] = local_nodes.state()
+        if kueue:
+            local_kueue = LocalKueue(cp, data_dir=d / "data" / "kueue")
+            local_kueue.start()
+            st["pids"] = {**st["pids"], "kueue": local_kueue.proc.pid}  # 'down' ends it after a hard death
+            st["kueue"] = {"pid": local_kueue.proc.pid, "log": str(local_kueue.log_path),
+                           "version": pinned_versions()["kueue"]}
+            print(f"kueue up (pid {local_kueue.proc.pid})", flush=True)
         starting[0] = False
         if stop.is_set():  # a signal between the end of start() and here
             raise _Stopped
         st["phase"] = "ready"
         statefile.write(d / "state.json", st)
         print(f"local cluster up: {json.dumps(st)}", flush=True)
-        rc = _watch(d, st, cp, local_nodes, stop)
+        rc = _watch(d, st, cp, local_nodes, stop, local_kueue)
     except _Stopped:
         print("stopped while starting", flush=True)
         rc = 1
@@ -217,6 +231,8 @@ def _serve(d: Path, bin_dir: str, bind_address: str | None, timeout: float, node
         rc = 1
     finally:
         starting[0] = False
+        if local_kueue is not None:
+            local_kueue.stop()
         if local_nodes is not None:
             try:
                 for line in local_nodes.stop():
@@ -231,11 +247,17 @@ def _serve(d: Path, bin_dir: str, bind_address: str | None, timeout: float, node
     return rc
 
 
-def _watch(d: Path, st: dict, cp: ControlPlane, local_nodes, stop: threading.Event) -> int:
+def _watch(d: Path, st: dict, cp: ControlPlane, local_nodes, stop: threading.Event, local_kueue=None) -> int:
     """Until ``stop``: every 2 s, a control-plane component that exited ends the watch (return 1); a node
-    process that exited is logged once and added to ``st["exited"]`` (state.json rewritten); returns 0."""
+    process (or Kueue) that exited is logged once and added to ``st["exited"]`` (state.json rewritten); returns 0."""
     reported: set[str] = set()
     while not stop.wait(2.0):
+        if local_kueue is not None and "kueue" not in reported and local_kueue.proc.poll() is not None:
+            reported.add("kueue")
+            print(f"kueue exited ({local_kueue.proc.returncode}); the rest keeps running:\n{local_kueue.log_tail()}",
+                  flush=True)
+            st["exited"] = {**st.get("exited", {}), "kueue": local_kueue.proc.returncode}
+            statefile.write(d / "state.json", st)
         if dead := cp.dead_components():
             print(f"control-plane component(s) exited: {dead}; stopping", flush=True)
             for name in dead:
@@ -374,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--gpus-per-node", type=int, default=4, help="fake nvidia.com/gpu per node")
     up.add_argument("--nodes-timeout", type=float, default=900.0,
                     help="seconds for the nodes to be Ready (the first image import takes minutes)")
+    up.add_argument("--kueue", action="store_true",
+                    help="also run Kueue (its CRDs, webhooks and manager; RLTrainingJob as an external framework)")
     up.add_argument("--bin-dir", default=None, help="tools dir (default: build-go-tools.sh)")
     up.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for readiness")
     add("down", cmd_down, "stop the nodes (pods first) and the control plane; clean the host; "
@@ -390,11 +414,12 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--nodes", type=int, default=0)
     serve.add_argument("--gpus-per-node", type=int, default=4)
     serve.add_argument("--nodes-timeout", type=float, default=900.0)
+    serve.add_argument("--kueue", action="store_true")
 
     args = p.parse_args(argv)
     if args.cmd == "_serve":
         return _serve(args.dir.resolve(), args.bin_dir, args.bind_address or None, args.timeout, args.nodes,
-                      args.gpus_per_node, args.nodes_timeout)
+                      args.gpus_per_node, args.nodes_timeout, args.kueue)
     return args.fn(args)
 
 

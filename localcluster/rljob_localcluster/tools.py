@@ -1,4 +1,4 @@
-"""Locating (and if needed building) the Go tools: kube-*, kubectl, kubelet, etcd, helm, coredns.
+"""Locating (and if needed building) the Go tools: kube-*, kubectl, kubelet, etcd, helm, coredns, kueue.
 
 All of them come from ``localcluster/build-go-tools.sh``, which caches binaries outside the
 repository keyed by version and prints a bin dir of symlinks for the pinned set. With the cache
@@ -13,9 +13,10 @@ import sys
 from functools import cache
 from pathlib import Path
 
-#: Binaries the bin dir holds (kubelet, kube-proxy and coredns run the local nodes).
+#: Binaries the bin dir holds (kubelet, kube-proxy and coredns run the local nodes; kueue is Kueue's manager,
+#: :mod:`rljob_localcluster.kueue`).
 TOOLS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "helm", "kubelet",
-         "kube-proxy", "coredns")
+         "kube-proxy", "coredns", "kueue")
 
 _LOCALCLUSTER_DIR = Path(__file__).resolve().parent.parent
 
@@ -28,8 +29,8 @@ def script(name: str) -> Path:
 
 
 def pinned_versions() -> dict[str, str]:
-    """{"kubernetes": "v1.34.4", "etcd": "v3.6.16", "helm": "v3.19.5", "coredns": "v1.14.1"} as pinned in
-    gotools/."""
+    """{"kubernetes": "v1.34.4", "etcd": "v3.6.16", "helm": "v3.19.5", "coredns": "v1.14.1", "kueue": "v0.17.0"}
+    as pinned in gotools/."""
     out = subprocess.run(
         ["bash", str(script("build-go-tools.sh")), "--versions"], check=True, capture_output=True, text=True
     ).stdout

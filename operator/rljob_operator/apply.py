@@ -7,6 +7,8 @@
 - :meth:`KubeApi.delete`: delete by name, optionally only the exact object (uid precondition);
 - :meth:`KubeApi.patch_status`: JSON merge patch of the job's status with a resourceVersion precondition, so a
   decision taken on a stale view of the job is refused (409) instead of written;
+- :meth:`KubeApi.patch`: JSON merge patch of another object (a Kueue Workload's spec or status), optionally with a
+  resourceVersion precondition;
 - :meth:`KubeApi.list`, :meth:`KubeApi.get`, :meth:`KubeApi.secret_value`.
 
 Every request is reported to ``on_request(verb, resource)`` (verb: apply, create, get, delete, list or patch; resource:
@@ -43,6 +45,9 @@ PLURALS = {
     "PersistentVolumeClaim": "persistentvolumeclaims",
     "Event": "events",
     c.KIND: c.PLURAL,
+    "Workload": "workloads",
+    "ResourceFlavor": "resourceflavors",
+    "WorkloadPriorityClass": "workloadpriorityclasses",
 }
 _SERVICE_ACCOUNT_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 
@@ -62,7 +67,7 @@ def adopt(children: Iterable[dict[str, Any]], owner: Mapping[str, Any]) -> None:
     """Give each child the owner's namespace and a controller owner reference to it (deletion cascades).
 
     Unlike ``kopf.adopt`` the owner's labels are not copied: children carry exactly the labels
-    :mod:`rljob_operator.render` gives them (the Kueue queue-name label belongs on pods only).
+    :mod:`rljob_operator.render` gives them (the Kueue queue-name label stays on the job: its Workload is the operator's).
     """
     children = list(children)
     kopf.append_owner_reference(children, owner=owner)
@@ -125,11 +130,14 @@ class KubeApi:
             data = await response.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as err:
             raise ApiError(0, "Unreachable", f"{type(err).__name__}: {err}", what) from err
-        payload = json.loads(data) if data else None
         if response.status >= 300:
+            try:  # a Status object; an API group the server does not serve answers with plain text
+                payload = json.loads(data) if data else None
+            except ValueError:
+                payload = None
             message = payload.get("message", "") if isinstance(payload, dict) else (data or b"").decode(errors="replace")
-            raise ApiError(response.status, response.reason or "", message, what)
-        return payload
+            raise ApiError(response.status, response.reason or "", message.strip(), what)
+        return json.loads(data) if data else None
 
     async def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         """Server-side apply ``obj`` (field manager rljob-operator, conflicts forced)."""
@@ -195,13 +203,20 @@ class KubeApi:
                            resource_version: Optional[str]) -> dict[str, Any]:
         """Merge-patch the job's status subresource; refused with 409 when the job changed since
         ``resource_version`` (the patch was computed from a stale view). Returns the updated job."""
+        return await self.patch(c.API_VERSION, c.KIND, namespace, name, patch, subresource="status",
+                                resource_version=resource_version)
+
+    async def patch(self, api_version: str, kind: str, namespace: str, name: str, patch: Mapping[str, Any], *,
+                    subresource: Optional[str] = None, resource_version: Optional[str] = None) -> dict[str, Any]:
+        """Merge-patch an object (its ``subresource``, e.g. ``status``); refused with 409 when it changed since
+        ``resource_version``. Returns the updated object."""
         body = dict(patch)
         if resource_version:
-            body["metadata"] = {"resourceVersion": resource_version}
-        return await self._request(
-            "PATCH", _path(c.API_VERSION, c.PLURAL, namespace, name, "status"), f"patch status of {namespace}/{name}",
-            ("patch", f"{c.PLURAL}/status"), body=body, content_type="application/merge-patch+json",
-        )
+            body["metadata"] = {**(body.get("metadata") or {}), "resourceVersion": resource_version}
+        resource = PLURALS[kind] + (f"/{subresource}" if subresource else "")
+        return await self._request("PATCH", _path(api_version, PLURALS[kind], namespace, name, subresource),
+                                   f"patch {resource} {namespace}/{name}", ("patch", resource), body=body,
+                                   content_type="application/merge-patch+json")
 
     async def secret_value(self, namespace: str, name: str, key: str) -> Optional[str]:
         """The decoded value of one Secret key; None when the Secret or the key is missing."""

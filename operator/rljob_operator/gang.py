@@ -16,6 +16,9 @@ Rules (JobSet's BlockingRecreate, Kubernetes Job's backoffLimit, suspend and dea
 - ``runPolicy.suspend``: every trainer and rollout pod is deleted (Redis, the config and the stream stay);
   ``startTime`` is cleared, so ``activeDeadlineSeconds`` counts again from the resume; the next gang is a
   new attempt (not a restart).
+- A queued job that Kueue has not admitted (or evicted) is held (:class:`~rljob_operator.workload.Hold`): as by a
+  suspend every trainer and rollout pod is deleted, the next gang is a new attempt (not a restart, not counted) and
+  ``startTime`` is cleared, but the phase is Pending with the hold's reason, and ``runPolicy.suspend`` is untouched.
 - ``activeDeadlineSeconds`` past ``startTime`` fails the job (DeadlineExceeded).
 - Rewards that fail on every sample of every rollout batch for ``spec.rollout.rewardFailureDeadlineSeconds`` (the
   rollout hash's streak, counted from ``startTime`` at the earliest, so a suspension is not failing time) fail the job
@@ -51,6 +54,7 @@ from rljob_api.spec import RLTrainingJobSpec
 from rljob_api.status import RLTrainingJobStatus
 
 from rljob_operator.observe import NodeView, PodView
+from rljob_operator.workload import Hold
 
 FINISHED = (Phase.SUCCEEDED, Phase.FAILED)
 
@@ -214,7 +218,7 @@ class _Observed:
 def plan(
     job: str, spec: RLTrainingJobSpec, previous: Lifecycle, pods: Iterable[PodView], hashes: ConfigHashes,
     now: datetime, rewards: Optional[RewardFailures] = None, nodes: Mapping[str, NodeView] = {},
-    stream_lost: bool = False,
+    stream_lost: bool = False, hold: Optional[Hold] = None,
 ) -> Plan:
     """Decide one reconcile pass of a valid job (see the module docstring for the rules).
 
@@ -228,9 +232,10 @@ def plan(
         rewards: the rollout hash's reward-failure streak when this pass read one (None: none, or not read).
         nodes: the nodes of the pods being deleted that are not Ready (others may be left out): stuck pods.
         stream_lost: Redis forgot the stream during the saved attempt: its end is StreamLost, not counted.
+        hold: why Kueue does not let the job's pods run now (None: not queued, or admitted).
     """
     pods = list(pods)
-    decided = _plan(job, spec, previous, pods, hashes, now, rewards, stream_lost)
+    decided = _plan(job, spec, previous, pods, hashes, now, rewards, stream_lost, hold)
     return _with_stuck(decided, stuck_pods(pods, nodes), now)
 
 
@@ -256,7 +261,7 @@ def _with_stuck(decided: Plan, stuck: Sequence[StuckPod], now: datetime) -> Plan
 
 
 def _plan(job: str, spec: RLTrainingJobSpec, previous: Lifecycle, pods: list[PodView], hashes: ConfigHashes,
-          now: datetime, rewards: Optional[RewardFailures], stream_lost: bool) -> Plan:
+          now: datetime, rewards: Optional[RewardFailures], stream_lost: bool, hold: Optional[Hold]) -> Plan:
     trainers = [p for p in pods if p.role == c.Role.TRAINER]
     obs = _Observed(
         trainers=trainers,
@@ -268,6 +273,8 @@ def _plan(job: str, spec: RLTrainingJobSpec, previous: Lifecycle, pods: list[Pod
         return _finished(spec, previous, obs, now)
     if spec.run_policy.suspend:
         return _suspend(spec, previous, obs)
+    if hold is not None:
+        return _held(previous, obs, hold)
     return _active(job, spec, previous, obs, hashes, now, rewards, stream_lost)
 
 
@@ -345,6 +352,15 @@ def _suspend(spec: RLTrainingJobSpec, lc: Lifecycle, obs: _Observed) -> Plan:
         message=message,
     )
     return Plan(suspended, delete=_names(p for p in left if not p.deleting))
+
+
+def _held(lc: Lifecycle, obs: _Observed, hold: Hold) -> Plan:
+    """Kueue holds the job: its pods go as by a suspend, the phase is Pending with the hold's reason and message."""
+    left = [*obs.trainers, *obs.rollouts]
+    message = hold.message + (f" ({plural(len(left), 'pod')} still terminating)" if left else "")
+    held = replace(lc, phase=Phase.PENDING, attempt=lc.attempt + 1 if lc.gang_created else lc.attempt,
+                   gang_created=False, start_time=None, reason=hold.reason, message=message)
+    return Plan(held, delete=_names(p for p in left if not p.deleting))
 
 
 def _fail(spec: RLTrainingJobSpec, lc: Lifecycle, obs: _Observed, reason: Reason, message: str,

@@ -10,7 +10,7 @@
 - ``on.event`` of a job wakes its daemon when the spec (generation), the labels or kopf's finalizer changed — not
   on the daemon's own status writes. No ``on.create``/``on.update`` handler: kopf would patch its own
   bookkeeping annotations after each, racing the daemon's status write;
-- ``on.event`` of a child pod or of the Redis Deployment wakes the job's daemon;
+- ``on.event`` of a child pod, of the Redis Deployment or of a queued job's Kueue Workload wakes the job's daemon;
 - deletion needs no handler: every child has an owner reference, so the garbage collector removes them.
 """
 
@@ -33,6 +33,9 @@ from rljob_operator.settings import FINALIZER
 JOBS = (c.GROUP, c.VERSION, c.PLURAL)
 CHILDREN = {c.LABEL_JOB_NAME: kopf.PRESENT}
 REDIS = {c.LABEL_JOB_NAME: kopf.PRESENT, c.LABEL_ROLE: c.Role.REDIS.value}
+WORKLOADS = (c.KUEUE_GROUP, c.KUEUE_API_VERSION.split("/")[1], "workloads")
+"""Kueue's Workloads: a queued job's own wakes it when Kueue admits or evicts it (not watched where Kueue's API is
+absent: kopf serves a resource once it exists)."""
 ERROR_BACKOFF_S = (1, 2, 5, 10, 30, 60)
 FINALIZER_WAIT_S = 10.0
 """How long a new job's first pass waits for kopf's finalizer before it runs anyway (seconds)."""
@@ -56,6 +59,7 @@ def redis_by_job(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any)
 
 @kopf.on.event("v1", "pods", labels=CHILDREN)
 @kopf.on.event("apps", "v1", "deployments", labels=REDIS)
+@kopf.on.event(*WORKLOADS, labels=CHILDREN)
 def wake_job(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
     """A child changed: wake its job's daemon (the pass itself runs there)."""
     runtime = memo["jobs"].get((namespace, labels[c.LABEL_JOB_NAME]))

@@ -4,7 +4,8 @@ it (a Pod, or the managed Redis Deployment's pod template), and what rljob keeps
 Precedence (README "Pod templates"), ``<c>`` being rljob's container of the role (trainer, rollout, redis):
 
 - ``metadata.labels``, ``metadata.annotations``: added. Refused: a key under ``rljob.dev/``, and a label rljob sets on
-  the pod (job name, role, hashes, replica index, attempt, ``app.kubernetes.io/managed-by``, Kueue's queue name).
+  the pod (job name, role, hashes, replica index, attempt, ``app.kubernetes.io/managed-by``), and Kueue's queue name
+  (it belongs on the job: on pods, Kueue's pod integration would queue each pod on its own).
 - ``spec.serviceAccountName``, ``automountServiceAccountToken``, ``priorityClassName``, ``runtimeClassName``,
   ``schedulerName``, ``affinity``: set; the template wins (rljob renders ``automountServiceAccountToken: false`` and
   none of the others).
@@ -81,6 +82,10 @@ def _metadata_conflicts(meta: Mapping[str, Any], override: PodTemplateOverride, 
             problems.append(SpecProblem(f"{field}.metadata.labels", (
                 f"{key!r} is rljob's: keys under {RESERVED_PREFIX} and the labels rljob sets on these pods "
                 f"({_listing(rljob_labels)}) are refused; remove it")))
+        elif key == c.LABEL_KUEUE_QUEUE_NAME:
+            problems.append(SpecProblem(f"{field}.metadata.labels", (
+                f"{key!r} on pods would make Kueue's pod integration queue each pod as a workload of its own; put it "
+                "on the RLTrainingJob (one Workload for the whole job, README \"Kueue\") and remove it here")))
     rljob_annotations = sorted(meta.get("annotations") or {})
     for key in override.metadata.annotations:
         if key.startswith(RESERVED_PREFIX) or key in rljob_annotations:

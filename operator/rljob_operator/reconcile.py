@@ -43,7 +43,7 @@ from rljob_api.spec import RLTrainingJobSpec
 from rljob_api.status import RLTrainingJobStatus, StreamStatus
 from rljob_api.validation import data_parallel_size
 
-from rljob_operator import admission, children, gang, redis_reads, render, resolution, status
+from rljob_operator import admission, children, gang, queueing, redis_reads, render, resolution, status
 from rljob_operator import progress as progress_reads
 from rljob_operator.admission import Decision
 from rljob_operator.apply import ApiError
@@ -181,6 +181,10 @@ class _Outcome:
     force_delete: tuple[gang.StuckPod, ...] = ()
     events: tuple[status.Event, ...] = ()
     """Events of this pass that no condition transition tells (posted after the status write)."""
+    queued: Optional[queueing.Queued] = None
+    """A queued job's Workload and Kueue's decision (:mod:`.queueing`), followed up after the status write."""
+    pods: tuple[PodView, ...] = ()
+    """The job's pods the pass decided on (an evicted Workload's quota goes back once none is left)."""
 
 
 async def reconcile(
@@ -288,7 +292,10 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
     hashes = replace(render.config_hashes(config), reward_source=source.hash)
     nodes = await _lost_nodes(this.ctx, pods, this.now)
     stream_lost = this.previous.stream_lost_attempt == this.before.attempt
-    plan = gang.plan(job.name, spec, this.before, pods, hashes, this.now, nodes=nodes, stream_lost=stream_lost)
+    queued = await queueing.decide(job, config, this.body, this.before, runtime, ctx)
+    hold = queued.hold if queued is not None else None
+    plan = gang.plan(job.name, spec, this.before, pods, hashes, this.now, nodes=nodes, stream_lost=stream_lost,
+                     hold=hold)
     claim = await redis_reads.read_claim(job.name, job.namespace, config, this.redis, ctx)
     health = redis_reads.health(spec, this.redis, runtime, pods, this.now, claim)
     fetched, forgot = None, None
@@ -301,9 +308,11 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
         health = redis_reads.health(spec, this.redis, runtime, pods, this.now, claim)
         if fetched is not None and (fetched.reward_failures is not None or forgot):  # the plan may change
             plan = gang.plan(job.name, spec, this.before, pods, hashes, this.now, rewards=fetched.reward_failures,
-                             nodes=nodes, stream_lost=stream_lost or forgot is not None)
+                             nodes=nodes, stream_lost=stream_lost or forgot is not None, hold=hold)
     manifests = [render.trainer_pod(job, config, i, plan.lifecycle.attempt) for i in plan.create_trainers]
     manifests += [render.rollout_pod(job, config, i, source.hash) for i in plan.create_rollouts]
+    if queued is not None:
+        manifests = [queued.admit(m, c.Role(m["metadata"]["labels"][c.LABEL_ROLE])) for m in manifests]
     error = await children.create_pods(manifests, this.body, runtime, ctx)
     lifecycle, problems, note = plan.lifecycle, decision.problems, decision.note
     if error is not None and admission.refusal_of_spec(error.status, error.message):
@@ -326,16 +335,35 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
         new = _stream_identity(this, new, fetched, forgot)
     uids = {p.name: p.uid for p in pods}
     idle = plan.lifecycle.phase in status.IDLE_PHASES
-    interval = ctx.idle_interval_s if idle else ctx.active_interval_s
+    # A job Kueue holds with no pod left waits for its Workload, whose changes wake it (handlers.WORKLOADS).
+    waiting = hold is not None and not admission.live_workers(pods)
+    interval = ctx.idle_interval_s if idle or waiting else ctx.active_interval_s
     if plan.requeue_after is not None and not plan.delete_job:
         interval = min(interval, plan.requeue_after)
     return _Outcome(
         new, delay=interval,
         delete=tuple((name, uids.get(name, "")) for name in plan.delete), delete_job=plan.delete_job, release=idle,
         force_delete=plan.force_delete,
-        events=() if forgot is None else (status.Event("Warning", Reason.STREAM_LOST.value, forgot),),
-        restarts=plan.lifecycle.restarts - this.before.restarts, error=error,
+        events=_pass_events(this, plan.lifecycle, forgot),
+        restarts=plan.lifecycle.restarts - this.before.restarts, error=error, queued=queued, pods=tuple(pods),
     )
+
+
+def _phase_message(new: RLTrainingJobStatus) -> str:
+    """The message of the condition that describes ``new``'s phase."""
+    cond = new.condition(gang.PHASE_CONDITION.get(new.phase, c.ConditionType.RUNNING))
+    return cond.message if cond is not None else ""
+
+
+def _pass_events(this: _Pass, lifecycle: gang.Lifecycle, forgot: Optional[str]) -> tuple[status.Event, ...]:
+    """Warnings no condition transition tells: Redis forgot the stream; Kueue evicted the job (Running stays False
+    between a wait for admission and an eviction, so its reason change alone is no Event)."""
+    events = []
+    if forgot is not None:
+        events.append(status.Event("Warning", Reason.STREAM_LOST.value, forgot))
+    if lifecycle.reason == Reason.EVICTED_BY_KUEUE and this.before.reason != Reason.EVICTED_BY_KUEUE:
+        events.append(status.Event("Warning", Reason.EVICTED_BY_KUEUE.value, lifecycle.message))
+    return tuple(events)
 
 
 async def _save(this: _Pass, new: RLTrainingJobStatus) -> None:
@@ -382,6 +410,8 @@ async def _act(this: _Pass, outcome: _Outcome) -> None:
                 f"{stuck.why}; force-deleted (grace 0) after the node was not Ready for "
                 f"{stuck.pod.lost_node_toleration_s} s, so that the gang can go on; processes it left on the node "
                 "are fenced from the job's writes (DESIGN §6)")))
+    await queueing.follow_up(outcome.queued, outcome.status.phase, _phase_message(outcome.status), outcome.pods,
+                             this.ctx, this.now)
     if outcome.release:
         await redis_reads.release(this.runtime, this.ctx, namespace, name)
     if outcome.delete_job:

@@ -534,8 +534,6 @@ def _pod(job, config, name, role, index, container, node_selector, tolerations, 
         c.LABEL_REPLICA_INDEX: str(index),
         **extra_labels,
     }
-    if c.LABEL_KUEUE_QUEUE_NAME in job.labels:
-        pod_labels[c.LABEL_KUEUE_QUEUE_NAME] = job.labels[c.LABEL_KUEUE_QUEUE_NAME]
     spec: dict[str, Any] = {
         "restartPolicy": restart_policy,
         "enableServiceLinks": False,

@@ -64,6 +64,8 @@ class JobRuntime:
     """The consumer group's counts at the last read of Redis (what a lost stream held, as far as known)."""
     step_rate: StepRate = field(default_factory=StepRate)
     """The trainer's recent step rate (status.estimatedRemainingSeconds)."""
+    queued: bool = False
+    """Whether a pass of this process saw the job queued for Kueue (its Workload is deleted when the label goes)."""
     looping: bool = False
     """True while the job's daemon loop runs (the operator's cleanup waits for it)."""
     seen: Optional[tuple] = None

@@ -21,11 +21,15 @@ NAMESPACED_RULES = {
     ("apps", "deployments"): {"get", "list", "watch", "create", "patch"},
     ("", "persistentvolumeclaims"): {"get", "create", "delete"},
     ("", "events"): {"create", "list"},
+    ("kueue.x-k8s.io", "workloads"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("kueue.x-k8s.io", "workloads/status"): {"patch"},
 }
 CLUSTER_RULES = {
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
     ("", "nodes"): {"get"},
     ("kopf.dev", "clusterkopfpeerings"): {"list", "watch", "patch"},
+    ("kueue.x-k8s.io", "resourceflavors"): {"get"},
+    ("kueue.x-k8s.io", "workloadpriorityclasses"): {"get"},
 }
 
 
@@ -86,6 +90,8 @@ def test_watched_namespaces_get_roles_and_the_cluster_role_keeps_only_cluster_ne
         ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
         ("", "nodes"): {"get"},
         ("", "namespaces"): {"list", "watch"},
+        ("kueue.x-k8s.io", "resourceflavors"): {"get"},
+        ("kueue.x-k8s.io", "workloadpriorityclasses"): {"get"},
     }
     command = _kind(objs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]["command"]
     assert "--namespace=team-a" in command and "--namespace=team-b" in command

@@ -266,12 +266,15 @@ def test_what_rljob_sets_itself_is_refused_naming_the_field(case):
     assert [str(p) for p in problems] == messages
 
 
-def test_kueues_queue_label_is_rljobs_while_the_job_carries_it():
+def test_kueues_queue_label_is_refused_on_pods_queued_job_or_not():
     raw = {"model": {"source": "tiny"},
            "trainer": {"podTemplate": {"metadata": {"labels": {c.LABEL_KUEUE_QUEUE_NAME: "other"}}}}}
-    assert parse_spec("demo", raw, "ns")[1] == []
-    (problem,) = parse_spec("demo", raw, "ns", {c.LABEL_KUEUE_QUEUE_NAME: "team-a"})[1]
-    assert str(problem).startswith("spec.trainer.podTemplate.metadata.labels: 'kueue.x-k8s.io/queue-name' is rljob's")
+    for job_labels in ({}, {c.LABEL_KUEUE_QUEUE_NAME: "team-a"}):
+        (problem,) = parse_spec("demo", raw, "ns", job_labels)[1]
+        assert str(problem) == (
+            "spec.trainer.podTemplate.metadata.labels: 'kueue.x-k8s.io/queue-name' on pods would make Kueue's pod "
+            "integration queue each pod as a workload of its own; put it on the RLTrainingJob (one Workload for the "
+            'whole job, README "Kueue") and remove it here'), str(problem)
 
 
 def test_a_template_of_every_kind_is_valid_for_every_role():

@@ -68,8 +68,8 @@ def test_trainer_pod_labels_env_ports_and_volumes():
     assert meta["labels"] == {
         c.LABEL_JOB_NAME: "demo", c.LABEL_ROLE: "trainer", "app.kubernetes.io/managed-by": "rljob-operator",
         c.LABEL_CONFIG_HASH: config.config_hash(), c.LABEL_REPLICA_INDEX: "1", c.LABEL_ATTEMPT: "3",
-        c.LABEL_ROLE_CONFIG_HASH: render.role_config_hash(config, c.Role.TRAINER), c.LABEL_KUEUE_QUEUE_NAME: "team-a",
-    }
+        c.LABEL_ROLE_CONFIG_HASH: render.role_config_hash(config, c.Role.TRAINER),
+    }  # no queue label: Kueue's pod integration would make a second Workload for the pod (the job's is rljob's)
     assert (spec["hostname"], spec["subdomain"], spec["restartPolicy"]) == ("demo-trainer-1", "demo-trainer", "Never")
     container = spec["containers"][0]
     env = _env(container)

@@ -66,4 +66,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "list"]
+# Kueue (a job with the kueue.x-k8s.io/queue-name label): its Workload is watched (wakes the job), read, created,
+# updated (queue, active, priority), replaced when its pod sets change; its status gets the quota back after an
+# eviction and Finished at the end.
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads/status"]
+  verbs: ["patch"]
 {{- end -}}

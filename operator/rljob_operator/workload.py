@@ -1,0 +1,284 @@
+"""Pure: a queued RLTrainingJob's Kueue Workload — what it is, what Kueue decided about it, and what that does to the
+job's pods (DESIGN §7 "Kueue").
+
+A job with the label ``kueue.x-k8s.io/queue-name: Q`` is one Kueue workload, as Kueue's external-framework contract
+has it (Kueue's Configuration ``integrations.externalFrameworks: [RLTrainingJob.v1alpha1.rljob.dev]``): the operator
+creates and owns the Workload ``<job>-workload`` (kueue.x-k8s.io/v1beta2) in LocalQueue Q with
+
+- pod set ``trainer`` (count ``spec.trainer.nodes``) and pod set ``rollout`` (count ``spec.rollout.replicas``, left
+  out of a trainer-only job), their templates stripped to what Kueue reads for quota and flavor fit (containers'
+  names and resources, node selector, tolerations, affinity, priority class, runtime class, overhead, scheduler). The managed Redis is
+  not in it: small, CPU-only, and kept through evictions so that the stream survives;
+- the priority of the WorkloadPriorityClass named by the job's ``kueue.x-k8s.io/priority-class`` label;
+- ``spec.active`` false while ``runPolicy.suspend`` is true (Kueue then evicts it and releases the quota).
+
+Kueue decides; the operator follows (:func:`decision`):
+
+- not admitted: no trainer or rollout pod exists (those of an earlier admission are deleted); phase Pending with
+  reason WaitingForAdmission quoting Kueue's QuotaReserved condition;
+- admitted: the pods start, each with the node labels and tolerations of the ResourceFlavors its pod set was
+  assigned (and the admission checks' pod set updates) merged into it (:func:`admitted_pod`);
+- evicted (preempted, its ClusterQueue stopped, deactivated, ...): every trainer and rollout pod is deleted as by a
+  suspend — not counted against ``backoffLimit``, ``runPolicy.suspend`` untouched — and once none is left the
+  operator gives the quota back (:func:`release_patch`, what Kueue's own job reconciler writes); Kueue requeues it;
+- finished (Succeeded or Failed): the Workload is marked Finished (:func:`finish_patch`), which frees its quota.
+
+A Workload whose pod sets no longer match the spec (Kueue keeps them immutable) is deleted and made again: its pods
+go, and the job queues anew.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Iterable, Mapping, Optional
+
+from rljob_api import constants as c
+from rljob_api import names
+from rljob_api.canonical import canonical_hash
+from rljob_api.constants import Reason
+
+KIND = "Workload"
+FLAVOR_KIND = "ResourceFlavor"
+PRIORITY_CLASS_KIND = "WorkloadPriorityClass"
+TRAINER_POD_SET = c.Role.TRAINER.value
+ROLLOUT_POD_SET = c.Role.ROLLOUT.value
+
+QUOTA_FIELDS = ("nodeSelector", "tolerations", "affinity", "priorityClassName", "runtimeClassName", "overhead",
+                "schedulerName")
+"""Pod spec fields a pod set's template keeps (besides the containers' names and resources, and a native sidecar's
+restartPolicy): what Kueue reads to count quota and fit flavors. Nothing else, so that an edit Kueue would not see
+(an image, the sampling) does not replace the Workload and requeue the job."""
+CONTAINER_FIELDS = ("name", "resources", "restartPolicy")
+
+# Workload condition types and eviction reasons (kueue.x-k8s.io/v1beta2).
+ADMITTED = "Admitted"
+QUOTA_RESERVED = "QuotaReserved"
+EVICTED = "Evicted"
+FINISHED = "Finished"
+REQUEUED = "Requeued"
+REQUEUED_REASONS = ("Preempted", "NodeFailures")
+"""Eviction reasons after which Kueue's own job reconciler marks a Workload Requeued=True."""
+
+
+def queue_name(labels: Mapping[str, str]) -> Optional[str]:
+    """The LocalQueue a job asks for (its ``kueue.x-k8s.io/queue-name`` label), or None: not queued."""
+    return labels.get(c.LABEL_KUEUE_QUEUE_NAME) or None
+
+
+def priority_class(labels: Mapping[str, str]) -> Optional[str]:
+    """The WorkloadPriorityClass a queued job names (label ``kueue.x-k8s.io/priority-class``), or None."""
+    return labels.get(c.LABEL_KUEUE_PRIORITY_CLASS) or None
+
+
+def _stripped(pod: Mapping[str, Any]) -> dict[str, Any]:
+    """A pod manifest as a pod set template: the fields of :data:`QUOTA_FIELDS` and the containers' of
+    :data:`CONTAINER_FIELDS`."""
+    spec = pod["spec"]
+    kept: dict[str, Any] = {key: spec[key] for key in QUOTA_FIELDS if key in spec}
+    for key in ("initContainers", "containers"):
+        if spec.get(key):
+            kept[key] = [{f: ct[f] for f in CONTAINER_FIELDS if f in ct} for ct in spec[key]]
+    return {"spec": kept}
+
+
+def pod_sets(trainer: Mapping[str, Any], nodes: int, rollout: Optional[Mapping[str, Any]], replicas: int
+             ) -> list[dict[str, Any]]:
+    """The Workload's pod sets: ``nodes`` pods like the trainer manifest ``trainer``, ``replicas`` like ``rollout``
+    (none when 0)."""
+    sets = [{"name": TRAINER_POD_SET, "count": nodes, "template": _stripped(trainer)}]
+    if replicas > 0 and rollout is not None:
+        sets.append({"name": ROLLOUT_POD_SET, "count": replicas, "template": _stripped(rollout)})
+    return sets
+
+
+def render(job: str, namespace: str, labels: Mapping[str, str], sets: list[dict[str, Any]], *, active: bool,
+           priority: Optional[tuple[str, int]] = None) -> dict[str, Any]:
+    """The Workload of job ``job`` (owner reference added by the caller) in the queue of ``labels``; ``priority``:
+    (WorkloadPriorityClass name, its value) or None.
+
+    Raises:
+        ValueError: ``labels`` name no queue.
+    """
+    queue = queue_name(labels)
+    if queue is None:
+        raise ValueError(f"job {job} has no {c.LABEL_KUEUE_QUEUE_NAME} label")
+    spec: dict[str, Any] = {"queueName": queue, "podSets": sets, "active": active}
+    if priority is not None:
+        spec["priorityClassRef"] = {"group": c.KUEUE_GROUP, "kind": PRIORITY_CLASS_KIND, "name": priority[0]}
+        spec["priority"] = priority[1]
+    return {
+        "apiVersion": c.KUEUE_API_VERSION,
+        "kind": KIND,
+        "metadata": {
+            "name": names.workload(job),
+            "namespace": namespace,
+            "labels": {c.LABEL_JOB_NAME: names.job_label(job), "app.kubernetes.io/managed-by": c.FIELD_MANAGER},
+            "annotations": {c.ANNOTATION_WORKLOAD_PODSETS_HASH: canonical_hash(sets, digits=16)},
+        },
+        "spec": spec,
+    }
+
+
+def _condition(workload: Mapping[str, Any], ctype: str) -> Optional[Mapping[str, Any]]:
+    for cond in (workload.get("status") or {}).get("conditions") or ():
+        if cond.get("type") == ctype:
+            return cond
+    return None
+
+
+def _true(workload: Mapping[str, Any], ctype: str) -> bool:
+    cond = _condition(workload, ctype)
+    return cond is not None and cond.get("status") == "True"
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Why a queued job's pods may not run now (phase Pending with ``reason``; ``message`` quotes Kueue)."""
+
+    reason: Reason
+    message: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What Kueue decided about a job's Workload, for one pass.
+
+    ``hold``: the pods may not run (None: admitted); ``assignments``: {pod set: (node labels, tolerations)} of an
+    admitted Workload; ``release``: evicted with its quota still reserved — give it back once no pod is left;
+    ``finished``: Kueue already counts it finished.
+    """
+
+    hold: Optional[Hold]
+    assignments: Mapping[str, tuple[Mapping[str, str], tuple[Mapping[str, Any], ...]]] = None
+    release: bool = False
+    finished: bool = False
+
+
+def flavors_of(workload: Mapping[str, Any]) -> list[str]:
+    """The ResourceFlavors an admitted Workload was assigned (sorted, each once)."""
+    admission = (workload.get("status") or {}).get("admission") or {}
+    found = {flavor for assignment in admission.get("podSetAssignments") or ()
+             for flavor in (assignment.get("flavors") or {}).values()}
+    return sorted(found)
+
+
+def decision(workload: Mapping[str, Any], flavors: Mapping[str, Mapping[str, Any]]) -> Decision:
+    """What ``workload`` (as read) lets the job run; ``flavors``: {name: ResourceFlavor} of :func:`flavors_of`."""
+    name = workload["metadata"]["name"]
+    queue = workload["spec"].get("queueName")
+    finished = _true(workload, FINISHED)
+    reserved = _true(workload, QUOTA_RESERVED) and (workload.get("status") or {}).get("admission") is not None
+    if _true(workload, EVICTED):
+        cond = _condition(workload, EVICTED)
+        return Decision(Hold(Reason.EVICTED_BY_KUEUE, (
+            f"Kueue evicted Workload {name} ({cond.get('reason')}: {cond.get('message')}); its trainer and rollout "
+            "pods are deleted as by a suspend (not counted against backoffLimit) and the job waits to be admitted "
+            "again")), release=reserved, finished=finished)
+    if _true(workload, ADMITTED) and reserved:
+        return Decision(None, assignments=_assignments(workload, flavors), finished=finished)
+    cond = _condition(workload, QUOTA_RESERVED) if not _true(workload, QUOTA_RESERVED) else _condition(workload, ADMITTED)
+    said = f"{cond.get('type')}={cond.get('status')} ({cond.get('reason')}): {cond.get('message')}" if cond else \
+        "Kueue has not looked at it yet"
+    if workload["spec"].get("active") is False:
+        said = "inactive while runPolicy.suspend is true"
+    return Decision(Hold(Reason.WAITING_FOR_ADMISSION,
+                         f"waiting for Kueue to admit Workload {name} in LocalQueue {queue}: {said}"), finished=finished)
+
+
+def _assignments(workload: Mapping[str, Any], flavors: Mapping[str, Mapping[str, Any]]):
+    """{pod set: (node selector, tolerations)} from the admission's flavors and the admission checks' updates."""
+    status = workload.get("status") or {}
+    out: dict[str, tuple[dict[str, str], tuple[Mapping[str, Any], ...]]] = {}
+    for assignment in (status.get("admission") or {}).get("podSetAssignments") or ():
+        selector: dict[str, str] = {}
+        tolerations: list[Mapping[str, Any]] = []
+        for flavor_name in sorted(set((assignment.get("flavors") or {}).values())):
+            flavor_spec = (flavors.get(flavor_name) or {}).get("spec") or {}
+            selector.update(flavor_spec.get("nodeLabels") or {})
+            tolerations += [t for t in flavor_spec.get("tolerations") or () if t not in tolerations]
+        for check in status.get("admissionChecks") or ():
+            for update in check.get("podSetUpdates") or ():
+                if update.get("name") == assignment.get("name"):
+                    selector.update(update.get("nodeSelector") or {})
+                    tolerations += [t for t in update.get("tolerations") or () if t not in tolerations]
+        out[assignment["name"]] = (selector, tuple(tolerations))
+    return out
+
+
+def admitted_pod(pod: dict[str, Any], pod_set: str, decided: Decision) -> dict[str, Any]:
+    """``pod`` with the node selector and tolerations Kueue's admission gave ``pod_set`` merged in (the flavor's node
+    labels win over the spec's for the same key: Kueue only assigns flavors that fit the spec's selector)."""
+    selector, tolerations = (decided.assignments or {}).get(pod_set, ({}, ()))
+    if not selector and not tolerations:
+        return pod
+    spec = dict(pod["spec"])
+    if selector:
+        spec["nodeSelector"] = {**(spec.get("nodeSelector") or {}), **selector}
+    if tolerations:
+        own = list(spec.get("tolerations") or [])
+        spec["tolerations"] = own + [dict(t) for t in tolerations if t not in own]
+    return {**pod, "spec": spec}
+
+
+def outdated(workload: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
+    """Whether the Workload's pod sets differ from the ``wanted`` rendering's (compared by their hash annotation)."""
+    def podsets_hash(obj: Mapping[str, Any]) -> Optional[str]:
+        return ((obj.get("metadata") or {}).get("annotations") or {}).get(c.ANNOTATION_WORKLOAD_PODSETS_HASH)
+    return podsets_hash(workload) != podsets_hash(wanted)
+
+
+def spec_patch(workload: Mapping[str, Any], wanted: Mapping[str, Any]) -> Optional[dict[str, Any]]:
+    """A merge patch of the mutable fields the operator owns (queue, active, priority) when they differ, else None.
+    The queue is changed only while no quota is reserved (Kueue refuses it otherwise)."""
+    have, want = workload["spec"], wanted["spec"]
+    patch: dict[str, Any] = {}
+    for key in ("active", "priority", "priorityClassRef"):
+        if have.get(key) != want.get(key):
+            patch[key] = want.get(key)
+    if have.get("queueName") != want["queueName"] and not _true(workload, QUOTA_RESERVED):
+        patch["queueName"] = want["queueName"]
+    return {"spec": patch} if patch else None
+
+
+def _set(conditions: Iterable[Mapping[str, Any]], new: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """``conditions`` with ``new`` in place of the one of its type; lastTransitionTime kept while the status is."""
+    out, found = [], False
+    for cond in conditions:
+        if cond.get("type") == new["type"]:
+            found = True
+            same = cond.get("status") == new["status"]
+            out.append({**new, "lastTransitionTime": cond["lastTransitionTime"] if same else new["lastTransitionTime"]})
+        else:
+            out.append(dict(cond))
+    if not found:
+        out.append(dict(new))
+    return out
+
+
+def _cond(workload: Mapping[str, Any], ctype: str, status: bool, reason: str, message: str, now: datetime):
+    return {"type": ctype, "status": "True" if status else "False", "reason": reason, "message": message[:32768],
+            "lastTransitionTime": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "observedGeneration": workload["metadata"].get("generation", 0)}
+
+
+def release_patch(workload: Mapping[str, Any], now: datetime) -> dict[str, Any]:
+    """The status (merge patch of the ``status`` subresource) giving an evicted Workload's quota back once the job's
+    pods are gone, as Kueue's job reconciler writes it: Requeued (True after a preemption or node failures),
+    QuotaReserved=False (reason Pending, the eviction's message), Admitted=False (NoReservation), no admission."""
+    evicted = _condition(workload, EVICTED) or {}
+    reason, message = evicted.get("reason", "Evicted"), evicted.get("message", "evicted")
+    conditions = (workload.get("status") or {}).get("conditions") or []
+    conditions = _set(conditions, _cond(workload, REQUEUED, reason in REQUEUED_REASONS, reason, message, now))
+    conditions = _set(conditions, _cond(workload, QUOTA_RESERVED, False, "Pending", message, now))
+    if _true(workload, ADMITTED):
+        conditions = _set(conditions, _cond(workload, ADMITTED, False, "NoReservation",
+                                            "The workload has no reservation", now))
+    return {"status": {"conditions": conditions, "admission": None}}
+
+
+def finish_patch(workload: Mapping[str, Any], succeeded: bool, message: str, now: datetime) -> dict[str, Any]:
+    """The status (merge patch) marking the Workload Finished (reason Succeeded or Failed): Kueue frees its quota."""
+    conditions = (workload.get("status") or {}).get("conditions") or []
+    finished = _cond(workload, FINISHED, True, "Succeeded" if succeeded else "Failed", message, now)
+    return {"status": {"conditions": _set(conditions, finished)}}
