@@ -362,7 +362,9 @@ class RewardSourceSpec(ApiModel):
         min_length=2,
         max_length=4096,
         pattern=r"^/",
-        description="Absolute path of the module's file in the rollout container, on `volume` (or on model.volume). "
+        description="Absolute path of the module's file in the rollout container, on `volume` (or on model.volume); "
+        "not a directory, and with `volume` neither directly under / nor in a directory rljob mounts (/etc/rljob, "
+        "/dev/shm, /etc/rljob-redis-ca). "
         "Rollout pods keep the code they loaded at start: after changing the file, delete them "
         "(kubectl delete pods -l rljob.dev/role=rollout,rljob.dev/job-name=<job>); they are recreated and the gang "
         "keeps running.",

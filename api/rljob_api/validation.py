@@ -230,6 +230,19 @@ def _rollout_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
     return problems
 
 
+def normalized_path(path: str) -> str:
+    """``path`` as the container runtime resolves it: ``//``, ``.`` and a trailing ``/`` dropped (``/etc//rljob/./x/``
+    is ``/etc/rljob/x``); ``..`` is the API server's to refuse in a mountPath."""
+    return "/" + posixpath.normpath("/" + path).lstrip("/")
+
+
+def at_or_under(path: str, directory: str) -> bool:
+    """Whether ``path`` is ``directory`` or inside it, both normalized (:func:`normalized_path`); ``/etc/rljobx`` is
+    not under ``/etc/rljob``."""
+    path, directory = normalized_path(path), normalized_path(directory)
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
 def _reward_source_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
     """spec.rollout.task.rewardSource: the custom task only, one source, a volume with a path, and no second volume at
     the directory where model.volume is mounted (the pod would mount two volumes at one path)."""
@@ -245,6 +258,7 @@ def _reward_source_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
         problems.append(SpecProblem(field, "needs exactly one of configMapKeyRef or path"))
     if source.volume and not source.path:
         problems.append(SpecProblem(f"{field}.volume", "needs path, the module's file on that volume"))
+    problems += _reward_source_path_problems(spec)
     model = spec.model
     if source.volume and source.path and model.volume and model.path:
         here, there = posixpath.dirname(source.path), posixpath.dirname(model.path.rstrip("/"))
@@ -253,3 +267,31 @@ def _reward_source_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
                 f"{source.volume!r} would be mounted at {here}, where spec.model.volume {model.volume!r} is mounted "
                 "already: put the file on that volume and remove rewardSource.volume, or use another directory")))
     return problems
+
+
+def _reward_source_path_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
+    """spec.rollout.task.rewardSource.path: a file, not a directory; with ``volume``, whose claim is mounted at the
+    file's directory, not a directory at ``/`` (the claim would hide the image's whole filesystem) nor at or under a
+    directory rljob mounts in the rollout container (the API server would refuse the pod, or the mount would hide
+    rljob's)."""
+    source = spec.rollout.task.reward_source
+    if source is None or source.path is None:
+        return []
+    field = "spec.rollout.task.rewardSource.path"
+    if source.path.endswith("/"):
+        return [SpecProblem(field, f"{source.path!r} names a directory: give the file of the module, e.g. "
+                                   f"{source.path}reward.py")]
+    if not source.volume:
+        return []
+    directory = posixpath.dirname(normalized_path(source.path))
+    if directory == "/":
+        return [SpecProblem(field, (
+            f"{source.path!r}: rewardSource.volume {source.volume!r} would be mounted at its directory, /, over the "
+            "container's whole filesystem: give a path in a directory of its own, e.g. /reward/"
+            f"{posixpath.basename(source.path)} mounts the claim at /reward"))]
+    rljob_dirs = [c.CONFIG_MOUNT_DIR, c.SHM_MOUNT_DIR] + ([c.REDIS_CA_MOUNT_DIR] if spec.redis.ca_secret_ref else [])
+    if any(at_or_under(directory, d) for d in rljob_dirs):
+        return [SpecProblem(field, (
+            f"{source.path!r}: rewardSource.volume {source.volume!r} would be mounted at {directory}, at or under a "
+            f"directory rljob mounts in the rollout container ({', '.join(rljob_dirs)}): choose another directory"))]
+    return []

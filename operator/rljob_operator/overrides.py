@@ -30,7 +30,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 from rljob_api import constants as c, rules
 from rljob_api.pod_template import PodTemplateOverride
-from rljob_api.validation import SpecProblem
+from rljob_api.validation import SpecProblem, at_or_under
 
 RESERVED_PREFIX = f"{c.GROUP}/"
 """Labels and annotations under this prefix are rljob's, on every pod."""
@@ -136,8 +136,7 @@ def _container_conflicts(own: Mapping[str, Any], env: list[dict[str, Any]], moun
                 "remove it")))
     rljob_paths = [m["mountPath"] for m in own.get("volumeMounts") or []]
     for j, mount in enumerate(mounts):
-        target = str(mount.get("mountPath") or "").rstrip("/") or "/"
-        if any(target == p or target.startswith(p.rstrip("/") + "/") for p in rljob_paths):
+        if any(at_or_under(str(mount.get("mountPath") or ""), p) for p in rljob_paths):
             problems.append(SpecProblem(f"{path}.volumeMounts[{j}].mountPath", (
                 f"{mount.get('mountPath')!r} is at or under a path rljob mounts in the {own['name']} container "
                 f"({_listing(rljob_paths)}): choose another")))

@@ -76,7 +76,8 @@ one transition that tells a user the operator has accepted the job."""
 _PHASE_CONDITIONS = (ConditionType.RESTARTING, ConditionType.SUSPENDED, ConditionType.SUCCEEDED, ConditionType.FAILED)
 """Conditions that describe a phase: of conditions that say the same, they give the Event."""
 _WARNINGS = (Reason.UNSCHEDULABLE, Reason.ALL_REWARDS_FAILED, Reason.CONTAINER_CANNOT_START, Reason.CONTAINER_FAILING,
-             Reason.CHECKPOINT_LOST, Reason.REDIS_UNAVAILABLE, Reason.CLAIM_PENDING, Reason.REWARD_SOURCE_MISSING)
+             Reason.CHECKPOINT_LOST, Reason.REDIS_UNAVAILABLE, Reason.CLAIM_PENDING, Reason.REWARD_SOURCE_MISSING,
+             Reason.KUEUE_NOT_AVAILABLE)
 """Reasons whose Events are Warnings (besides Failed, Restarting and Valid=False)."""
 _STARVED = (Reason.UNSCHEDULABLE, Reason.CONTAINER_CANNOT_START, Reason.CONTAINER_FAILING,
             Reason.REWARD_SOURCE_MISSING)

@@ -211,12 +211,17 @@ PROBLEMS = {
     "rljob-mounts": (
         {"trainer": {"podTemplate": {"spec": {"containers": [{"name": "trainer", "volumeMounts": [
             {"name": "a", "mountPath": "/etc/rljob"}, {"name": "b", "mountPath": "/etc/rljob-other"},
-            {"name": "c", "mountPath": "/var/lib/rljob/checkpoints/more/"}]}]}}}},
+            {"name": "c", "mountPath": "/var/lib/rljob/checkpoints/more/"},
+            {"name": "d", "mountPath": "/etc//rljob/./more"}, {"name": "e", "mountPath": "/dev/shm/../shm/x"}]}]}}}},
         "spec.trainer.podTemplate.spec.containers[0].volumeMounts[0].mountPath: '/etc/rljob' is at or under a path "
         "rljob mounts in the trainer container (/etc/rljob, /dev/shm, /var/lib/rljob/checkpoints): choose another",
         "spec.trainer.podTemplate.spec.containers[0].volumeMounts[2].mountPath: '/var/lib/rljob/checkpoints/more/' is "
         "at or under a path rljob mounts in the trainer container (/etc/rljob, /dev/shm, /var/lib/rljob/checkpoints): "
         "choose another",
+        "spec.trainer.podTemplate.spec.containers[0].volumeMounts[3].mountPath: '/etc//rljob/./more' is at or under a "
+        "path rljob mounts in the trainer container (/etc/rljob, /dev/shm, /var/lib/rljob/checkpoints): choose another",
+        "spec.trainer.podTemplate.spec.containers[0].volumeMounts[4].mountPath: '/dev/shm/../shm/x' is at or under a "
+        "path rljob mounts in the trainer container (/etc/rljob, /dev/shm, /var/lib/rljob/checkpoints): choose another",
     ),
     "redis-data-mount": (
         {"redis": {"podTemplate": {"spec": {"containers": [{"name": "redis", "volumeMounts": [

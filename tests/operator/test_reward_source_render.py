@@ -187,14 +187,47 @@ def test_a_missing_source_makes_rollout_ready_false_with_a_warning_and_running_s
       "rollout": custom({"path": "/models/score.py", "volume": "rewards"})},
      "spec.rollout.task.rewardSource.volume: 'rewards' would be mounted at /models, where spec.model.volume 'models' is "
      "mounted already: put the file on that volume and remove rewardSource.volume, or use another directory"),
-])
+    ({"rollout": custom({"path": "/rewards/"})},
+     "spec.rollout.task.rewardSource.path: '/rewards/' names a directory: give the file of the module, e.g. "
+     "/rewards/reward.py"),
+    ({"rollout": custom({"path": "/score.py", "volume": "rewards"})},
+     "spec.rollout.task.rewardSource.path: '/score.py': rewardSource.volume 'rewards' would be mounted at its "
+     "directory, /, over the container's whole filesystem: give a path in a directory of its own, e.g. "
+     "/reward/score.py mounts the claim at /reward"),
+    ({"rollout": custom({"path": "/etc//rljob/./code/score.py", "volume": "rewards"})},
+     "spec.rollout.task.rewardSource.path: '/etc//rljob/./code/score.py': rewardSource.volume 'rewards' would be "
+     "mounted at /etc/rljob/code, at or under a directory rljob mounts in the rollout container (/etc/rljob, "
+     "/dev/shm): choose another directory"),
+    ({"redis": {"mode": "external", "url": "rediss://redis.example:6380",
+                "caSecretRef": {"name": "redis-ca", "key": "ca.crt"}},
+      "rollout": custom({"path": "/etc/rljob-redis-ca/score.py", "volume": "rewards"})},
+     "spec.rollout.task.rewardSource.path: '/etc/rljob-redis-ca/score.py': rewardSource.volume 'rewards' would be "
+     "mounted at /etc/rljob-redis-ca, at or under a directory rljob mounts in the rollout container (/etc/rljob, "
+     "/dev/shm, /etc/rljob-redis-ca): choose another directory"),
+], ids=["other-task", "no-source", "two-sources", "volume-without-path", "model-volume-directory", "directory",
+        "root", "under-config-mount", "under-redis-ca-mount"])
 def test_a_source_the_pods_could_not_use_is_a_spec_problem_naming_the_field(overrides, problem):
     assert [str(p) for p in check_spec(make_spec(**overrides))] == [problem]
 
 
 def test_valid_sources_are_no_problem():
-    for source in (CONFIG_MAP, {"path": "/r/score.py"}, {"path": "/r/score.py", "volume": "rewards"}):
-        assert check_spec(make_spec(rollout=custom(source))) == []
+    for source in (CONFIG_MAP, {"path": "/r/score.py"}, {"path": "/r/score.py", "volume": "rewards"},
+                   {"path": "/etc/rljob-rewards/score.py", "volume": "rewards"}, {"path": "/score.py"}):
+        assert check_spec(make_spec(rollout=custom(source))) == [], source
+
+
+def test_a_claim_is_refused_at_every_directory_rljob_mounts_in_a_rollout_pod():
+    """The directories the check refuses are the ones render mounts (a new rljob mount without a check fails here)."""
+    spec = {"redis": {"mode": "external", "url": "rediss://redis.example:6380",
+                      "caSecretRef": {"name": "redis-ca", "key": "ca.crt"}}}
+    job = make_job(**spec, rollout=custom())
+    pod = render.rollout_pod(job, render.job_config(job), 0)
+    mounted = [m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]]
+    assert len(mounted) == 3, mounted
+    for directory in mounted:
+        source = {"path": f"{directory}/sub/score.py", "volume": "rewards"}
+        problems = [str(p) for p in check_spec(make_spec(**spec, rollout=custom(source)))]
+        assert len(problems) == 1 and f"would be mounted at {directory}/sub, at or under" in problems[0], problems
 
 
 def test_the_example_passes_the_code_checks_and_names_keys_its_configmap_holds():

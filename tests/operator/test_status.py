@@ -178,3 +178,16 @@ def test_redis_ready_keeps_the_saved_condition_until_this_process_has_probed_red
     fresh = build(lifecycle=suspended, redis=unprobed)  # a job never probed says so
     assert (cond(fresh, ConditionType.REDIS_READY).status, cond(fresh, ConditionType.REDIS_READY).message) == (
         "Unknown", "not checked yet")
+
+
+def test_a_job_kueue_cannot_queue_is_a_warning_and_one_waiting_for_admission_is_not():
+    """No Workload API (or a missing WorkloadPriorityClass) holds the job until someone acts: a Warning, like a claim
+    that cannot bind; waiting for quota is what queueing is for: Normal."""
+    no_kueue = gang.Lifecycle(reason=Reason.KUEUE_NOT_AVAILABLE, message="the cluster serves no Workload API")
+    events = status.transition_events(RLTrainingJobStatus(), build(lifecycle=no_kueue, pods=[]))
+    assert [(e.type, e.reason, e.message) for e in events] == [
+        ("Normal", "SpecValid", "Valid=True: the spec is valid"),
+        ("Warning", "KueueNotAvailable", "Running=False: the cluster serves no Workload API")]
+    waiting = gang.Lifecycle(reason=Reason.WAITING_FOR_ADMISSION, message="QuotaReserved=False (Pending): no quota")
+    events = status.transition_events(RLTrainingJobStatus(), build(lifecycle=waiting, pods=[]))
+    assert [(e.type, e.reason) for e in events] == [("Normal", "SpecValid"), ("Normal", "WaitingForAdmission")]
