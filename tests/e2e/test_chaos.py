@@ -76,12 +76,13 @@ print(json.dumps({
 """
 
 
-def _read_redis(cluster, namespace: str, pod: str, *args: str) -> dict:
+def _read_redis(cluster, namespace: str, pod: str, *args: str, check: bool = True) -> dict | None:
     """The job's Redis as the job's processes see it, read from inside its pod ``pod`` (the config, password and client
     of the trainer image): run id, stream counters, groups, every pending entry id, the hashes. ``pause``: first CLIENT PAUSE WRITE
-    for 60 s, so that what is read is exactly what Redis holds until it stops."""
-    out = cluster.kubectl("exec", "-n", namespace, pod, "--", "python", "-c", _READ, *args).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    for 60 s, so that what is read is exactly what Redis holds until it stops. Without ``check``, None when the read
+    failed (e.g. the headless Service's name does not resolve yet)."""
+    proc = cluster.kubectl("exec", "-n", namespace, pod, "--", "python", "-c", _READ, *args, check=check)
+    return json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
 
 
 def _redis_pod(cluster, namespace: str) -> dict | None:
@@ -167,7 +168,10 @@ def test_a_deleted_redis_pod_comes_back_with_its_stream_and_the_job_trains_on(cl
                                and p["metadata"]["uid"] != redis_pod["metadata"]["uid"] and p, 180,
                                "a ready replacement Redis pod", diagnostics, interval=0.25)
         timings["Redis pod deleted -> replacement ready"] = time.monotonic() - deleted_at
-        after = _read_redis(cluster, namespace, rollout0)
+        # The Service is headless: its name resolves to the new pod once the endpoint controller has published it,
+        # a moment after the pod is Ready (the job's own clients retry for 300 s).
+        after = wait_for(lambda: _read_redis(cluster, namespace, rollout0, check=False), 60,
+                         "the new Redis to answer by its Service name", diagnostics)
         final = wait_for(lambda: phase(job := get_job(cluster, namespace, name)) in ("Succeeded", "Failed") and job,
                          600, "the job to finish", diagnostics)
         timings["job finished"] = time.monotonic() - started
