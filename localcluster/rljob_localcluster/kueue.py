@@ -47,6 +47,7 @@ from typing import IO, Self
 import yaml
 
 from .controlplane import ControlPlane, ControlPlaneError
+from .node.processes import tail
 from .pids import free_port, set_pdeathsig
 
 __all__ = ["KUEUE_NAMESPACE", "RLJOB_FRAMEWORK", "LocalKueue"]
@@ -110,10 +111,8 @@ class LocalKueue:
         return self.data_dir / "kueue.log"
 
     def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except (OSError, TypeError):
-            return "(no log)"
+        """The last ``n`` lines of Kueue's log ("(no log)" when it cannot be read)."""
+        return tail(self.log_path, n)
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Self:
