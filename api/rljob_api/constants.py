@@ -208,6 +208,10 @@ class Reason(str, Enum):
     EVICTED_BY_KUEUE = "EvictedByKueue"
     """Pending: Kueue evicted the job's Workload (preemption, a stopped queue, deactivation ...): its pods are deleted
     like a suspend, not counted against backoffLimit, and the job waits to be admitted again."""
+    KUEUE_INADMISSIBLE = "KueueInadmissible"
+    """Pending: Kueue cannot queue the job's Workload (its QuotaReserved condition's reason Inadmissible): the
+    LocalQueue the job's label names, or its ClusterQueue, does not exist or is stopped; the message quotes Kueue and
+    names the LocalQueue and namespace."""
     KUEUE_NOT_AVAILABLE = "KueueNotAvailable"
     """Pending: the job asks for a Kueue queue but the cluster serves no Kueue Workload API, or the job's
     WorkloadPriorityClass does not exist."""

@@ -33,6 +33,12 @@ def kube_value(field: str, description: str) -> Any:
     return Field(None, json_schema_extra=kube(field), description=description)
 
 
+MAX_CONTAINER_ENTRIES = 16
+"""Bound on ``podTemplate.spec.containers`` (only one entry, rljob's container, is valid): it lets the API server bound
+the cost of the CEL rules on its entries. Above the handful of sidecars a user could mistakenly list there, so that
+those are refused by the rule that says where sidecars go, not by the bound."""
+
+
 class _Sparse(ApiModel):
     """A model dumped without its unset and empty fields (None, [], {}), so that the resolved config holds only what
     the user set, and a field added later changes no config that does not set it."""
@@ -60,7 +66,7 @@ class ContainerOverride(_Sparse):
     """Additions to rljob's own container of the pod (trainer, rollout or redis)."""
 
     name: str = Field(
-        ..., json_schema_extra=kube("Container.name"),
+        ..., min_length=1, max_length=63,
         description="Required. The container to add to: the role's own (trainer, rollout or redis). Any other name "
         "would be an extra regular container, which is refused: a pod ends only when all its regular containers "
         "have exited, so a trainer pod would never reach Succeeded; run such a container as a native sidecar "
@@ -142,10 +148,12 @@ class PodSpecOverride(_Sparse):
     )
     containers: list[ContainerOverride] = Field(
         default_factory=list,
+        max_length=MAX_CONTAINER_ENTRIES,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
         description="Additions to rljob's own container, named as the role (trainer, rollout, redis): env, envFrom, "
         "volumeMounts, securityContext. Its image, command, ports and resources are rljob's (spec.<role>.image, "
-        "resources). Extra regular containers are refused (use initContainers with restartPolicy: Always).",
+        "resources), and setting them here is refused. Extra containers are refused: run a sidecar as an "
+        "initContainers entry with restartPolicy: Always (a native sidecar).",
     )
 
 

@@ -8,7 +8,10 @@ it the CEL rule that states the same over the CRD's camelCase fields.
 - documentsPerStep is global and divisible by DP (DESIGN §6);
 - HSDP: ``parallelism.replicate`` divides DP, and is 1 unless the strategy is fsdp (DESIGN §5);
 - the learning-rate floor: ``optimizer.minLearningRate`` <= ``optimizer.learningRate`` (a decay never rises);
-- a role's ``podTemplate.spec.containers`` name only rljob's own container of that role (no extra regular container).
+- the gradient-reduce format: ``precision.reduce`` bf16 only with strategy fsdp (ddp all-reduces in float32);
+- the KL estimator: ``algorithm.klEstimator`` other than its default only with ``klCoef`` > 0 (else no KL is computed);
+- a role's ``podTemplate.spec.containers`` name only rljob's own container of that role (no extra regular container),
+  and add to it only env, envFrom, volumeMounts and securityContext.
 - the reward source: ``task.rewardSource`` only with task ``custom``, and exactly one of its ``configMapKeyRef`` and
   ``path`` (``volume`` only with ``path``).
 """
@@ -63,6 +66,30 @@ CEL_REPLICATE_NEEDS_FSDP = {
     "fieldPath": ".replicate",
     "reason": "FieldValueInvalid",
 }
+#: CEL rule on ``spec.trainer``: a bf16 gradient reduce needs fsdp (:func:`reduce_format_allowed`). The rule is on the
+#: value, not on whether the user wrote the field: the API server fills in the default (fp32) before CEL runs, and fp32
+#: is what ddp does anyway.
+CEL_REDUCE_NEEDS_FSDP = {
+    "rule": "self.parallelism.strategy == 'fsdp' || self.precision.reduce == 'fp32'",
+    "message": "precision.reduce bf16 is ignored with parallelism.strategy ddp, which all-reduces the gradients in "
+    "float32 (only fsdp reduces in bf16): remove precision.reduce (fp32, the default) or set parallelism.strategy to "
+    "fsdp",
+    "fieldPath": ".precision.reduce",
+    "reason": "FieldValueInvalid",
+}
+DEFAULT_KL_ESTIMATOR = "k3"
+"""``algorithm.klEstimator`` when not set."""
+_KL_ESTIMATOR_IGNORED = ("is ignored while klCoef is 0 (no KL penalty is computed): set klCoef > 0 to enable the KL "
+                         "penalty, or remove klEstimator")
+#: CEL rule on ``spec.algorithm``: an estimator other than the default needs a KL penalty to estimate
+#: (:func:`kl_estimator_allowed`); the default is filled in by the API server, so only another value can be refused.
+CEL_KL_ESTIMATOR_NEEDS_KL = {
+    "rule": f"self.klCoef > 0.0 || self.klEstimator == '{DEFAULT_KL_ESTIMATOR}'",
+    "messageExpression": f"'klEstimator ' + self.klEstimator + ' {_KL_ESTIMATOR_IGNORED}'",
+    "message": f"klEstimator {_KL_ESTIMATOR_IGNORED}",
+    "fieldPath": ".klEstimator",
+    "reason": "FieldValueInvalid",
+}
 #: CEL rule on ``spec``: metrics basic or full need pipelineParallel == 1 (:func:`metrics_allowed`).
 CEL_METRICS_ONE_STAGE = {
     "rule": f"!(self.algorithm.metrics in {list(ONE_STAGE_METRICS)}) || self.trainer.pipelineParallel == 1",
@@ -104,20 +131,48 @@ CEL_REWARD_VOLUME_NEEDS_PATH = {
 }
 
 
+CONTAINER_ADDITIONS = ("env", "envFrom", "volumeMounts", "securityContext")
+"""What a ``podTemplate.spec.containers`` entry may add to rljob's own container (besides its ``name``)."""
+
+
 def extra_container_message(container: str) -> str:
-    """Why ``podTemplate.spec.containers`` may name only rljob's ``container`` (the CEL rule's message and the
-    operator's)."""
-    return (f"only the {container} container may be listed (to add env, envFrom, volumeMounts or securityContext to "
-            f"it): an extra regular container is refused because a pod ends only when all its regular containers "
-            f"have exited, so a trainer pod would never reach Succeeded; run it as a native sidecar instead, an "
-            f"initContainers entry with restartPolicy: Always")
+    """Why a ``podTemplate.spec.containers`` entry not named ``container`` is refused (the CEL rule's message and the
+    operator's, after the entry's name)."""
+    return (f"is not rljob's {container} container: podTemplate.spec.containers only adds "
+            f"{', '.join(CONTAINER_ADDITIONS)} to rljob's own container, named {container}, and cannot add a container "
+            f"(a pod ends only when all its regular containers have exited, so a trainer pod would never reach "
+            f"Succeeded); run a sidecar as a native sidecar instead: move it to podTemplate.spec.initContainers with "
+            f"restartPolicy: Always")
+
+
+def own_container_fields_message(container: str) -> str:
+    """Why rljob's ``container`` entry may not set the other Container fields (the CEL rule's message, after them)."""
+    return (f"rljob renders the {container} container itself (spec.{container}.image and spec.{container}.resources "
+            f"set its image and resources); its podTemplate.spec.containers entry adds only "
+            f"{', '.join(CONTAINER_ADDITIONS)}: remove the others, or run another program as a native sidecar "
+            f"(podTemplate.spec.initContainers with restartPolicy: Always)")
 
 
 def cel_own_container_only(container: str) -> dict[str, str]:
-    """CEL rule on ``spec.<role>.podTemplate.spec.containers``: every entry names ``container``
-    (:func:`own_container_only`)."""
-    return {"rule": f"self.all(c, c.name == '{container}')", "message": extra_container_message(container),
-            "reason": "FieldValueInvalid"}
+    """CEL rule on an item of ``spec.<role>.podTemplate.spec.containers``: it names ``container``
+    (:func:`own_container_only`). Its message quotes the name; the CRD bounds the name's length and the list's so that
+    the API server can bound the cost of that message."""
+    why = extra_container_message(container)
+    return {"rule": f"self.name == '{container}'", "messageExpression": f"\"'\" + self.name + \"' {why}\"",
+            "message": f"the entry {why}", "fieldPath": ".name", "reason": "FieldValueInvalid"}
+
+
+def cel_own_container_fields(container: str, fields: list[str]) -> dict[str, str]:
+    """CEL rule on an item of ``spec.<role>.podTemplate.spec.containers``: rljob's ``container`` sets none of
+    ``fields`` (the Kubernetes Container fields other than its name and :data:`CONTAINER_ADDITIONS`, known to the CRD
+    only so that this rule, not an "unknown field" error, says why). Its message lists those set (a concatenation of
+    constant strings: ``filter``/``join`` over a list exceed the API server's cost budget)."""
+    why = own_container_fields_message(container)
+    set_ones = " + ".join(f"(has(self.{f}) ? ', {f}' : '')" for f in fields)
+    return {"rule": f"self.name != '{container}' || !({' || '.join(f'has(self.{f})' for f in fields)})",
+            "messageExpression": f"({set_ones}).substring(2) + \": {why}\"",
+            "message": f"fields other than name, {', '.join(CONTAINER_ADDITIONS)}: {why}",
+            "reason": "FieldValueForbidden"}
 
 
 def own_container_only(name: str, container: str) -> bool:
@@ -157,6 +212,18 @@ def replicate_allowed(strategy: str, replicate: int, data_parallel_size: int) ->
 def learning_rate_floor_allowed(min_learning_rate: float, learning_rate: float) -> bool:
     """Whether a schedule may decay from ``learning_rate`` to the floor ``min_learning_rate`` (it is not above it)."""
     return min_learning_rate <= learning_rate
+
+
+def reduce_format_allowed(strategy: str, reduce: str) -> bool:
+    """Whether gradients can be reduced in ``reduce`` under ``strategy``: bf16 only under fsdp (its mixed-precision
+    policy's reduce_dtype); ddp all-reduces in the gradients' float32."""
+    return strategy == "fsdp" or reduce == "fp32"
+
+
+def kl_estimator_allowed(kl_coef: float, kl_estimator: str) -> bool:
+    """Whether ``kl_estimator`` is used: a KL penalty is on (``kl_coef`` > 0), or it is the default
+    (:data:`DEFAULT_KL_ESTIMATOR`, which cannot be told apart from one left unset)."""
+    return kl_coef > 0 or kl_estimator == DEFAULT_KL_ESTIMATOR
 
 
 def reward_source_allowed(task_name: str, has_source: bool) -> bool:

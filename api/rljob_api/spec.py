@@ -11,7 +11,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field
 
-from rljob_api import protocol
+from rljob_api import protocol, rules
 from rljob_api.api_model import ApiModel, omitted_at_default
 from rljob_api.pod_template import PodTemplateOverride, pod_template_field
 
@@ -140,11 +140,11 @@ class AlgorithmSpec(ApiModel):
         "off, and no reference model is loaded.",
     )
     kl_estimator: Literal["k1", "k3"] = Field(
-        "k3",
-        exclude_if=omitted_at_default("k3"),
+        rules.DEFAULT_KL_ESTIMATOR,
+        exclude_if=omitted_at_default(rules.DEFAULT_KL_ESTIMATOR),
         description="Estimator of KL(trained || reference) per token, from the log-ratio d = lp_ref - lp (Schulman, "
         "'Approximating KL Divergence', 2020): k1 = -d (unbiased, may be negative); k3 = exp(d) - 1 - d (unbiased, "
-        "never negative; DeepSeekMath's GRPO uses it).",
+        "never negative; DeepSeekMath's GRPO uses it). Used only with klCoef > 0: k1 with klCoef 0 is refused.",
     )
 
     def resolved_epsilons(self) -> tuple[float, float]:
@@ -227,7 +227,8 @@ class TensorBoardSpec(ApiModel):
         "global rank 0 writes the event files there, one scalar per step metric (train/<metric>, stream/<counter>, "
         "progress/tokens_per_second, progress/documents_seen, progress/model_version) at global step = the optimizer "
         "step. An attempt that resumes from a checkpoint hides the steps an earlier attempt logged past it "
-        "(TensorBoard's purge_step). Give every job its own directory.",
+        "(TensorBoard's purge_step). Give every job its own directory. Refused: / and a directory at or under one "
+        "rljob mounts itself (/etc/rljob, /dev/shm, /etc/rljob-redis-ca, model.volume's read-only mount).",
     )
 
 
@@ -260,12 +261,14 @@ class PrecisionSpec(ApiModel):
     param: Literal["bf16", "fp32"] = Field(
         "bf16",
         description="Format of the parameters the forward and backward compute with on GPU (bf16, the field's "
-        "usual choice); the master weights and the optimizer state stay float32.",
+        "usual choice), under both strategies: fsdp all-gathers the parameters in it, ddp computes under autocast to "
+        "it. The master weights and the optimizer state stay float32.",
     )
     reduce: Literal["fp32", "bf16"] = Field(
         "fp32",
         description="Format in which fsdp reduces gradients across ranks: fp32 (the default) sums without rounding "
-        "loss; bf16 halves the bytes sent. ddp always reduces in the gradients' float32.",
+        "loss; bf16 halves the bytes sent. ddp always all-reduces the gradients in float32, so bf16 with strategy "
+        "ddp is refused.",
     )
 
 

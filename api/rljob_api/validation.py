@@ -9,6 +9,7 @@ from __future__ import annotations
 import posixpath
 import re
 from dataclasses import dataclass
+from typing import Optional
 
 from rljob_api import constants as c, rules
 from rljob_api.spec import RLTrainingJobSpec
@@ -83,8 +84,8 @@ def _image_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
 
 
 def _trainer_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
-    """Topology, metrics, GPUs, batch, learning-rate floor and checkpoint interval (spec.trainer,
-    spec.algorithm.metrics)."""
+    """Topology, metrics, the KL estimator, GPUs, the reduce format, batch, learning-rate floor, checkpoint interval
+    and TensorBoard directory (spec.trainer, spec.algorithm.metrics and klEstimator)."""
     problems: list[SpecProblem] = []
     t, a = spec.trainer, spec.algorithm
     try:
@@ -96,6 +97,10 @@ def _trainer_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
         problems.append(
             SpecProblem("spec.algorithm.metrics", f"metrics={a.metrics} requires pipelineParallel == 1")
         )
+    if not rules.kl_estimator_allowed(a.kl_coef, a.kl_estimator):
+        problems.append(SpecProblem("spec.algorithm.klEstimator", (
+            f"{a.kl_estimator} is ignored while spec.algorithm.klCoef is {a.kl_coef:g} (no KL penalty is computed): "
+            "set klCoef > 0 to enable the KL penalty, or remove klEstimator")))
     if t.tensor_parallel != 1:
         problems.append(SpecProblem("spec.trainer.tensorParallel", "tensor parallelism > 1 is not supported yet", False))
     if t.pipeline_parallel != 1:
@@ -110,6 +115,11 @@ def _trainer_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
     elif dp is not None and not rules.replicate_allowed(par.strategy, par.replicate, dp):
         problems.append(SpecProblem("spec.trainer.parallelism.replicate",
                                     f"replicate = {par.replicate} does not divide the data-parallel size {dp}"))
+    if not rules.reduce_format_allowed(par.strategy, t.precision.reduce):
+        problems.append(SpecProblem("spec.trainer.precision.reduce", (
+            f"{t.precision.reduce} is ignored with spec.trainer.parallelism.strategy {par.strategy}, which all-reduces "
+            "the gradients in float32 (only fsdp reduces in precision.reduce; precision.param applies to both): remove "
+            "precision.reduce (fp32, the default) or set parallelism.strategy to fsdp")))
     if dp is not None and rules.documents_per_rank(t.batch.documents_per_step, dp) is None:
         problems.append(
             SpecProblem(
@@ -133,7 +143,29 @@ def _trainer_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
                 "so training would stall before its first checkpoint",
             )
         )
-    return problems
+    return problems + _tensorboard_problems(spec)
+
+
+def _tensorboard_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
+    """spec.trainer.tensorboard.logDir: not the root filesystem, and not at or under a directory rljob mounts in the
+    trainer container (read-only, or memory that goes with the pod), where rank 0's writes fail or are lost."""
+    board = spec.trainer.tensorboard
+    if board is None:
+        return []
+    field, directory = "spec.trainer.tensorboard.logDir", normalized_path(board.log_dir)
+    suggestion = f"e.g. {c.CHECKPOINT_MOUNT_DIR}/tensorboard on spec.trainer.checkpoint.volume"
+    if directory == "/":
+        return [SpecProblem(field, (
+            f"{board.log_dir!r} is the container's root filesystem, which goes with the pod: give a directory on a "
+            f"volume, {suggestion}"))]
+    rljob_dirs = rljob_mounts(spec)
+    model = spec.model
+    if model.volume and model.path:
+        rljob_dirs.append(posixpath.dirname(normalized_path(model.path)))  # read-only
+    collision = mount_collision(directory, rljob_dirs, "trainer")
+    if collision:
+        return [SpecProblem(field, f"{board.log_dir!r} is {collision}: give a directory on a volume, {suggestion}")]
+    return []
 
 
 def _gpu_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
@@ -289,9 +321,24 @@ def _reward_source_path_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
             f"{source.path!r}: rewardSource.volume {source.volume!r} would be mounted at its directory, /, over the "
             "container's whole filesystem: give a path in a directory of its own, e.g. /reward/"
             f"{posixpath.basename(source.path)} mounts the claim at /reward"))]
-    rljob_dirs = [c.CONFIG_MOUNT_DIR, c.SHM_MOUNT_DIR] + ([c.REDIS_CA_MOUNT_DIR] if spec.redis.ca_secret_ref else [])
-    if any(at_or_under(directory, d) for d in rljob_dirs):
+    collision = mount_collision(directory, rljob_mounts(spec), "rollout")
+    if collision:
         return [SpecProblem(field, (
-            f"{source.path!r}: rewardSource.volume {source.volume!r} would be mounted at {directory}, at or under a "
-            f"directory rljob mounts in the rollout container ({', '.join(rljob_dirs)}): choose another directory"))]
+            f"{source.path!r}: rewardSource.volume {source.volume!r} would be mounted at {directory}, {collision}: "
+            "choose another directory"))]
     return []
+
+
+def rljob_mounts(spec: RLTrainingJobSpec) -> list[str]:
+    """The directories rljob mounts in both its trainer and rollout containers besides the checkpoint volume: the
+    config (read-only), /dev/shm (memory) and, with spec.redis.caSecretRef, the Redis CA's (read-only)."""
+    return [c.CONFIG_MOUNT_DIR, c.SHM_MOUNT_DIR] + ([c.REDIS_CA_MOUNT_DIR] if spec.redis.ca_secret_ref else [])
+
+
+def mount_collision(directory: str, rljob_dirs: list[str], container: str) -> Optional[str]:
+    """What is wrong with a user's ``directory`` in rljob's ``container`` that is at or under one of ``rljob_dirs``
+    (:func:`at_or_under`), e.g. "at or under a directory rljob mounts in the rollout container (/etc/rljob,
+    /dev/shm)"; None when it is under none."""
+    if any(at_or_under(directory, d) for d in rljob_dirs):
+        return f"at or under a directory rljob mounts in the {container} container ({', '.join(rljob_dirs)})"
+    return None

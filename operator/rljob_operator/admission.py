@@ -28,7 +28,7 @@ from rljob_api.pod_template import PodTemplateOverride
 from rljob_api.spec import RLTrainingJobSpec, RunPolicySpec
 from rljob_api.validation import SpecProblem, check_spec
 
-from rljob_operator import gang, render, resolution
+from rljob_operator import gang, render, resolution, workload
 from rljob_operator.apply import KubeApi
 from rljob_operator.observe import DeploymentView, PodView
 from rljob_operator.runtime import JobRuntime
@@ -63,9 +63,9 @@ class Decision:
 
 def parse_spec(name: str, raw: Mapping[str, Any], namespace: str = "default",
                labels: Optional[Mapping[str, str]] = None) -> tuple[Optional[RLTrainingJobSpec], list[SpecProblem]]:
-    """Validate the job's name and ``raw`` spec with the pydantic model, then :func:`check_spec` and each role's
+    """Validate the job's name and ``raw`` spec with the pydantic model, then :func:`check_spec`, each role's
     ``podTemplate`` against the pods rljob renders for the job (``namespace``, metadata ``labels``:
-    :func:`.render.override_problems`).
+    :func:`.render.override_problems`) and the job's Kueue labels (:func:`.workload.label_problems`).
 
     Returns (spec or None, problems); every problem names its field (``metadata.name``, ``spec.a.b``).
     The name rule is checked here, not by CEL: the API server cannot bound the cost of a regex on
@@ -87,7 +87,7 @@ def parse_spec(name: str, raw: Mapping[str, Any], namespace: str = "default",
             for e in err.errors()
         ]
     overrides = render.override_problems(render.Job(name, namespace, spec, labels or {}))
-    return spec, problems + check_spec(spec) + overrides
+    return spec, problems + check_spec(spec) + overrides + workload.label_problems(labels or {}, namespace)
 
 
 def redis_template_problems(job: render.Job, generation: Optional[int], recorded: Optional[resolution.Recorded],

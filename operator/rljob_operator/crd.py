@@ -219,20 +219,36 @@ def _convert_plain(node: dict[str, Any], defs: dict[str, Any], path: str, with_d
 def _kubernetes(field: str, description: str | None) -> dict[str, Any]:
     """The vendored schema of Kubernetes ``field`` (e.g. ``PodSpec.affinity``) with the model's ``description``; its
     nested nodes :class:`Vendored`."""
-    def vendored(node: Any) -> Any:
-        if isinstance(node, dict):
-            return Vendored({key: vendored(value) for key, value in node.items()})
-        return [vendored(value) for value in node] if isinstance(node, list) else node
-
     schema = kube_schemas.inline(field)
     out: dict[str, Any] = {"description": description} if description else {}
     for key, value in schema.items():
         if key == "properties":
-            value = {name: vendored(sub) for name, sub in value.items()}
+            value = {name: _vendored(sub) for name, sub in value.items()}
         elif key in ("items", "additionalProperties"):
-            value = vendored(value)
+            value = _vendored(value)
         out[key] = value
     return out
+
+
+def _vendored(node: Any) -> Any:
+    """``node`` with every dict in it a :class:`Vendored`."""
+    if isinstance(node, dict):
+        return Vendored({key: _vendored(value) for key, value in node.items()})
+    return [_vendored(value) for value in node] if isinstance(node, list) else node
+
+
+def _own_container_only(item: dict[str, Any], container: str) -> None:
+    """Give an item of a role's ``podTemplate.spec.containers`` (the model's name, env, envFrom, volumeMounts,
+    securityContext) every other property of Kubernetes' Container, vendored, and the CEL rules that refuse them and any
+    name but ``container``: a sidecar listed there, or an image set on rljob's container, is then refused with the
+    reason and the way out, where the API server would only say ``unknown field "...image"`` (it refuses unknown fields
+    before CEL runs)."""
+    kubernetes = kube_schemas.inline_type("Container")["properties"]
+    others = [name for name in kubernetes if name not in item["properties"]]
+    for name in others:
+        item["properties"][name] = _vendored(kubernetes[name])
+    item["x-kubernetes-validations"] = [rules.cel_own_container_only(container),
+                                        rules.cel_own_container_fields(container, others)]
 
 
 def object_default(schema: dict[str, Any]) -> dict[str, Any]:
@@ -262,14 +278,15 @@ def crd() -> dict[str, Any]:
     spec = model_schema(RLTrainingJobSpec, "spec", with_defaults=True)  # required (model has no default)
     spec["x-kubernetes-validations"] = [rules.CEL_METRICS_ONE_STAGE, RULE_TOPOLOGY_IMMUTABLE]
     spec["properties"]["trainer"]["x-kubernetes-validations"] = [rules.CEL_TOPOLOGY, rules.CEL_DOCUMENTS_PER_STEP,
-                                                                  rules.CEL_REPLICATE]
+                                                                  rules.CEL_REPLICATE, rules.CEL_REDUCE_NEEDS_FSDP]
+    spec["properties"]["algorithm"]["x-kubernetes-validations"] = [rules.CEL_KL_ESTIMATOR_NEEDS_KL]
     spec["properties"]["trainer"]["properties"]["parallelism"]["x-kubernetes-validations"] = [
         rules.CEL_REPLICATE_NEEDS_FSDP]
     spec["properties"]["trainer"]["properties"]["optimizer"]["x-kubernetes-validations"] = [
         rules.CEL_MIN_LEARNING_RATE]
     for field, container in POD_TEMPLATE_ROLES.items():
         template = spec["properties"][field]["properties"]["podTemplate"]["properties"]["spec"]
-        template["properties"]["containers"]["x-kubernetes-validations"] = [rules.cel_own_container_only(container)]
+        _own_container_only(template["properties"]["containers"]["items"], container)
     task = spec["properties"]["rollout"]["properties"]["task"]
     task["x-kubernetes-validations"] = [rules.CEL_REWARD_SOURCE_NEEDS_CUSTOM]
     task["properties"]["rewardSource"]["x-kubernetes-validations"] = [rules.CEL_ONE_REWARD_SOURCE,

@@ -162,18 +162,31 @@ def inline(field: str, document: Optional[dict[str, Any]] = None) -> dict[str, A
     document = document or vendored()
     if field not in document["fields"]:
         raise VendorError(f"{field} is not vendored: run python -m rljob_operator.kube_schemas")
-    definitions = document["definitions"]
+    return _expand(document["fields"][field], document["definitions"])
 
-    def expand(node: Any) -> Any:
-        if isinstance(node, dict):
-            if "$ref" in node:
-                return expand(definitions[node["$ref"]])
-            return {key: expand(value) for key, value in node.items()}
-        if isinstance(node, list):
-            return [expand(value) for value in node]
-        return node
 
-    return expand(document["fields"][field])
+def inline_type(name: str, document: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """The structural schema of the type ``name`` of :data:`TYPES` (e.g. ``Container``) with every reference inlined
+    (a fresh copy).
+
+    Raises:
+        VendorError: no vendored field reaches the type.
+    """
+    document = document or vendored()
+    definition = TYPES.get(name, name)
+    if definition not in document["definitions"]:
+        raise VendorError(f"{name}: no vendored field reaches it")
+    return _expand(document["definitions"][definition], document["definitions"])
+
+
+def _expand(node: Any, definitions: dict[str, Any]) -> Any:
+    if isinstance(node, dict):
+        if "$ref" in node:
+            return _expand(definitions[node["$ref"]], definitions)
+        return {key: _expand(value, definitions) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_expand(value, definitions) for value in node]
+    return node
 
 
 def model_fields() -> list[str]:

@@ -20,7 +20,9 @@ Precedence (README "Pod templates"), ``<c>`` being rljob's container of the role
   source never replaces rljob's env either.
 
 Everything else (image, command, args, ports, resources, probes, nodeSelector, tolerations, restartPolicy, hostname)
-has no field in the template: it is rljob's, or has a field of its own in ``spec.<role>``.
+has no field in the template's model: it is rljob's, or has a field of its own in ``spec.<role>``. The CRD knows the
+other fields of a ``containers`` entry only to refuse them by CEL with that reason
+(:func:`rljob_api.rules.cel_own_container_fields`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 from rljob_api import constants as c, rules
 from rljob_api.pod_template import PodTemplateOverride
-from rljob_api.validation import SpecProblem, at_or_under
+from rljob_api.validation import SpecProblem, mount_collision
 
 RESERVED_PREFIX = f"{c.GROUP}/"
 """Labels and annotations under this prefix are rljob's, on every pod."""
@@ -64,7 +66,7 @@ def conflicts(template: Mapping[str, Any], override: PodTemplateOverride, contai
     for i, entry in enumerate(override.spec.containers):
         path = f"{field}.spec.containers[{i}]"
         if not rules.own_container_only(entry.name, container):
-            problems.append(SpecProblem(f"{path}.name", f"{entry.name!r}: {rules.extra_container_message(container)}"))
+            problems.append(SpecProblem(f"{path}.name", f"{entry.name!r} {rules.extra_container_message(container)}"))
             continue
         problems += _container_conflicts(own, entry.env, entry.volume_mounts, path)
     return problems
@@ -136,10 +138,10 @@ def _container_conflicts(own: Mapping[str, Any], env: list[dict[str, Any]], moun
                 "remove it")))
     rljob_paths = [m["mountPath"] for m in own.get("volumeMounts") or []]
     for j, mount in enumerate(mounts):
-        if any(at_or_under(str(mount.get("mountPath") or ""), p) for p in rljob_paths):
-            problems.append(SpecProblem(f"{path}.volumeMounts[{j}].mountPath", (
-                f"{mount.get('mountPath')!r} is at or under a path rljob mounts in the {own['name']} container "
-                f"({_listing(rljob_paths)}): choose another")))
+        collision = mount_collision(str(mount.get("mountPath") or ""), rljob_paths, own["name"])
+        if collision:
+            problems.append(SpecProblem(f"{path}.volumeMounts[{j}].mountPath",
+                                        f"{mount.get('mountPath')!r} is {collision}: choose another"))
     return problems
 
 

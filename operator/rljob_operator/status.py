@@ -73,11 +73,15 @@ _HEALTHY_FROM_THE_START = (ConditionType.REDIS_READY,)
 """Conditions whose first observation as True is not news either: a reachable external Redis is what a user expects
 of a new job; only a later change (or a False) is worth an Event. Valid=True keeps its Event (SpecValid): it is the
 one transition that tells a user the operator has accepted the job."""
+_RUNNING_NEWS = (Reason.CHECKPOINT_LOST, Reason.EVICTED_BY_KUEUE, Reason.KUEUE_NOT_AVAILABLE,
+                 Reason.KUEUE_INADMISSIBLE)
+"""Reasons of Running that are news even while Running stays False (its reason otherwise follows the phase): a lost
+checkpoint, and a queued job that Kueue evicted or cannot queue (after WaitingForAdmission, say)."""
 _PHASE_CONDITIONS = (ConditionType.RESTARTING, ConditionType.SUSPENDED, ConditionType.SUCCEEDED, ConditionType.FAILED)
 """Conditions that describe a phase: of conditions that say the same, they give the Event."""
 _WARNINGS = (Reason.UNSCHEDULABLE, Reason.ALL_REWARDS_FAILED, Reason.CONTAINER_CANNOT_START, Reason.CONTAINER_FAILING,
              Reason.CHECKPOINT_LOST, Reason.REDIS_UNAVAILABLE, Reason.CLAIM_PENDING, Reason.REWARD_SOURCE_MISSING,
-             Reason.KUEUE_NOT_AVAILABLE)
+             Reason.KUEUE_NOT_AVAILABLE, Reason.KUEUE_INADMISSIBLE)
 """Reasons whose Events are Warnings (besides Failed, Restarting and Valid=False)."""
 _STARVED = (Reason.UNSCHEDULABLE, Reason.CONTAINER_CANNOT_START, Reason.CONTAINER_FAILING,
             Reason.REWARD_SOURCE_MISSING)
@@ -523,7 +527,8 @@ def transition_events(previous: RLTrainingJobStatus, new: RLTrainingJobStatus) -
     Normal otherwise). Conditions that echo the same reason and message (the pod conditions of a suspended, finished or
     invalid job) give one Event, the phase's own condition's (e.g. Succeeded=True), and Running gives none for a reason
     another condition's Event already told. Running's reason otherwise follows the phase, so a change of it alone is
-    no Event, except to CheckpointLost (once per attempt: Running is False between attempts). A new job's first
+    no Event, except to one of :data:`_RUNNING_NEWS` (CheckpointLost: once per attempt, Running is False between
+    attempts; the Kueue holds a user or Kueue must act on, e.g. after WaitingForAdmission). A new job's first
     conditions give none while they say what is expected (RedisReady=True, pods not ready yet)."""
     old = {cond.type: cond for cond in previous.conditions}
     news = []
@@ -531,7 +536,7 @@ def transition_events(previous: RLTrainingJobStatus, new: RLTrainingJobStatus) -
         before = old.get(cond.type)
         if before is not None and before.status == cond.status and (
             before.reason == cond.reason
-            or (cond.type == ConditionType.RUNNING and cond.reason != Reason.CHECKPOINT_LOST.value)
+            or (cond.type == ConditionType.RUNNING and cond.reason not in _RUNNING_NEWS)
         ):
             continue
         if before is None and (

@@ -29,6 +29,7 @@ go, and the job queues anew.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Iterable, Mapping, Optional
@@ -37,6 +38,7 @@ from rljob_api import constants as c
 from rljob_api import names
 from rljob_api.canonical import canonical_hash
 from rljob_api.constants import Reason
+from rljob_api.validation import SpecProblem
 
 KIND = "Workload"
 FLAVOR_KIND = "ResourceFlavor"
@@ -57,8 +59,37 @@ QUOTA_RESERVED = "QuotaReserved"
 EVICTED = "Evicted"
 FINISHED = "Finished"
 REQUEUED = "Requeued"
+INADMISSIBLE = "Inadmissible"
+"""Kueue's QuotaReserved=False reason for a Workload it cannot queue: its LocalQueue or ClusterQueue does not exist or
+is stopped (the message says which), or its resource claims cannot be counted."""
 REQUEUED_REASONS = ("Preempted", "NodeFailures")
 """Eviction reasons after which Kueue's own job reconciler marks a Workload Requeued=True."""
+
+
+_OBJECT_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+"""A lowercase RFC 1123 subdomain, the name of a LocalQueue or WorkloadPriorityClass: what Kueue's webhooks require of
+the value of a queue-name label."""
+_LABELS = {c.LABEL_KUEUE_QUEUE_NAME: ("LocalQueue", " in namespace {namespace}", "to run the job without Kueue"),
+           c.LABEL_KUEUE_PRIORITY_CLASS: ("WorkloadPriorityClass", "", "for the default priority")}
+"""Kueue's labels on a job: (kind of the object the value names, where it lives, what removing the label does)."""
+
+
+def label_problems(labels: Mapping[str, str], namespace: str) -> list[SpecProblem]:
+    """Kueue labels of a job in ``namespace`` whose value names no object: empty (the job would silently run unqueued,
+    or without its priority) or not a lowercase RFC 1123 subdomain."""
+    problems = []
+    for label, (kind, where, unset) in _LABELS.items():
+        value = labels.get(label)
+        if value is None:
+            continue
+        fix = f"set it to the name of a {kind}{where.format(namespace=namespace)}, or remove the label {unset}"
+        if not value:
+            problems.append(SpecProblem(f"metadata.labels[{label}]", f"is empty, which names no {kind}: {fix}"))
+        elif len(value) > 253 or not _OBJECT_NAME.match(value):
+            problems.append(SpecProblem(f"metadata.labels[{label}]", (
+                f"{value!r} is not a {kind} name (lowercase letters, digits, '-' and '.', starting and ending with a "
+                f"letter or digit): {fix}")))
+    return problems
 
 
 def queue_name(labels: Mapping[str, str]) -> Optional[str]:
@@ -182,6 +213,12 @@ def decision(workload: Mapping[str, Any], flavors: Mapping[str, Mapping[str, Any
         "Kueue has not looked at it yet"
     if workload["spec"].get("active") is False:
         said = "inactive while runPolicy.suspend is true"
+    elif cond is not None and cond.get("type") == QUOTA_RESERVED and cond.get("reason") == INADMISSIBLE:
+        namespace = workload["metadata"].get("namespace")
+        return Decision(Hold(Reason.KUEUE_INADMISSIBLE, (
+            f"Kueue cannot admit Workload {name} in LocalQueue {queue} of namespace {namespace}: {said}; create or "
+            f"start the queue (kubectl get localqueue -n {namespace}), or change the job's label "
+            f"{c.LABEL_KUEUE_QUEUE_NAME}; nothing runs until then")), finished=finished)
     return Decision(Hold(Reason.WAITING_FOR_ADMISSION,
                          f"waiting for Kueue to admit Workload {name} in LocalQueue {queue}: {said}"), finished=finished)
 

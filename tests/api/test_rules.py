@@ -75,3 +75,30 @@ def test_the_operators_check_names_the_learning_rate_floor_and_both_values():
     rule = rules.CEL_MIN_LEARNING_RATE
     assert rule["rule"] == "self.minLearningRate <= self.learningRate" and rule["fieldPath"] == ".minLearningRate"
     assert "messageExpression" not in rule  # string(double) blows the CRD's CEL cost budget: the API server refuses it
+
+
+@pytest.mark.parametrize("strategy, reduce, allowed", [
+    ("fsdp", "fp32", True), ("fsdp", "bf16", True), ("ddp", "fp32", True), ("ddp", "bf16", False),
+])
+def test_reduce_format_allowed(strategy, reduce, allowed):
+    assert rules.reduce_format_allowed(strategy, reduce) is allowed
+
+
+@pytest.mark.parametrize("kl_coef, estimator, allowed", [
+    (0.0, "k3", True), (0.0, "k1", False), (0.05, "k1", True), (0.05, "k3", True),
+])
+def test_kl_estimator_allowed(kl_coef, estimator, allowed):
+    assert rules.kl_estimator_allowed(kl_coef, estimator) is allowed
+
+
+def test_the_ignored_settings_rules_are_on_values_the_api_server_defaults_never_trigger():
+    """The CRD fills precision.reduce (fp32) and klEstimator (k3) in before CEL runs, so the rules can only refuse a
+    value other than the default; the default of the model and of the CEL rule are the same constant."""
+    assert RLTrainingJobSpec.model_validate({"model": {"source": "tiny"}}).algorithm.kl_estimator == \
+        rules.DEFAULT_KL_ESTIMATOR
+    assert rules.CEL_KL_ESTIMATOR_NEEDS_KL["rule"] == "self.klCoef > 0.0 || self.klEstimator == 'k3'"
+    assert rules.CEL_REDUCE_NEEDS_FSDP["rule"] == (
+        "self.parallelism.strategy == 'fsdp' || self.precision.reduce == 'fp32'")
+    spec = RLTrainingJobSpec.model_validate({"model": {"source": "tiny"},
+                                             "trainer": {"parallelism": {"strategy": "ddp"}}})
+    assert spec.trainer.precision.reduce == "fp32" and check_spec(spec) == []

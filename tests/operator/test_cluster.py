@@ -229,6 +229,18 @@ def test_schema_and_cel_rules_are_enforced_with_messages_that_name_the_field(kub
     assert ("spec.trainer.parallelism.replicate: Invalid value: \"object\": replicate > 1 (HSDP) requires strategy "
             "fsdp") in refused(job_manifest("ddphsdp", trainer={"nodes": 2, "processesPerNode": 2,
                                                                "parallelism": {"strategy": "ddp", "replicate": 2}}))
+    # a setting the job would ignore is refused, naming both fields; their defaults (filled in before CEL runs) are not
+    assert ('spec.trainer.precision.reduce: Invalid value: "object": precision.reduce bf16 is ignored with '
+            "parallelism.strategy ddp, which all-reduces the gradients in float32 (only fsdp reduces in bf16): remove "
+            "precision.reduce (fp32, the default) or set parallelism.strategy to fsdp") in refused(job_manifest(
+                "ddpbf16", trainer={"parallelism": {"strategy": "ddp"}, "precision": {"reduce": "bf16"}}))
+    kube.apply(job_manifest("ddp", trainer={"parallelism": {"strategy": "ddp"}, "precision": {"param": "bf16"}}),
+               namespace)
+    assert kube.job(namespace, "ddp")["spec"]["trainer"]["precision"] == {"param": "bf16", "reduce": "fp32"}
+    assert ('spec.algorithm.klEstimator: Invalid value: "object": klEstimator k1 is ignored while klCoef is 0 (no KL '
+            "penalty is computed): set klCoef > 0 to enable the KL penalty, or remove klEstimator") in refused(
+        job_manifest("k1", algorithm={"klEstimator": "k1"}))
+    kube.apply(job_manifest("klk1", algorithm={"klCoef": 0.05, "klEstimator": "k1"}), namespace)
     assert 'spec.trainer.parallelism.strategy: Unsupported value: "zero3"' in refused(
         job_manifest("zero3", trainer={"parallelism": {"strategy": "zero3"}}))
     kube.apply(job_manifest("hsdp", trainer={"nodes": 2, "processesPerNode": 2, "parallelism": {"replicate": 2},

@@ -108,7 +108,9 @@ def test_free_form_fields_get_kubernetes_schemas():
 def test_cel_rules_sit_next_to_their_fields():
     spec = _schema()["properties"]["spec"]
     trainer = spec["properties"]["trainer"]
-    assert trainer["x-kubernetes-validations"] == [rules.CEL_TOPOLOGY, rules.CEL_DOCUMENTS_PER_STEP, rules.CEL_REPLICATE]
+    assert trainer["x-kubernetes-validations"] == [
+        rules.CEL_TOPOLOGY, rules.CEL_DOCUMENTS_PER_STEP, rules.CEL_REPLICATE, rules.CEL_REDUCE_NEEDS_FSDP]
+    assert spec["properties"]["algorithm"]["x-kubernetes-validations"] == [rules.CEL_KL_ESTIMATOR_NEEDS_KL]
     assert trainer["properties"]["parallelism"]["x-kubernetes-validations"] == [rules.CEL_REPLICATE_NEEDS_FSDP]
     assert trainer["properties"]["optimizer"]["x-kubernetes-validations"] == [rules.CEL_MIN_LEARNING_RATE]
     assert spec["x-kubernetes-validations"] == [rules.CEL_METRICS_ONE_STAGE, crd.RULE_TOPOLOGY_IMMUTABLE]
@@ -180,8 +182,24 @@ def test_pod_template_fields_carry_kubernetes_schemas_without_nested_description
             if isinstance(node, crd.Vendored):
                 assert "description" not in node, path
         override = pod["containers"]
-        assert set(override["items"]["properties"]) == {"name", "env", "envFrom", "volumeMounts", "securityContext"}
-        assert override["items"]["required"] == ["name"]
-        assert override["x-kubernetes-validations"] == [rules.cel_own_container_only(container)]
-        assert override["x-kubernetes-validations"][0]["rule"] == f"self.all(c, c.name == '{container}')"
+        # every property of Kubernetes' Container is known, so that CEL, not "unknown field", says why one is refused
+        kubernetes = kube_schemas.inline_type("Container")["properties"]
+        assert set(override["items"]["properties"]) == set(kubernetes)
+        own = ("name", "env", "envFrom", "volumeMounts", "securityContext")
+        others = [name for name in kubernetes if name not in own]
+        assert {"image", "command", "args", "ports", "resources", "livenessProbe", "restartPolicy"} <= set(others)
+        for name in others:
+            assert isinstance(override["items"]["properties"][name], crd.Vendored), name
+            assert override["items"]["properties"][name] == kubernetes[name], name
+        assert override["items"]["properties"]["name"] == {
+            "type": "string", "description": override["items"]["properties"]["name"]["description"],
+            "minLength": 1, "maxLength": 63}  # bounded, with maxItems, so that the API server can bound the CEL cost
+        assert (override["maxItems"], override["items"]["required"]) == (16, ["name"])
+        assert "x-kubernetes-validations" not in override
+        assert override["items"]["x-kubernetes-validations"] == [
+            rules.cel_own_container_only(container), rules.cel_own_container_fields(container, others)]
+        name_rule, fields_rule = override["items"]["x-kubernetes-validations"]
+        assert (name_rule["rule"], name_rule["fieldPath"]) == (f"self.name == '{container}'", ".name")
+        assert fields_rule["rule"].startswith(
+            f"self.name != '{container}' || !(has(self.args) || has(self.command) || has(self.image) || ")
         assert template["properties"]["metadata"]["properties"]["labels"]["additionalProperties"] == {"type": "string"}

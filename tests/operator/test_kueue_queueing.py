@@ -157,6 +157,38 @@ def test_a_higher_priority_job_preempts_a_running_one_which_resumes_afterwards_w
     assert attempts == {"1"}
 
 
+def test_an_empty_queue_label_is_invalid_and_a_local_queue_that_does_not_exist_is_a_warning(kube, operator, namespace):
+    """A new user's two queue-label mistakes: an empty label (the job ran unqueued without a word) is Valid=False; a
+    LocalQueue that does not exist holds the job Pending with Kueue's words, the LocalQueue and its namespace, and a
+    Warning Event (it was a Normal WaitingForAdmission); creating the queue lets the job run."""
+    manifest = queued_job("lost")
+    manifest["metadata"]["labels"][c.LABEL_KUEUE_QUEUE_NAME] = ""
+    kube.apply(manifest, namespace)
+    valid = wait_for(lambda: (v := kube.condition(namespace, "lost", "Valid")).get("status") == "False" and v,
+                     "Valid=False for the empty label")
+    assert valid["message"] == (
+        f"metadata.labels[kueue.x-k8s.io/queue-name]: is empty, which names no LocalQueue: set it to the name of a "
+        f"LocalQueue in namespace {namespace}, or remove the label to run the job without Kueue")  # says what to do
+    assert live(kube, namespace, "lost") == []
+
+    kube.run("label", "rljob", "lost", "-n", namespace, f"{c.LABEL_KUEUE_QUEUE_NAME}=lq", "--overwrite")
+    running = wait_for(lambda: (r := kube.condition(namespace, "lost", "Running")).get("reason") == "KueueInadmissible"
+                       and r, "KueueInadmissible while LocalQueue lq does not exist")
+    assert (running["status"], running["message"]) == ("False", (
+        f"Kueue cannot admit Workload lost-workload in LocalQueue lq of namespace {namespace}: QuotaReserved=False "
+        f"(Inadmissible): LocalQueue lq doesn't exist; create or start the queue (kubectl get localqueue -n "
+        f"{namespace}), or change the job's label kueue.x-k8s.io/queue-name; nothing runs until then"))
+    assert kube.job(namespace, "lost")["status"]["phase"] == "Pending"
+    assert kube.condition(namespace, "lost", "Valid")["status"] == "True"
+    events = wait_for(lambda: [e for e in kube.json("get", "events", "-n", namespace)["items"]
+                               if e["reason"] == "KueueInadmissible"], "the KueueInadmissible Event")
+    assert [e["type"] for e in events] == ["Warning"]
+    assert live(kube, namespace, "lost") == []
+
+    queues(kube, namespace, gpus=5)
+    wait_for(lambda: len(live(kube, namespace, "lost")) == 3, "the pods once the LocalQueue exists")
+
+
 def test_a_queued_job_on_a_cluster_without_kueue_is_held_with_a_message_that_says_so(tmp_path):
     """A control plane of its own, where no Kueue API was ever served: the Workload cannot be created, and the pass
     holds the job (Pending, KueueNotAvailable) instead of failing or running unqueued pods."""

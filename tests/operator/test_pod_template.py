@@ -213,20 +213,23 @@ PROBLEMS = {
             {"name": "a", "mountPath": "/etc/rljob"}, {"name": "b", "mountPath": "/etc/rljob-other"},
             {"name": "c", "mountPath": "/var/lib/rljob/checkpoints/more/"},
             {"name": "d", "mountPath": "/etc//rljob/./more"}, {"name": "e", "mountPath": "/dev/shm/../shm/x"}]}]}}}},
-        "spec.trainer.podTemplate.spec.containers[0].volumeMounts[0].mountPath: '/etc/rljob' is at or under a path "
-        "rljob mounts in the trainer container (/etc/rljob, /dev/shm, /var/lib/rljob/checkpoints): choose another",
+        "spec.trainer.podTemplate.spec.containers[0].volumeMounts[0].mountPath: '/etc/rljob' is at or under a "
+        "directory rljob mounts in the trainer container (/etc/rljob, /dev/shm, /var/lib/rljob/checkpoints): choose "
+        "another",
         "spec.trainer.podTemplate.spec.containers[0].volumeMounts[2].mountPath: '/var/lib/rljob/checkpoints/more/' is "
-        "at or under a path rljob mounts in the trainer container (/etc/rljob, /dev/shm, /var/lib/rljob/checkpoints): "
-        "choose another",
+        "at or under a directory rljob mounts in the trainer container (/etc/rljob, /dev/shm, "
+        "/var/lib/rljob/checkpoints): choose another",
         "spec.trainer.podTemplate.spec.containers[0].volumeMounts[3].mountPath: '/etc//rljob/./more' is at or under a "
-        "path rljob mounts in the trainer container (/etc/rljob, /dev/shm, /var/lib/rljob/checkpoints): choose another",
+        "directory rljob mounts in the trainer container (/etc/rljob, /dev/shm, /var/lib/rljob/checkpoints): choose "
+        "another",
         "spec.trainer.podTemplate.spec.containers[0].volumeMounts[4].mountPath: '/dev/shm/../shm/x' is at or under a "
-        "path rljob mounts in the trainer container (/etc/rljob, /dev/shm, /var/lib/rljob/checkpoints): choose another",
+        "directory rljob mounts in the trainer container (/etc/rljob, /dev/shm, /var/lib/rljob/checkpoints): choose "
+        "another",
     ),
     "redis-data-mount": (
         {"redis": {"podTemplate": {"spec": {"containers": [{"name": "redis", "volumeMounts": [
             {"name": "x", "mountPath": "/data"}]}]}}}},
-        "spec.redis.podTemplate.spec.containers[0].volumeMounts[0].mountPath: '/data' is at or under a path rljob "
+        "spec.redis.podTemplate.spec.containers[0].volumeMounts[0].mountPath: '/data' is at or under a directory rljob "
         "mounts in the redis container (/data): choose another",
     ),
     "init-containers": (
@@ -243,17 +246,19 @@ PROBLEMS = {
     ),
     "extra-container": (
         {"trainer": {"podTemplate": {"spec": {"containers": [{"name": "trainer"}, {"name": "logger"}]}}}},
-        "spec.trainer.podTemplate.spec.containers[1].name: 'logger': only the trainer container may be listed (to "
-        "add env, envFrom, volumeMounts or securityContext to it): an extra regular container is refused because a "
-        "pod ends only when all its regular containers have exited, so a trainer pod would never reach Succeeded; "
-        "run it as a native sidecar instead, an initContainers entry with restartPolicy: Always",
+        "spec.trainer.podTemplate.spec.containers[1].name: 'logger' is not rljob's trainer container: "
+        "podTemplate.spec.containers only adds env, envFrom, volumeMounts, securityContext to rljob's own container, "
+        "named trainer, and cannot add a container (a pod ends only when all its regular containers have exited, so a "
+        "trainer pod would never reach Succeeded); run a sidecar as a native sidecar instead: move it to "
+        "podTemplate.spec.initContainers with restartPolicy: Always",
     ),
     "extra-container-redis": (
         {"redis": {"podTemplate": {"spec": {"containers": [{"name": "exporter"}]}}}},
-        "spec.redis.podTemplate.spec.containers[0].name: 'exporter': only the redis container may be listed (to add "
-        "env, envFrom, volumeMounts or securityContext to it): an extra regular container is refused because a pod "
-        "ends only when all its regular containers have exited, so a trainer pod would never reach Succeeded; run it "
-        "as a native sidecar instead, an initContainers entry with restartPolicy: Always",
+        "spec.redis.podTemplate.spec.containers[0].name: 'exporter' is not rljob's redis container: "
+        "podTemplate.spec.containers only adds env, envFrom, volumeMounts, securityContext to rljob's own container, "
+        "named redis, and cannot add a container (a pod ends only when all its regular containers have exited, so a "
+        "trainer pod would never reach Succeeded); run a sidecar as a native sidecar instead: move it to "
+        "podTemplate.spec.initContainers with restartPolicy: Always",
     ),
     "external-redis": (
         {"redis": {"mode": "external", "url": "redis://cache:6379",

@@ -43,12 +43,30 @@ def test_the_api_server_refuses_a_wrong_template_and_explains_its_shape(kube, in
     assert 'unknown field "spec.rollout.podTemplate.spec.volumes[0].hostpath"' in _refused(
         kube, job(rollout={"podTemplate": {"spec": {"volumes": [{"name": "d", "hostpath": {"path": "/d"}}]}}}),
         namespace)
-    assert ('spec.redis.podTemplate.spec.containers: Invalid value: "array": only the redis container may be listed '
-            "(to add env, envFrom, volumeMounts or securityContext to it): an extra regular container is refused "
-            "because a pod ends only when all its regular containers have exited, so a trainer pod would never reach "
-            "Succeeded; run it as a native sidecar instead, an initContainers entry with restartPolicy: Always"
-            ) in _refused(kube, job(redis={"podTemplate": {"spec": {"containers": [{"name": "exporter"}]}}}),
-                          namespace)
+    # a sidecar listed in containers (with an image, as a new user writes it): why, and where it goes instead; not
+    # the API server's 'unknown field "...image"'
+    sidecar = _refused(kube, job(trainer={"podTemplate": {"spec": {"containers": [
+        {"name": "trainer", "env": [{"name": "A", "value": "1"}]},
+        {"name": "logger", "image": "fluent/fluent-bit:3.1", "args": ["-c", "/conf/fluent-bit.conf"],
+         "resources": {"limits": {"memory": "64Mi"}}}]}}}), namespace)
+    assert ("spec.trainer.podTemplate.spec.containers[1].name: Invalid value: \"object\": 'logger' is not rljob's "
+            "trainer container: podTemplate.spec.containers only adds env, envFrom, volumeMounts, securityContext to "
+            "rljob's own container, named trainer, and cannot add a container (a pod ends only when all its regular "
+            "containers have exited, so a trainer pod would never reach Succeeded); run a sidecar as a native sidecar "
+            "instead: move it to podTemplate.spec.initContainers with restartPolicy: Always") in sidecar
+    assert "unknown field" not in sidecar and "containers[0]" not in sidecar
+    assert ("spec.redis.podTemplate.spec.containers[0].name: Invalid value: \"object\": 'exporter' is not rljob's "
+            "redis container") in _refused(kube, job(redis={"podTemplate": {"spec": {"containers": [
+                {"name": "exporter", "image": "oliver006/redis_exporter:v1.62.0"}]}}}), namespace)
+    # what rljob renders on its own container: named, with the fields that configure it
+    own = _refused(kube, job(rollout={"podTemplate": {"spec": {"containers": [
+        {"name": "rollout", "image": "mine/rollout:1", "ports": [{"containerPort": 8080}]}]}}}), namespace)
+    assert ("spec.rollout.podTemplate.spec.containers[0]: Forbidden: image, ports: rljob renders the rollout "
+            "container itself (spec.rollout.image and spec.rollout.resources set its image and resources); its "
+            "podTemplate.spec.containers entry adds only env, envFrom, volumeMounts, securityContext: remove the "
+            "others, or run another program as a native sidecar (podTemplate.spec.initContainers with restartPolicy: "
+            "Always)") in own
+    assert "unknown field" not in own
     assert "spec.trainer.podTemplate.spec.containers[0].env[1]: Duplicate value" in _refused(
         kube, job(trainer={"podTemplate": {"spec": {"containers": [{"name": "trainer", "env": [
             {"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}]}}}), namespace)

@@ -86,6 +86,36 @@ CASES = {
         "spec.rollout.gpusPerReplica: must be 0 with backend 'cpu' (it generates on CPU; 2 would hold 2 GPUs per "
         "rollout pod unused): set it to 0, or backend to 'vllm'",
     ),
+    # a setting the job would ignore (also refused by the CRD's CEL rules, which a CRD older than the operator lacks)
+    "ddp-reduce": (
+        {"trainer": {"parallelism": {"strategy": "ddp"}, "precision": {"reduce": "bf16"}}},
+        "spec.trainer.precision.reduce: bf16 is ignored with spec.trainer.parallelism.strategy ddp, which all-reduces "
+        "the gradients in float32 (only fsdp reduces in precision.reduce; precision.param applies to both): remove "
+        "precision.reduce (fp32, the default) or set parallelism.strategy to fsdp",
+    ),
+    "kl-estimator": (
+        {"algorithm": {"klEstimator": "k1"}},
+        "spec.algorithm.klEstimator: k1 is ignored while spec.algorithm.klCoef is 0 (no KL penalty is computed): set "
+        "klCoef > 0 to enable the KL penalty, or remove klEstimator",
+    ),
+    "tensorboard-root": (
+        {"trainer": {"tensorboard": {"logDir": "//"}}},
+        "spec.trainer.tensorboard.logDir: '//' is the container's root filesystem, which goes with the pod: give a "
+        "directory on a volume, e.g. /var/lib/rljob/checkpoints/tensorboard on spec.trainer.checkpoint.volume",
+    ),
+    "tensorboard-config": (
+        {"trainer": {"tensorboard": {"logDir": "/etc//rljob/./tb/"}}},
+        "spec.trainer.tensorboard.logDir: '/etc//rljob/./tb/' is at or under a directory rljob mounts in the trainer "
+        "container (/etc/rljob, /dev/shm): give a directory on a volume, e.g. /var/lib/rljob/checkpoints/tensorboard "
+        "on spec.trainer.checkpoint.volume",
+    ),
+    "tensorboard-model-volume": (
+        {"trainer": {"tensorboard": {"logDir": "/models/tb"}}, "model": {"source": "path", "path": "/models/qwen/",
+                                                                         "volume": "weights"}},
+        "spec.trainer.tensorboard.logDir: '/models/tb' is at or under a directory rljob mounts in the trainer "
+        "container (/etc/rljob, /dev/shm, /models): give a directory on a volume, e.g. "
+        "/var/lib/rljob/checkpoints/tensorboard on spec.trainer.checkpoint.volume",
+    ),
     # what the CRD schema would have refused, if the CRD was bypassed or is older than the operator
     "schema-bound": ({"trainer": {"nodes": 0}}, "spec.trainer.nodes: Input should be greater than or equal to 1"),
     "schema-unknown": ({"trainer": {"nodez": 2}}, "spec.trainer.nodez: Extra inputs are not permitted"),
@@ -156,3 +186,38 @@ def test_a_refusal_of_the_api_server_is_reported_against_the_field_it_points_at(
     from rljob_operator.admission import refused_field
 
     assert refused_field(message) == field
+
+
+def test_settings_at_their_defaults_or_in_use_are_not_refused():
+    """The checks above look at values, not at whether a field was written: the API server fills the CRD's defaults
+    in before the operator reads the job, so a default (fp32, k3) must never trigger them, nor a value in use."""
+    for raw in ({"trainer": {"parallelism": {"strategy": "ddp"}}},
+                {"trainer": {"parallelism": {"strategy": "ddp"}, "precision": {"param": "bf16", "reduce": "fp32"}}},
+                {"trainer": {"parallelism": {"strategy": "ddp"}, "precision": {"param": "fp32"}}},
+                {"trainer": {"precision": {"reduce": "bf16"}}},  # fsdp, the default strategy
+                {"algorithm": {"klCoef": 0, "klEstimator": "k3"}},
+                {"algorithm": {"klCoef": 0.05, "klEstimator": "k1"}},
+                {"trainer": {"tensorboard": {"logDir": "/var/lib/rljob/checkpoints/tb"}}},
+                {"trainer": {"tensorboard": {"logDir": "/etc/rljob-tb"}}}):
+        _, problems = parse_spec("demo", with_tiny_model(raw))
+        assert problems == [], raw
+
+
+@pytest.mark.parametrize(("labels", "messages"), [
+    ({"kueue.x-k8s.io/queue-name": ""}, [
+        "metadata.labels[kueue.x-k8s.io/queue-name]: is empty, which names no LocalQueue: set it to the name of a "
+        "LocalQueue in namespace ns, or remove the label to run the job without Kueue"]),
+    ({"kueue.x-k8s.io/queue-name": "GPU_queue", "kueue.x-k8s.io/priority-class": ""}, [
+        "metadata.labels[kueue.x-k8s.io/queue-name]: 'GPU_queue' is not a LocalQueue name (lowercase letters, digits, "
+        "'-' and '.', starting and ending with a letter or digit): set it to the name of a LocalQueue in namespace ns, "
+        "or remove the label to run the job without Kueue",
+        "metadata.labels[kueue.x-k8s.io/priority-class]: is empty, which names no WorkloadPriorityClass: set it to the "
+        "name of a WorkloadPriorityClass, or remove the label for the default priority"]),
+    ({"kueue.x-k8s.io/queue-name": "gpu-training", "kueue.x-k8s.io/priority-class": "high"}, []),
+])
+def test_a_kueue_label_that_names_nothing_is_refused_not_ignored(labels, messages):
+    """An empty queue-name label would make the job run unqueued without a word (Kueue's own webhooks refuse it)."""
+    _, problems = parse_spec("demo", {"model": {"source": "tiny"}}, "ns", labels)
+    assert [str(p) for p in problems] == messages
+    if messages:
+        assert valid_condition(problems).status == "False"

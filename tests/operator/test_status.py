@@ -181,13 +181,23 @@ def test_redis_ready_keeps_the_saved_condition_until_this_process_has_probed_red
 
 
 def test_a_job_kueue_cannot_queue_is_a_warning_and_one_waiting_for_admission_is_not():
-    """No Workload API (or a missing WorkloadPriorityClass) holds the job until someone acts: a Warning, like a claim
-    that cannot bind; waiting for quota is what queueing is for: Normal."""
+    """No Workload API (or a missing WorkloadPriorityClass), or a LocalQueue Kueue cannot queue to, holds the job
+    until someone acts: a Warning, like a claim that cannot bind; waiting for quota is what queueing is for: Normal."""
     no_kueue = gang.Lifecycle(reason=Reason.KUEUE_NOT_AVAILABLE, message="the cluster serves no Workload API")
     events = status.transition_events(RLTrainingJobStatus(), build(lifecycle=no_kueue, pods=[]))
     assert [(e.type, e.reason, e.message) for e in events] == [
         ("Normal", "SpecValid", "Valid=True: the spec is valid"),
         ("Warning", "KueueNotAvailable", "Running=False: the cluster serves no Workload API")]
+    no_queue = gang.Lifecycle(reason=Reason.KUEUE_INADMISSIBLE, message="LocalQueue lq of namespace ns: no such")
+    events = status.transition_events(RLTrainingJobStatus(), build(lifecycle=no_queue, pods=[]))
+    assert [(e.type, e.reason, e.message) for e in events][1:] == [
+        ("Warning", "KueueInadmissible", "Running=False: LocalQueue lq of namespace ns: no such")]
     waiting = gang.Lifecycle(reason=Reason.WAITING_FOR_ADMISSION, message="QuotaReserved=False (Pending): no quota")
     events = status.transition_events(RLTrainingJobStatus(), build(lifecycle=waiting, pods=[]))
     assert [(e.type, e.reason) for e in events] == [("Normal", "SpecValid"), ("Normal", "WaitingForAdmission")]
+    # Kueue's first look comes after the job waited for it: Running stays False, its new reason is still news
+    before = build(lifecycle=gang.Lifecycle(reason=Reason.WAITING_FOR_ADMISSION, message="not looked at yet"), pods=[])
+    events = status.transition_events(before, build(before, lifecycle=no_queue, pods=[]))
+    assert [(e.type, e.reason, e.message) for e in events] == [
+        ("Warning", "KueueInadmissible", "Running=False: LocalQueue lq of namespace ns: no such")]
+    assert status.transition_events(before, build(before, lifecycle=waiting, pods=[])) == []  # quota: no news

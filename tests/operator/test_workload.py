@@ -91,6 +91,22 @@ def test_a_queued_workload_holds_the_job_with_kueues_own_words():
     assert fresh.hold.message.endswith("Kueue has not looked at it yet")
 
 
+def test_a_workload_kueue_cannot_queue_holds_the_job_naming_the_local_queue_and_its_namespace():
+    """A LocalQueue that does not exist: Kueue says so in QuotaReserved=False (Inadmissible) and nothing more, so the
+    hold has a reason of its own (a Warning Event, status.py) instead of WaitingForAdmission's Normal one."""
+    job = make_job(labels=QUEUE)
+    wl = _kueue(_workload(job), ("QuotaReserved", "False", "Inadmissible", "LocalQueue team-a doesn't exist"))
+    decided = workload.decision(wl, {})
+    assert decided.hold == Hold(Reason.KUEUE_INADMISSIBLE, (
+        f"Kueue cannot admit Workload demo-workload in LocalQueue team-a of namespace {job.namespace}: "
+        "QuotaReserved=False (Inadmissible): LocalQueue team-a doesn't exist; create or start the queue (kubectl get "
+        f"localqueue -n {job.namespace}), or change the job's label kueue.x-k8s.io/queue-name; nothing runs until "
+        "then"))
+    suspended = _kueue({**wl, "spec": {**wl["spec"], "active": False}}, (
+        "QuotaReserved", "False", "Inadmissible", "LocalQueue team-a doesn't exist"))
+    assert workload.decision(suspended, {}).hold.reason == Reason.WAITING_FOR_ADMISSION  # says: inactive, suspended
+
+
 def test_an_admitted_workload_places_each_pod_set_on_its_flavors():
     wl = _kueue(_workload(make_job(labels=QUEUE, **GPU_JOB)), ("QuotaReserved", "True", "QuotaReserved", "cq"),
                 ("Admitted", "True", "Admitted", "The workload is admitted"), admission=ADMISSION,
