@@ -195,6 +195,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"learning robustness: seeds 0-{args.seeds - 1} x replicas {settings}, cores {args.cores}, load average "
           f"{rp.load_average()}, results {results.path}", flush=True)
     code = 0
+    rp.stop_on_signals()
     try:
         for seed in range(args.seeds):  # seed-major: an interrupted sweep has both settings up to the same seed
             for replicas in settings:

@@ -21,6 +21,7 @@ import copy
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -235,6 +236,17 @@ def cpu_seconds(pid: int) -> float:
             continue
         total += times.user + times.system
     return total
+
+
+def stop_on_signals() -> None:
+    """Make SIGTERM and SIGINT raise KeyboardInterrupt in the main thread, so that a sweep started in the background
+    (where the shell leaves SIGINT ignored) or stopped with ``kill`` ends its runs, kills their processes and keeps
+    its results file, as Ctrl-C does."""
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, interrupt)
 
 
 def kill_tree(process: subprocess.Popen) -> None:

@@ -291,6 +291,7 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"cores {args.cores}, load average {rp.load_average()}, results {results.path}", flush=True)
     outcomes: list[Outcome] = []
     code = 0
+    rp.stop_on_signals()
     try:
         done = results.records()
         for seed in range(args.seeds):

@@ -580,18 +580,23 @@ def stream_lost_message(old: str, new: Optional[str], backlog: Optional[Backlog]
                         attempt: int) -> str:
     """The one description of a stream Redis forgot (operator Event and Running message). ``backlog``: the group's
     last counts the operator read before (None: never read); ``checkpoint``: status.lastCheckpoint (its ``step`` and
-    ``documents_seen``; None: none committed)."""
+    ``documents_seen``; None: none committed). Both are the operator's last read, a pass before the loss at most: a
+    checkpoint committed after it (which the next attempt loads) covered part of those pending entries, so the message
+    names the checkpoint as the newest one known, never as the one that will be loaded."""
     now = f"holds another one ({new})" if new else "holds none"
     lost = "what it held is gone"
     if backlog is not None:
         undelivered = "an unknown number of" if backlog.undelivered is None else str(backlog.undelivered)
-        lost = (f"at the last read it held {backlog.pending} entries trained since the last checkpoint (pending) and "
-                f"{undelivered} written but not delivered yet: those are gone")
+        lost = (f"at the operator's last read it held {backlog.pending} entries trained since the last checkpoint "
+                f"(pending) and {undelivered} written but not delivered yet: those not covered by a later checkpoint "
+                "are gone")
     if checkpoint is not None:
-        goes_on = (f"the gang goes on from checkpoint step {checkpoint.step} ({checkpoint.documents_seen} documents), "
-                   "recreating the stream and its consumer group")
+        goes_on = (f"the gang goes on from the newest committed checkpoint, step {checkpoint.step} "
+                   f"({checkpoint.documents_seen} documents) at that read or a later one, recreating the stream and its "
+                   "consumer group")
     else:
-        goes_on = "the gang starts over (no checkpoint was committed), recreating the stream and its consumer group"
+        goes_on = ("the gang goes on from the newest committed checkpoint (none at the operator's last read: then it "
+                   "starts over), recreating the stream and its consumer group")
     return (f"Redis forgot the job's stream during attempt {attempt} (its identity was {old}, Redis {now}; a managed "
             f"Redis without persistence restarted, or an external one was flushed or failed over): {lost}; "
             f"{goes_on}; the restart is not counted against backoffLimit")

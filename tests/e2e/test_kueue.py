@@ -3,13 +3,17 @@
 operator runs as a pod under the chart's RBAC, and the trainer and rollout pods run on real kubelets that advertise
 fake ``nvidia.com/gpu`` (4 per node), which the ClusterQueues below count.
 
-- a job held while its ClusterQueue lacks GPUs for trainer and rollout together (no pod at all, the Redis running),
-  admitted once the quota fits, on the flavor's node, to Succeeded (its Workload then Finished);
+- issue 12's "Done when" job: ``examples/rljob-cpu-configmap-reward.yaml`` with a pod template of every kind on each
+  role, held while its ClusterQueue lacks GPUs for trainer and rollout together (no pod at all, the Redis running),
+  admitted once the quota fits, on the flavor's node; an edit of the reward ConfigMap replaces the rollout pod only; a
+  trainer pod deleted restarts the gang from its checkpoint while the Workload stays admitted; Succeeded, the trainer
+  pod beside its native sidecar too, and the Workload Finished;
 - a job preempted by a higher-priority one (its pods deleted, nothing counted) that resumes from its checkpoint and
-  succeeds once the other one has finished;
-- a gang restart under Kueue (a trainer pod deleted) completes while the Workload stays admitted.
+  succeeds once the other one has finished.
 
-On ``--cluster=existing`` the cluster must run Kueue already (with RLTrainingJob as an external framework).
+The jobs share what they can (one job takes the queue, the overrides, the reward edit and the gang restart) because each
+costs minutes on 2 cores. On ``--cluster=existing`` the cluster must run Kueue already (with RLTrainingJob as an
+external framework).
 """
 
 from __future__ import annotations
@@ -19,9 +23,25 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import yaml
 from rljob_api import constants as c
 
-from .conftest import Cluster, checkpointed_job, condition, get_job, job_manifest, phase, wait_for
+from .conftest import (
+    EXAMPLES,
+    Cluster,
+    Recorder,
+    check_attempts_never_mixed,
+    check_trained_once,
+    checkpointed_job,
+    condition,
+    get_job,
+    job_manifest,
+    merge,
+    phase,
+    pvc,
+    redis_snapshot,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.kueue]
 
@@ -31,6 +51,16 @@ NODE = "rljob-node-1"
 HOSTNAME = "kubernetes.io/hostname"
 HELD_S = 20
 """How long a held job is watched for a pod that should not exist (seconds)."""
+REWARD_EXAMPLE = "rljob-cpu-configmap-reward.yaml"
+MAX_STEPS = 40
+EVERY_STEPS = 5
+EDITED_OFFSET = 10.0
+"""What the edited helper adds to every reward: the new code's rewards are at least this, the example's at most 1."""
+EDITED_SCORING = f"""def share(text: str, letter: str) -> float:
+    return {EDITED_OFFSET} + (text.count(letter) / len(text) if text else 0.0)
+"""
+SIDECAR = ("trap 'echo sidecar: stopped; exit 0' TERM; echo sidecar: started; "
+           "while true; do sleep 1; done")
 
 
 @pytest.fixture(scope="module")
@@ -87,12 +117,6 @@ def gpu_spec(max_steps: int, trainer_gpus: int) -> dict:
             "rollout": {"resources": {"limits": {GPU: 1}}}, "runPolicy": {"cleanPodPolicy": "None"}}
 
 
-def workers(cluster: Cluster, namespace: str, job: str) -> list[dict]:
-    return [p for p in cluster.items("pods", namespace, f"{c.LABEL_JOB_NAME}={job}")
-            if p["metadata"]["labels"].get(c.LABEL_ROLE) in ("trainer", "rollout")
-            and not p["metadata"].get("deletionTimestamp")]
-
-
 def workload(cluster: Cluster, namespace: str, job: str) -> dict:
     return cluster.get("workloads.kueue.x-k8s.io", f"{job}-workload", "-n", namespace) or {}
 
@@ -101,35 +125,191 @@ def workload_condition(wl: dict, ctype: str) -> dict:
     return next((cd for cd in (wl.get("status") or {}).get("conditions", []) if cd["type"] == ctype), {})
 
 
-def test_a_job_waits_for_gpu_quota_for_trainer_and_rollout_together_then_runs_on_the_flavors_node(
+def prerequisites(cluster: Cluster, namespace: str) -> None:
+    """What the pod templates of :func:`overrides` name: a ServiceAccount, a pull Secret, a ConfigMap for envFrom,
+    and the cluster-scoped PriorityClass and RuntimeClass (runc, the nodes' containerd handler), named after the
+    namespace."""
+    cluster.kubectl("create", "serviceaccount", "rl-pods", "-n", namespace)
+    cluster.kubectl("create", "secret", "docker-registry", "registry", "-n", namespace, "--docker-server=registry.invalid",
+                    "--docker-username=rl", "--docker-password=unused")
+    cluster.kubectl("create", "configmap", "rl-settings", "-n", namespace, "--from-literal=RLJOB_E2E_FROM=envFrom")
+    cluster.apply({"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": f"rl-{namespace}"},
+                   "value": 100}, namespace)
+    cluster.apply({"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": f"runc-{namespace}"},
+                   "handler": "runc"}, namespace)
+
+
+def overrides(role: str, image: str, namespace: str) -> dict:
+    """A pod template with an override of every kind that README "Pod templates" lists: labels, annotations, the
+    pod-level fields rljob lets the template set, pod and container securityContext, a volume and its mount, a
+    topology spread, a pull Secret, env and envFrom, an init container that runs to completion and a native sidecar."""
+    return {
+        "metadata": {"labels": {"team": "rl"}, "annotations": {"example.com/owner": "e2e"}},
+        "spec": {
+            "serviceAccountName": "rl-pods",
+            "automountServiceAccountToken": False,
+            "priorityClassName": f"rl-{namespace}",
+            "runtimeClassName": f"runc-{namespace}",
+            "schedulerName": "default-scheduler",
+            "imagePullSecrets": [{"name": "registry"}],
+            "securityContext": {"fsGroup": 2000},
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchExpressions": [{"key": HOSTNAME, "operator": "In", "values": ["rljob-node-0", NODE]}]}]}}},
+            "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": HOSTNAME, "whenUnsatisfiable": "ScheduleAnyway",
+                                           "labelSelector": {"matchLabels": {c.LABEL_ROLE: role}}}],
+            "volumes": [{"name": "scratch", "emptyDir": {}}],
+            "initContainers": [
+                {"name": "prepare", "image": image, "command": ["sh", "-c", "echo prepared > /scratch/ready; "
+                                                                            "cat /scratch/ready"],
+                 "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}]},
+                {"name": "sidecar", "image": image, "restartPolicy": "Always", "command": ["sh", "-c", SIDECAR]},
+            ],
+            "containers": [{"name": role, "env": [{"name": "RLJOB_E2E_MARKER", "value": role}],
+                            "envFrom": [{"configMapRef": {"name": "rl-settings"}}],
+                            "volumeMounts": [{"name": "scratch", "mountPath": "/scratch", "readOnly": True}],
+                            "securityContext": {"allowPrivilegeEscalation": False}}],
+        },
+    }
+
+
+def check_overrides(pod: dict, role: str, namespace: str) -> None:
+    """Every override of :func:`overrides` landed on ``pod`` next to what rljob sets."""
+    meta, spec = pod["metadata"], pod["spec"]
+    assert meta["labels"]["team"] == "rl" and meta["labels"][c.LABEL_ROLE] == role, meta["labels"]
+    assert meta["annotations"]["example.com/owner"] == "e2e"
+    assert (spec["serviceAccountName"], spec["automountServiceAccountToken"], spec["priorityClassName"],
+            spec["runtimeClassName"], spec["schedulerName"]) == (
+        "rl-pods", False, f"rl-{namespace}", f"runc-{namespace}", "default-scheduler"), spec
+    assert spec["imagePullSecrets"] == [{"name": "registry"}] and spec["securityContext"]["fsGroup"] == 2000, spec
+    terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms[0]["matchExpressions"][0]["values"] == ["rljob-node-0", NODE], terms
+    assert spec["topologySpreadConstraints"][-1]["topologyKey"] == HOSTNAME
+    assert "scratch" in {v["name"] for v in spec["volumes"]}
+    assert [i["name"] for i in spec["initContainers"]][-2:] == ["prepare", "sidecar"], spec["initContainers"]
+    (container,) = spec["containers"]
+    assert container["name"] == role
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["RLJOB_E2E_MARKER"] == role and c.ENV_CONFIG in env, env
+    assert container["envFrom"] == [{"configMapRef": {"name": "rl-settings"}}]
+    assert {"name": "scratch", "mountPath": "/scratch", "readOnly": True} in container["volumeMounts"]
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_a_job_with_every_override_and_a_configmap_reward_waits_for_quota_then_trains_through_an_edit_and_a_restart(
         cluster, operator, kueue, namespace, diagnostics):
-    name = "held"
+    """Issue 12's "Done when" as a test: the ConfigMap reward example with a pod template of every kind on each role
+    (and labels on the Redis pod), queued by Kueue. Held while the ClusterQueue lacks GPUs for trainer and rollout
+    together (no pod, the Redis running); admitted once the quota fits, on the flavor's node; an edit of the ConfigMap
+    replaces the rollout pod only; a trainer pod deleted restarts the gang from its checkpoint while the Workload
+    stays admitted; Succeeded with every document trained once, the Workload Finished, never evicted."""
+    documents = [d for d in yaml.safe_load_all((EXAMPLES / REWARD_EXAMPLE).read_text()) if d]
+    (config_map,) = [d for d in documents if d["kind"] == "ConfigMap"]
+    (manifest,) = [d for d in documents if d["kind"] == c.KIND]
+    name = manifest["metadata"]["name"]
     diagnostics.job = name
     cq = queues(cluster, namespace, gpus=2)  # the trainer's 2 GPUs fit, the rollout pod's 1 more does not
-    manifest = queued(checkpointed_job(cluster, namespace, name, 5, gpu_spec(20, 2)))
-    cluster.apply(manifest, namespace)
-    held = wait_for(lambda: condition(job := get_job(cluster, namespace, name), c.ConditionType.RUNNING).get(
-        "reason") == c.Reason.WAITING_FOR_ADMISSION.value and "insufficient" in condition(
-        job, c.ConditionType.RUNNING)["message"] and job, 120, "WaitingForAdmission", diagnostics)
-    assert phase(held) == "Pending", diagnostics()
-    wait_for(lambda: ((cluster.get("deployment", f"{name}-redis", "-n", namespace) or {}).get("status") or {}).get(
-        "readyReplicas") == 1, 180, "the Redis (outside the quota) to be ready", diagnostics)
-    time.sleep(HELD_S)
-    assert cluster.items("pods", namespace, f"{c.LABEL_ROLE} in (trainer,rollout)") == [], diagnostics()
+    prerequisites(cluster, namespace)
+    claim = f"{name}-checkpoints"
+    cluster.apply(pvc(claim), namespace)
+    spec = manifest["spec"]
+    image = spec["trainer"]["image"]
+    manifest["spec"] = merge(spec, {
+        "trainer": {"nodes": 1, "processesPerNode": 2, "maxSteps": MAX_STEPS, "resources": {"limits": {GPU: 2}},
+                    "checkpoint": {"everySteps": EVERY_STEPS, "volume": claim},
+                    "podTemplate": overrides("trainer", image, namespace)},
+        "rollout": {"resources": {"limits": {GPU: 1}}, "podTemplate": overrides("rollout", image, namespace)},
+        "redis": {"podTemplate": {"metadata": {"labels": {"team": "rl"}}}},
+        "runPolicy": {"cleanPodPolicy": "None"},  # keep the finished pods to read their containers' states
+    })
+    cluster.apply(config_map, namespace)
 
-    cluster.kubectl("patch", "clusterqueue", cq, "--type=json", "-p", json.dumps([{
-        "op": "replace", "path": "/spec/resourceGroups/0/flavors/0/resources/2/nominalQuota", "value": 3}]))
-    final = wait_for(lambda: phase(job := get_job(cluster, namespace, name)) in ("Succeeded", "Failed") and job,
-                     600, "the admitted job to finish", diagnostics)
-    assert phase(final) == "Succeeded", diagnostics()
-    pods = cluster.items("pods", namespace, f"{c.LABEL_ROLE} in (trainer,rollout)")
-    assert pods and all(p["spec"]["nodeName"] == NODE for p in pods), [p["spec"].get("nodeName") for p in pods]
-    assert all(c.LABEL_KUEUE_QUEUE_NAME not in p["metadata"]["labels"] for p in pods)
-    finished = wait_for(lambda: workload_condition(workload(cluster, namespace, name), "Finished").get(
-        "status") == "True" and workload(cluster, namespace, name), 60, "the Workload Finished", diagnostics)
-    assert workload_condition(finished, "Finished")["reason"] == "Succeeded"
-    assert [w["metadata"]["name"] for w in cluster.items("workloads.kueue.x-k8s.io", namespace)] == [
-        f"{name}-workload"]
+    def job() -> dict:
+        return get_job(cluster, namespace, name)
+
+    def running(role: str) -> list[dict]:
+        return [p for p in cluster.items("pods", namespace, f"{c.LABEL_ROLE}={role}")
+                if not p["metadata"].get("deletionTimestamp")]
+
+    with Recorder(cluster, namespace, "pods") as pods:
+        cluster.apply(queued(manifest), namespace)
+        held = wait_for(lambda: condition(j := job(), c.ConditionType.RUNNING).get(
+            "reason") == c.Reason.WAITING_FOR_ADMISSION.value and "insufficient" in condition(
+            j, c.ConditionType.RUNNING)["message"] and j, 120, "WaitingForAdmission", diagnostics)
+        assert phase(held) == "Pending", diagnostics()
+        wait_for(lambda: ((cluster.get("deployment", f"{name}-redis", "-n", namespace) or {}).get("status") or {}).get(
+            "readyReplicas") == 1, 180, "the Redis (outside the quota) to be ready", diagnostics)
+        time.sleep(HELD_S)
+        assert cluster.items("pods", namespace, f"{c.LABEL_ROLE} in (trainer,rollout)") == [], diagnostics()
+        (redis,) = cluster.items("pods", namespace, f"{c.LABEL_ROLE}=redis")
+        assert redis["metadata"]["labels"]["team"] == "rl", redis["metadata"]["labels"]
+
+        cluster.kubectl("patch", "clusterqueue", cq, "--type=json", "-p", json.dumps([{
+            "op": "replace", "path": "/spec/resourceGroups/0/flavors/0/resources/2/nominalQuota", "value": 3}]))
+        first = wait_for(lambda: ((s := job().get("status") or {}).get("lastCheckpoint") or {}).get("step", 0) >= 1
+                         and s.get("rolloutReward") is not None and s, 600,
+                         "a checkpoint and a reward of the ConfigMap's code", diagnostics)
+        assert first["phase"] == "Running" and 0.0 <= first["rolloutReward"] <= 1.0, first
+        (rollout,) = running("rollout")
+        trainers = running("trainer")
+        assert len(trainers) == 1, trainers
+        for pod, role in ((rollout, "rollout"), (trainers[0], "trainer")):
+            check_overrides(pod, role, namespace)
+            assert pod["spec"]["nodeName"] == NODE, pod["spec"].get("nodeName")
+            assert c.LABEL_KUEUE_QUEUE_NAME not in pod["metadata"]["labels"]
+        volumes = {v["name"]: v for v in rollout["spec"]["volumes"]}
+        assert volumes["reward-source"]["configMap"]["name"] == config_map["metadata"]["name"]
+
+        config_map["data"]["scoring.py"] = EDITED_SCORING
+        cluster.apply(config_map, namespace)
+        edited = wait_for(lambda: ((s := job().get("status") or {}).get("rolloutReward") or 0) >= EDITED_OFFSET
+                          and s, 600, "a reward of the edited ConfigMap in status.rolloutReward", diagnostics)
+        assert edited["phase"] == "Running" and edited["restarts"] == 0, edited
+        assert [p["metadata"]["uid"] for p in running("trainer")] == [trainers[0]["metadata"]["uid"]]
+        (replaced,) = running("rollout")
+        assert replaced["metadata"]["uid"] != rollout["metadata"]["uid"]
+        assert (replaced["metadata"]["labels"][c.LABEL_REWARD_SOURCE_HASH]
+                != rollout["metadata"]["labels"][c.LABEL_REWARD_SOURCE_HASH])
+
+        admitted = workload_condition(workload(cluster, namespace, name), "Admitted")
+        assert admitted.get("status") == "True", workload(cluster, namespace, name)
+        cluster.kubectl("delete", "pod", f"{name}-trainer-0", "-n", namespace, "--wait=false")
+        final = wait_for(lambda: phase(j := job()) in ("Succeeded", "Failed") and j, 600, "the job to finish",
+                         diagnostics)
+    pods.check()
+    status = final["status"]
+    assert status["phase"] == "Succeeded", diagnostics()
+    assert (status["step"], status["restarts"], status["attempt"], status["failedAttempts"]) == (
+        MAX_STEPS, 1, 1, 1), status
+    assert status["rolloutReward"] >= EDITED_OFFSET, status
+    check_attempts_never_mixed(pods, 2)
+    resumed = cluster.kubectl("logs", "-n", namespace, f"{name}-trainer-0", "-c", "trainer").stdout
+    assert "checkpoint: loaded" in resumed, resumed[-3000:]
+    snapshot = redis_snapshot(cluster, namespace, final, diagnostics)
+    check_trained_once(snapshot, status, MAX_STEPS * spec["trainer"]["batch"]["documentsPerStep"])
+
+    # attempt 1's trainer pod reached Succeeded beside its sidecar (stopped by the kubelet after the trainer exited)
+    (trainer,) = wait_for(lambda: (ps := running("trainer")) and all(
+        p["status"].get("phase") == "Succeeded" for p in ps) and ps, 120, "the trainer pod Succeeded", diagnostics)
+    check_overrides(trainer, "trainer", namespace)
+    init = {s["name"]: s for s in trainer["status"]["initContainerStatuses"]}
+    assert init["prepare"]["state"]["terminated"]["exitCode"] == 0, init
+    assert init["sidecar"]["state"].get("terminated") is not None, init
+    (main,) = trainer["status"]["containerStatuses"]
+    assert main["state"]["terminated"]["exitCode"] == 0, main
+    logs = {ct: cluster.kubectl("logs", "-n", namespace, f"{name}-trainer-0", "-c", ct).stdout
+            for ct in ("prepare", "sidecar")}
+    assert "prepared" in logs["prepare"] and "sidecar: started" in logs["sidecar"], logs
+    placed = cluster.items("pods", namespace, f"{c.LABEL_ROLE} in (trainer,rollout)")
+    assert placed and all(p["spec"]["nodeName"] == NODE for p in placed), [p["spec"].get("nodeName") for p in placed]
+
+    # the restart was the operator's alone: Kueue never evicted or requeued the Workload, and Finished frees its quota
+    wl = wait_for(lambda: workload_condition(w := workload(cluster, namespace, name), "Finished").get(
+        "status") == "True" and w, 60, "the Workload Finished", diagnostics)
+    assert workload_condition(wl, "Finished")["reason"] == "Succeeded"
+    assert workload_condition(wl, "Evicted").get("status") != "True", wl["status"]
+    assert not (wl["status"].get("schedulingStats") or {}).get("evictions"), wl["status"]
+    assert "requeueState" not in wl["status"], wl["status"]
+    assert [w["metadata"]["name"] for w in cluster.items("workloads.kueue.x-k8s.io", namespace)] == [f"{name}-workload"]
 
 
 def test_a_preempted_job_resumes_from_its_checkpoint_once_the_higher_priority_job_is_done(
@@ -161,28 +341,3 @@ def test_a_preempted_job_resumes_from_its_checkpoint_once_the_higher_priority_jo
     resumed = cluster.kubectl("logs", "-n", namespace, "low-trainer-0").stdout
     assert "checkpoint: loaded" in resumed, resumed[-3000:]
     assert workload_condition(workload(cluster, namespace, "low"), "Requeued").get("status") == "True"
-
-
-def test_a_gang_restart_under_kueue_completes_while_the_workload_stays_admitted(
-        cluster, operator, kueue, namespace, diagnostics):
-    name = "restart"
-    diagnostics.job = name
-    queues(cluster, namespace, gpus=3)
-    cluster.apply(queued(checkpointed_job(cluster, namespace, name, 5, gpu_spec(40, 2))), namespace)
-    wait_for(lambda: "checkpoint: committed" in cluster.kubectl("logs", "-n", namespace, f"{name}-trainer-0",
-                                                                 check=False).stdout, 300,
-             "the first checkpoint", diagnostics, interval=0.5)
-    admitted = workload_condition(workload(cluster, namespace, name), "Admitted")
-    assert admitted.get("status") == "True", workload(cluster, namespace, name)
-    cluster.kubectl("delete", "pod", f"{name}-trainer-0", "-n", namespace, "--wait=false")
-    final = wait_for(lambda: phase(job := get_job(cluster, namespace, name)) in ("Succeeded", "Failed") and job,
-                     600, "the job to finish", diagnostics)
-    status = final["status"]
-    assert status["phase"] == "Succeeded", diagnostics()
-    assert (status["restarts"], status["attempt"], status["failedAttempts"]) == (1, 1, 1), status
-    wl = wait_for(lambda: workload_condition(w := workload(cluster, namespace, name), "Finished").get(
-        "status") == "True" and w, 60, "the Workload Finished", diagnostics)
-    # the restart was the operator's alone: Kueue never evicted or requeued the Workload
-    assert workload_condition(wl, "Evicted").get("status") != "True", wl["status"]
-    assert not (wl["status"].get("schedulingStats") or {}).get("evictions"), wl["status"]
-    assert "requeueState" not in wl["status"], wl["status"]

@@ -448,10 +448,11 @@ def test_a_stream_redis_forgot_is_reported_with_what_it_held_and_its_restart_is_
     lost = [e for e in events if e.reason == "StreamLost" and not e.message.startswith("Restarting=True")]
     assert [(e.type, e.message) for e in lost] == [("Warning", (
         "Redis forgot the job's stream during attempt 0 (its identity was id-a, Redis holds none; a managed Redis "
-        "without persistence restarted, or an external one was flushed or failed over): at the last read it held 3 "
-        "entries trained since the last checkpoint (pending) and 2 written but not delivered yet: those are gone; the "
-        "gang goes on from checkpoint step 30 (1920 documents), recreating the stream and its consumer group; the "
-        "restart is not counted against backoffLimit"))]
+        "without persistence restarted, or an external one was flushed or failed over): at the operator's last read it "
+        "held 3 entries trained since the last checkpoint (pending) and 2 written but not delivered yet: those not "
+        "covered by a later checkpoint are gone; the gang goes on from the newest committed checkpoint, step 30 (1920 "
+        "documents) at that read or a later one, recreating the stream and its consumer group; the restart is not "
+        "counted against backoffLimit"))]
 
     client.set(prefix + protocol.KEY_STREAM_ID, "id-b")  # attempt 1's rank 0 made a new stream
     next_pass(15)

@@ -222,3 +222,28 @@ def test_the_hf_tokenizer_has_the_ids_of_the_digit_tokenizer():
     assert (hf.pad_token_id, hf.bos_token_id, hf.eos_token_id) == (0, 1, 2)
     assert hf.decode([1, 13, 4, 3, 2], skip_special_tokens=True) == ours.decode([1, 13, 4, 3, 2]) == "90|"
     assert len(hf) == ours.vocab_size == 14
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_a_sweep_started_in_the_background_stops_on_sigterm_and_sigint(signum):
+    """A process whose shell left SIGINT ignored (a background job) still turns SIGTERM and SIGINT into
+    KeyboardInterrupt once :func:`rl_pipeline.stop_on_signals` ran, so the sweep's cleanup runs."""
+    import signal
+    import subprocess
+
+    script = ("import signal, sys, time\n"
+              f"sys.path.insert(0, {str(Path(rp.__file__).parent)!r})\n"
+              "import rl_pipeline as rp\n"
+              "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+              "rp.stop_on_signals()\n"
+              "try:\n    print('ready', flush=True)\n    time.sleep(60)\n"
+              "except KeyboardInterrupt as stop:\n    print('stopped', stop, flush=True)\n"
+              "    sys.exit(130)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(getattr(signal, signum))
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert (proc.returncode, out.strip()) == (130, f"stopped {signum}")
