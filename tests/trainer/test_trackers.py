@@ -1,6 +1,7 @@
 """Experiment trackers of global rank 0 (rljob_trainer.trackers) in real trainer runs: TensorBoard event files read
-back with TensorBoard's own EventAccumulator, MLflow through its file store, and trackers whose package is missing or
-whose server cannot be reached, which must leave training alone."""
+back with TensorBoard's own EventAccumulator, MLflow through its file store, Weights & Biases through an offline run's
+.wandb file (read by the wandb package's own inspector), and trackers whose package is missing or whose server cannot
+be reached, which must leave training alone."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import io
 import json
 import logging
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import mlflow
 import numpy as np
 import pytest
 import torch
+import wandb
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from portutil import free_port
@@ -39,6 +42,13 @@ def expected_scalars(lines: list[dict]) -> dict[int, dict[str, float]]:
             f"progress/{name}": float(record[name]) for name in ("tokens_per_second", "documents_seen", "model_version")
         }
     return out
+
+
+def run_lines(config, client) -> list[dict]:
+    """The JSON lines (one per step) of an in-process trainer run of ``config``."""
+    out = io.StringIO()
+    run(config, client=client, stdout=out)
+    return [json.loads(x) for x in out.getvalue().splitlines()]
 
 
 def read_event_scalars(log_dir: Path) -> dict[int, dict[str, float]]:
@@ -92,18 +102,14 @@ def test_a_resumed_attempt_hides_the_steps_it_trains_again(redis_server, client,
     first = make_config(redis_server, tmp_path / "first", processes=1, documents_per_step=4, max_steps=3,
                         every_steps=2, tensorboard=board)
     write_documents(client, first, make_documents(12, seed=1))
-    out = io.StringIO()
-    run(first, client=client, stdout=out)
-    first_lines = [json.loads(x) for x in out.getvalue().splitlines()]
+    first_lines = run_lines(first, client)
     (step2,) = [p for p in committed_checkpoints(tmp_path / "first") if p.name == "step-00000002"]
 
     client.flushall()
     second = make_config(redis_server, tmp_path / "second", processes=1, documents_per_step=4, max_steps=3,
                          every_steps=2, tensorboard=board, init_from=str(step2))
     write_documents(client, second, make_documents(4, seed=2))
-    out = io.StringIO()
-    run(second, client=client, stdout=out)
-    second_lines = [json.loads(x) for x in out.getvalue().splitlines()]
+    second_lines = run_lines(second, client)
     assert [line["step"] for line in second_lines] == [3]
     assert second_lines[0]["metrics"]["train_samples_reward"] != first_lines[2]["metrics"]["train_samples_reward"]
 
@@ -117,9 +123,7 @@ def test_mlflow_file_store_gets_every_step_of_a_finished_run(redis_server, clien
     monkeypatch.setenv("RLJOB_ATTEMPT", "2")
     config = make_config(redis_server, tmp_path / "ckpt", processes=1, documents_per_step=4, max_steps=3)
     write_documents(client, config, make_documents(12, seed=3))
-    out = io.StringIO()
-    run(config, client=client, stdout=out)
-    lines = [json.loads(x) for x in out.getvalue().splitlines()]
+    lines = run_lines(config, client)
 
     tracking = mlflow.MlflowClient(f"file:{tmp_path / 'mlruns'}")
     experiment = tracking.get_experiment_by_name("rljob-ns-job")
@@ -131,6 +135,58 @@ def test_mlflow_file_store_gets_every_step_of_a_finished_run(redis_server, clien
         for point in tracking.get_metric_history(found.info.run_id, key):
             got.setdefault(point.step, {})[key] = point.value
     assert_same_scalars(got, expected_scalars(lines), float32=False)
+
+
+def read_wandb_records(wandb_dir: Path) -> list[dict]:
+    """The records of the one offline run's .wandb file under ``wandb_dir``, as ``wandb leet inspect --json`` prints
+    them (the package's own reader of its transaction log: wandb-core; W&B 0.31 has no Python reader)."""
+    log_files = list(wandb_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(log_files) == 1, sorted(str(p.relative_to(wandb_dir)) for p in wandb_dir.rglob("*"))
+    done = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(log_files[0])],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+@pytest.fixture
+def wandb_offline(tmp_path, monkeypatch):
+    """W&B on (a dummy key) in offline mode, writing under ``tmp_path``; its wandb-core service is stopped after."""
+    wandb_dir = tmp_path / "wandb-dir"
+    wandb_dir.mkdir()
+    monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef" * 2 + "01234567")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(wandb_dir))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    yield wandb_dir
+    wandb.teardown()
+
+
+def test_wandb_offline_run_gets_every_step_and_finishes(redis_server, client, tmp_path, monkeypatch, wandb_offline):
+    monkeypatch.setenv("WANDB_PROJECT", "rl-tests")
+    monkeypatch.setenv("RLJOB_ATTEMPT", "3")
+    config = make_config(redis_server, tmp_path / "ckpt", processes=1, documents_per_step=4, max_steps=3)
+    write_documents(client, config, make_documents(12, seed=6))
+    lines = run_lines(config, client)
+    assert [line["step"] for line in lines] == [1, 2, 3]
+
+    records = read_wandb_records(wandb_offline)
+    (run_record,) = [r["run"] for r in records if r["type"] == "run"]
+    assert (run_record["project"], run_record["display_name"], run_record["run_group"], run_record["job_type"]) == (
+        "rl-tests", "job-attempt-3", "ns/job", "train")
+    logged_config: dict = {}
+    for record in records:
+        if record["type"] in ("run", "config"):
+            logged_config |= record[record["type"]]["config"]["update"]
+    logged_config.pop("_wandb")
+    assert logged_config == config.spec.model_dump(mode="json", by_alias=True)
+    got: dict[int, dict[str, float]] = {}
+    for record in (r["history"] for r in records if r["type"] == "history"):
+        step = record["step"]["num"]
+        assert step not in got, f"step {step} twice"
+        assert record["item"].pop("_step") == step
+        got[step] = {tag: float(value) for tag, value in record["item"].items() if not tag.startswith("_")}
+    assert_same_scalars(got, expected_scalars(lines), float32=False)
+    assert [r["exit"]["exit_code"] for r in records if r["type"] == "exit"] == [0]  # finished, once
 
 
 def test_trackers_whose_package_is_missing_are_named_and_training_goes_on(redis_server, client, tmp_path, monkeypatch,
