@@ -301,9 +301,10 @@ def test_adopt_sets_owner_reference_and_namespace_but_copies_no_labels(owner):
 #: recorded with their ConfigMap (operator/rljob_operator/resolution.py), so a change here restarts nothing on an
 #: upgrade; it changes what a new job or an edited role gets. Changed on purpose by issue 10
 #: (spec.trainer.parallelism, precision and activationCheckpointing with their defaults) and issue 11
-#: (spec.redis.persistence with its defaults; spec.rollout.rewardFailureDeadlineSeconds with its default).
+#: (spec.redis.persistence with its defaults; spec.rollout.rewardFailureDeadlineSeconds with its default); the CPU
+#: example's by issue 13 (its cosine learning-rate schedule over 300 steps, docs/learning-robustness.md).
 EXAMPLE_HASHES = {
-    "grpo-digits-cpu": ("797390a1373bb61a", "360e27b35132a232", "4968b69c1698ec2a"),
+    "grpo-digits-cpu": ("b586aca0a56f9285", "716c7be73f3772b0", "d417638a84c7fd38"),
     "grpo-qwen-math": ("dfe81c83a9716c45", "e2d974bfb04919ef", "0df5b7a7cf14d34e"),
 }
 
