@@ -301,9 +301,14 @@ def condition(job: dict[str, Any] | None, ctype: c.ConditionType) -> dict[str, A
     return {}
 
 
+def example_documents(name: str) -> list[dict[str, Any]]:
+    """Every object of ``examples/<name>``, in the file's order (a fresh parse: changing them changes nothing else)."""
+    return [doc for doc in yaml.safe_load_all((EXAMPLES / name).read_text()) if doc]
+
+
 def load_example(name: str) -> dict[str, Any]:
     """The RLTrainingJob of ``examples/<name>`` (the file also holds its checkpoint PersistentVolumeClaim)."""
-    return next(doc for doc in yaml.safe_load_all((EXAMPLES / name).read_text()) if doc and doc.get("kind") == c.KIND)
+    return next(doc for doc in example_documents(name) if doc.get("kind") == c.KIND)
 
 
 @dataclass(frozen=True)

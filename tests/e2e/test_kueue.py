@@ -23,17 +23,16 @@ import time
 from collections.abc import Iterator
 
 import pytest
-import yaml
 from rljob_api import constants as c
 
 from .conftest import (
-    EXAMPLES,
     Cluster,
     Recorder,
     check_attempts_never_mixed,
     check_trained_once,
     checkpointed_job,
     condition,
+    example_documents,
     get_job,
     job_manifest,
     merge,
@@ -202,7 +201,7 @@ def test_a_job_with_every_override_and_a_configmap_reward_waits_for_quota_then_t
     together (no pod, the Redis running); admitted once the quota fits, on the flavor's node; an edit of the ConfigMap
     replaces the rollout pod only; a trainer pod deleted restarts the gang from its checkpoint while the Workload
     stays admitted; Succeeded with every document trained once, the Workload Finished, never evicted."""
-    documents = [d for d in yaml.safe_load_all((EXAMPLES / REWARD_EXAMPLE).read_text()) if d]
+    documents = example_documents(REWARD_EXAMPLE)
     (config_map,) = [d for d in documents if d["kind"] == "ConfigMap"]
     (manifest,) = [d for d in documents if d["kind"] == c.KIND]
     name = manifest["metadata"]["name"]

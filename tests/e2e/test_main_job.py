@@ -18,10 +18,10 @@ from rljob_api import constants as c
 from rljob_operator.progress import REWARD_DECIMALS
 
 from .conftest import (
-    EXAMPLES,
     Recorder,
     children,
     condition,
+    example_documents,
     redis_snapshot,
     rollout_rewards,
     wait_for,
@@ -38,7 +38,7 @@ METRICS = ("train_samples_reward", "max_train_samples_reward", "min_train_sample
 
 
 def test_cpu_example_trains_to_succeeded_through_an_operator_restart(cluster, operator, namespace, diagnostics):
-    documents = [d for d in yaml.safe_load_all((EXAMPLES / "rljob-cpu.yaml").read_text()) if d]
+    documents = example_documents("rljob-cpu.yaml")
     example = next(d for d in documents if d["kind"] == c.KIND)
     name, spec = example["metadata"]["name"], example["spec"]
     spec["trainer"]["maxSteps"] = MAX_STEPS
