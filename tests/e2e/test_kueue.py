@@ -6,8 +6,10 @@ fake ``nvidia.com/gpu`` (4 per node), which the ClusterQueues below count.
 - issue 12's "Done when" job: ``examples/rljob-cpu-configmap-reward.yaml`` with a pod template of every kind on each
   role, held while its ClusterQueue lacks GPUs for trainer and rollout together (no pod at all, the Redis running),
   admitted once the quota fits, on the flavor's node; an edit of the reward ConfigMap replaces the rollout pod only; a
-  trainer pod deleted restarts the gang from its checkpoint while the Workload stays admitted; Succeeded, the trainer
-  pod beside its native sidecar too, and the Workload Finished;
+  trainer pod deleted restarts the whole gang (2 FSDP ranks, ``parallelism`` left to its default) from its sharded
+  checkpoint while the Workload stays admitted: Restarting ``PodDeleted`` naming the pod, every pod of attempt 0 gone
+  before any of attempt 1 exists, attempt 1 going on from the step after the checkpoint it loaded, no document lost;
+  Succeeded, the trainer pod beside its native sidecar too, and the Workload Finished;
 - a job preempted by a higher-priority one (its pods deleted, nothing counted) that resumes from its checkpoint and
   succeeds once the other one has finished.
 
@@ -19,6 +21,7 @@ external framework).
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 
@@ -229,7 +232,7 @@ def test_a_job_with_every_override_and_a_configmap_reward_waits_for_quota_then_t
         return [p for p in cluster.items("pods", namespace, f"{c.LABEL_ROLE}={role}")
                 if not p["metadata"].get("deletionTimestamp")]
 
-    with Recorder(cluster, namespace, "pods") as pods:
+    with Recorder(cluster, namespace, "pods") as pods, Recorder(cluster, namespace, "rljobs") as jobs:
         cluster.apply(queued(manifest), namespace)
         held = wait_for(lambda: condition(j := job(), c.ConditionType.RUNNING).get(
             "reason") == c.Reason.WAITING_FOR_ADMISSION.value and "insufficient" in condition(
@@ -275,16 +278,35 @@ def test_a_job_with_every_override_and_a_configmap_reward_waits_for_quota_then_t
         final = wait_for(lambda: phase(j := job()) in ("Succeeded", "Failed") and j, 600, "the job to finish",
                          diagnostics)
     pods.check()
+    jobs.check()
     status = final["status"]
+    per_step = spec["trainer"]["batch"]["documentsPerStep"]
     assert status["phase"] == "Succeeded", diagnostics()
     assert (status["step"], status["restarts"], status["attempt"], status["failedAttempts"]) == (
         MAX_STEPS, 1, 1, 1), status
-    assert status["rolloutReward"] >= EDITED_OFFSET, status
+    assert status["dataParallelSize"] == 2 and status["rolloutReward"] >= EDITED_OFFSET, status
+    assert status["lastCheckpoint"]["step"] == MAX_STEPS, status
+    assert final["spec"]["trainer"]["parallelism"] == {"strategy": "fsdp", "replicate": 1}, final["spec"]["trainer"]
     check_attempts_never_mixed(pods, 2)
+    restarting = [e.object for e in jobs.events if e.status.get("phase") == "Restarting"]
+    assert restarting, [e.status.get("phase") for e in jobs.events]
+    cause = condition(restarting[0], c.ConditionType.RESTARTING)
+    assert (cause["status"], cause["reason"]) == ("True", c.Reason.POD_DELETED.value), cause
+    assert f"{name}-trainer-0" in cause["message"], cause
+    assert condition(final, c.ConditionType.RESTARTING).get("status") == "False"
+
+    # attempt 1 loaded a checkpoint of attempt 0 and went on from the step after it
     resumed = cluster.kubectl("logs", "-n", namespace, f"{name}-trainer-0", "-c", "trainer").stdout
-    assert "checkpoint: loaded" in resumed, resumed[-3000:]
+    loaded = re.findall(r"checkpoint: loaded \S+ \(step (\d+), documents_seen (\d+)", resumed)
+    assert loaded, resumed[-3000:]
+    step, documents = int(loaded[-1][0]), int(loaded[-1][1])
+    assert step >= EVERY_STEPS and step % EVERY_STEPS == 0 and documents == step * per_step, loaded
+    steps = [json.loads(line)["step"] for line in resumed.split("checkpoint: loaded")[-1].splitlines()
+             if line.startswith('{"event": "step"')]
+    assert steps and steps[0] == step + 1 and steps[-1] == MAX_STEPS, steps
     snapshot = redis_snapshot(cluster, namespace, final, diagnostics)
-    check_trained_once(snapshot, status, MAX_STEPS * spec["trainer"]["batch"]["documentsPerStep"])
+    check_trained_once(snapshot, status, MAX_STEPS * per_step)
+    assert snapshot["dead_letter"] == 0 and int(snapshot["checkpoint"]["step"]) == MAX_STEPS, snapshot
 
     # attempt 1's trainer pod reached Succeeded beside its sidecar (stopped by the kubelet after the trainer exited)
     (trainer,) = wait_for(lambda: (ps := running("trainer")) and all(

@@ -1,6 +1,8 @@
 """The local cluster's images, run as a user runs them: built by localcluster/build-images.sh (cached: seconds when
-nothing changed, tens of minutes cold), imported into a throwaway containerd with ``ctr -n k8s.io images import``
-under the names kubelet and the operator use, then started with ``ctr run`` (runc):
+nothing changed, tens of minutes cold), imported into a containerd of the tests' own with ``ctr -n k8s.io images
+import`` under the names kubelet and the operator use, then started with ``ctr run`` (runc). Like the nodes', that
+containerd keeps its root (content and unpacked layers) in ``${RLJOB_CONTAINERD_DIR:-~/.cache/rljob/containerd}/
+image-tests`` across runs, so only images whose digest changed are imported again, and only their new layers unpacked:
 
 - the operator image as its non-root user (10001) with a read-only root filesystem and /tmp on a tmpfs, as the
   chart runs it;
@@ -10,11 +12,12 @@ under the names kubelet and the operator use, then started with ``ctr run`` (run
 
 Needs root, buildah, containerd, ctr and runc (scripts/setup.sh installs them). A missing prerequisite FAILS the
 tests with the reason; RLJOB_SKIP_IMAGES=1 skips them (loudly). Every process the tests start is stopped, also
-on failure: the containers, their shims and the containerd.
+on failure: the containers, their shims and the containerd (its state directory is removed, its root kept).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -30,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from rljob_localcluster import images as img
+from rljob_localcluster.nodes import default_containerd_cache
 
 pytestmark = pytest.mark.slow
 
@@ -85,7 +89,7 @@ def index(prerequisites) -> dict[str, img.Image]:
 
 @dataclass
 class Containerd:
-    """A throwaway containerd: its own root, state and socket; no CRI plugin."""
+    """The tests' containerd: its own root (kept across runs), state and socket; no CRI plugin."""
 
     dir: Path
     socket: str
@@ -167,13 +171,16 @@ def _kill_shims(sock: str) -> None:
 
 @pytest.fixture(scope="module")
 def containerd(index) -> Iterator[Containerd]:
+    root = default_containerd_cache() / "image-tests"
+    root.mkdir(parents=True, exist_ok=True)
+    lock = open(root.parent / "image-tests.lock", "w")  # one containerd per root: a second test run waits here
+    fcntl.flock(lock, fcntl.LOCK_EX)
     base = Path(f"/tmp/rljob-imgtest-{uuid.uuid4().hex[:8]}")  # short: unix socket paths are limited to 108 bytes
-    (base / "root").mkdir(parents=True)
-    (base / "state").mkdir()
+    (base / "state").mkdir(parents=True)
     sock = str(base / "containerd.sock")
     config = base / "config.toml"
     config.write_text(f'''version = 2
-root = "{base / 'root'}"
+root = "{root}"
 state = "{base / 'state'}"
 disabled_plugins = ["io.containerd.grpc.v1.cri"]
 [grpc]
@@ -195,6 +202,8 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"containerd did not start:\n{(base / 'containerd.log').read_text()[-3000:]}")
             time.sleep(0.3)
+        for cid in cd.running():  # left in the kept root by a run that was killed
+            cd.remove(cid)
         t0 = time.monotonic()
         imported = img.import_into(sock, list(index.values()), log=lambda m: print(m, file=sys.stderr))
         print(f"imported {imported} in {time.monotonic() - t0:.0f}s", file=sys.stderr)
@@ -215,6 +224,7 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
         _kill_shims(sock)
         _umount_under(base)
         shutil.rmtree(base, ignore_errors=True)
+        lock.close()
 
 
 # --- the tests ----------------------------------------------------------------------------------------------------
