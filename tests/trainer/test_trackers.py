@@ -173,6 +173,7 @@ def test_wandb_offline_run_gets_every_step_and_finishes(redis_server, client, tm
     (run_record,) = [r["run"] for r in records if r["type"] == "run"]
     assert (run_record["project"], run_record["display_name"], run_record["run_group"], run_record["job_type"]) == (
         "rl-tests", "job-attempt-3", "ns/job", "train")
+    assert run_record["tags"] == ["rljob.job:job", "rljob.namespace:ns", "rljob.attempt:3"], run_record
     logged_config: dict = {}
     for record in records:
         if record["type"] in ("run", "config"):

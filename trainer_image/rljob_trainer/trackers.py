@@ -57,6 +57,12 @@ def run_name(config: JobConfig, attempt: Optional[int]) -> str:
     return config.name if attempt is None else f"{config.name}-attempt-{attempt}"
 
 
+def run_tags(config: JobConfig, attempt: Optional[int]) -> dict[str, str]:
+    """The tags of a tracker run: ``rljob.job``, ``rljob.namespace`` and ``rljob.attempt`` ("None" outside the
+    operator)."""
+    return {"rljob.job": config.name, "rljob.namespace": config.namespace, "rljob.attempt": str(attempt)}
+
+
 class Tracker(Protocol):
     """One destination of the step scalars; called on the trackers' thread only."""
 
@@ -91,8 +97,9 @@ class TensorBoardTracker:
 
 class WandbTracker:
     """A Weights & Biases run per gang attempt: project env ``WANDB_PROJECT`` (default ``rljob``), name
-    :func:`run_name`, group ``<namespace>/<job>``, the job's spec as its config. The key and everything else W&B
-    reads from its own env (``WANDB_API_KEY``, ``WANDB_ENTITY``, ``WANDB_BASE_URL``, ``WANDB_MODE``...)."""
+    :func:`run_name`, group ``<namespace>/<job>``, tags ``rljob.job:<job>``, ``rljob.namespace:<namespace>`` and
+    ``rljob.attempt:<n>`` (MLflow's tags as W&B's plain strings), the job's spec as its config. The key and everything
+    else W&B reads from its own env (``WANDB_API_KEY``, ``WANDB_ENTITY``, ``WANDB_BASE_URL``, ``WANDB_MODE``...)."""
 
     def __init__(self, wandb: Any, config: JobConfig, attempt: Optional[int], environ: Mapping[str, str]) -> None:
         self._run = wandb.init(
@@ -100,6 +107,7 @@ class WandbTracker:
             name=run_name(config, attempt),
             group=f"{config.namespace}/{config.name}",
             job_type="train",
+            tags=[f"{key}:{value}" for key, value in run_tags(config, attempt).items()],
             config=config.spec.model_dump(mode="json", by_alias=True),
         )
 
@@ -124,9 +132,8 @@ class MlflowTracker:
             name = environ.get(ENV_MLFLOW_EXPERIMENT_NAME) or f"rljob-{config.namespace}-{config.name}"
             experiment = self._client.get_experiment_by_name(name)
             experiment_id = experiment.experiment_id if experiment else self._client.create_experiment(name)
-        tags = {"rljob.job": config.name, "rljob.namespace": config.namespace, "rljob.attempt": str(attempt)}
         self.run_id: str = self._client.create_run(experiment_id, run_name=run_name(config, attempt),
-                                                   tags=tags).info.run_id
+                                                   tags=run_tags(config, attempt)).info.run_id
 
     def log(self, scalars: Mapping[str, float], step: int) -> None:
         now = int(time.time() * 1000)
