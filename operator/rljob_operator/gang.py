@@ -41,6 +41,7 @@ Rules (JobSet's BlockingRecreate, Kubernetes Job's backoffLimit, suspend and dea
 
 from __future__ import annotations
 
+import re
 import posixpath
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
@@ -352,6 +353,11 @@ def _suspend(spec: RLTrainingJobSpec, lc: Lifecycle, obs: _Observed) -> Plan:
         message=message,
     )
     return Plan(suspended, delete=_names(p for p in left if not p.deleting))
+
+
+def held_message(message: str) -> str:
+    """A held job's Running message without the count of its pods still terminating (what Kueue said)."""
+    return re.sub(r" \(\d+ pods? still terminating\)$", "", message)
 
 
 def _held(lc: Lifecycle, obs: _Observed, hold: Hold) -> Plan:

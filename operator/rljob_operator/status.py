@@ -57,7 +57,7 @@ from rljob_api.status import Condition, RLTrainingJobStatus, SecretKeyStatus, St
 from rljob_api.validation import SpecProblem
 
 from rljob_operator import eta, overrides
-from rljob_operator.gang import Lifecycle, plural
+from rljob_operator.gang import Lifecycle, held_message, plural
 from rljob_operator.observe import RESTART_REASONS, PodView
 from rljob_operator.progress import Progress, lost_checkpoint_message, status_fields
 
@@ -521,6 +521,12 @@ def status_patch(stored: Mapping[str, Any], new: RLTrainingJobStatus) -> Optiona
     return {"status": patch} if patch else None
 
 
+def _kueue_says_more(before: Condition, cond: Condition) -> bool:
+    """Running stays WaitingForAdmission but Kueue's reason for the hold changed."""
+    return (cond.type == ConditionType.RUNNING and cond.reason == before.reason == Reason.WAITING_FOR_ADMISSION
+            and held_message(cond.message) != held_message(before.message))
+
+
 def transition_events(previous: RLTrainingJobStatus, new: RLTrainingJobStatus) -> list[Event]:
     """One Event per condition whose status or reason changed (Warning for failures, restarts, invalid specs, Redis
     down, pods that cannot be scheduled, cannot start or keep failing, rewards that all failed and lost checkpoints;
@@ -528,13 +534,14 @@ def transition_events(previous: RLTrainingJobStatus, new: RLTrainingJobStatus) -
     invalid job) give one Event, the phase's own condition's (e.g. Succeeded=True), and Running gives none for a reason
     another condition's Event already told. Running's reason otherwise follows the phase, so a change of it alone is
     no Event, except to one of :data:`_RUNNING_NEWS` (CheckpointLost: once per attempt, Running is False between
-    attempts; the Kueue holds a user or Kueue must act on, e.g. after WaitingForAdmission). A new job's first
-    conditions give none while they say what is expected (RedisReady=True, pods not ready yet)."""
+    attempts; the Kueue holds a user or Kueue must act on, e.g. after WaitingForAdmission), and WaitingForAdmission
+    again when what Kueue says changes (not the count of pods still terminating). A new job's first conditions give
+    none while they say what is expected (RedisReady=True, pods not ready yet)."""
     old = {cond.type: cond for cond in previous.conditions}
     news = []
     for cond in new.conditions:
         before = old.get(cond.type)
-        if before is not None and before.status == cond.status and (
+        if before is not None and before.status == cond.status and not _kueue_says_more(before, cond) and (
             before.reason == cond.reason
             or (cond.type == ConditionType.RUNNING and cond.reason not in _RUNNING_NEWS)
         ):

@@ -200,4 +200,12 @@ def test_a_job_kueue_cannot_queue_is_a_warning_and_one_waiting_for_admission_is_
     events = status.transition_events(before, build(before, lifecycle=no_queue, pods=[]))
     assert [(e.type, e.reason, e.message) for e in events] == [
         ("Warning", "KueueInadmissible", "Running=False: LocalQueue lq of namespace ns: no such")]
-    assert status.transition_events(before, build(before, lifecycle=waiting, pods=[])) == []  # quota: no news
+    # still waiting, but Kueue now says why: the Event tells it (kubectl describe shows Kueue's latest word)
+    events = status.transition_events(before, build(before, lifecycle=waiting, pods=[]))
+    assert [(e.type, e.reason, e.message) for e in events] == [
+        ("Normal", "WaitingForAdmission", "Running=False: QuotaReserved=False (Pending): no quota")]
+    after = build(before, lifecycle=waiting, pods=[])
+    assert status.transition_events(after, build(after, lifecycle=waiting, pods=[])) == []  # the same word: no news
+    terminating = gang.Lifecycle(reason=Reason.WAITING_FOR_ADMISSION,
+                                 message="QuotaReserved=False (Pending): no quota (2 pods still terminating)")
+    assert status.transition_events(after, build(after, lifecycle=terminating, pods=[])) == []  # pods going: no news
