@@ -223,7 +223,7 @@ async def admit(body: Mapping[str, Any], before: gang.Lifecycle, pods: Iterable[
     if runtime.rejected and runtime.rejected[0] != generation:
         runtime.rejected = None
     if runtime.rejected:
-        retried = " (tried again after a minute)" if missing_reference(runtime.rejected[1]) else ""
+        retried = " (tried again every 30 s)" if missing_reference(runtime.rejected[1]) else ""
         problems.append(SpecProblem(refused_field(runtime.rejected[1]),
                                     f"the API server refused a child object: {runtime.rejected[1]}{retried}"))
     if spec is not None and not problems and spec.redis.mode == "managed":

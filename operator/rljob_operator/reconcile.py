@@ -13,7 +13,7 @@ Everything decided here comes from :mod:`.admission` and the pure modules (:mod:
    RuntimeClass that does not exist) makes the job Invalid in this pass (admission is asked again); a managed Redis
    moved between an emptyDir and its claim is told in a RedisReplaced Event;
 3. decide the pass's outcome: waiting for an earlier job's children; Invalid (nothing runs, no retry until the spec
-   changes, but for a missing PriorityClass, ServiceAccount or RuntimeClass: tried again after a minute); or the gang's plan (:func:`.gang.plan`) over the observed pods (the kopf index, plus pods this process
+   changes, but for a missing PriorityClass, ServiceAccount or RuntimeClass: tried again every 30 s); or the gang's plan (:func:`.gang.plan`) over the observed pods (the kopf index, plus pods this process
    created or deleted that the watch has not reported yet), Redis's health and the progress hashes (planned again
    with the rollout hash's reward-failure streak when it holds one: past its deadline the job fails) and the reward
    ConfigMap's content (:mod:`.reward_source`: rollout pods made from other content are outdated) — with the plan's

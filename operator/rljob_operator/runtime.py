@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from rljob_operator.resolution import Recorded
 
 
-RETRY_REFUSED_S = 60.0
+RETRY_REFUSED_S = 30.0
 """How long a pod refused for naming a PriorityClass, ServiceAccount or RuntimeClass that does not exist stays refused
 before a pass tries again (it may have been created since; trying on every pass would create and delete the pods of
 the other role each time)."""

@@ -117,7 +117,7 @@ def test_the_operator_merges_every_override_and_replaces_only_the_edited_roles_p
         assert valid["message"].startswith("spec.")
         assert f"podTemplate.spec.priorityClassName: the API server refused a child object: pods \"tpl-" \
                in valid["message"]
-        assert f"is forbidden: no PriorityClass with name {priority} was found (tried again after a minute)" \
+        assert f"is forbidden: no PriorityClass with name {priority} was found (tried again every 30 s)" \
             in valid["message"]
         kube.apply({"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": priority},
                     "value": 1000})
