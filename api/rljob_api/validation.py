@@ -146,25 +146,28 @@ def _trainer_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
 def _importance_sampling_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
     """spec.algorithm: a cap only with importance sampling on, and with it on neither a dual clip nor a clip range,
     which the ratio 1 it leaves never reaches (DESIGN §4)."""
-    a, field = spec.algorithm, "spec.algorithm"
-    sampling, problems = a.importance_sampling, []
+    a, sampling = spec.algorithm, spec.algorithm.importance_sampling
+    problems = []
     if not rules.is_cap_used(sampling.enabled, sampling.cap):
-        problems.append(SpecProblem(f"{field}.importanceSampling.cap", (
+        problems.append(SpecProblem("spec.algorithm.importanceSampling.cap", (
             f"{sampling.cap:g} is ignored while importanceSampling.enabled is false (no behaviour weight is applied): "
             "set enabled: true, or remove cap")))
-    proximal = rules.PROXIMAL_RATIO_IS_ONE
     if not rules.dual_clip_used(a.dual_clip, sampling.enabled):
-        problems.append(SpecProblem(f"{field}.dualClip", (
-            f"{a.dual_clip:g} never binds: {proximal} never above dualClip; the cap bounds the behaviour weight: "
-            "remove dualClip, or disable importanceSampling")))
+        problems.append(_never_binds({"dualClip": a.dual_clip}, "above dualClip", "dualClip"))
     if not rules.epsilons_used(a.epsilon_low, a.epsilon_high, sampling.enabled):
-        set_ones = [(name, value) for name, value in (("epsilonLow", a.epsilon_low), ("epsilonHigh", a.epsilon_high))
-                    if value is not None]
-        problems.append(SpecProblem(f"{field}.{set_ones[0][0]}", (
-            f"{', '.join(f'{name} = {value:g}' for name, value in set_ones)} never "
-            f"{'binds' if len(set_ones) == 1 else 'bind'}: {proximal} never clipped; the cap bounds the behaviour weight: "
-            "remove epsilonLow and epsilonHigh, or disable importanceSampling")))
+        epsilons = {"epsilonLow": a.epsilon_low, "epsilonHigh": a.epsilon_high}
+        problems.append(_never_binds({k: v for k, v in epsilons.items() if v is not None}, "clipped",
+                                     "epsilonLow and epsilonHigh"))
     return problems
+
+
+def _never_binds(settings: dict[str, float], never: str, remove: str) -> SpecProblem:
+    """The problem of ``settings`` (camelCase name: value, under spec.algorithm) that importance sampling leaves
+    nothing to bind: its PPO ratio is 1, never ``never``."""
+    values = ", ".join(f"{name} = {value:g}" for name, value in settings.items())
+    return SpecProblem(f"spec.algorithm.{next(iter(settings))}", (
+        f"{values} never {'binds' if len(settings) == 1 else 'bind'}: {rules.PROXIMAL_RATIO_IS_ONE} never {never}; the "
+        f"cap bounds the behaviour weight: remove {remove}, or disable importanceSampling"))
 
 
 def _schedule_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:

@@ -146,7 +146,7 @@ def test_importance_sampling_refuses_what_it_would_ignore_naming_field_and_value
         "spec.algorithm.importanceSampling.cap: 5 is ignored while importanceSampling.enabled is false (no behaviour "
         "weight is applied): set enabled: true, or remove cap"]
     assert algorithm_problems(importanceSampling=on, dualClip=3) == [
-        f"spec.algorithm.dualClip: 3 never binds: {PROXIMAL} never above dualClip; the cap bounds the behaviour "
+        f"spec.algorithm.dualClip: dualClip = 3 never binds: {PROXIMAL} never above dualClip; the cap bounds the behaviour "
         "weight: remove dualClip, or disable importanceSampling"]
     assert algorithm_problems(importanceSampling=on, epsilonHigh=0.28) == [
         f"spec.algorithm.epsilonHigh: epsilonHigh = 0.28 never binds: {PROXIMAL} never clipped; the cap bounds the "
