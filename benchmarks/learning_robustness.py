@@ -170,25 +170,44 @@ def print_report(records: Sequence[dict[str, Any]], settings: Sequence[int], see
     return ok
 
 
+def replica_counts(text: str) -> list[int]:
+    """An argparse type: comma-separated rollout replica counts, each >= 1 (0 would run a trainer-only job that nothing
+    feeds: the run would wait for its timeout)."""
+    try:
+        counts = [int(part) for part in text.split(",") if part]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated whole numbers such as 1,2, got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"every count must be >= 1 (0 replicas would leave the trainer unfed), "
+                                         f"got {text!r}")
+    return counts
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, default=20, help="seeds 0..N-1 per setting (default 20)")
-    parser.add_argument("--replicas", default="1,2", help="rollout replica counts, comma-separated (default 1,2)")
-    parser.add_argument("--reach", type=float, default=0.95)
-    parser.add_argument("--by-step", type=int, default=150)
-    parser.add_argument("--hold", type=float, default=0.9)
-    parser.add_argument("--through", type=int, default=300)
+    parser.add_argument("--seeds", type=rp.positive_int, default=20, help="seeds 0..N-1 per setting (default 20)")
+    parser.add_argument("--replicas", type=replica_counts, default=[1, 2],
+                        help="rollout replica counts, comma-separated, each >= 1 (default 1,2)")
+    parser.add_argument("--reach", type=rp.reward_level, default=0.95, help="reward to reach, in (0, 1] (default 0.95)")
+    parser.add_argument("--by-step", type=rp.positive_int, default=150, help="step to reach it by (default 150)")
+    parser.add_argument("--hold", type=rp.reward_level, default=0.9,
+                        help="reward to stay at or above after reaching, in (0, 1] (default 0.9)")
+    parser.add_argument("--through", type=rp.positive_int, default=300,
+                        help="last step judged, the runs' maxSteps; at least --by-step (default 300)")
     parser.add_argument("--results", type=Path, default=Path("learning_robustness.jsonl"),
                         help="JSON lines, one per finished run; rerun with the same file to continue")
     parser.add_argument("--work-dir", type=Path, default=None, help="keep each run's logs here (default: a temp dir)")
-    parser.add_argument("--cores", default=",".join(str(c) for c in sorted(os.sched_getaffinity(0))),
+    parser.add_argument("--cores", type=rp.core_list, default=",".join(str(c) for c in sorted(os.sched_getaffinity(0))),
                         help="taskset -c list for every process (default: every core this process may use)")
-    parser.add_argument("--timeout", type=float, default=3600, help="seconds per run before it is killed")
+    parser.add_argument("--timeout", type=rp.positive_float, default=3600, help="seconds per run before it is killed")
     args = parser.parse_args(argv)
+    if args.by_step > args.through:
+        parser.error(f"--by-step {args.by_step} is after --through {args.through}: the step to reach --reach by must "
+                     "be within the judged run")
     rp.require_psutil()
     criterion = Criterion(args.reach, args.by_step, args.hold, args.through)
-    settings = [int(r) for r in args.replicas.split(",") if r]
+    settings = args.replicas
     results = rp.ResultFile(args.results)
     prefix = f"{criterion.reach}/{criterion.by_step}/{criterion.hold}/{criterion.through}"
     work_root = args.work_dir or Path(os.environ.get("TMPDIR", "/tmp")) / "rljob-learning-robustness"

@@ -17,8 +17,10 @@ tests/rollout/test_learning_bench.py.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
+import math
 import os
 import shutil
 import signal
@@ -202,6 +204,52 @@ def _environment() -> dict[str, str]:
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "api"), str(REPO / "trainer_image"), env.get("PYTHONPATH", "")])
     return env
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1 (argparse names the option in its error)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (seconds)."""
+    value = float(text)
+    if not (0 < value < math.inf):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+def reward_level(text: str) -> float:
+    """An argparse type: a rollout reward level in (0, 1] (the digit tasks' rewards lie in [0, 1], so a level above 1
+    is never reached and one at or below 0 is reached by any run)."""
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a rollout reward in (0, 1] (the task's rewards lie in [0, 1]), "
+                                         f"got {text}")
+    return value
+
+
+def core_list(text: str) -> str:
+    """An argparse type: a ``taskset -c`` list (``"0,1"``, ``"0-3,6"``) of cores this process may use, returned as it
+    is."""
+    allowed = os.sched_getaffinity(0)
+    cores: set[int] = set()
+    try:
+        for part in text.split(","):
+            low, _, high = part.partition("-")
+            first, last = int(low), int(high or low)
+            if first > last:
+                raise ValueError(part)
+            cores.update(range(first, last + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a taskset -c list such as 0,1 or 0-3,6, got {text!r}") from None
+    if not cores <= allowed:
+        raise argparse.ArgumentTypeError(f"{text!r} names cores this process may not use (allowed: "
+                                         f"{','.join(map(str, sorted(allowed)))})")
+    return text
 
 
 def pinned(command: list[str], cores: Optional[str]) -> list[str]:

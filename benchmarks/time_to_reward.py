@@ -50,6 +50,7 @@ from typing import Any, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rl_pipeline as rp  # noqa: E402 - a sibling module
+from rljob_api.spec import DIGIT_TASKS  # noqa: E402
 
 VARIANTS = ("streaming", "synchronous", "trl")
 TARGET_SYNC_RATIO = 1.5
@@ -264,16 +265,18 @@ def print_report(outcomes: Sequence[Outcome], variants: Sequence[str], threshold
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
+    parser.add_argument("--seeds", type=rp.positive_int, default=3, help="seeds 0..N-1 (default 3)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
-    parser.add_argument("--threshold", type=float, default=0.9, help="rollout reward to reach (default 0.9)")
-    parser.add_argument("--task", default="digits-copy", help="spec.rollout.task.name (default the example's)")
-    parser.add_argument("--max-steps", type=int, default=200, help="give up after this many steps (default 200)")
-    parser.add_argument("--cores", default=",".join(str(c) for c in sorted(os.sched_getaffinity(0))),
+    parser.add_argument("--threshold", type=rp.reward_level, default=0.9,
+                        help="rollout reward to reach, in (0, 1] (default 0.9)")
+    parser.add_argument("--task", default="digits-copy", choices=DIGIT_TASKS,
+                        help="spec.rollout.task.name, a built-in digit task (default the example's)")
+    parser.add_argument("--max-steps", type=rp.positive_int, default=200, help="give up after this many steps (default 200)")
+    parser.add_argument("--cores", type=rp.core_list, default=",".join(str(c) for c in sorted(os.sched_getaffinity(0))),
                         help="taskset -c list for every process (default: every core this process may use)")
     parser.add_argument("--trl-python", default=sys.executable,
                         help="the Python with the benchmark extra (trl) installed (default: this one)")
-    parser.add_argument("--timeout", type=float, default=1200, help="seconds per run before it is killed")
+    parser.add_argument("--timeout", type=rp.positive_float, default=1200, help="seconds per run before it is killed")
     parser.add_argument("--results", type=Path, default=None, help="JSON lines of finished runs (resumable)")
     parser.add_argument("--work-dir", type=Path, default=None, help="keep every run's logs here (default: a temp dir)")
     args = parser.parse_args(argv)

@@ -7,9 +7,14 @@ it the CEL rule that states the same over the CRD's camelCase fields.
   the whole vocabulary);
 - documentsPerStep is global and divisible by DP (DESIGN §6);
 - HSDP: ``parallelism.replicate`` divides DP, and is 1 unless the strategy is fsdp (DESIGN §5);
-- the learning-rate floor: ``optimizer.minLearningRate`` <= ``optimizer.learningRate`` (a decay never rises);
+- the learning-rate decay: ``optimizer.minLearningRate`` only with a decaying ``schedule`` (linear, cosine), and then
+  below ``learningRate`` (equal: the rate would stay constant), with at least 2 of ``maxSteps`` after the warm-up (the
+  first of them runs at learningRate, so fewer leave nothing to decay);
 - the gradient-reduce format: ``precision.reduce`` bf16 only with strategy fsdp (ddp all-reduces in float32);
 - the KL estimator: ``algorithm.klEstimator`` other than its default only with ``klCoef`` > 0 (else no KL is computed);
+- importance sampling: ``importanceSampling.cap`` other than its default only with ``enabled``; with it enabled the PPO
+  ratio is 1 (DESIGN §4), so neither ``dualClip`` nor ``epsilonLow``/``epsilonHigh`` may be set (they would never
+  bind);
 - a role's ``podTemplate.spec.containers`` name only rljob's own container of that role (no extra regular container),
   and add to it only env, envFrom, volumeMounts and securityContext.
 - the reward source: ``task.rewardSource`` only with task ``custom``, and exactly one of its ``configMapKeyRef`` and
@@ -98,14 +103,77 @@ CEL_METRICS_ONE_STAGE = {
     "reason": "FieldValueInvalid",
 }
 
-#: CEL rule on ``spec.trainer.optimizer``: the decay's floor does not exceed the rate it decays from
+DECAYING_SCHEDULES = ("linear", "cosine")
+"""``optimizer.schedule`` values that decay the learning rate after the warm-up (``constant`` keeps it)."""
+#: CEL rule on ``spec.trainer.optimizer``: the decay's floor is below the rate it decays from
 #: (:func:`learning_rate_floor_allowed`). The message names both fields, not their values: a ``messageExpression``
 #: with ``string(double)`` is refused by the API server (its estimated cost exceeds the CRD's budget 100-fold); the
-#: operator's check prints the values.
+#: operator's check prints the values. A learningRate out of its bounds is the schema's to report.
 CEL_MIN_LEARNING_RATE = {
-    "rule": "self.minLearningRate <= self.learningRate",
-    "message": "optimizer.minLearningRate must not exceed optimizer.learningRate",
+    "rule": "!(self.learningRate > 0.0 && self.learningRate <= 1.0) || self.schedule == 'constant' || "
+    "self.minLearningRate < self.learningRate",
+    "messageExpression": "'optimizer.minLearningRate must be below optimizer.learningRate: schedule ' + self.schedule + "
+    "' decays from learningRate to minLearningRate (equal, the rate would stay constant)'",
+    "message": "optimizer.minLearningRate must be below optimizer.learningRate: the schedule decays from learningRate "
+    "to minLearningRate (equal, the rate would stay constant)",
     "fieldPath": ".minLearningRate",
+    "reason": "FieldValueInvalid",
+}
+FLOOR_IGNORED = ("is ignored with schedule constant (the rate stays at learningRate after the warm-up): set schedule "
+                 "linear or cosine to decay to it, or remove minLearningRate")
+"""Why a floor with schedule constant is refused (the CEL and the operator's message, after the floor)."""
+#: CEL rule on ``spec.trainer.optimizer``: a floor only with a schedule that decays to it
+#: (:func:`learning_rate_floor_used`). minLearningRate's default 0 is filled in before CEL runs, so only another value
+#: can be refused.
+CEL_MIN_LEARNING_RATE_NEEDS_DECAY = {
+    "rule": "self.schedule != 'constant' || self.minLearningRate == 0.0",
+    "message": f"optimizer.minLearningRate {FLOOR_IGNORED}",
+    "fieldPath": ".minLearningRate",
+    "reason": "FieldValueInvalid",
+}
+#: CEL rule on ``spec.trainer``: a decaying schedule has at least 2 of maxSteps after the warm-up
+#: (:func:`decay_steps_allowed`); out-of-range counts are the schema's to report. The message names the fields, not their
+#: values: ``string(int)`` in a ``messageExpression`` blows the CRD's cost budget too; the operator's check prints them.
+CEL_DECAY_NEEDS_STEPS = {
+    "rule": "self.maxSteps < 1 || self.optimizer.warmupSteps < 0 || self.optimizer.schedule == 'constant' || "
+    "self.maxSteps - self.optimizer.warmupSteps >= 2",
+    "message": "optimizer.schedule linear or cosine decays over the steps after the warm-up, the first of them at "
+    "learningRate: it needs maxSteps >= optimizer.warmupSteps + 2, or nothing is left to decay",
+    "fieldPath": ".optimizer.schedule",
+    "reason": "FieldValueInvalid",
+}
+
+DEFAULT_IS_CAP = 2.0
+"""``algorithm.importanceSampling.cap`` when not set."""
+#: CEL rule on ``spec.algorithm.importanceSampling``: a cap other than the default only when the weight it caps is
+#: applied (:func:`is_cap_used`); the default is filled in by the API server, so only another value can be refused.
+CEL_IS_CAP_NEEDS_ENABLED = {
+    "rule": f"self.enabled || self.cap == {DEFAULT_IS_CAP}",
+    "message": "cap is ignored while enabled is false (no behaviour weight is applied): set enabled: true, or remove "
+    "cap",
+    "fieldPath": ".cap",
+    "reason": "FieldValueInvalid",
+}
+PROXIMAL_RATIO_IS_ONE = ("with importanceSampling enabled the PPO ratio is taken against the trainer's own weights at "
+                         "the start of the step and is 1 (DESIGN section 4), so it is")
+"""Why importance sampling leaves the dual clip and the clip range nothing to bind (the CEL and the operator's message)."""
+#: CEL rule on ``spec.algorithm``: no dual clip beside importance sampling (:func:`dual_clip_used`).
+CEL_DUAL_CLIP_WITHOUT_IS = {
+    "rule": "!has(self.dualClip) || !self.importanceSampling.enabled",
+    "message": f"dualClip never binds: {PROXIMAL_RATIO_IS_ONE} never above dualClip; the cap bounds the behaviour weight: "
+    "remove dualClip, or disable importanceSampling",
+    "fieldPath": ".dualClip",
+    "reason": "FieldValueInvalid",
+}
+#: CEL rule on ``spec.algorithm``: no clip range beside importance sampling (:func:`epsilons_used`).
+CEL_EPSILONS_WITHOUT_IS = {
+    "rule": "!(has(self.epsilonLow) || has(self.epsilonHigh)) || !self.importanceSampling.enabled",
+    "messageExpression": "(has(self.epsilonLow) && has(self.epsilonHigh) ? 'epsilonLow and epsilonHigh never bind' : "
+    "has(self.epsilonLow) ? 'epsilonLow never binds' : 'epsilonHigh never binds') + \": "
+    f"{PROXIMAL_RATIO_IS_ONE} never clipped; the cap bounds the behaviour weight: remove epsilonLow and epsilonHigh, or "
+    "disable importanceSampling\"",
+    "message": f"epsilonLow and epsilonHigh never bind: {PROXIMAL_RATIO_IS_ONE} never clipped; the cap bounds the behaviour "
+    "weight: remove epsilonLow and epsilonHigh, or disable importanceSampling",
     "reason": "FieldValueInvalid",
 }
 
@@ -209,9 +277,23 @@ def replicate_allowed(strategy: str, replicate: int, data_parallel_size: int) ->
     return data_parallel_size % replicate == 0 and (strategy == "fsdp" or replicate == 1)
 
 
-def learning_rate_floor_allowed(min_learning_rate: float, learning_rate: float) -> bool:
-    """Whether a schedule may decay from ``learning_rate`` to the floor ``min_learning_rate`` (it is not above it)."""
-    return min_learning_rate <= learning_rate
+def learning_rate_floor_allowed(min_learning_rate: float, learning_rate: float, schedule: str = "cosine") -> bool:
+    """Whether a ``schedule`` may decay from ``learning_rate`` to the floor ``min_learning_rate``: below it when the
+    schedule decays (equal would keep the rate constant); any floor passes with ``constant`` (see
+    :func:`learning_rate_floor_used`)."""
+    return schedule not in DECAYING_SCHEDULES or min_learning_rate < learning_rate
+
+
+def learning_rate_floor_used(min_learning_rate: float, schedule: str) -> bool:
+    """Whether ``min_learning_rate`` is used: ``schedule`` decays to it, or it is the default 0 (which cannot be told
+    apart from one left unset)."""
+    return schedule in DECAYING_SCHEDULES or min_learning_rate == 0.0
+
+
+def decay_steps_allowed(schedule: str, warmup_steps: int, max_steps: int) -> bool:
+    """Whether a decaying ``schedule`` has something to decay: at least 2 of ``max_steps`` updates after
+    ``warmup_steps`` (the first after the warm-up runs at learningRate, progress 0)."""
+    return schedule not in DECAYING_SCHEDULES or max_steps - warmup_steps >= 2
 
 
 def reduce_format_allowed(strategy: str, reduce: str) -> bool:
@@ -224,6 +306,22 @@ def kl_estimator_allowed(kl_coef: float, kl_estimator: str) -> bool:
     """Whether ``kl_estimator`` is used: a KL penalty is on (``kl_coef`` > 0), or it is the default
     (:data:`DEFAULT_KL_ESTIMATOR`, which cannot be told apart from one left unset)."""
     return kl_coef > 0 or kl_estimator == DEFAULT_KL_ESTIMATOR
+
+
+def is_cap_used(enabled: bool, cap: float) -> bool:
+    """Whether ``importanceSampling.cap`` is used: importance sampling is ``enabled``, or the cap is the default
+    (:data:`DEFAULT_IS_CAP`)."""
+    return enabled or cap == DEFAULT_IS_CAP
+
+
+def dual_clip_used(dual_clip: Optional[float], importance_sampling: bool) -> bool:
+    """Whether a ``dual_clip`` can bind: it is unset, or importance sampling is off (with it on the PPO ratio is 1)."""
+    return dual_clip is None or not importance_sampling
+
+
+def epsilons_used(epsilon_low: Optional[float], epsilon_high: Optional[float], importance_sampling: bool) -> bool:
+    """Whether a set clip range can bind: importance sampling is off (with it on the PPO ratio is 1), or none is set."""
+    return not importance_sampling or (epsilon_low is None and epsilon_high is None)
 
 
 def reward_source_allowed(task_name: str, has_source: bool) -> bool:

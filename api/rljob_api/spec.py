@@ -69,11 +69,11 @@ class ImportanceSamplingSpec(ApiModel):
         "region beyond the cap (DESIGN section 4).",
     )
     cap: float = Field(
-        2.0,
+        rules.DEFAULT_IS_CAP,
         ge=1,
         le=1000,
         description="Largest behaviour weight pi_prox / pi_behaviour; larger weights are truncated to it (at least 1, "
-        "so on-policy tokens keep weight 1).",
+        "so on-policy tokens keep weight 1). Used only with enabled: another cap with enabled false is refused.",
     )
 
 
@@ -90,14 +90,14 @@ class AlgorithmSpec(ApiModel):
         gt=0,
         lt=1,
         description="Lower clip range, the ratio is clipped at 1 - epsilonLow. "
-        "Default 0.2 for grpo, 3e-4 for gspo.",
+        "Default 0.2 for grpo, 3e-4 for gspo. Refused with importanceSampling enabled, where the ratio is 1.",
     )
     epsilon_high: Optional[float] = Field(
         None,
         gt=0,
         le=10,
         description="Upper clip range, the ratio is clipped at 1 + epsilonHigh. "
-        "Default 0.2 for grpo, 4e-4 for gspo.",
+        "Default 0.2 for grpo, 4e-4 for gspo. Refused with importanceSampling enabled, where the ratio is 1.",
     )
     metrics: Literal["none", "basic", "full", "auto"] = Field(
         "auto",
@@ -112,7 +112,8 @@ class AlgorithmSpec(ApiModel):
         exclude_if=omitted_at_default(None),
         description="Dual clip for negative advantages (Ye et al. 2020, arXiv:1912.09729): where A < 0 the clipped "
         "surrogate min(r A, clip(r) A) is bounded below by dualClip x A, so a token (gspo: a document) whose ratio r "
-        "has grown far above 1 no longer gives an unbounded loss. Unset (the default): off. Must exceed 1; 3 is usual.",
+        "has grown far above 1 no longer gives an unbounded loss. Unset (the default): off. Must exceed 1; 3 is usual. "
+        "Refused with importanceSampling enabled, where the ratio is 1 and the dual clip never binds.",
     )
     importance_sampling: ImportanceSamplingSpec = Field(
         default_factory=ImportanceSamplingSpec,
@@ -185,14 +186,16 @@ class OptimizerSpec(ApiModel):
         description="Learning rate after the warm-up, over the steps up to maxSteps: constant (the default) keeps "
         "learningRate; linear and cosine decay from learningRate towards minLearningRate, with progress "
         "p = (step - warmupSteps) / (maxSteps - warmupSteps) of the steps done: rate = min + (base - min) x (1 - p), "
-        "or min + (base - min) x (1 + cos(pi p)) / 2.",
+        "or min + (base - min) x (1 + cos(pi p)) / 2. A decay needs maxSteps >= warmupSteps + 2 (the first step after "
+        "the warm-up runs at learningRate).",
     )
     min_learning_rate: float = Field(
         0.0,
         ge=0,
         le=1,
         exclude_if=omitted_at_default(0.0),
-        description="The floor the linear and cosine schedules decay to; at most learningRate.",
+        description="The floor the linear and cosine schedules decay to, below learningRate. Only with schedule linear "
+        "or cosine: another value than 0 with schedule constant is refused.",
     )
 
 

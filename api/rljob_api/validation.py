@@ -97,6 +97,7 @@ def _trainer_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
         problems.append(
             SpecProblem("spec.algorithm.metrics", f"metrics={a.metrics} requires pipelineParallel == 1")
         )
+    problems += _importance_sampling_problems(spec)
     if not rules.kl_estimator_allowed(a.kl_coef, a.kl_estimator):
         problems.append(SpecProblem("spec.algorithm.klEstimator", (
             f"{a.kl_estimator} is ignored while spec.algorithm.klCoef is {a.kl_coef:g} (no KL penalty is computed): "
@@ -127,11 +128,7 @@ def _trainer_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
                 f"documentsPerStep = {t.batch.documents_per_step} is not divisible by the data-parallel size {dp}",
             )
         )
-    opt = t.optimizer
-    if not rules.learning_rate_floor_allowed(opt.min_learning_rate, opt.learning_rate):
-        problems.append(SpecProblem(
-            "spec.trainer.optimizer.minLearningRate",
-            f"minLearningRate = {opt.min_learning_rate:g} must not exceed learningRate = {opt.learning_rate:g}"))
+    problems += _schedule_problems(spec)
     unacked = t.batch.documents_per_step * t.checkpoint.every_steps
     if unacked > spec.redis.max_pending:
         problems.append(
@@ -144,6 +141,54 @@ def _trainer_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
             )
         )
     return problems + _tensorboard_problems(spec)
+
+
+def _importance_sampling_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
+    """spec.algorithm: a cap only with importance sampling on, and with it on neither a dual clip nor a clip range,
+    which the ratio 1 it leaves never reaches (DESIGN §4)."""
+    a, sampling = spec.algorithm, spec.algorithm.importance_sampling
+    problems = []
+    if not rules.is_cap_used(sampling.enabled, sampling.cap):
+        problems.append(SpecProblem("spec.algorithm.importanceSampling.cap", (
+            f"{sampling.cap:g} is ignored while importanceSampling.enabled is false (no behaviour weight is applied): "
+            "set enabled: true, or remove cap")))
+    if not rules.dual_clip_used(a.dual_clip, sampling.enabled):
+        problems.append(_never_binds({"dualClip": a.dual_clip}, "above dualClip", "dualClip"))
+    if not rules.epsilons_used(a.epsilon_low, a.epsilon_high, sampling.enabled):
+        epsilons = {"epsilonLow": a.epsilon_low, "epsilonHigh": a.epsilon_high}
+        problems.append(_never_binds({k: v for k, v in epsilons.items() if v is not None}, "clipped",
+                                     "epsilonLow and epsilonHigh"))
+    return problems
+
+
+def _never_binds(settings: dict[str, float], never: str, remove: str) -> SpecProblem:
+    """The problem of ``settings`` (camelCase name: value, under spec.algorithm) that importance sampling leaves
+    nothing to bind: its PPO ratio is 1, never ``never``."""
+    values = ", ".join(f"{name} = {value:g}" for name, value in settings.items())
+    return SpecProblem(f"spec.algorithm.{next(iter(settings))}", (
+        f"{values} never {'binds' if len(settings) == 1 else 'bind'}: {rules.PROXIMAL_RATIO_IS_ONE} never {never}; the "
+        f"cap bounds the behaviour weight: remove {remove}, or disable importanceSampling"))
+
+
+def _schedule_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
+    """spec.trainer.optimizer: a floor only with a decaying schedule, below the rate it decays from, and steps left to
+    decay over after the warm-up."""
+    t = spec.trainer
+    opt, field = t.optimizer, "spec.trainer.optimizer"
+    problems: list[SpecProblem] = []
+    if not rules.learning_rate_floor_used(opt.min_learning_rate, opt.schedule):
+        problems.append(SpecProblem(f"{field}.minLearningRate", (
+            f"{opt.min_learning_rate:g} {rules.FLOOR_IGNORED}")))
+    elif not rules.learning_rate_floor_allowed(opt.min_learning_rate, opt.learning_rate, opt.schedule):
+        problems.append(SpecProblem(f"{field}.minLearningRate", (
+            f"minLearningRate = {opt.min_learning_rate:g} must be below learningRate = {opt.learning_rate:g}: schedule "
+            f"{opt.schedule} decays from learningRate to minLearningRate (equal, the rate would stay constant)")))
+    if not rules.decay_steps_allowed(opt.schedule, opt.warmup_steps, t.max_steps):
+        problems.append(SpecProblem(f"{field}.schedule", (
+            f"{opt.schedule} decays over the steps after the warm-up, the first of them at learningRate: with "
+            f"warmupSteps = {opt.warmup_steps} and spec.trainer.maxSteps = {t.max_steps} nothing is left to decay; "
+            "it needs maxSteps >= warmupSteps + 2")))
+    return problems
 
 
 def _tensorboard_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:

@@ -278,12 +278,17 @@ def crd() -> dict[str, Any]:
     spec = model_schema(RLTrainingJobSpec, "spec", with_defaults=True)  # required (model has no default)
     spec["x-kubernetes-validations"] = [rules.CEL_METRICS_ONE_STAGE, RULE_TOPOLOGY_IMMUTABLE]
     spec["properties"]["trainer"]["x-kubernetes-validations"] = [rules.CEL_TOPOLOGY, rules.CEL_DOCUMENTS_PER_STEP,
-                                                                  rules.CEL_REPLICATE, rules.CEL_REDUCE_NEEDS_FSDP]
-    spec["properties"]["algorithm"]["x-kubernetes-validations"] = [rules.CEL_KL_ESTIMATOR_NEEDS_KL]
+                                                                  rules.CEL_REPLICATE, rules.CEL_REDUCE_NEEDS_FSDP,
+                                                                  rules.CEL_DECAY_NEEDS_STEPS]
+    spec["properties"]["algorithm"]["x-kubernetes-validations"] = [rules.CEL_KL_ESTIMATOR_NEEDS_KL,
+                                                                    rules.CEL_DUAL_CLIP_WITHOUT_IS,
+                                                                    rules.CEL_EPSILONS_WITHOUT_IS]
+    spec["properties"]["algorithm"]["properties"]["importanceSampling"]["x-kubernetes-validations"] = [
+        rules.CEL_IS_CAP_NEEDS_ENABLED]
     spec["properties"]["trainer"]["properties"]["parallelism"]["x-kubernetes-validations"] = [
         rules.CEL_REPLICATE_NEEDS_FSDP]
     spec["properties"]["trainer"]["properties"]["optimizer"]["x-kubernetes-validations"] = [
-        rules.CEL_MIN_LEARNING_RATE]
+        rules.CEL_MIN_LEARNING_RATE, rules.CEL_MIN_LEARNING_RATE_NEEDS_DECAY]
     for field, container in POD_TEMPLATE_ROLES.items():
         template = spec["properties"][field]["properties"]["podTemplate"]["properties"]["spec"]
         _own_container_only(template["properties"]["containers"]["items"], container)

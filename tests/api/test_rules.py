@@ -62,19 +62,104 @@ def test_the_operators_check_names_the_replicate_and_its_numbers():
         "spec.trainer.parallelism.replicate: replicate = 2 (HSDP) requires strategy fsdp, not ddp"]
 
 
-@pytest.mark.parametrize("floor, base, allowed", [(0.0, 1e-6, True), (1e-6, 1e-6, True), (2e-6, 1e-6, False)])
-def test_learning_rate_floor_allowed(floor, base, allowed):
-    assert rules.learning_rate_floor_allowed(floor, base) is allowed
+@pytest.mark.parametrize("floor, base, schedule, allowed", [
+    (0.0, 1e-6, "cosine", True), (1e-6, 1e-6, "cosine", False), (2e-6, 1e-6, "linear", False),
+    (1e-7, 1e-6, "linear", True), (2e-6, 1e-6, "constant", True),  # constant: learning_rate_floor_used's to refuse
+])
+def test_learning_rate_floor_allowed(floor, base, schedule, allowed):
+    assert rules.learning_rate_floor_allowed(floor, base, schedule) is allowed
+
+
+@pytest.mark.parametrize("floor, schedule, used", [
+    (0.0, "constant", True), (1e-7, "constant", False), (1e-7, "linear", True), (0.0, "cosine", True)])
+def test_learning_rate_floor_used(floor, schedule, used):
+    assert rules.learning_rate_floor_used(floor, schedule) is used
+
+
+@pytest.mark.parametrize("schedule, warmup, max_steps, allowed", [
+    ("cosine", 0, 2, True), ("cosine", 0, 1, False), ("linear", 98, 100, True), ("linear", 99, 100, False),
+    ("cosine", 100, 100, False), ("cosine", 200, 100, False), ("constant", 200, 100, True)])
+def test_decay_steps_allowed(schedule, warmup, max_steps, allowed):
+    assert rules.decay_steps_allowed(schedule, warmup, max_steps) is allowed
+
+
+def optimizer_problems(max_steps: int = 100, **optimizer) -> list[str]:
+    spec = RLTrainingJobSpec.model_validate({"model": {"source": "tiny"},
+                                             "trainer": {"maxSteps": max_steps, "optimizer": optimizer}})
+    return [str(p) for p in check_spec(spec)]
 
 
 def test_the_operators_check_names_the_learning_rate_floor_and_both_values():
-    spec = RLTrainingJobSpec.model_validate({"model": {"source": "tiny"}, "trainer": {
-        "optimizer": {"learningRate": 1e-5, "minLearningRate": 3e-5, "schedule": "cosine"}}})
-    assert [str(p) for p in check_spec(spec)] == [
-        "spec.trainer.optimizer.minLearningRate: minLearningRate = 3e-05 must not exceed learningRate = 1e-05"]
+    assert optimizer_problems(learningRate=1e-5, minLearningRate=3e-5, schedule="cosine") == [
+        "spec.trainer.optimizer.minLearningRate: minLearningRate = 3e-05 must be below learningRate = 1e-05: schedule "
+        "cosine decays from learningRate to minLearningRate (equal, the rate would stay constant)"]
+    assert optimizer_problems(learningRate=1e-5, minLearningRate=1e-5, schedule="linear") == [
+        "spec.trainer.optimizer.minLearningRate: minLearningRate = 1e-05 must be below learningRate = 1e-05: schedule "
+        "linear decays from learningRate to minLearningRate (equal, the rate would stay constant)"]
+    assert optimizer_problems(learningRate=1e-5, minLearningRate=1e-6, schedule="cosine") == []
     rule = rules.CEL_MIN_LEARNING_RATE
-    assert rule["rule"] == "self.minLearningRate <= self.learningRate" and rule["fieldPath"] == ".minLearningRate"
-    assert "messageExpression" not in rule  # string(double) blows the CRD's CEL cost budget: the API server refuses it
+    assert rule["rule"] == ("!(self.learningRate > 0.0 && self.learningRate <= 1.0) || self.schedule == 'constant' || "
+                            "self.minLearningRate < self.learningRate") and rule["fieldPath"] == ".minLearningRate"
+    assert "string(" not in rule["messageExpression"]  # string(double) blows the CRD's CEL cost budget
+
+
+def test_a_floor_without_a_decay_is_refused_naming_the_floor():
+    assert optimizer_problems(minLearningRate=1e-7) == [
+        "spec.trainer.optimizer.minLearningRate: 1e-07 is ignored with schedule constant (the rate stays at "
+        "learningRate after the warm-up): set schedule linear or cosine to decay to it, or remove minLearningRate"]
+    assert optimizer_problems(minLearningRate=2e-6) == optimizer_problems(minLearningRate=2e-6, schedule="constant")
+    assert "ignored with schedule constant" in optimizer_problems(minLearningRate=2e-6)[0]  # not a second message
+    assert len(optimizer_problems(minLearningRate=2e-6)) == 1
+    assert rules.CEL_MIN_LEARNING_RATE_NEEDS_DECAY["rule"] == "self.schedule != 'constant' || self.minLearningRate == 0.0"
+
+
+def test_a_decay_without_steps_after_the_warm_up_is_refused_with_both_counts():
+    assert optimizer_problems(max_steps=100, warmupSteps=200, schedule="cosine") == [
+        "spec.trainer.optimizer.schedule: cosine decays over the steps after the warm-up, the first of them at "
+        "learningRate: with warmupSteps = 200 and spec.trainer.maxSteps = 100 nothing is left to decay; it needs "
+        "maxSteps >= warmupSteps + 2"]
+    assert optimizer_problems(max_steps=100, warmupSteps=99, schedule="linear") == [
+        "spec.trainer.optimizer.schedule: linear decays over the steps after the warm-up, the first of them at "
+        "learningRate: with warmupSteps = 99 and spec.trainer.maxSteps = 100 nothing is left to decay; it needs "
+        "maxSteps >= warmupSteps + 2"]
+    assert optimizer_problems(max_steps=100, warmupSteps=98, schedule="linear") == []
+    assert optimizer_problems(max_steps=100, warmupSteps=200) == []  # constant: a warm-up cut short by maxSteps
+
+
+@pytest.mark.parametrize("enabled, cap, used", [(False, 2.0, True), (False, 5.0, False), (True, 5.0, True)])
+def test_is_cap_used(enabled, cap, used):
+    assert rules.is_cap_used(enabled, cap) is used
+
+
+def algorithm_problems(**algorithm) -> list[str]:
+    spec = RLTrainingJobSpec.model_validate({"model": {"source": "tiny"}, "algorithm": algorithm})
+    return [str(p) for p in check_spec(spec)]
+
+
+PROXIMAL = ("with importanceSampling enabled the PPO ratio is taken against the trainer's own weights at the start of "
+            "the step and is 1 (DESIGN section 4), so it is")
+
+
+def test_importance_sampling_refuses_what_it_would_ignore_naming_field_and_value():
+    on = {"enabled": True, "cap": 3}
+    assert algorithm_problems(importanceSampling={"cap": 5}) == [
+        "spec.algorithm.importanceSampling.cap: 5 is ignored while importanceSampling.enabled is false (no behaviour "
+        "weight is applied): set enabled: true, or remove cap"]
+    assert algorithm_problems(importanceSampling=on, dualClip=3) == [
+        f"spec.algorithm.dualClip: dualClip = 3 never binds: {PROXIMAL} never above dualClip; the cap bounds the behaviour "
+        "weight: remove dualClip, or disable importanceSampling"]
+    assert algorithm_problems(importanceSampling=on, epsilonHigh=0.28) == [
+        f"spec.algorithm.epsilonHigh: epsilonHigh = 0.28 never binds: {PROXIMAL} never clipped; the cap bounds the "
+        "behaviour weight: remove epsilonLow and epsilonHigh, or disable importanceSampling"]
+    assert algorithm_problems(importanceSampling=on, epsilonLow=0.1, epsilonHigh=0.3) == [
+        f"spec.algorithm.epsilonLow: epsilonLow = 0.1, epsilonHigh = 0.3 never bind: {PROXIMAL} never clipped; the "
+        "cap bounds the behaviour weight: remove epsilonLow and epsilonHigh, or disable importanceSampling"]
+    assert algorithm_problems(importanceSampling=on) == []
+    assert algorithm_problems(importanceSampling={"cap": 2}, dualClip=3, epsilonHigh=0.28) == []  # off: both bind
+    assert RLTrainingJobSpec.model_validate({"model": {"source": "tiny"}}).algorithm.importance_sampling.cap == \
+        rules.DEFAULT_IS_CAP
+    assert rules.CEL_IS_CAP_NEEDS_ENABLED["rule"] == "self.enabled || self.cap == 2.0"
+    assert rules.CEL_DUAL_CLIP_WITHOUT_IS["rule"] == "!has(self.dualClip) || !self.importanceSampling.enabled"
 
 
 @pytest.mark.parametrize("strategy, reduce, allowed", [

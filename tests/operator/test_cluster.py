@@ -283,9 +283,44 @@ def test_schema_and_cel_rules_are_enforced_with_messages_that_name_the_field(kub
     assert "fsdp (the default): parameters, gradients and optimizer state are sharded" in " ".join(explained.split())
 
     # issue 13: the corrections' bounds and the learning-rate floor; their defaults fill the stored job, off
-    assert ('spec.trainer.optimizer.minLearningRate: Invalid value: "object": optimizer.minLearningRate must not '
-            'exceed optimizer.learningRate') in refused(job_manifest("floor", trainer={"optimizer": {
-                "learningRate": 1e-5, "minLearningRate": 3e-5, "schedule": "cosine"}}))
+    below = ('spec.trainer.optimizer.minLearningRate: Invalid value: "object": optimizer.minLearningRate must be below '
+             "optimizer.learningRate: schedule cosine decays from learningRate to minLearningRate (equal, the rate "
+             "would stay constant)")
+    assert below in refused(job_manifest("floor", trainer={"optimizer": {
+        "learningRate": 1e-5, "minLearningRate": 3e-5, "schedule": "cosine"}}))
+    assert below in refused(job_manifest("flat", trainer={"optimizer": {
+        "learningRate": 1e-5, "minLearningRate": 1e-5, "schedule": "cosine"}}))
+    minus = refused(job_manifest("minus", trainer={"optimizer": {"learningRate": -1, "schedule": "cosine"}}))
+    assert "learningRate in body should be greater than 0" in minus and "minLearningRate" not in minus
+    # settings the job would ignore are refused, naming the field; their defaults are not
+    assert ('spec.trainer.optimizer.minLearningRate: Invalid value: "object": optimizer.minLearningRate is ignored with '
+            "schedule constant (the rate stays at learningRate after the warm-up): set schedule linear or cosine to "
+            "decay to it, or remove minLearningRate") in refused(job_manifest("floor0", trainer={"optimizer": {
+                "minLearningRate": 1e-7}}))
+    assert ('spec.trainer.optimizer.schedule: Invalid value: "object": optimizer.schedule linear or cosine decays over '
+            "the steps after the warm-up, the first of them at learningRate: it needs maxSteps >= "
+            "optimizer.warmupSteps + 2, or nothing is left to decay") in refused(job_manifest("warm", trainer={
+                "maxSteps": 100, "optimizer": {"warmupSteps": 99, "schedule": "linear"}}))
+    kube.apply(job_manifest("decay", trainer={"maxSteps": 100, "optimizer": {
+        "warmupSteps": 98, "schedule": "linear", "minLearningRate": 1e-7}}), namespace)
+    kube.apply(job_manifest("longwarm", trainer={"maxSteps": 100, "optimizer": {"warmupSteps": 200}}), namespace)
+    assert ('spec.algorithm.importanceSampling.cap: Invalid value: "object": cap is ignored while enabled is false (no '
+            "behaviour weight is applied): set enabled: true, or remove cap") in refused(job_manifest("capoff", algorithm={
+                "importanceSampling": {"cap": 5}}))
+    proximal = ("with importanceSampling enabled the PPO ratio is taken against the trainer's own weights at the start "
+                "of the step and is 1 (DESIGN section 4), so it is")
+    assert (f'spec.algorithm.dualClip: Invalid value: "object": dualClip never binds: {proximal} never above dualClip; '
+            "the cap bounds the behaviour weight: remove dualClip, or disable importanceSampling") in refused(
+        job_manifest("dualis", algorithm={"dualClip": 3, "importanceSampling": {"enabled": True}}))
+    assert (f'spec.algorithm: Invalid value: "object": epsilonHigh never binds: {proximal} never clipped; the cap '
+            "bounds the behaviour weight: remove epsilonLow and epsilonHigh, or disable importanceSampling") in refused(
+        job_manifest("epsis", algorithm={"epsilonHigh": 0.28, "importanceSampling": {"enabled": True}}))
+    assert 'spec.algorithm: Invalid value: "object": epsilonLow and epsilonHigh never bind: ' in refused(job_manifest(
+        "epsis2", algorithm={"epsilonLow": 0.1, "epsilonHigh": 0.28, "importanceSampling": {"enabled": True}}))
+    kube.apply(job_manifest("isok", algorithm={"importanceSampling": {"enabled": True, "cap": 1}, "maxStaleness": 0}),
+               namespace)
+    kube.apply(job_manifest("clips", algorithm={"dualClip": 3, "epsilonHigh": 0.28, "importanceSampling": {"cap": 2}}),
+               namespace)
     assert ("spec.algorithm.dualClip: Invalid value: 1: spec.algorithm.dualClip in body should be greater than 1"
             in refused(job_manifest("dual", algorithm={"dualClip": 1})))
     assert ("spec.algorithm.importanceSampling.cap: Invalid value: 0.5: spec.algorithm.importanceSampling.cap in body "

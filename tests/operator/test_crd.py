@@ -109,10 +109,15 @@ def test_cel_rules_sit_next_to_their_fields():
     spec = _schema()["properties"]["spec"]
     trainer = spec["properties"]["trainer"]
     assert trainer["x-kubernetes-validations"] == [
-        rules.CEL_TOPOLOGY, rules.CEL_DOCUMENTS_PER_STEP, rules.CEL_REPLICATE, rules.CEL_REDUCE_NEEDS_FSDP]
-    assert spec["properties"]["algorithm"]["x-kubernetes-validations"] == [rules.CEL_KL_ESTIMATOR_NEEDS_KL]
+        rules.CEL_TOPOLOGY, rules.CEL_DOCUMENTS_PER_STEP, rules.CEL_REPLICATE, rules.CEL_REDUCE_NEEDS_FSDP,
+        rules.CEL_DECAY_NEEDS_STEPS]
+    algorithm = spec["properties"]["algorithm"]
+    assert algorithm["x-kubernetes-validations"] == [
+        rules.CEL_KL_ESTIMATOR_NEEDS_KL, rules.CEL_DUAL_CLIP_WITHOUT_IS, rules.CEL_EPSILONS_WITHOUT_IS]
+    assert algorithm["properties"]["importanceSampling"]["x-kubernetes-validations"] == [rules.CEL_IS_CAP_NEEDS_ENABLED]
     assert trainer["properties"]["parallelism"]["x-kubernetes-validations"] == [rules.CEL_REPLICATE_NEEDS_FSDP]
-    assert trainer["properties"]["optimizer"]["x-kubernetes-validations"] == [rules.CEL_MIN_LEARNING_RATE]
+    assert trainer["properties"]["optimizer"]["x-kubernetes-validations"] == [
+        rules.CEL_MIN_LEARNING_RATE, rules.CEL_MIN_LEARNING_RATE_NEEDS_DECAY]
     assert spec["x-kubernetes-validations"] == [rules.CEL_METRICS_ONE_STAGE, crd.RULE_TOPOLOGY_IMMUTABLE]
     assert rules.CEL_TOPOLOGY["rule"].endswith(
         "|| (self.nodes * self.processesPerNode) % (self.tensorParallel * self.pipelineParallel) == 0"

@@ -4,7 +4,9 @@ the parsing of TRL's log and the targets. No timing is asserted here."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -247,3 +249,47 @@ def test_a_sweep_started_in_the_background_stops_on_sigterm_and_sigint(signum):
     finally:
         proc.kill()
     assert (proc.returncode, out.strip()) == (130, f"stopped {signum}")
+
+
+def refused(main, argv: list[str], capsys) -> str:
+    """The last line argparse writes to stderr when ``main`` refuses ``argv`` (exit status 2, before any run)."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seeds", "0"], "argument --seeds: must be a whole number >= 1, got 0"),
+    (["--reach", "2"], "argument --reach: must be a rollout reward in (0, 1] (the task's rewards lie in [0, 1]), got 2"),
+    (["--hold", "nan"], "argument --hold: must be a rollout reward in (0, 1] (the task's rewards lie in [0, 1]), got nan"),
+    (["--replicas", "0"], "argument --replicas: every count must be >= 1 (0 replicas would leave the trainer unfed), "
+                          "got '0'"),
+    (["--replicas", "1,two"], "argument --replicas: must be comma-separated whole numbers such as 1,2, got '1,two'"),
+    (["--by-step", "400", "--through", "300"], "--by-step 400 is after --through 300: the step to reach --reach by "
+                                               "must be within the judged run"),
+    (["--timeout", "0"], "argument --timeout: must be a number > 0, got 0"),
+    (["--cores", "1-0"], "argument --cores: must be a taskset -c list such as 0,1 or 0-3,6, got '1-0'"),
+])
+def test_the_robustness_sweep_refuses_bad_arguments_naming_the_option(argv, message, capsys):
+    assert refused(lr.main, argv, capsys) == f"{Path(sys.argv[0]).name}: error: {message}"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seeds", "-1"], "argument --seeds: must be a whole number >= 1, got -1"),
+    (["--threshold", "1.5"], "argument --threshold: must be a rollout reward in (0, 1] (the task's rewards lie in "
+                             "[0, 1]), got 1.5"),
+    (["--task", "math"], "argument --task: invalid choice: 'math' (choose from 'digits-copy', 'digits-reverse', "
+                         "'digits-sort')"),
+    (["--max-steps", "0"], "argument --max-steps: must be a whole number >= 1, got 0"),
+    (["--variants", "streaming,async"], "--variants: unknown ['async']; choose from ('streaming', 'synchronous', 'trl')"),
+])
+def test_time_to_reward_refuses_bad_arguments_naming_the_option(argv, message, capsys):
+    assert refused(ttr.main, argv, capsys) == f"{Path(sys.argv[0]).name}: error: {message}"
+
+
+def test_a_core_list_names_only_cores_this_process_may_use():
+    allowed = sorted(os.sched_getaffinity(0))
+    assert rp.core_list(f"{allowed[0]}") == f"{allowed[0]}"
+    with pytest.raises(argparse.ArgumentTypeError, match=r"'100000' names cores this process may not use \(allowed: "):
+        rp.core_list("100000")
