@@ -168,12 +168,12 @@ def test_gspo_with_full_metrics_in_process(redis_server, tmp_path):
 
 
 def test_corrections_reference_kl_and_decay_in_process(redis_server, tmp_path):
-    """Every correction on, a KL penalty to the reference and a linear decay, in one process: the reference is the
-    initial policy (kl_ref 0 at the first step, then > 0), the corrections' metrics are reported, the learning rate
-    follows the schedule, and the mismatch metric sees every token of the first step (all sampled with version 0)."""
+    """Importance sampling (dualClip and the clip range are refused beside it: the ratio is 1), a KL penalty to the
+    reference and a linear decay, in one process: the reference is the initial policy (kl_ref 0 at the first step,
+    then > 0), the corrections' metrics are reported, the learning rate follows the schedule, and the mismatch metric sees every token of the first step (all sampled with version 0)."""
     config = make_config(
         redis_server, tmp_path / "ckpt", processes=1, documents_per_step=4, max_steps=3,
-        algorithm={"dualClip": 3.0, "importanceSampling": {"enabled": True, "cap": 2.0}, "klCoef": 0.05},
+        algorithm={"importanceSampling": {"enabled": True, "cap": 2.0}, "klCoef": 0.05},
         optimizer={"schedule": "linear", "minLearningRate": 1e-3},
     )
     client = redis_server.client()
@@ -187,7 +187,7 @@ def test_corrections_reference_kl_and_decay_in_process(redis_server, tmp_path):
     # warm-up 1 (1e-2), then p = 0 (1e-2) and p = 1/2 (1e-3 + 9e-3 / 2) over 3 steps
     assert [m["learning_rate"] for m in metrics] == pytest.approx([1e-2, 1e-2, 5.5e-3], rel=1e-12)
     first = metrics[0]
-    assert first["clipped_ratio_fraction"] == 0.0 and first["dual_clip_fraction"] == 0.0  # the proximal ratio is 1
+    assert first["clipped_ratio_fraction"] == 0.0  # the proximal ratio is 1
     assert first["max_behaviour_weight"] >= first["behaviour_weight"] > 0
     assert 0.0 <= first["behaviour_weight_truncated_fraction"] <= 1.0
     # Every document has 4 labelled tokens, so the token mean over the (all current) tokens is the document mean.
