@@ -41,8 +41,8 @@ Rules (JobSet's BlockingRecreate, Kubernetes Job's backoffLimit, suspend and dea
 
 from __future__ import annotations
 
-import re
 import posixpath
+import re
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Iterable, Mapping, Optional, Sequence
@@ -356,7 +356,8 @@ def _suspend(spec: RLTrainingJobSpec, lc: Lifecycle, obs: _Observed) -> Plan:
 
 
 def held_message(message: str) -> str:
-    """A held job's Running message without the count of its pods still terminating (what Kueue said)."""
+    """A held job's Running message without the count of pods still terminating that :func:`_held` adds (what Kueue
+    said)."""
     return re.sub(r" \(\d+ pods? still terminating\)$", "", message)
 
 
