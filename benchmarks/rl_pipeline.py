@@ -36,6 +36,8 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+# The packages a learning run's processes import (api, the wire between pods, trainer, rollout).
+SOURCE_FOLDERS = ("api", "wire", "trainer", "rollout")
 EXAMPLE = REPO / "examples" / "rljob-cpu.yaml"
 TRAINER_PROCESSES = 2
 """Data-parallel ranks of the trainer: the CPU example's 2 pods × 1 process."""
@@ -202,7 +204,7 @@ def free_port() -> int:
 def _environment() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "api"), str(REPO / "trainer_image"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([*(str(REPO / folder) for folder in SOURCE_FOLDERS), env.get("PYTHONPATH", "")])
     return env
 
 
@@ -263,7 +265,7 @@ def require_psutil() -> None:
     try:
         import psutil  # noqa: F401
     except ImportError:
-        print("the learning benchmarks need psutil: pip install -e .[trainer,benchmark]", file=sys.stderr)
+        print("the learning benchmarks need psutil: scripts/install-dev.sh test,benchmark", file=sys.stderr)
         raise SystemExit(2) from None
 
 

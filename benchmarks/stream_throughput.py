@@ -58,7 +58,7 @@ from rljob_api import RLTrainingJobSpec, resolve
 from rljob_api.config import RedisConnection, RedisKeys
 from rljob_operator.render import REDIS_APPENDFSYNC
 from rljob_trainer.stream.batch import pack_documents
-from rljob_trainer.stream.codec import Document, decode_entries, encode_document
+from rljob_wire.codec import Document, decode_entries, encode_document
 from rljob_trainer.stream.reader import StreamReader
 
 BATCH = 64

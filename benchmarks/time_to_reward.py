@@ -26,7 +26,7 @@ against synchronous RL), and (a) sooner than (c). Every run must reach the thres
 
     python benchmarks/time_to_reward.py                       # 3 seeds × 3 variants (≈ 15 min on 2 idle cores)
     python benchmarks/time_to_reward.py --seeds 1 --variants streaming,synchronous
-    python benchmarks/time_to_reward.py --trl-python .venv/bin/python   # where `pip install -e .[trainer,benchmark]` went
+    python benchmarks/time_to_reward.py --trl-python .venv/bin/python   # where `scripts/install-dev.sh test,benchmark` went
 
 Runs go seed by seed, the three variants of a seed one after the other, so that a change of load hits every
 variant alike. Each run's record is appended to ``--results`` (JSON lines) as it ends; a rerun with the same file
@@ -285,7 +285,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if unknown:
         parser.error(f"--variants: unknown {unknown}; choose from {VARIANTS}")
     if "trl" in variants and subprocess.run([args.trl_python, "-c", "import trl"], capture_output=True).returncode:
-        parser.error(f"--trl-python {args.trl_python}: cannot import trl; pip install -e .[trainer,benchmark] there, "
+        parser.error(f"--trl-python {args.trl_python}: cannot import trl; scripts/install-dev.sh test,benchmark there, "
                      f"or leave trl out of --variants")
     rp.require_psutil()
     work_root = args.work_dir or Path(tempfile.mkdtemp(prefix="rljob-time-to-reward-"))

@@ -168,7 +168,7 @@ def rank_main(rank: int, ranks: int, strategy: str, model_dir: str, out_dir: str
 
     from rljob_trainer import loss as losses
     from rljob_trainer.loading import load_model
-    from rljob_trainer.model import sequence_logprobs
+    from rljob_wire.model import sequence_logprobs
     from rljob_trainer.optim import build_optimizer
     from rljob_trainer.parallel import init_distributed, shutdown_distributed
     from rljob_trainer.stream.batch import flat_from_padded

@@ -4,10 +4,10 @@ Run by time_to_reward.py as ``torchrun --nproc-per-node=2 benchmarks/trl_grpo.py
 (2 data-parallel processes on CPU, as rljob's trainer has; gloo), with the ``benchmark`` extra installed (pinned
 ``trl``). Everything it trains comes from the same RLTrainingJob spec rljob runs:
 
-* the model: ``rljob_trainer.model.build_model`` of ``spec.model`` (the same tiny Llama, the same seeded
+* the model: ``rljob_wire.model.build_model`` of ``spec.model`` (the same tiny Llama, the same seeded
   initialisation as rljob's trainer with ``spec.trainer.seed``);
 * the tokenizer: :func:`hf_digit_tokenizer`, a ``PreTrainedTokenizerFast`` built in code (no download) with exactly
-  the ids of :class:`rljob_trainer.model.DigitTokenizer` (``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``|`` 3, the digits
+  the ids of :class:`rljob_wire.model.DigitTokenizer` (``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``|`` 3, the digits
   4-13; a leading ``<bos>``), so a prompt is the same token sequence in both;
 * the prompts and the reward: ``rljob_rollout.tasks.build_task`` of ``spec.rollout.task`` (seeded with
   ``spec.rollout.seed``), the reward read from TRL's ``completion_ids``;
@@ -39,17 +39,17 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "api"), str(REPO / "trainer_image")]
+sys.path[:0] = [str(REPO / folder) for folder in ("api", "wire", "trainer", "rollout")]
 
 
 def hf_digit_tokenizer() -> Any:
-    """A ``transformers.PreTrainedTokenizerFast`` with the ids of :class:`rljob_trainer.model.DigitTokenizer` (digits
+    """A ``transformers.PreTrainedTokenizerFast`` with the ids of :class:`rljob_wire.model.DigitTokenizer` (digits
     alphabet): one token per character, ``<bos>`` prepended by its post-processor, ``<pad>``/``<bos>``/``<eos>``
     special; decoding joins the characters without spaces."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    from rljob_trainer.model import DigitTokenizer
+    from rljob_wire.model import DigitTokenizer
 
     reference = DigitTokenizer()
     vocab = {"<pad>": reference.pad_token_id, "<bos>": reference.bos_token_id, "<eos>": reference.eos_token_id,
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rljob_api.spec import RLTrainingJobSpec
     from rljob_rollout.tasks import build_task
-    from rljob_trainer.model import DigitTokenizer, build_model
+    from rljob_wire.model import DigitTokenizer, build_model
 
     torch.set_num_threads(1)
     spec = RLTrainingJobSpec.model_validate(json.loads(Path(args.spec).read_text()))

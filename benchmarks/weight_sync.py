@@ -4,14 +4,14 @@ bytes, and the share of an FSDP trainer's publication its gathers take.
 Processes (real ones, gloo on loopback or NCCL between two GPUs, a real redis-server):
 
 - this process is global rank 0 of a DDP trainer: a random Llama of ``--params`` million parameters (plain
-  tensors, as DDP holds them) and a real :class:`~rljob_trainer.weights.WeightPublisher`; each publication is one
-  :func:`~rljob_trainer.weights.publish_weights` call (the ``weight_sync_time_ms`` the trainer reports: weights_ready
+  tensors, as DDP holds them) and a real :class:`~rljob_trainer.weight_publisher.WeightPublisher`; each publication is one
+  :func:`~rljob_trainer.weight_publisher.publish_weights` call (the ``weight_sync_time_ms`` the trainer reports: weights_ready
   event, join handshake, the transfer group (kept from the first publication, which is not timed), every tensor in
   the per-tensor layout of DESIGN §3, the late-joiner copy); its phases (``Publication.phases_ms``) are printed too;
-- one rollout process: the real subscriber (:class:`~rljob_rollout.weights.WeightSubscriber`: heartbeats, events) and
+- one rollout process: the real subscriber (:class:`~rljob_rollout.weight_subscriber.WeightSubscriber`: heartbeats, events) and
   the CPU backend's real receive path (:meth:`CpuBackend.receive_weights`: staging buffers, then loading into its
   own model of the same architecture); with ``--device cuda`` the receive path of vLLM's worker extension instead
-  (:func:`~rljob_trainer.transfer.receive_update` onto the second GPU, into buffers kept across updates, with the
+  (:func:`~rljob_wire.transfer.receive_update` onto the second GPU, into buffers kept across updates, with the
   group kept; no vLLM, so nothing is loaded into a model);
 - for the FSDP figure, two trainer ranks set up as the trainer sets them up (:func:`~rljob_trainer.parallel.
   init_distributed` and :func:`~rljob_trainer.parallel.wrap_model` with ``strategy: fsdp``: ``fully_shard`` per
@@ -194,7 +194,7 @@ def layout_tensors(names: list[str], tensors: list[torch.Tensor]) -> list[torch.
     per tensor the size (int64 [1]) and bytes (uint8 [n]) of its pickled metadata, then the tensor; then the
     ``None`` object's two; on the tensors' device. The same on both ends (the metadata is pickled the way the
     publisher pickles it)."""
-    from rljob_trainer.transfer import SHARD_NAME
+    from rljob_wire.transfer import SHARD_NAME
 
     device = tensors[0].device
 
@@ -234,7 +234,7 @@ class GpuReceiver:
     its GPU, the group kept), into buffers kept across updates; nothing is loaded into a model."""
 
     def __init__(self, device: torch.device) -> None:
-        from rljob_trainer.transfer import GroupKeeper, ReceiveBuffers
+        from rljob_wire.transfer import GroupKeeper, ReceiveBuffers
 
         self.device = device
         self.staging = ReceiveBuffers()
@@ -242,7 +242,7 @@ class GpuReceiver:
 
     def receive_weights(self, ticket: Any, address: Any, transfer_ranks: Any) -> Any:
         from rljob_rollout.backends.base import UpdateOutcome
-        from rljob_trainer.transfer import TransferFailed, receive_update
+        from rljob_wire.transfer import TransferFailed, receive_update
 
         try:
             selected = receive_update(address, ticket, transfer_ranks[0], device=self.device, sink=lambda *_: None,
@@ -258,8 +258,8 @@ def rollout_main(args: argparse.Namespace) -> int:
     REPLIES."""
     from rljob_rollout.backends.cpu import CpuBackend
     from rljob_rollout.backends.base import UpdateOutcome
-    from rljob_rollout.weights import WeightSubscriber
-    from rljob_trainer.stream.connection import connect
+    from rljob_rollout.weight_subscriber import WeightSubscriber
+    from rljob_wire.connection import connect
 
     torch.set_num_threads(1)
     _, device = devices(args)
@@ -308,8 +308,8 @@ def fsdp_main(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from rljob_trainer.parallel import init_distributed, wrap_model
-    from rljob_trainer.stream.connection import connect
-    from rljob_trainer.weights import WeightPublisher, publish_weights
+    from rljob_wire.connection import connect
+    from rljob_trainer.weight_publisher import WeightPublisher, publish_weights
 
     torch.set_num_threads(1)
     config = JobConfig.load(args.config)
@@ -354,7 +354,7 @@ def child(role: str, args: argparse.Namespace, config_path: Path, raw_port: int,
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every measurement; returns the figures (seconds, bytes, digests)."""
-    from rljob_trainer.weights import WeightPublisher, publish_weights
+    from rljob_trainer.weight_publisher import WeightPublisher, publish_weights
 
     torch.set_num_threads(1)
     process, url, data_dir = start_redis()

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything rljob's tests and demo need on a fresh Debian machine (idempotent):
 # Debian packages (redis-server, iproute2, util-linux; containerd, runc, the CNI plugins, iptables and
-# conntrack for the local cluster's nodes; buildah and debootstrap for its images), the Python package with
-# its trainer and test extras, the Go-built control plane, node components, helm and Kueue (cached under
+# conntrack for the local cluster's nodes; buildah and debootstrap for its images), rljob's distributions
+# (scripts/install-dev.sh: editable, with the test extra), the Go-built control plane, node components, helm and Kueue (cached under
 # ~/.cache/rljob/tools by version), and the images built from the project's Dockerfiles (cached under
 # ~/.cache/rljob/images by a hash of their inputs), and the operator image of the commit the e2e upgrade test
 # starts from (tests/e2e/upgrade-from; ~/.cache/rljob/releases, by commit).
@@ -31,8 +31,8 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
 
-echo "setup: pip install -e .[trainer,test]"
-python3 -m pip install -q --disable-pip-version-check -e '.[trainer,test]'
+echo "setup: scripts/install-dev.sh (every distribution editable, with the test extra)"
+bash scripts/install-dev.sh test
 
 if [ -x localcluster/build-go-tools.sh ]; then
   echo "setup: Go tools (control plane, node components, kubectl, helm, Kueue)"

@@ -58,10 +58,10 @@ from rljob_api.spec import RLTrainingJobSpec
 from rljob_trainer.checkpoint import COMMIT_FILE, EXPORT_DIR, committed_checkpoints
 from rljob_trainer.loss import grpo_loss, gspo_loss
 from rljob_trainer.loss_metrics import StepMetrics
-from rljob_trainer.model import DigitTokenizer, build_model
+from rljob_wire.model import DigitTokenizer, build_model
 from rljob_trainer.parallel import init_distributed, shutdown_distributed
-from rljob_trainer.stream.codec import Document, encode_document
-from rljob_trainer.stream.connection import connect
+from rljob_wire.codec import Document, encode_document
+from rljob_wire.connection import connect
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"layers": 1, "hiddenSize": 16, "heads": 2, "intermediateSize": 32, "maxPositionEmbeddings": 32}

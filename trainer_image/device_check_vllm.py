@@ -29,11 +29,11 @@ import torch
 
 from rljob_api.config import RedisConnection, resolve
 from rljob_api.spec import RLTrainingJobSpec, SamplingSpec
-from rljob_trainer.model import DigitTokenizer, build_model, sequence_logprobs
+from rljob_wire.model import DigitTokenizer, build_model, sequence_logprobs
 from rljob_rollout.backends.base import UpdateOutcome
 from rljob_rollout.backends.vllm import VllmBackend
 from rljob_api.protocol import TransferTicket
-from rljob_trainer.transfer import StoreAddress, send_update
+from rljob_wire.transfer import StoreAddress, send_update
 
 TINY = {"layers": 2, "hiddenSize": 256, "heads": 4, "intermediateSize": 512, "maxPositionEmbeddings": 128}
 TEMPERATURE = 0.7

@@ -83,7 +83,7 @@ ENV_CONFIG = "RLJOB_CONFIG"
 ENV_REDIS_PASSWORD = "REDIS_PASSWORD"
 ENV_REDIS_TLS_CA_FILE = "REDIS_TLS_CA_FILE"
 """Path of a PEM bundle of the CAs that sign the Redis server's TLS certificate (used when ``redis.tls`` is on);
-unset: the system CA bundle. Read by trainer and rollout (rljob_trainer.stream.connection)."""
+unset: the system CA bundle. Read by trainer and rollout (rljob_wire.connection)."""
 ENV_HF_TOKEN = "HF_TOKEN"
 ENV_POD_IP = "POD_IP"
 ENV_POD_NAME = "POD_NAME"

@@ -3,7 +3,7 @@ the members heartbeat, and the records of the progress and rollout hashes with t
 
 Pure definitions and functions over dicts, str and bytes: no Redis client is imported here (rljob_api stays free of
 clients, DESIGN §9); each role makes its own Redis calls with these. The stream entries themselves (documents) have
-their own codec (rljob_trainer.stream.codec).
+their own codec (rljob_wire.codec).
 
 Who writes and who reads each key and field is said next to it. This module is longer than most because it is the
 whole protocol between four writers and readers (trainer rank 0, trainer ranks, rollout workers, the operator):
@@ -47,7 +47,7 @@ KEY_ROLLOUT = "rollout"
 """Hash written by rollout workers; read by the operator."""
 KEY_MEMBERS = "members"
 """Hash of rollout worker heartbeats (field = transfer rank, value = :func:`encode_member`). Written by rollout
-workers, read by trainer rank 0 (rljob_trainer.weights)."""
+workers, read by trainer rank 0 (rljob_trainer.weight_publisher)."""
 KEY_DEAD_LETTER = "dead_letter"
 """Stream of malformed entries with their reason (written by trainer ranks)."""
 KEY_STREAM_ID = "stream_id"
@@ -574,32 +574,6 @@ def parse_progress(progress: Mapping[Any, Any], rollout: Mapping[Any, Any],
         checkpoint=CheckpointRecord.from_fields(checkpoint or {}),
         updated_at=_number(progress.get(PROGRESS_UPDATED_AT), float),
     )
-
-
-def stream_lost_message(old: str, new: Optional[str], backlog: Optional[Backlog], checkpoint: Any,
-                        attempt: int) -> str:
-    """The one description of a stream Redis forgot (operator Event and Running message). ``backlog``: the group's
-    last counts the operator read before (None: never read); ``checkpoint``: status.lastCheckpoint (its ``step`` and
-    ``documents_seen``; None: none committed). Both are the operator's last read, a pass before the loss at most: a
-    checkpoint committed after it (which the next attempt loads) covered part of those pending entries, so the message
-    names the checkpoint as the newest one known, never as the one that will be loaded."""
-    now = f"holds another one ({new})" if new else "holds none"
-    lost = "what it held is gone"
-    if backlog is not None:
-        undelivered = "an unknown number of" if backlog.undelivered is None else str(backlog.undelivered)
-        lost = (f"at the operator's last read it held {backlog.pending} entries trained since the last checkpoint "
-                f"(pending) and {undelivered} written but not delivered yet: those not covered by a later checkpoint "
-                "are gone")
-    if checkpoint is not None:
-        goes_on = (f"the gang goes on from the newest committed checkpoint, step {checkpoint.step} "
-                   f"({checkpoint.documents_seen} documents) at that read or a later one, recreating the stream and its "
-                   "consumer group")
-    else:
-        goes_on = ("the gang goes on from the newest committed checkpoint (none at the operator's last read: then it "
-                   "starts over), recreating the stream and its consumer group")
-    return (f"Redis forgot the job's stream during attempt {attempt} (its identity was {old}, Redis {now}; a managed "
-            f"Redis without persistence restarted, or an external one was flushed or failed over): {lost}; "
-            f"{goes_on}; the restart is not counted against backoffLimit")
 
 
 def _newest_reward(rewards: Mapping[int, tuple[float, int]],

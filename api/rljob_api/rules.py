@@ -28,14 +28,18 @@ from typing import Optional
 #: Metrics levels that need the whole vocabulary on one pipeline stage.
 ONE_STAGE_METRICS = ("basic", "full")
 
+#: (minimum, maximum) of the trainer's counts, by CRD field name: the pydantic Fields (spec.TrainerSpec) and the CEL
+#: rules below both read them.
+TRAINER_COUNT_BOUNDS = {"nodes": (1, 4096), "processesPerNode": (1, 64), "tensorParallel": (1, 64),
+                        "pipelineParallel": (1, 64)}
+
 _WORLD = "(self.nodes * self.processesPerNode)"
 _MODEL_PARALLEL = "(self.tensorParallel * self.pipelineParallel)"
 _DATA_PARALLEL = f"({_WORLD} / {_MODEL_PARALLEL})"
 # Out-of-range counts are the schema's to report (minimum/maximum): CEL skips them, so a 0 never divides and a
 # count beyond its maximum adds no second, misleading message.
-_COUNTS_IN_RANGE = ("self.nodes >= 1 && self.nodes <= 4096 && self.processesPerNode >= 1 && self.processesPerNode <= 64"
-                    " && self.tensorParallel >= 1 && self.tensorParallel <= 64"
-                    " && self.pipelineParallel >= 1 && self.pipelineParallel <= 64")
+_COUNTS_IN_RANGE = " && ".join(f"self.{name} >= {low} && self.{name} <= {high}"
+                               for name, (low, high) in TRAINER_COUNT_BOUNDS.items())
 
 #: CEL rule on ``spec.trainer``: the topology divides (:func:`data_parallel`).
 CEL_TOPOLOGY = {

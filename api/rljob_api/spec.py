@@ -15,6 +15,8 @@ from rljob_api import protocol, rules
 from rljob_api.api_model import ApiModel, omitted_at_default
 from rljob_api.pod_template import PodTemplateOverride, pod_template_field
 
+_COUNTS = rules.TRAINER_COUNT_BOUNDS
+
 
 # --- model ------------------------------------------------------------------------------------
 class TinyModelSpec(ApiModel):
@@ -283,9 +285,11 @@ class TrainerSpec(ApiModel):
     # running jobs hold it: dropping it would change their role hashes and restart every gang on an upgrade.
     backend: Literal["builtin"] = Field("builtin", json_schema_extra={"enum": ["builtin"]},
                                         description="The training loop: `builtin`, rljob's own.")
-    nodes: int = Field(1, ge=1, le=4096, description="Trainer pods in the gang (torchrun nnodes).")
+    nodes: int = Field(1, ge=_COUNTS["nodes"][0], le=_COUNTS["nodes"][1],
+                       description="Trainer pods in the gang (torchrun nnodes).")
     processes_per_node: int = Field(
-        1, ge=1, le=64, description="Ranks per pod (torchrun nproc-per-node), usually GPUs."
+        1, ge=_COUNTS["processesPerNode"][0], le=_COUNTS["processesPerNode"][1],
+        description="Ranks per pod (torchrun nproc-per-node), usually GPUs."
     )
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec,
                                          description="Sharded (fsdp, the default) or replicated (ddp) data parallelism.")
@@ -295,8 +299,10 @@ class TrainerSpec(ApiModel):
         description="full: every decoder block recomputes its activations in the backward instead of keeping them "
         "(about a third more compute, activation memory of one block instead of all); none keeps them.",
     )
-    tensor_parallel: int = Field(1, ge=1, le=64, description="Tensor-parallel degree.")
-    pipeline_parallel: int = Field(1, ge=1, le=64, description="Pipeline-parallel degree.")
+    tensor_parallel: int = Field(1, ge=_COUNTS["tensorParallel"][0], le=_COUNTS["tensorParallel"][1],
+                                 description="Tensor-parallel degree.")
+    pipeline_parallel: int = Field(1, ge=_COUNTS["pipelineParallel"][0], le=_COUNTS["pipelineParallel"][1],
+                                   description="Pipeline-parallel degree.")
     resources: dict[str, Any] = Field(
         default_factory=dict,
         description="Container resources (requests/limits) of each trainer pod, e.g. "

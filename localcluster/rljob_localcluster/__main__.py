@@ -31,29 +31,9 @@ import threading
 import time
 from pathlib import Path
 
-from . import demo, statefile
+from . import clusterdir, demo, statefile
 from .controlplane import ControlPlane
-from .pids import pid_running, terminate, terminate_all
 from .tools import pinned_versions, tools_bin_dir
-
-
-def default_dir() -> Path:
-    d = os.environ.get("RLJOB_CLUSTER_DIR")
-    return Path(d) if d else Path.home() / ".cache" / "rljob" / "cluster"
-
-
-def _daemon_marks(d: Path) -> tuple[str, str]:
-    """What the command line of this dir's daemon contains (so a recycled pid is not taken for it)."""
-    return "rljob_localcluster", str(d)
-
-
-def _daemon_pid(d: Path) -> int | None:
-    """The running daemon's pid for this dir, or None (checks the pid really is our daemon)."""
-    try:
-        pid = int((d / "daemon.pid").read_text().strip())
-    except (OSError, ValueError):
-        return None
-    return pid if pid_running(pid, *_daemon_marks(d)) else None
 
 
 def _exports(d: Path, bin_dir: str | None) -> str:
@@ -61,11 +41,6 @@ def _exports(d: Path, bin_dir: str | None) -> str:
     if bin_dir:
         lines.append(f"export PATH={shlex.quote(bin_dir)}:\"$PATH\"")
     return "\n".join(lines)
-
-
-def _read_state(d: Path) -> dict | None:
-    """The daemon's state.json in ``d`` (None when missing or unreadable)."""
-    return statefile.read(d / "state.json")
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -80,11 +55,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"--timeout and --nodes-timeout must be > 0 seconds, got {args.timeout:g} and {args.nodes_timeout:g}",
               file=sys.stderr)
         return 2
-    if _daemon_pid(d) and not _read_state(d):
-        print(f"# the local cluster in {d} is still starting (daemon pid {_daemon_pid(d)}; {d / 'daemon.log'})",
+    if clusterdir.daemon_pid(d) and not clusterdir.read_state(d):
+        print(f"# the local cluster in {d} is still starting (daemon pid {clusterdir.daemon_pid(d)}; {d / 'daemon.log'})",
               file=sys.stderr)
         return 1
-    if _daemon_pid(d) and (st := _read_state(d)):
+    if clusterdir.daemon_pid(d) and (st := clusterdir.read_state(d)):
         running = st.get("requested") or {}
         asked = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node, **({"kueue": True} if args.kueue else {})}
         if running and running != asked:
@@ -100,7 +75,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 0
     if (d / "data").exists() or (d / "daemon.pid").exists():
         print(f"# cleaning stale state in {d}", file=sys.stderr)
-        _down(d, quiet=True)
+        clusterdir.down(d, quiet=True)
     d.mkdir(parents=True, exist_ok=True)
     bin_dir = str(args.bin_dir or tools_bin_dir())  # may build for tens of minutes, in the foreground
     if args.foreground:
@@ -133,7 +108,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             print(this_run[-6000:], file=sys.stderr)
             return 1
-        st = _read_state(d)
+        st = clusterdir.read_state(d)
         if st and st.get("daemon_pid") == proc.pid and st.get("phase") == "ready":
             print(f"# control plane up: {st['server']} (daemon pid {proc.pid}; "
                   f"'python -m rljob_localcluster down' stops it)", file=sys.stderr)
@@ -152,7 +127,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         proc.wait(120)
     except subprocess.TimeoutExpired:
         proc.kill()
-    _down(d, quiet=True)
+    clusterdir.down(d, quiet=True)
     return 1
 
 
@@ -276,68 +251,13 @@ def _watch(d: Path, st: dict, cp: ControlPlane, local_nodes, stop: threading.Eve
     return 0
 
 
-def _down(d: Path, quiet: bool = False) -> int:
-    """Stop the daemon (it stops the nodes, pods first while the API server still answers, then the control
-    plane); after a daemon that died hard, end its recorded processes and clean what its nodes left on the host
-    (:func:`clean_host`, from ``nodes/state.json``); then delete the data: ``data/`` and ``nodes/`` but
-    ``nodes/logs/``. ``daemon.log`` and ``nodes/logs/`` are kept. Exit status 1 when the nodes could not be
-    cleaned: local nodes still run on this host (then nothing is removed) or something of theirs is left
-    (a ``WARNING`` line says what)."""
-    def say(text: str) -> None:
-        if not quiet:
-            print(text, file=sys.stderr)
-
-    from .nodes import clean_host
-
-    pid = _daemon_pid(d)
-    st = _read_state(d) or {}
-    had_data = (d / "data").exists()  # the daemon removes it itself when it stops
-    log = d / "daemon.log"
-    log_start = log.stat().st_size if log.exists() else 0
-    if pid:
-        # the daemon stops the nodes (pods first, through the API) before the control plane
-        terminate(pid, 180, *_daemon_marks(d))
-    # Components of a daemon that died hard: end exactly those recorded pids whose command line
-    # still names this cluster's data dir (so a recycled pid is never touched).
-    left = terminate_all([(cpid, [str(d / "data")]) for cpid in (st.get("pids") or {}).values()], 10)
-    say("control plane stopped" if pid else
-        f"the daemon had died; ended {len(left)} control-plane process(es) it left" if left else
-        "control plane was not running")
-    if pid and log.exists():  # what the daemon's own stop removed (its lines written during this stop)
-        with open(log, "rb") as f:
-            f.seek(log_start)
-            for line in f.read().decode(errors="replace").splitlines():
-                if line.startswith("nodes: "):
-                    say(line)
-    # A daemon that died hard left its nodes' processes and host changes: clean from nodes/state.json.
-    try:
-        cleaned = clean_host(d / "nodes")
-    except RuntimeError as err:
-        print(f"nodes not cleaned: {err}", file=sys.stderr)
-        return 1
-    warnings = [line for line in cleaned if line.startswith("WARNING")]
-    for line in cleaned:
-        if line in warnings:
-            print(f"nodes: {line}", file=sys.stderr)  # also when quiet
-        else:
-            say(f"nodes: {line}")
-    for name in ("state.json", "state.json.tmp", "kubeconfig", "daemon.pid"):
-        (d / name).unlink(missing_ok=True)
-    shutil.rmtree(d / "data", ignore_errors=True)
-    if had_data:
-        say(f"removed {d / 'data'} (etcd data, certificates, control-plane logs)")
-    if kept := [str(p) for p in (d / "daemon.log", d / "nodes" / "logs") if p.exists()]:
-        say(f"kept {' and '.join(kept)}")
-    return 1 if warnings else 0
-
-
 def cmd_down(args: argparse.Namespace) -> int:
-    return _down(args.dir.resolve())
+    return clusterdir.down(args.dir.resolve())
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     d = args.dir.resolve()
-    pid, st = _daemon_pid(d), _read_state(d)
+    pid, st = clusterdir.daemon_pid(d), clusterdir.read_state(d)
     if pid and st and st.get("phase") != "ready":
         print(json.dumps(st, indent=2))
         print(f"starting (daemon pid {pid}; {d / 'daemon.log'})", file=sys.stderr)
@@ -363,8 +283,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_env(args: argparse.Namespace) -> int:
     d = args.dir.resolve()
-    st = _read_state(d)
-    if not (st and _daemon_pid(d) and st.get("phase") == "ready"):
+    st = clusterdir.read_state(d)
+    if not (st and clusterdir.daemon_pid(d) and st.get("phase") == "ready"):
         print("not running (or still starting); start it with 'python -m rljob_localcluster up'", file=sys.stderr)
         return 1
     print(_exports(d, st.get("bin_dir")))
@@ -383,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def add(name: str, fn, help: str) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help)
-        sp.add_argument("--dir", type=Path, default=default_dir(), help="state dir (RLJOB_CLUSTER_DIR)")
+        sp.add_argument("--dir", type=Path, default=clusterdir.default_dir(), help="state dir (RLJOB_CLUSTER_DIR)")
         sp.set_defaults(fn=fn)
         return sp
 
@@ -406,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                               "process exited")
     add("env", cmd_env, "print export lines for KUBECONFIG and PATH")
     add("tools", cmd_tools, "build the Go tools if missing and print their bin dir")
-    demo.add_parser(sub, default_dir())
+    demo.add_parser(sub, clusterdir.default_dir())
     serve = add("_serve", None, "internal: run the control plane and the nodes in this process (used by up)")
     serve.add_argument("--bin-dir", required=True)
     serve.add_argument("--bind-address", default="")

@@ -441,14 +441,23 @@ class ControlPlane:
         return self._https_get(self.advertise_address, self.api_port, path, self._admin_ssl())
 
     def _start_once(self) -> None:
+        """Start the components in order, each waited for: etcd, the API server (and the admin kubeconfig), the
+        controller manager and the scheduler (their kubeconfigs first), then the controllers' readiness."""
         deadline = time.monotonic() + self.start_timeout
-        pki = self._pki
         host = "127.0.0.1"
         self.etcd_port, self.etcd_peer_port = free_port(host), free_port(host)
         self.api_port = free_port(self.bind_address if self.bind_address not in ("::",) else "::")
         self.kcm_port, self.scheduler_port = free_port(host), free_port(host)
+        etcd = self._start_etcd(host, deadline)
+        apiserver = self._start_apiserver(f"http://{host}:{self.etcd_port}", deadline)
+        kcm_kubeconfig, scheduler_kubeconfig = self._component_kubeconfigs()
+        kcm = self._start_controller_manager(kcm_kubeconfig, host)
+        scheduler = self._start_scheduler(scheduler_kubeconfig, host)
+        self._wait_controllers(kcm, scheduler, host, deadline)
+        for comp in (etcd, apiserver):
+            self._check_alive(comp)
 
-        # ---- etcd
+    def _start_etcd(self, host: str, deadline: float) -> _Component:
         client_url = f"http://{host}:{self.etcd_port}"
         peer_url = f"http://{host}:{self.etcd_peer_port}"
         etcd = self._spawn(
@@ -478,10 +487,12 @@ class ControlPlane:
                 conn.close()
 
         self._wait(etcd, "/health", etcd_healthy, deadline)
+        return etcd
 
-        # ---- kube-apiserver
-        ca = self._ca
-        ca.client_cert(ADMIN_USER, ["system:masters"]).write(pki / "admin.crt", pki / "admin.key")
+    def _start_apiserver(self, client_url: str, deadline: float) -> _Component:
+        """kube-apiserver on etcd at ``client_url``, waited for on /readyz; then ``admin.kubeconfig``."""
+        pki = self._pki
+        self._ca.client_cert(ADMIN_USER, ["system:masters"]).write(pki / "admin.crt", pki / "admin.key")
         apiserver = self._spawn(
             "kube-apiserver",
             [
@@ -542,8 +553,11 @@ class ControlPlane:
             )
         )
         (self.data_dir / "admin.kubeconfig").chmod(0o600)
+        return apiserver
 
-        # Control-plane components talk to the API server over loopback when they can.
+    def _component_kubeconfigs(self) -> tuple[str, str]:
+        """The controller manager's and the scheduler's kubeconfigs: they talk to the API server over loopback when
+        they can."""
         local_server = (
             f"https://127.0.0.1:{self.api_port}"
             if self.bind_address in ("127.0.0.1", "0.0.0.0")
@@ -557,8 +571,10 @@ class ControlPlane:
         sched_kc = self.write_kubeconfig(
             self.data_dir / "kube-scheduler.kubeconfig", "system:kube-scheduler", server=local_server
         )
+        return kcm_kc, sched_kc
 
-        # ---- kube-controller-manager
+    def _start_controller_manager(self, kcm_kc: str, host: str) -> _Component:
+        pki = self._pki
         kcm_args = [
             f"--kubeconfig={kcm_kc}",
             f"--authentication-kubeconfig={kcm_kc}",
@@ -588,10 +604,10 @@ class ControlPlane:
             ]
         else:
             kcm_args.append("--allocate-node-cidrs=false")
-        kcm = self._spawn("kube-controller-manager", kcm_args)
+        return self._spawn("kube-controller-manager", kcm_args)
 
-        # ---- kube-scheduler
-        sched = self._spawn(
+    def _start_scheduler(self, sched_kc: str, host: str) -> _Component:
+        return self._spawn(
             "kube-scheduler",
             [
                 f"--kubeconfig={sched_kc}",
@@ -599,12 +615,14 @@ class ControlPlane:
                 f"--authorization-kubeconfig={sched_kc}",
                 f"--bind-address={host}",
                 f"--secure-port={self.scheduler_port}",
-                f"--cert-dir={pki / 'scheduler-generated'}",
+                f"--cert-dir={self._pki / 'scheduler-generated'}",
                 "--leader-elect=false",
                 "--profiling=false",
             ],
         )
 
+    def _wait_controllers(self, kcm: _Component, sched: _Component, host: str, deadline: float) -> None:
+        """Both answer /healthz, and the controller manager has made the default ServiceAccount."""
         insecure = ssl.create_default_context()
         insecure.check_hostname = False
         insecure.verify_mode = ssl.CERT_NONE  # their serving certs are self-generated
@@ -623,8 +641,6 @@ class ControlPlane:
             lambda: self.api_get("/api/v1/namespaces/default/serviceaccounts/default")[0] == 200,
             deadline,
         )
-        for comp in (etcd, apiserver):
-            self._check_alive(comp)
 
     # ------------------------------------------------------------------ conveniences
     def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:

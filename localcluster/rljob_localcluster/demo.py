@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from . import images
+from . import clusterdir, images
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "rljob-operator"
@@ -53,10 +53,8 @@ def _run(cmd: list[str], env: dict[str, str], what: str, *, timeout: float = 600
 def ensure_cluster(d: Path) -> tuple[str, Path, list[str]]:
     """Start (or reuse, :func:`reuse`) the control plane and the nodes of cluster dir ``d``; (kubeconfig, bin dir,
     the images a reused cluster's nodes got anew)."""
-    from . import __main__ as cli
-
-    running = cli._daemon_pid(d) is not None
-    state = cli._read_state(d) if running else None
+    running = clusterdir.daemon_pid(d) is not None
+    state = clusterdir.read_state(d) if running else None
     imported: list[str] = []
     if running and (state is None or state.get("phase") != "ready"):
         raise DemoError(f"the local cluster in {d} is still starting (see {d / 'daemon.log'}); run the demo again "
@@ -66,7 +64,7 @@ def ensure_cluster(d: Path) -> tuple[str, Path, list[str]]:
              "two nodes (kubelet + containerd, 4 fake nvidia.com/gpu each)")
         proc = subprocess.run([sys.executable, "-m", "rljob_localcluster", "up", "--dir", str(d)],
                               stdout=subprocess.PIPE, text=True, check=False)
-        state = cli._read_state(d)
+        state = clusterdir.read_state(d)
         if proc.returncode != 0 or state is None:
             raise DemoError(f"the control plane did not start; see {d / 'daemon.log'}")
     else:
@@ -272,9 +270,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if args.down:
             _say("stopping the local cluster (--down)")
-            from . import __main__ as cli
-
-            cli._down(d)
+            clusterdir.down(d)
     print()
     _say("the job Succeeded" if succeeded else "the job did not succeed")
     return 0 if succeeded else 1

@@ -29,7 +29,7 @@ from rljob_api.spec import RLTrainingJobSpec, RunPolicySpec
 from rljob_api.validation import SpecProblem, check_spec
 
 from rljob_operator import gang, render, resolution, workload
-from rljob_operator.apply import KubeApi
+from rljob_operator.kube_api import KubeApi
 from rljob_operator.observe import DeploymentView, PodView
 from rljob_operator.runtime import JobRuntime
 

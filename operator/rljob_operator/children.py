@@ -15,8 +15,8 @@ from rljob_api import constants as c, names
 from rljob_api.canonical import canonical_hash
 from rljob_api.config import JobConfig
 
-from rljob_operator import applied, render
-from rljob_operator.apply import ApiError, adopt
+from rljob_operator import applied_hash, render
+from rljob_operator.kube_api import ApiError, adopt
 from rljob_operator.observe import controller_uid, pod_view
 from rljob_operator.runtime import Context, JobRuntime
 
@@ -39,7 +39,7 @@ async def apply_static(job: render.Job, config: JobConfig, generation: Optional[
     """
     children = render.static_children(job, config, generation)
     adopt(children, body)
-    children = [applied.stamp(child) for child in children]
+    children = [applied_hash.stamp(child) for child in children]
     claim = render.redis_claim(job, config)
     digest = canonical_hash([children, claim])
     if runtime.applied == digest:
@@ -54,7 +54,7 @@ async def apply_static(job: render.Job, config: JobConfig, generation: Optional[
             reads.append(ctx.api.get("v1", "Secret", job.namespace, names.redis_secret(job.name)))
             reads.append(ctx.api.get("v1", "PersistentVolumeClaim", job.namespace, names.redis_claim(job.name)))
         found = await gather(reads)
-        stale = [child for child, live in zip(children, found) if applied.outdated(live, child)]
+        stale = [child for child, live in zip(children, found) if applied_hash.outdated(live, child)]
         if managed:
             existing = {"Secret": found[-2], "PersistentVolumeClaim": found[-1]}
     else:

@@ -24,8 +24,9 @@ import kopf
 from rljob_api import constants as c
 from rljob_api import names
 
-from rljob_operator import observe, redis_reads
-from rljob_operator.apply import ApiError
+from rljob_operator import observe
+from rljob_operator.redis_io import reads as redis_reads
+from rljob_operator.kube_api import ApiError
 from rljob_operator.reconcile import StaleStatus, reconcile
 from rljob_operator.runtime import JobRuntime
 from rljob_operator.settings import FINALIZER

@@ -17,7 +17,7 @@ from rljob_api.config import JobConfig
 from rljob_api.constants import Phase, Reason
 
 from rljob_operator import render, workload
-from rljob_operator.apply import ApiError, adopt
+from rljob_operator.kube_api import ApiError, adopt
 from rljob_operator.gang import FINISHED, Lifecycle
 from rljob_operator.observe import PodView, controller_uid
 from rljob_operator.runtime import Context, JobRuntime

@@ -2,7 +2,7 @@
 status once → act.
 
 Everything decided here comes from :mod:`.admission` and the pure modules (:mod:`.render`, :mod:`.gang`,
-:mod:`.status`); this module sequences their results with the calls of :mod:`.children`, :mod:`.redis_reads` and
+:mod:`.job_status`); this module sequences their results with the calls of :mod:`.children`, :mod:`.redis_io.reads` and
 :mod:`.apply`:
 
 1. admit (:func:`.admission.admit`): the spec to run (the spec, or while an invalid edit is fixed the last valid
@@ -36,17 +36,17 @@ from datetime import datetime
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from rljob_api import constants as c
-from rljob_api import protocol
 from rljob_api.constants import Phase, Reason
 from rljob_api.config import JobConfig
 from rljob_api.spec import RLTrainingJobSpec
+from rljob_api.protocol import Progress
 from rljob_api.status import RLTrainingJobStatus, StreamStatus
 from rljob_api.validation import data_parallel_size
 
-from rljob_operator import admission, children, gang, queueing, redis_reads, render, resolution, status
-from rljob_operator import progress as progress_reads
+from rljob_operator import admission, children, gang, job_status, queueing, render, resolution
+from rljob_operator.redis_io import reads as redis_reads
 from rljob_operator.admission import Decision
-from rljob_operator.apply import ApiError
+from rljob_operator.kube_api import ApiError
 from rljob_operator.observe import DeploymentView, NodeView, PodView, node_view
 from rljob_operator.reward_source import read_reward_source
 from rljob_operator.runtime import RETRY_REFUSED_S, Context, JobRuntime
@@ -80,7 +80,7 @@ def observed_pods(indexed: Iterable[PodView], runtime: JobRuntime, now: float) -
 
 
 
-def _forgotten_stream(this: _Pass, fetched: progress_reads.Progress) -> Optional[str]:
+def _forgotten_stream(this: _Pass, fetched: Progress) -> Optional[str]:
     """What Redis forgot when the stream identity it holds (``fetched.stream_id``) is not the one the status saved
     (another one, or none); None when it did not forget (or no identity was ever saved). Keeps the group's counts of
     each read in the job's runtime: the last ones before a loss are what was lost, as far as known."""
@@ -88,11 +88,11 @@ def _forgotten_stream(this: _Pass, fetched: progress_reads.Progress) -> Optional
     last_backlog, this.runtime.backlog = this.runtime.backlog, fetched.backlog
     if not saved or now_held == saved:
         return None
-    return protocol.stream_lost_message(saved, now_held, last_backlog, this.previous.last_checkpoint,
+    return job_status.stream_lost_message(saved, now_held, last_backlog, this.previous.last_checkpoint,
                                         this.before.attempt)
 
 
-def _stream_identity(this: _Pass, new: RLTrainingJobStatus, fetched: progress_reads.Progress,
+def _stream_identity(this: _Pass, new: RLTrainingJobStatus, fetched: Progress,
                      forgot: Optional[str]) -> RLTrainingJobStatus:
     """``new`` with the stream identity Redis holds now (kept while Redis holds none, unless that is the loss) and
     the attempt of a loss seen in this pass."""
@@ -157,11 +157,11 @@ class _Pass:
     def stream(self, spec: RLTrainingJobSpec, config: Optional[JobConfig] = None) -> StreamStatus:
         """status.stream for ``spec`` (:func:`.status.stream_status`) from ``config``, else from a fresh resolution."""
         job = self.job(spec)
-        return status.stream_status(config or render.job_config(job), render.redis_password_ref(job))
+        return job_status.stream_status(config or render.job_config(job), render.redis_password_ref(job))
 
     def status(self, lifecycle: gang.Lifecycle, **report: Any) -> RLTrainingJobStatus:
         """The new status (:func:`.status.build_status`) for ``lifecycle`` and the rest of the ``report``."""
-        return status.build_status(self.previous, generation=self.meta.get("generation"), lifecycle=lifecycle,
+        return job_status.build_status(self.previous, generation=self.meta.get("generation"), lifecycle=lifecycle,
                                    now=self.now, **report)
 
 
@@ -179,7 +179,7 @@ class _Outcome:
     restarts: int = 0
     error: Optional[ApiError] = None
     force_delete: tuple[gang.StuckPod, ...] = ()
-    events: tuple[status.Event, ...] = ()
+    events: tuple[job_status.Event, ...] = ()
     """Events of this pass that no condition transition tells (posted after the status write)."""
     queued: Optional[queueing.Queued] = None
     """A queued job's Workload and Kueue's decision (:mod:`.queueing`), followed up after the status write."""
@@ -239,7 +239,7 @@ async def _apply_children(this: _Pass, decision: Decision) -> Decision:
     this.runtime.last_valid = (generation, decision.run)
     this.runtime.recorded = resolution.Recorded(resolution.as_recorded(config), generation)
     if earlier is not None and earlier.config.spec.redis.mode == config.spec.redis.mode == "managed":
-        replaced = status.redis_replaced(job.name, render.redis_persistence(earlier.config),
+        replaced = job_status.redis_replaced(job.name, render.redis_persistence(earlier.config),
                                          render.redis_persistence(config))
         if replaced is not None:
             this.runtime.notices.append(replaced)
@@ -272,7 +272,7 @@ def _invalid(this: _Pass, decision: Decision, pods: list[PodView], base: Optiona
     had reached in this pass (the plan's, when a pod was refused), else the saved one."""
     base = base or this.before
     finished = base.phase in gang.FINISHED
-    valid = status.valid_condition(decision.problems, decision.note)
+    valid = job_status.valid_condition(decision.problems, decision.note)
     lifecycle = base if finished else replace(base, phase=Phase.INVALID, reason=valid.reason, message=valid.message)
     health = redis_reads.invalid_health(decision.spec, this.redis, this.runtime, pods, this.now)
     new = this.status(lifecycle, problems=decision.problems, data_parallel_size=None, redis=health, pods=pods,
@@ -325,7 +325,7 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
         lifecycle, pods = plan.after_create, this.pods()
     lifecycle = gang.require_redis(lifecycle, *redis_reads.known(health, this.previous))
     new = this.status(lifecycle, problems=problems, data_parallel_size=data_parallel_size(spec), redis=health,
-                      pods=status.name_secret_fields(pods, status.secret_fields(spec)), nodes=spec.trainer.nodes,
+                      pods=job_status.name_secret_fields(pods, job_status.secret_fields(spec)), nodes=spec.trainer.nodes,
                       replicas=spec.rollout.replicas, progress=fetched, max_steps=spec.trainer.max_steps,
                       steps_per_second=runtime.step_rate.per_second(),
                       checkpoint_volume=spec.trainer.checkpoint.volume,
@@ -334,7 +334,7 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
     if fetched is not None:
         new = _stream_identity(this, new, fetched, forgot)
     uids = {p.name: p.uid for p in pods}
-    idle = plan.lifecycle.phase in status.IDLE_PHASES
+    idle = plan.lifecycle.phase in job_status.IDLE_PHASES
     # A job Kueue holds with no pod left waits for its Workload, whose changes wake it (handlers.WORKLOADS).
     waiting = hold is not None and not admission.live_workers(pods)
     interval = ctx.idle_interval_s if idle or waiting else ctx.active_interval_s
@@ -355,14 +355,14 @@ def _phase_message(new: RLTrainingJobStatus) -> str:
     return cond.message if cond is not None else ""
 
 
-def _pass_events(this: _Pass, lifecycle: gang.Lifecycle, forgot: Optional[str]) -> tuple[status.Event, ...]:
+def _pass_events(this: _Pass, lifecycle: gang.Lifecycle, forgot: Optional[str]) -> tuple[job_status.Event, ...]:
     """Warnings no condition transition tells: Redis forgot the stream; Kueue evicted the job (Running stays False
     between a wait for admission and an eviction, so its reason change alone is no Event)."""
     events = []
     if forgot is not None:
-        events.append(status.Event("Warning", Reason.STREAM_LOST.value, forgot))
+        events.append(job_status.Event("Warning", Reason.STREAM_LOST.value, forgot))
     if lifecycle.reason == Reason.EVICTED_BY_KUEUE and this.before.reason != Reason.EVICTED_BY_KUEUE:
-        events.append(status.Event("Warning", Reason.EVICTED_BY_KUEUE.value, lifecycle.message))
+        events.append(job_status.Event("Warning", Reason.EVICTED_BY_KUEUE.value, lifecycle.message))
     return tuple(events)
 
 
@@ -373,7 +373,7 @@ async def _save(this: _Pass, new: RLTrainingJobStatus) -> None:
     Raises:
         StaleStatus: the job changed since the pass read it (409).
     """
-    patch = status.status_patch(this.body.get("status") or {}, new)
+    patch = job_status.status_patch(this.body.get("status") or {}, new)
     events = list(this.runtime.notices)
     if patch is not None:
         resource_version = this.meta.get("resourceVersion")
@@ -385,7 +385,7 @@ async def _save(this: _Pass, new: RLTrainingJobStatus) -> None:
                 raise StaleStatus(str(err)) from err
             raise
         this.runtime.remember_write(resource_version, updated)
-        events = status.transition_events(this.previous, new) + events
+        events = job_status.transition_events(this.previous, new) + events
     this.runtime.notices.clear()
     for event in events:
         this.ctx.post_event(this.body, event)
@@ -406,7 +406,7 @@ async def _act(this: _Pass, outcome: _Outcome) -> None:
     for stuck in outcome.force_delete:
         if await this.ctx.api.delete("v1", "Pod", namespace, stuck.pod.name, uid=stuck.pod.uid or None,
                                      grace_period_seconds=0):
-            this.ctx.post_event(this.body, status.Event("Warning", "PodForceDeleted", (
+            this.ctx.post_event(this.body, job_status.Event("Warning", "PodForceDeleted", (
                 f"{stuck.why}; force-deleted (grace 0) after the node was not Ready for "
                 f"{stuck.pod.lost_node_toleration_s} s, so that the gang can go on; processes it left on the node "
                 "are fenced from the job's writes (DESIGN §6)")))

@@ -1,6 +1,6 @@
 """Pure functions: an RLTrainingJob → the manifests of its children (plain dicts, DESIGN §1 and §2).
 
-Nothing here talks to the API server; :mod:`rljob_operator.apply` adds owner references and applies them.
+Nothing here talks to the API server; :mod:`rljob_operator.kube_api` adds owner references and applies them.
 
 Children of a job ``J`` in namespace ``N`` (names from :mod:`rljob_api.names`, all within 63 characters):
 
@@ -71,7 +71,7 @@ TRAINER_PORTS = (
 TRAINER_READS_FROM_ROLLOUT = ("sampling.temperature", "task.name")
 """Fields of ``spec.rollout`` (snake_case paths) that trainer processes read: they score tokens at the sampling
 temperature (DESIGN §2 "Token alignment"), and the tiny model's alphabet follows the task name
-(``rljob_trainer.model.build_tokenizer``). A change of either restarts the gang."""
+(``rljob_wire.model.build_tokenizer``). A change of either restarts the gang."""
 ROLLOUT_ONLY_FIELDS = (
     "image", "backend", "replicas", "gpus_per_replica", "resources", "node_selector", "tolerations",
     "prompts_per_batch", "samples_per_prompt", "max_lag", "sampling.top_p", "sampling.max_new_tokens",

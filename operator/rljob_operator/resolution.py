@@ -26,8 +26,7 @@ never does it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from pydantic import ValidationError
 from pydantic.alias_generators import to_camel
@@ -37,25 +36,14 @@ from rljob_api.canonical import canonical_json
 from rljob_api.config import JobConfig
 
 from rljob_operator import render
-from rljob_operator.apply import KubeApi
-
-if TYPE_CHECKING:
-    from rljob_operator.runtime import JobRuntime
+from rljob_operator.kube_api import KubeApi
+from rljob_operator.runtime import JobRuntime, Recorded
 
 
 REDIS_STORAGE_FIELDS = ("mode", "image", "persistence")
 """Fields of ``spec.redis`` the managed Redis Deployment and its claim are made of: an edit of one of them replaces the
 Redis pod anyway (or is the persistence setting itself), so only then does a new resolution take this version's
 ``spec.redis.persistence`` rather than the recorded one."""
-
-
-@dataclass(frozen=True)
-class Recorded:
-    """The config recorded for a job's pods: ``config`` (:meth:`JobConfig.from_recorded`) and the job ``generation``
-    it was resolved from (None: recorded by an operator before 0.2, which kept no generation)."""
-
-    config: JobConfig
-    generation: Optional[int]
 
 
 def recorded_config(config_map: Optional[Mapping[str, Any]]) -> Optional[Recorded]:

@@ -12,21 +12,28 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import redis.asyncio as aioredis
 
 from rljob_api.protocol import Backlog
+from rljob_api.config import JobConfig
 from rljob_api.spec import RLTrainingJobSpec
 
-from rljob_operator.apply import KubeApi
+from rljob_operator.kube_api import KubeApi
 from rljob_operator.eta import StepRate
 from rljob_operator.observe import PodView
-from rljob_operator.redis_clients import RedisClients
-from rljob_operator.status import Event, RedisHealth
+from rljob_operator.redis_io.clients import RedisClients
+from rljob_operator.job_status import Event, RedisHealth
 
-if TYPE_CHECKING:
-    from rljob_operator.resolution import Recorded
+
+@dataclass(frozen=True)
+class Recorded:
+    """The config recorded for a job's pods: ``config`` (:meth:`JobConfig.from_recorded`) and the job ``generation``
+    it was resolved from (None: recorded by an operator before 0.2, which kept no generation)."""
+
+    config: JobConfig
+    generation: Optional[int]
 
 
 RETRY_REFUSED_S = 30.0
@@ -57,7 +64,7 @@ class JobRuntime:
     created: dict[str, tuple[float, PodView]] = field(default_factory=dict)
     deleted: dict[str, str] = field(default_factory=dict)
     redis: Optional[aioredis.Redis] = None
-    """The shared client this job holds (:class:`~rljob_operator.redis_clients.RedisClients`), while active."""
+    """The shared client this job holds (:class:`~rljob_operator.redis_io.clients.RedisClients`), while active."""
     redis_identity: Optional[tuple] = None
     redis_health: RedisHealth = RedisHealth(None, "not checked yet")
     backlog: Optional[Backlog] = None

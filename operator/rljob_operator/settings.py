@@ -20,10 +20,10 @@ import kopf
 
 from rljob_api import constants as c
 
-from rljob_operator.apply import KubeApi
-from rljob_operator.metrics import OperatorMetrics
+from rljob_operator.kube_api import KubeApi
+from rljob_operator.operator_metrics import OperatorMetrics
 from rljob_operator.runtime import Context
-from rljob_operator.status import Event
+from rljob_operator.job_status import Event
 
 FINALIZER = f"{c.GROUP}/finalizer"
 """Held by kopf on every job while the operator runs its per-job daemon; delete jobs before uninstalling."""

@@ -187,3 +187,14 @@ def test_the_ignored_settings_rules_are_on_values_the_api_server_defaults_never_
     spec = RLTrainingJobSpec.model_validate({"model": {"source": "tiny"},
                                              "trainer": {"parallelism": {"strategy": "ddp"}}})
     assert spec.trainer.precision.reduce == "fp32" and check_spec(spec) == []
+
+
+def test_trainer_count_bounds_are_the_schemas_and_the_cel_rules():
+    """One home for the trainer's count bounds: the CRD schema's minimum/maximum (from the pydantic Fields) and the
+    range the topology rules skip are both rules.TRAINER_COUNT_BOUNDS."""
+    from rljob_api.spec import TrainerSpec
+
+    schema = TrainerSpec.model_json_schema(by_alias=True)["properties"]
+    for name, (low, high) in rules.TRAINER_COUNT_BOUNDS.items():
+        assert (schema[name]["minimum"], schema[name]["maximum"]) == (low, high), name
+        assert f"self.{name} >= {low} && self.{name} <= {high}" in rules.CEL_TOPOLOGY["rule"], name

@@ -52,7 +52,7 @@ would still leave it 10 steps before the last), and from the read before it ever
 _READ = """
 import json, sys
 from rljob_api.config import JobConfig
-from rljob_trainer.stream.connection import connect
+from rljob_wire.connection import connect
 config = JobConfig.load()
 keys, r = config.keys, connect(config)
 if sys.argv[1:] == ["pause"]:

@@ -15,7 +15,7 @@ import time
 import pytest
 import yaml
 from rljob_api import constants as c
-from rljob_operator.progress import REWARD_DECIMALS
+from rljob_api.protocol import REWARD_DECIMALS
 
 from .conftest import (
     Recorder,

@@ -18,7 +18,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from rljob_localcluster import __main__ as cli
+from rljob_localcluster import clusterdir
 from rljob_localcluster.node import cleanup, host
 
 NODES_REMOVED = "(configs, kubelet and containerd state, pod logs, volume data; kept logs/)"
@@ -59,7 +59,7 @@ def _session_leftovers(d: Path) -> Path:
 def test_down_removes_the_node_state_and_says_what_it_removed_and_kept(tmp_path, capsys, iptables_cleanups):
     d = tmp_path / "cluster"
     sd = _session_leftovers(d)
-    assert cli._down(d) == 0
+    assert clusterdir.down(d) == 0
     err = capsys.readouterr().err
     assert sorted(p.name for p in d.iterdir()) == ["daemon.log", "nodes"]
     assert [p.name for p in sd.iterdir()] == ["logs"]
@@ -69,7 +69,7 @@ def test_down_removes_the_node_state_and_says_what_it_removed_and_kept(tmp_path,
     assert f"nodes: removed {sd} {NODES_REMOVED}" in err
     assert f"removed {d / 'data'} (etcd data, certificates, control-plane logs)" in err
     assert f"kept {d / 'daemon.log'} and {sd / 'logs'}" in err
-    assert cli._down(d) == 0  # nothing left to remove: says nothing about removing
+    assert clusterdir.down(d) == 0  # nothing left to remove: says nothing about removing
     assert "removed" not in capsys.readouterr().err and iptables_cleanups == ["iptables"]
 
 
@@ -79,14 +79,14 @@ def test_down_leaves_everything_in_place_while_local_node_processes_run(tmp_path
     running = cleanup._HostLock()  # what LocalNodes holds while its nodes run
     running.acquire(tmp_path / "other-nodes")
     try:
-        assert cli._down(d) == 1
+        assert clusterdir.down(d) == 1
         assert "nodes not cleaned: local nodes still run on this host" in capsys.readouterr().err
         assert (sd / "state.json").exists() and (sd / "pv" / "pvc-1" / "checkpoint.bin").exists()
         assert (d / "data").exists() and (d / "kubeconfig").exists()
         assert iptables_cleanups == []
     finally:
         running.release()
-    assert cli._down(d) == 0
+    assert clusterdir.down(d) == 0
     assert f"nodes: removed {sd} {NODES_REMOVED}" in capsys.readouterr().err
     assert [p.name for p in sd.iterdir()] == ["logs"] and not (d / "data").exists()
 
@@ -104,7 +104,7 @@ def test_down_detaches_a_mount_below_the_node_state_instead_of_deleting_through_
         pytest.skip("cannot bind-mount here (needs root and CAP_SYS_ADMIN)")
     try:
         assert host.mount_points_under([sd]) == [str(point.resolve())]
-        assert cli._down(d) == 0
+        assert clusterdir.down(d) == 0
         assert "nodes: unmounted 1 mounts" in capsys.readouterr().err
         assert host.mount_points_under([sd]) == []
         assert (outside / "keep.txt").read_text() == "not the nodes' data"

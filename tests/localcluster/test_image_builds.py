@@ -256,20 +256,31 @@ def test_operator_runs_as_its_user_on_a_read_only_root(containerd):
     assert no_torch.stdout.strip() == "True", no_torch.stdout + no_torch.stderr
 
 
-PACKAGES = ("rljob_api", "rljob_operator", "rljob_trainer", "rljob_rollout", "rljob_localcluster")
+PACKAGES = ("rljob_api", "rljob_wire", "rljob_operator", "rljob_trainer", "rljob_rollout", "rljob_localcluster",
+            "kopf", "kubernetes", "typer", "rich", "torch", "transformers")
 FIND_PACKAGES = ("import importlib.util as u; "
                  f"print(' '.join(p for p in {PACKAGES!r} if u.find_spec(p) is not None))")
+DISTRIBUTIONS = ("import importlib.metadata as m; "
+                 "print(' '.join(sorted(d.metadata['Name'] for d in m.distributions() "
+                 "if d.metadata['Name'].startswith('rljob'))))")
 
 
 def test_each_image_installs_only_its_own_packages(containerd):
-    """The operator image holds the shared API and the operator only; the trainer image the shared API, the
-    trainer and the rollout: neither carries the other's code or the local cluster's."""
-    operator = containerd.run(OPERATOR, "python", "-c", FIND_PACKAGES)
+    """Each image installs its own distributions and their dependencies only: the operator image rljob-api and
+    rljob-operator (no torch, no wire); the CPU trainer image the api, the wire, the trainer and the rollout, none of
+    the operator's dependencies (kopf, kubernetes, typer, rich) and no ``rljob`` command."""
+    operator = containerd.run(OPERATOR, "python", "-c", FIND_PACKAGES + "; " + DISTRIBUTIONS)
     assert operator.returncode == 0, operator.stdout + operator.stderr
-    assert operator.stdout.split() == ["rljob_api", "rljob_operator"]
-    trainer = containerd.run(TRAINER, "python", "-c", FIND_PACKAGES, timeout=600)
+    packages, distributions = operator.stdout.splitlines()
+    assert packages.split() == ["rljob_api", "rljob_operator", "kopf", "kubernetes", "typer", "rich"]
+    assert distributions.split() == ["rljob-api", "rljob-operator"]
+    trainer = containerd.run(TRAINER, "python", "-c", FIND_PACKAGES + "; " + DISTRIBUTIONS
+                             + "; import shutil; print(shutil.which('rljob'))", timeout=600)
     assert trainer.returncode == 0, trainer.stdout + trainer.stderr
-    assert trainer.stdout.split() == ["rljob_api", "rljob_trainer", "rljob_rollout"]
+    packages, distributions, command = trainer.stdout.splitlines()
+    assert packages.split() == ["rljob_api", "rljob_wire", "rljob_trainer", "rljob_rollout", "torch", "transformers"]
+    assert distributions.split() == ["rljob-api", "rljob-rollout", "rljob-trainer", "rljob-wire"]
+    assert command == "None"
 
 
 def test_trainer_image_imports_torch_and_the_trainer(containerd):

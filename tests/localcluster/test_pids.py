@@ -16,7 +16,7 @@ import time
 import uuid
 from pathlib import Path
 
-from rljob_localcluster import __main__ as cli
+from rljob_localcluster import clusterdir
 from rljob_localcluster.pids import cmdline, pid_running, terminate, terminate_all
 from waiting import wait_until
 
@@ -94,14 +94,14 @@ def test_down_signals_only_the_processes_its_files_name(tmp_path, capsys):
     try:
         (d / "daemon.pid").write_text(str(stranger.pid))
         (d / "state.json").write_text(json.dumps({"pids": {"etcd": stranger.pid}}))
-        assert cli._daemon_pid(d) is None
-        assert cli._down(d) == 0 and stranger.poll() is None
+        assert clusterdir.daemon_pid(d) is None
+        assert clusterdir.down(d) == 0 and stranger.poll() is None
         assert "control plane was not running" in capsys.readouterr().err
         assert not (d / "daemon.pid").exists() and not (d / "state.json").exists()
         (d / "daemon.pid").write_text(str(daemon.pid))
         (d / "state.json").write_text(json.dumps({"pids": {"etcd": etcd.pid, "kube-apiserver": stranger.pid}}))
-        assert cli._daemon_pid(d) == daemon.pid
-        assert cli._down(d) == 0
+        assert clusterdir.daemon_pid(d) == daemon.pid
+        assert clusterdir.down(d) == 0
         assert daemon.wait(5) == -signal.SIGTERM and etcd.wait(5) == -signal.SIGTERM
         assert stranger.poll() is None and not (d / "daemon.pid").exists()
     finally:

@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from helm_tools import CHART, helm_binary, render
-from rljob_operator.apply import KubeApi
+from rljob_operator.kube_api import KubeApi
 from rljob_operator.admission import kept_spec
 from rljob_operator.runtime import JobRuntime
 

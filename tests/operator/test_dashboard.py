@@ -20,10 +20,10 @@ from prometheus_client import CollectorRegistry
 
 from rljob_api.config import RedisConnection, resolve
 from rljob_api.spec import RLTrainingJobSpec
-from rljob_operator.metrics import JobsCollector, OperatorMetrics
-from rljob_rollout.metrics import RolloutMetrics
+from rljob_operator.operator_metrics import JobsCollector, OperatorMetrics
+from rljob_rollout.worker_metrics import RolloutMetrics
 from rljob_trainer.metrics_registry import STREAM_COUNTERS, record_metric_names
-from rljob_trainer.progress import RankZeroProgress
+from rljob_trainer.progress_report import RankZeroProgress
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "rljob-operator" / "dashboards" / "rljob.json"
 SAMPLE_SUFFIXES = {"counter": ("_total", "_created"), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count",

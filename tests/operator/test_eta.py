@@ -9,7 +9,7 @@ from rljob_api import protocol
 from rljob_api.constants import Phase
 from rljob_api.status import RLTrainingJobStatus
 
-from rljob_operator import eta, status
+from rljob_operator import eta, job_status
 
 from operator_helpers import T0, trainer
 from test_status_health import READY, RUNNING
@@ -43,7 +43,7 @@ def test_percent_rounds_down_and_the_time_left_is_rounded_up_for_fewer_status_wr
 
 
 def _pass(previous, seconds, phase_lifecycle, fetched, rate):
-    return status.build_status(
+    return job_status.build_status(
         previous, generation=1, lifecycle=phase_lifecycle, problems=[], data_parallel_size=2, redis=READY,
         pods=[trainer(0, 0), trainer(1, 0)], nodes=2, replicas=1, progress=fetched,
         now=T0 + timedelta(seconds=seconds), max_steps=200, steps_per_second=rate)
@@ -57,14 +57,14 @@ def test_a_running_job_shows_percent_and_eta_kept_between_reads_and_cleared_when
     running = _pass(first, 5, RUNNING, at_50, 0.5)  # 150 steps at 0.5/s
     assert (running.progress_percentage, running.estimated_remaining_seconds,
             running.estimated_remaining_time_summary) == (25, 300, "5m")
-    json = status.to_json(running)
+    json = job_status.to_json(running)
     assert (json["progressPercentage"], json["estimatedRemainingSeconds"],
             json["estimatedRemainingTimeSummary"]) == (25, 300, "5m")
     unread = _pass(running, 10, RUNNING, None, 0.5)  # a pass that did not read Redis keeps the estimate
-    assert status.status_patch(status.to_json(running), unread) is None
+    assert job_status.status_patch(job_status.to_json(running), unread) is None
     restarting = _pass(running, 15, replace(RUNNING, phase=Phase.RESTARTING), None, 0.5)
     assert (restarting.progress_percentage, restarting.estimated_remaining_seconds) == (25, None)
-    patch = status.status_patch(status.to_json(running), restarting)["status"]
+    patch = job_status.status_patch(job_status.to_json(running), restarting)["status"]
     assert (patch["phase"], patch["estimatedRemainingSeconds"], patch["estimatedRemainingTimeSummary"]) == (
         "Restarting", None, None)
     done = _pass(running, 20, replace(RUNNING, phase=Phase.SUCCEEDED),

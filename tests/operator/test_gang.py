@@ -387,7 +387,7 @@ def test_pods_of_an_older_attempt_found_at_start_are_removed_before_anything_is_
 
 
 def test_lifecycle_round_trips_through_the_saved_status():
-    from rljob_operator import status as st
+    from rljob_operator import job_status as st
     from rljob_api.status import RLTrainingJobStatus
 
     sim = running_sim()

@@ -1,11 +1,11 @@
 """The container images, checked without a container engine (none on these machines; the kind workflow builds
-them): every Dockerfile copies paths that exist, installs extras that pyproject defines and starts a command the
-image has; the operator image's install (the package without extras) resolves to no torch and no CUDA wheel."""
+them): every Dockerfile copies paths that exist, reads the requirements of distributions and extras that exist and
+starts a command the image has; the operator image's install (rljob-api and rljob-operator) resolves to no torch and
+no CUDA wheel."""
 
 from __future__ import annotations
 
 import json
-import re
 import shlex
 import subprocess
 import sys
@@ -16,7 +16,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILES = ["Dockerfile", "trainer_image/Dockerfile", "trainer_image/Dockerfile.cpu", "trainer_image/Dockerfile.vllm"]
-PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+OPERATOR_PYPROJECT = tomllib.loads((REPO / "operator" / "pyproject.toml").read_text())
+ROLE_FOLDERS = ("trainer", "rollout")  # where the packages of the trainer and rollout images' commands live
 
 
 def instructions(path: Path) -> list[tuple[str, str]]:
@@ -46,15 +47,18 @@ def test_dockerfile_copies_existing_paths_and_installs_defined_extras(name):
         sources = [w for w in words[:-1] if not w.startswith("--")]
         for source in sources:
             assert (REPO / source).exists(), f"{name}: COPY {source} does not exist in the build context (repo root)"
-    extras = set(PYPROJECT["project"]["optional-dependencies"])
     for kind, args in steps:
-        if kind == "RUN":
-            for asked in re.findall(r'"\.\[([a-z,]+)\]"', args):
-                assert set(asked.split(",")) <= extras, f"{name}: pip install .[{asked}] but pyproject has {extras}"
+        if kind == "RUN" and "scripts/requirements.py" in args:
+            command = args[args.index("scripts/requirements.py"):].split(">")[0]
+            for argument in shlex.split(command)[1:]:
+                path, _, extras = argument.partition(":")
+                assert (REPO / path).exists(), f"{name}: requirements of {path}, which does not exist"
+                defined = set(tomllib.loads((REPO / path).read_text())["project"].get("optional-dependencies", {}))
+                assert set(filter(None, extras.split(","))) <= defined, f"{name}: {argument} but {path} has {defined}"
 
 
 def test_image_commands_exist_in_the_images():
-    scripts = set(PYPROJECT["project"]["scripts"])
+    scripts = set(OPERATOR_PYPROJECT["project"]["scripts"])
     for name in DOCKERFILES:
         steps = dict(instructions(REPO / name))
         command = json.loads(steps.get("ENTRYPOINT") or steps["CMD"])
@@ -63,8 +67,8 @@ def test_image_commands_exist_in_the_images():
         else:
             assert command[0] in ("torchrun", "python"), (name, command)
             module = command[command.index("-m") + 1]
-            assert (REPO / "trainer_image" / Path(*module.split("."))).with_suffix(".py").exists() or (
-                REPO / "trainer_image" / Path(*module.split(".")) / "__main__.py").exists(), (name, module)
+            assert any((REPO / folder / Path(*module.split("."))).with_suffix(".py").exists() or (
+                REPO / folder / Path(*module.split(".")) / "__main__.py").exists() for folder in ROLE_FOLDERS), (name, module)
     operator = dict(instructions(REPO / "Dockerfile"))
     assert json.loads(operator["CMD"]) == ["operator", "--all-namespaces"]
 
@@ -74,11 +78,33 @@ def test_the_operator_install_pulls_no_torch(tmp_path):
     report = tmp_path / "report.json"
     result = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--disable-pip-version-check",
-         "--report", str(report), str(REPO)],
+         "--report", str(report), str(REPO / "api"), str(REPO / "operator")],
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     names = {item["metadata"]["name"].lower().replace("_", "-") for item in json.loads(report.read_text())["install"]}
-    assert {"rljob", "kopf", "kubernetes", "pydantic", "redis"} <= names
+    assert {"rljob-api", "rljob-operator", "kopf", "kubernetes", "pydantic", "redis"} <= names
+    assert not {n for n in names if n.startswith("rljob-")} - {"rljob-api", "rljob-operator"}, names
     heavy = {n for n in names if n in ("torch", "transformers", "vllm", "triton") or n.startswith("nvidia-")}
     assert heavy == set(), heavy
+
+
+def test_each_image_requirements_hold_only_its_distributions_dependencies():
+    """What scripts/requirements.py gives each image's dependency layer: the CPU image the trainer's pins (torch
+    once, pinned) and none of the operator's; the vLLM image torch unpinned (vLLM's pin decides); the operator no torch."""
+    def requirements(*files: str) -> list[str]:
+        result = subprocess.run([sys.executable, str(REPO / "scripts" / "requirements.py"), *files], cwd=REPO,
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.split()
+
+    cpu = requirements("api/pyproject.toml", "wire/pyproject.toml", "trainer/pyproject.toml", "rollout/pyproject.toml")
+    assert [r for r in cpu if r.startswith("torch")] == ["torch==2.15.0"]
+    assert not [r for r in cpu if r.split("=")[0] in ("kopf", "kubernetes", "typer", "rich") or r.startswith("rljob")]
+    vllm = requirements("api/pyproject.toml", "wire/pyproject.toml", "rollout/pyproject.toml")
+    assert [r for r in vllm if r.startswith("torch")] == ["torch"]
+    operator = requirements("api/pyproject.toml", "operator/pyproject.toml")
+    assert "kopf==1.45.2" in operator and not [r for r in operator if r.startswith(("torch", "transformers"))]
+    bad = subprocess.run([sys.executable, str(REPO / "scripts" / "requirements.py"), "trainer/pyproject.toml:nope"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "defines no extra 'nope'" in bad.stderr

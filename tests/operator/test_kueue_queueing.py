@@ -18,7 +18,7 @@ from rljob_api.spec import RLTrainingJobSpec
 from rljob_localcluster import ControlPlane
 from rljob_localcluster.kueue import LocalKueue
 from rljob_operator import gang, queueing, render
-from rljob_operator.apply import KubeApi
+from rljob_operator.kube_api import KubeApi
 from rljob_operator.runtime import Context, JobRuntime
 
 from test_cluster import (  # noqa: F401  (fixtures)

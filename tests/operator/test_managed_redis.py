@@ -20,7 +20,8 @@ from rljob_api import constants as c
 from rljob_api.canonical import canonical_json
 from rljob_api.config import JobConfig
 from rljob_api.constants import Reason
-from rljob_operator import applied, redis_reads, render, status
+from rljob_operator import applied_hash, job_status, render
+from rljob_operator.redis_io import reads as redis_reads
 from rljob_operator.observe import ClaimView, DeploymentView, claim_view
 from rljob_operator.runtime import JobRuntime
 
@@ -28,7 +29,7 @@ from operator_helpers import T0, make_job
 from portutil import free_port
 
 EARLIER_DEPLOYMENT_HASH = "b8ce6578d57ef39e"
-"""``applied.manifest_hash`` of ``render.redis_deployment(make_job())`` as the operator before persistence rendered it
+"""``applied_hash.manifest_hash`` of ``render.redis_deployment(make_job())`` as the operator before persistence rendered it
 (main at 3c5b6b8): what the applied-hash annotation of a running job's Redis Deployment holds. Rendering the same hash
 for its recorded config is what keeps an upgrade from re-applying the Deployment and replacing the Redis pod."""
 
@@ -97,7 +98,7 @@ def test_without_persistence_redis_is_rendered_exactly_as_before_it_existed():
         assert render.redis_persistence(config) is None  # ... but the bytes decide: an emptyDir
         assert render.redis_claim(the_job, config) is None
         deployment = render.redis_deployment(the_job, config)
-        assert applied.manifest_hash(deployment) == EARLIER_DEPLOYMENT_HASH
+        assert applied_hash.manifest_hash(deployment) == EARLIER_DEPLOYMENT_HASH
         assert _container(deployment)["command"] == [
             "redis-server", "--port", "6379", "--requirepass", "$(REDIS_PASSWORD)", "--appendonly", "yes", "--dir",
             "/data"]
@@ -266,12 +267,12 @@ def test_claim_pending_is_the_redis_ready_reason_and_a_warning_event():
     from rljob_api.status import RLTrainingJobStatus
     from rljob_operator import gang
 
-    health = status.RedisHealth(False, "managed Redis demo-redis: ... Pending: ProvisioningFailed: ...",
+    health = job_status.RedisHealth(False, "managed Redis demo-redis: ... Pending: ProvisioningFailed: ...",
                                 Reason.CLAIM_PENDING)
-    unavailable = status.RedisHealth(False, "managed Redis demo-redis: 0/1 replicas available")
+    unavailable = job_status.RedisHealth(False, "managed Redis demo-redis: 0/1 replicas available")
 
     def build(previous, redis_health):
-        return status.build_status(previous, generation=1, lifecycle=gang.Lifecycle(), problems=[],
+        return job_status.build_status(previous, generation=1, lifecycle=gang.Lifecycle(), problems=[],
                                    data_parallel_size=2, redis=redis_health, pods=[], nodes=2, replicas=1,
                                    progress=None, now=T0)
 
@@ -279,22 +280,22 @@ def test_claim_pending_is_the_redis_ready_reason_and_a_warning_event():
     pending = build(first, health)
     cond = pending.condition(c.ConditionType.REDIS_READY)
     assert (cond.status, cond.reason, cond.message) == ("False", "ClaimPending", health.message)
-    assert [(e.type, e.reason) for e in status.transition_events(first, pending)] == [("Warning", "ClaimPending")]
+    assert [(e.type, e.reason) for e in job_status.transition_events(first, pending)] == [("Warning", "ClaimPending")]
 
 
 def test_moving_a_managed_redis_between_an_emptydir_and_its_claim_is_a_warning_event():
     job = make_job()
     claim = render.redis_persistence(render.job_config(job))
-    on = status.redis_replaced("demo", None, claim)
+    on = job_status.redis_replaced("demo", None, claim)
     assert (on.type, on.reason) == ("Warning", "RedisReplaced")
     assert on.message == (
         "the managed Redis demo-redis moved from an emptyDir to the claim demo-redis-data "
         "(spec.redis.persistence.enabled: true): its new pod started empty, so the stream, its consumer group and "
         "pending entries and the progress and checkpoint hashes of the old one are gone; a running trainer gang "
         "restarts from its newest checkpoint")
-    off = status.redis_replaced("demo", claim, None)
+    off = job_status.redis_replaced("demo", claim, None)
     assert "from the claim demo-redis-data to an emptyDir (spec.redis.persistence.enabled: false; the claim is " \
            "deleted)" in off.message
     bigger = render.redis_persistence(render.job_config(make_job(redis={"persistence": {"size": "20Gi"}})))
-    assert status.redis_replaced("demo", claim, bigger) is None  # same claim: nothing replaced
-    assert status.redis_replaced("demo", None, None) is None
+    assert job_status.redis_replaced("demo", claim, bigger) is None  # same claim: nothing replaced
+    assert job_status.redis_replaced("demo", None, None) is None

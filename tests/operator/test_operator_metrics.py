@@ -6,7 +6,7 @@ import asyncio
 import threading
 import urllib.request
 
-from rljob_operator.metrics import OperatorMetrics, count_phases
+from rljob_operator.operator_metrics import OperatorMetrics, count_phases
 
 
 def test_count_phases_lists_every_phase():

@@ -13,7 +13,7 @@ from typing import Optional
 import pytest
 
 from helm_tools import helm_binary
-from rljob_operator.apply import KubeApi
+from rljob_operator.kube_api import KubeApi
 from rljob_operator.reconcile import reconcile
 from rljob_operator.runtime import Context, JobRuntime
 from test_cluster import Kube, job_manifest
@@ -172,8 +172,8 @@ def test_an_upgraded_operator_keeps_a_running_redis_on_its_emptydir_until_the_us
     from rljob_api.canonical import canonical_json
     from rljob_api.config import JobConfig
     from rljob_api.spec import RLTrainingJobSpec
-    from rljob_operator import applied, render
-    from rljob_operator.apply import adopt
+    from rljob_operator import applied_hash, render
+    from rljob_operator.kube_api import adopt
 
     kube.apply(job_manifest("keep"), namespace)
     job = kube.job(namespace, "keep")
@@ -187,7 +187,7 @@ def test_an_upgraded_operator_keeps_a_running_redis_on_its_emptydir_until_the_us
     adopt(made + [secret], job)
     for child in made + [secret]:
         kube.run("apply", "--server-side", "--field-manager=rljob-operator", "-f", "-",
-                 input=json.dumps(applied.stamp(child) if child is not secret else child))
+                 input=json.dumps(applied_hash.stamp(child) if child is not secret else child))
     kube.run("patch", "rljob", "keep", "-n", namespace, "--subresource=status", "--type=merge",
              "-p", json.dumps({"status": {"phase": "Pending", "attempt": 0}}))
     deployment = kube.json("get", "deployment", "keep-redis", "-n", namespace)

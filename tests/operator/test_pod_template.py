@@ -12,7 +12,7 @@ import pytest
 from rljob_api import constants as c
 from rljob_api.canonical import canonical_json
 from rljob_api.config import JobConfig
-from rljob_operator import render, resolution, status
+from rljob_operator import job_status, render, resolution
 from rljob_operator.admission import parse_spec, redis_template_problems, refusal_of_spec, refused_field
 
 from operator_helpers import make_job, trainer
@@ -376,9 +376,9 @@ def test_a_missing_secret_a_template_names_is_told_with_its_field():
                         {"name": "creds", "secret": {"secretName": "s3"}},
                         {"name": "both", "projected": {"sources": [{"secret": {"name": "wandb"}},
                                                                    {"secret": {"name": "gcs"}}]}}]}}}).spec
-    assert status.secret_fields(spec) == {"wandb": "spec.trainer.podTemplate", "s3": "spec.rollout.podTemplate",
+    assert job_status.secret_fields(spec) == {"wandb": "spec.trainer.podTemplate", "s3": "spec.rollout.podTemplate",
                                           "gcs": "spec.rollout.podTemplate"}
     pod = trainer(0, 0, phase="Pending", waiting_reason="CreateContainerConfigError", container="trainer",
                   waiting_message='secret "wandb" not found')
-    (named,) = status.name_secret_fields([pod], status.secret_fields(spec))
+    (named,) = job_status.name_secret_fields([pod], job_status.secret_fields(spec))
     assert named.waiting_message == 'secret "wandb" not found (spec.trainer.podTemplate)'

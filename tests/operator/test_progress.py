@@ -14,7 +14,10 @@ from rljob_api.config import RedisConnection
 from rljob_api.constants import ConditionType, Phase, Reason
 from rljob_api.status import CheckpointStatus, RLTrainingJobStatus
 
-from rljob_operator import gang, progress, redis_reads, render, status
+from rljob_operator import gang, job_status, render
+from rljob_operator.redis_io.clients import connect, tls_failure
+from rljob_operator.redis_io import reads as redis_reads
+from rljob_operator.redis_io.reads import fetch
 
 from operator_helpers import T0, make_job, rollout, trainer
 
@@ -50,7 +53,7 @@ def test_parse_skips_what_it_cannot_read_and_keeps_big_integers_exact():
                             {"reward_count:x": "3", "reward_sum:1": "inf", "reward_count:1": "2"})
     assert parsed.step is None and parsed.documents_seen == 2**60 + 1
     assert parsed.metrics == {} and parsed.rollout_reward is None
-    assert progress.status_fields(protocol.parse_progress({}, {})) == {}
+    assert job_status.status_fields(protocol.parse_progress({}, {})) == {}
 
 
 def test_fetch_from_a_real_redis(redis_server):
@@ -68,19 +71,19 @@ def test_fetch_from_a_real_redis(redis_server):
 
     async def go():
         connection = RedisConnection(host=redis_server.host, port=redis_server.port)
-        good = progress.connect(connection, redis_server.password)
-        wrong = progress.connect(connection, "not-the-password")
+        good = connect(connection, redis_server.password)
+        wrong = connect(connection, "not-the-password")
         try:
-            fetched = await progress.fetch(good, keys)
+            fetched = await fetch(good, keys)
             with pytest.raises(redis.RedisError):
-                await progress.fetch(wrong, keys)
+                await fetch(wrong, keys)
         finally:
             await good.aclose()
             await wrong.aclose()
         return fetched
 
     fetched = asyncio.run(go())
-    assert progress.status_fields(fetched) == {
+    assert job_status.status_fields(fetched) == {
         "step": 3, "documents_seen": 192, "model_version": 192, "rollout_reward": 0.625,
         "rollout_model_version": 128, "last_metrics": {"kl_new_old": 0.01},
         "last_checkpoint": CheckpointStatus(step=2, documents_seen=128, path="/var/lib/rljob/checkpoints/step-00000002",
@@ -114,9 +117,9 @@ def test_fetch_over_tls_verifies_the_server_with_the_ca_bundle_given(redis_tls_s
             ("system CAs", None, server.password),
             ("wrong password", server.tls.ca_file.read_text(), "not-the-password"),
         ):
-            client = progress.connect(connection, password, ca_data=ca_data)
+            client = connect(connection, password, ca_data=ca_data)
             try:
-                outcomes[name] = await progress.fetch(client, keys)
+                outcomes[name] = await fetch(client, keys)
             except redis.RedisError as err:
                 outcomes[name] = err
             finally:
@@ -127,9 +130,9 @@ def test_fetch_over_tls_verifies_the_server_with_the_ca_bundle_given(redis_tls_s
     assert (outcomes["private CA"].step, outcomes["private CA"].documents_seen) == (4, 256)
     for name in ("foreign CA", "system CAs"):
         assert isinstance(outcomes[name], redis.ConnectionError), outcomes[name]
-        assert progress.tls_failure(outcomes[name]) == "self-signed certificate in certificate chain", name
+        assert tls_failure(outcomes[name]) == "self-signed certificate in certificate chain", name
     assert isinstance(outcomes["wrong password"], redis.AuthenticationError)
-    assert progress.tls_failure(outcomes["wrong password"]) is None
+    assert tls_failure(outcomes["wrong password"]) is None
 
 
 def test_all_rewards_failed_becomes_a_warning_condition_and_clears_when_rewards_succeed(redis_server):
@@ -142,31 +145,31 @@ def test_all_rewards_failed_becomes_a_warning_condition_and_clears_when_rewards_
 
     config = render.job_config(make_job(redis={"mode": "external", "url": redis_server.url}))
     worker = DocumentWriter(redis_server.client(), config, 0)
-    client = progress.connect(RedisConnection(host=redis_server.host, port=redis_server.port), redis_server.password)
+    client = connect(RedisConnection(host=redis_server.host, port=redis_server.port), redis_server.password)
     running = gang.Lifecycle(phase=Phase.RUNNING, gang_created=True, reason=Reason.TRAINING, message="runs")
     pods = [trainer(0, 0), rollout(0)]
 
     def build(previous, fetched, **deadline):
-        return status.build_status(
+        return job_status.build_status(
             previous, generation=1, lifecycle=running, problems=[], data_parallel_size=1,
-            redis=status.RedisHealth(True, "reached"), pods=pods, nodes=1, replicas=1, progress=fetched, now=T0,
+            redis=job_status.RedisHealth(True, "reached"), pods=pods, nodes=1, replicas=1, progress=fetched, now=T0,
             **deadline,
         )
 
-    async def fetch():
-        return await progress.fetch(client, config.keys)
+    async def read_hashes():
+        return await fetch(client, config.keys)
 
     async def go():
         try:
             worker.report(BatchReport(0, [1.0, 0.0], 2, Counter(), 0, 0, 0.1))
-            healthy = build(RLTrainingJobStatus(), await fetch())
+            healthy = build(RLTrainingJobStatus(), await read_hashes())
             worker.report(BatchReport(64, [], 16, Counter(ValueError=12, KeyError=4), 0, 0, 0.1))
-            read = await fetch()
+            read = await read_hashes()
             failing = build(healthy, read)
             told = build(healthy, read, reward_deadline_s=600)
             kept = build(failing, None)  # a pass that did not read Redis
             worker.report(BatchReport(64, [0.5], 2, Counter(KeyError=1), 0, 0, 0.1))
-            recovered = build(kept, await fetch())
+            recovered = build(kept, await read_hashes())
         finally:
             await client.aclose()
         return healthy, failing, told, kept, recovered, read.reward_failures
@@ -179,7 +182,7 @@ def test_all_rewards_failed_becomes_a_warning_condition_and_clears_when_rewards_
         "function: ValueError ×12, KeyError ×4; no document reaches the trainer until rewards succeed again"
     )
     assert "spec.rollout.task" in ready.message
-    (event,) = status.transition_events(healthy, failing)
+    (event,) = job_status.transition_events(healthy, failing)
     assert (event.type, event.reason) == ("Warning", "AllRewardsFailed")
     assert event.message == f"RolloutReady=False: {ready.message}"
     assert failing.phase == Phase.RUNNING  # the job keeps waiting for data; it is not failed
@@ -188,11 +191,11 @@ def test_all_rewards_failed_becomes_a_warning_condition_and_clears_when_rewards_
         f"; failing since {since:%Y-%m-%dT%H:%M:%SZ}: the job fails (RewardsFailing) if no sample scores by "
         f"{since + timedelta(seconds=600):%Y-%m-%dT%H:%M:%SZ} (spec.rollout.rewardFailureDeadlineSeconds = 600)")
 
-    assert status.status_patch(status.to_json(failing), kept) is None and not status.transition_events(failing, kept)
+    assert job_status.status_patch(job_status.to_json(failing), kept) is None and not job_status.transition_events(failing, kept)
 
     cleared = recovered.condition(ConditionType.ROLLOUT_READY)
     assert (cleared.status, cleared.reason, cleared.message) == ("True", "PodsReady", "1/1 rollout pods ready")
-    assert [(e.type, e.reason) for e in status.transition_events(kept, recovered)] == [("Normal", "PodsReady")]
+    assert [(e.type, e.reason) for e in job_status.transition_events(kept, recovered)] == [("Normal", "PodsReady")]
 
 
 @pytest.mark.parametrize(("raw", "start"), [

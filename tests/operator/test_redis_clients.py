@@ -9,7 +9,7 @@ import redis
 
 from rljob_api.config import RedisConnection
 
-from rljob_operator.redis_clients import RedisClients
+from rljob_operator.redis_io.clients import RedisClients
 
 
 def _operator_connections(server) -> int:

@@ -16,7 +16,7 @@ from rljob_api.config import JobConfig
 from rljob_api.spec import ApiModel, RLTrainingJobSpec, RolloutSpec
 
 from rljob_operator import render
-from rljob_operator.apply import adopt
+from rljob_operator.kube_api import adopt
 
 from operator_helpers import make_job
 

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from source_tree import pythonpath
 from pathlib import Path
 
 import pytest
@@ -84,7 +85,7 @@ def rollout_process(kube: Kube, namespace: str, job: str, tmp_path: Path, passwo
     config.write_text(kube.json("get", "configmap", f"{job}-config", "-n", namespace)["data"]["config.json"])
     env = dict(os.environ, RLJOB_CONFIG=str(config), REDIS_PASSWORD=password, RLJOB_REPLICA_INDEX="0",
                POD_IP="127.0.0.1", OMP_NUM_THREADS="1", **{c.ENV_REWARD_SOURCE: str(mounted / "reward.py")})
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "api"), str(REPO / "trainer_image"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = pythonpath(env)
     return subprocess.Popen([sys.executable, "-m", "rljob_rollout"], env=env, text=True, start_new_session=True,
                             **popen)
 

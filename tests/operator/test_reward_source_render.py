@@ -19,7 +19,7 @@ from rljob_api.spec import RLTrainingJobSpec
 from rljob_api.status import RLTrainingJobStatus
 from rljob_api.validation import check_spec
 
-from rljob_operator import gang, render, resolution, status
+from rljob_operator import gang, job_status, render, resolution
 from rljob_operator.reward_source import RewardSourceState, reward_source_state
 
 from operator_helpers import T0, make_job, make_spec, rollout, trainer
@@ -158,8 +158,8 @@ def test_a_missing_source_makes_rollout_ready_false_with_a_warning_and_running_s
     waiting = rollout(0, phase="Pending", waiting_reason="")  # ContainerCreating: the kubelet cannot mount it
 
     def build(previous, reward_source):
-        return status.build_status(previous, generation=1, lifecycle=running, problems=[], data_parallel_size=2,
-                                   redis=status.RedisHealth(True, "ok"), pods=[trainer(0, 0), trainer(1, 0), waiting],
+        return job_status.build_status(previous, generation=1, lifecycle=running, problems=[], data_parallel_size=2,
+                                   redis=job_status.RedisHealth(True, "ok"), pods=[trainer(0, 0), trainer(1, 0), waiting],
                                    nodes=2, replicas=1, progress=None, now=T0, reward_source=reward_source)
 
     before = build(RLTrainingJobStatus(), None)
@@ -169,7 +169,7 @@ def test_a_missing_source_makes_rollout_ready_false_with_a_warning_and_running_s
     assert (ready.status, ready.reason, ready.message) == ("False", "RewardSourceMissing", problem)
     assert after.condition(ConditionType.RUNNING).message.endswith(
         "; no new document reaches the trainer while RolloutReady is False (RewardSourceMissing)")
-    events = status.transition_events(before, after)
+    events = job_status.transition_events(before, after)
     assert ("Warning", "RewardSourceMissing", f"RolloutReady=False: {problem}") in [
         (e.type, e.reason, e.message) for e in events]
 

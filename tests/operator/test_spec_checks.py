@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from rljob_operator.admission import parse_spec
-from rljob_operator.status import valid_condition
+from rljob_operator.job_status import valid_condition
 
 CASES = {
     "topology": (

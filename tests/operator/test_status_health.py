@@ -11,15 +11,16 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from rljob_api import protocol
+from rljob_api.protocol import Progress
 from rljob_api.constants import ConditionType, Phase, Reason
 from rljob_api.status import CheckpointStatus, RLTrainingJobStatus
 
-from rljob_operator import gang, progress, render, status
+from rljob_operator import gang, job_status, render
 from rljob_operator.observe import pod_view
 
 from operator_helpers import CRASHED, T0, kubelet_pod, kubelet_rollout_pod, make_spec, trainer
 
-READY = status.RedisHealth(True, "managed Redis demo-redis: 1/1 replicas available")
+READY = job_status.RedisHealth(True, "managed Redis demo-redis: 1/1 replicas available")
 RUNNING = gang.Lifecycle(phase=Phase.RUNNING, gang_created=True, start_time=T0, reason=Reason.TRAINING,
                          message="attempt 0: all 2 trainer pods running")
 LAST_LINE = ("2026-01-01 12:00:03,512 ERROR rljob_rollout.__main__: rollout: cannot start: "
@@ -27,7 +28,7 @@ LAST_LINE = ("2026-01-01 12:00:03,512 ERROR rljob_rollout.__main__: rollout: can
 
 
 def build(previous, pods, lifecycle=RUNNING, seconds=0.0, fetched=None, redis=READY, volume=None):
-    return status.build_status(
+    return job_status.build_status(
         previous, generation=1, lifecycle=lifecycle, problems=[], data_parallel_size=2, redis=redis, pods=pods,
         nodes=2, replicas=1, progress=fetched, now=T0 + timedelta(seconds=seconds), checkpoint_volume=volume,
     )
@@ -62,7 +63,7 @@ def test_a_crash_looping_rollout_is_named_once_and_its_condition_does_not_flip_o
     assert (ready.status, ready.reason) == ("False", "ContainerFailing")
     assert ready.message == ("0/1 rollout pods ready; failing: demo-rollout-0: container rollout CrashLoopBackOff, "
                              f"1 restart; last run: exit code 2 (Error): {LAST_LINE}")
-    assert [(e.type, e.reason, e.message) for e in status.transition_events(first, crashed)] == [
+    assert [(e.type, e.reason, e.message) for e in job_status.transition_events(first, crashed)] == [
         ("Warning", "ContainerFailing", f"RolloutReady=False: {ready.message}")]
     running = cond(crashed, ConditionType.RUNNING)  # the gang still runs and may drain the stream; it says so
     assert (running.status, running.reason) == ("True", "Training")
@@ -78,7 +79,7 @@ def test_a_crash_looping_rollout_is_named_once_and_its_condition_does_not_flip_o
         again = cond(now, ConditionType.ROLLOUT_READY)
         assert (again.status, again.reason, again.last_transition_time) == ("False", "ContainerFailing",
                                                                             ready.last_transition_time), seconds
-        assert status.transition_events(previous, now) == [], seconds
+        assert job_status.transition_events(previous, now) == [], seconds
         previous = now
     assert again.message == ("0/1 rollout pods ready; failing: demo-rollout-0: container rollout running again, "
                              f"2 restarts; last run: exit code 2 (Error): {LAST_LINE}")
@@ -86,7 +87,7 @@ def test_a_crash_looping_rollout_is_named_once_and_its_condition_does_not_flip_o
     # Once its run outlasts 60 s per restart it counts as recovered: one Event.
     recovered = build(previous, trainers + [pod_view(running_again(2, since=40))], seconds=40 + 121)
     assert cond(recovered, ConditionType.ROLLOUT_READY).status == "True"
-    assert [(e.type, e.reason) for e in status.transition_events(previous, recovered)] == [("Normal", "PodsReady")]
+    assert [(e.type, e.reason) for e in job_status.transition_events(previous, recovered)] == [("Normal", "PodsReady")]
     assert cond(recovered, ConditionType.RUNNING).message == "attempt 0: all 2 trainer pods running"
 
 
@@ -105,7 +106,7 @@ def test_trainer_pods_that_cannot_start_name_the_kubelets_reason_and_message():
     assert (ready.status, ready.reason) == ("False", "ContainerCannotStart")
     assert ready.message == ("0/2 trainer pods ready; cannot start: demo-trainer-0, demo-trainer-1: container trainer "
                              f"CreateContainerConfigError: {secret}")
-    assert [(e.type, e.reason) for e in status.transition_events(created, stuck)] == [
+    assert [(e.type, e.reason) for e in job_status.transition_events(created, stuck)] == [
         ("Warning", "ContainerCannotStart")]
 
     # An image that cannot be pulled alternates between two kubelet reasons: one condition reason, no new Event.
@@ -115,7 +116,7 @@ def test_trainer_pods_that_cannot_start_name_the_kubelets_reason_and_message():
     assert cond(pulling, ConditionType.TRAINER_READY).message == (
         "0/2 trainer pods ready; cannot start: demo-trainer-0: container trainer ErrImagePull: not found; "
         "demo-trainer-1: container trainer ImagePullBackOff: Back-off pulling")
-    assert status.transition_events(stuck, pulling) == []
+    assert job_status.transition_events(stuck, pulling) == []
 
     # One rank unschedulable, one stuck: Unschedulable comes first, both are named.
     mixed = [trainer(0, 0, "Pending", unschedulable="0/2 nodes are available: 2 Insufficient nvidia.com/gpu."),
@@ -132,7 +133,7 @@ def test_running_needs_redis_a_running_gang_without_it_stays_starting():
     spec = make_spec(trainer={"nodes": 2})
     hashes = render.config_hashes(render.job_config(render.Job("demo", "ns", spec)))
     pods = [trainer(i, 0, config_hash=hashes.config, role_config_hash=hashes.trainer) for i in (0, 1)]
-    down = status.RedisHealth(False, "cannot reach Redis at 10.1.2.3:6379: Timeout connecting to server")
+    down = job_status.RedisHealth(False, "cannot reach Redis at 10.1.2.3:6379: Timeout connecting to server")
     up = build(RLTrainingJobStatus(), pods, RUNNING)
     assert (up.phase, cond(up, ConditionType.RUNNING).status) == (Phase.RUNNING, "True")
 
@@ -148,10 +149,10 @@ def test_running_needs_redis_a_running_gang_without_it_stays_starting():
         assert running.message == ("attempt 0: all 2 trainer pods running, but no step can be made while Redis is not "
                                    f"ready: {down.message}")
         if seconds == 5:  # one Warning, from RedisReady (Running's says the same)
-            assert [(e.type, e.reason, e.message) for e in status.transition_events(previous, now)] == [
+            assert [(e.type, e.reason, e.message) for e in job_status.transition_events(previous, now)] == [
                 ("Warning", "RedisUnavailable", f"RedisReady=False: {down.message}")]
         else:
-            assert status.status_patch(status.to_json(previous), now) is None
+            assert job_status.status_patch(job_status.to_json(previous), now) is None
         previous = now
 
     assert gang.require_redis(RUNNING, None, "not checked yet") == RUNNING  # unknown: the plan stands
@@ -163,7 +164,7 @@ LOST = {"step": 35, "path": "/var/lib/rljob/checkpoints/step-00000035", "restore
         "message": "checkpoint step 35 at /var/lib/rljob/checkpoints/step-00000035 is gone ..."}
 
 
-def lost_progress(step: int = 3, lost: dict | None = LOST) -> progress.Progress:
+def lost_progress(step: int = 3, lost: dict | None = LOST) -> Progress:
     fields = {"step": str(step), "restored_from_step": "0", "documents_seen": str(step * 64)}
     if lost is not None:
         fields["checkpoint_lost"] = json.dumps(lost)
@@ -181,12 +182,12 @@ def test_a_lost_checkpoint_is_told_once_per_attempt_in_running_and_a_warning():
             "spec.trainer.checkpoint.volume to a PersistentVolumeClaim")
     assert (running.status, running.reason, running.message) == (
         "True", "CheckpointLost", f"attempt 1: all 2 trainer pods running; {told}")
-    assert [(e.type, e.reason) for e in status.transition_events(before, lost)] == [("Warning", "CheckpointLost")]
+    assert [(e.type, e.reason) for e in job_status.transition_events(before, lost)] == [("Warning", "CheckpointLost")]
 
     later = build(lost, pods, attempt1, seconds=10, fetched=lost_progress(step=9))
     unread = build(later, pods, attempt1, seconds=15)  # a pass that did not read Redis keeps it
-    assert status.transition_events(lost, later) == [] and status.transition_events(later, unread) == []
-    assert status.status_patch(status.to_json(later), unread) is None
+    assert job_status.transition_events(lost, later) == [] and job_status.transition_events(later, unread) == []
+    assert job_status.status_patch(job_status.to_json(later), unread) is None
 
     # The gang restarts: Running is False in between, and attempt 2 loses its checkpoint again: one more Warning.
     restarting = gang.Lifecycle(phase=Phase.RESTARTING, attempt=2, restarts=2, gang_created=False,
@@ -198,7 +199,7 @@ def test_a_lost_checkpoint_is_told_once_per_attempt_in_running_and_a_warning():
         "attempt 2: all 2 trainer pods running; attempt 2 started over at step 0: checkpoint step 35 "
         "(/var/lib/rljob/checkpoints/step-00000035) was lost: it is missing from PersistentVolumeClaim ckpt "
         "(spec.trainer.checkpoint.volume; was the claim replaced or cleaned?)")
-    assert "CheckpointLost" in [e.reason for e in status.transition_events(torn, again)]
+    assert "CheckpointLost" in [e.reason for e in job_status.transition_events(torn, again)]
 
     # Until attempt 3's rank 0 starts, the hash still holds attempt 2's record: not told as attempt 3's.
     attempt3 = replace(attempt1, attempt=3, restarts=3, message="attempt 3: all 2 trainer pods running")
@@ -210,7 +211,7 @@ def test_a_lost_checkpoint_is_told_once_per_attempt_in_running_and_a_warning():
 
     cleared = build(again, [trainer(0, 2), trainer(1, 2)], attempt2, seconds=45, fetched=lost_progress(lost=None))
     assert cond(cleared, ConditionType.RUNNING).reason == "Training"
-    assert status.transition_events(again, cleared) == []
+    assert job_status.transition_events(again, cleared) == []
 
 
 @pytest.mark.parametrize(("raw", "told"), [
@@ -219,7 +220,7 @@ def test_a_lost_checkpoint_is_told_once_per_attempt_in_running_and_a_warning():
 ])
 def test_an_unreadable_lost_checkpoint_record_still_gives_a_message(raw, told):
     parsed = protocol.parse_progress({"checkpoint_lost": raw}, {})
-    assert progress.lost_checkpoint_message(parsed.checkpoint_lost, 1, None).startswith(told)
+    assert job_status.lost_checkpoint_message(parsed.checkpoint_lost, 1, None).startswith(told)
     assert protocol.parse_progress({}, {}).checkpoint_lost is None
 
 
@@ -240,7 +241,7 @@ def test_success_is_one_normal_event_from_succeeded_naming_the_export(trainer_sp
     finished = build(running, pods, done, seconds=5)
     message = f"trainer pod demo-trainer-0 (global rank 0) of attempt 0 exited 0; {export}"
     assert cond(finished, ConditionType.SUCCEEDED).message == message
-    assert [(e.type, e.reason, e.message) for e in status.transition_events(running, finished)] == [
+    assert [(e.type, e.reason, e.message) for e in job_status.transition_events(running, finished)] == [
         ("Normal", "TrainingFinished", f"Succeeded=True: {message}")]
 
 
@@ -258,11 +259,11 @@ def test_a_finish_after_a_restart_is_told_by_succeeded_and_exited_ranks_are_not_
     closing = build(running, gang1("Succeeded", "Running"), attempt1, seconds=6)  # rank 0 exited first
     ready = cond(closing, ConditionType.TRAINER_READY)
     assert (ready.status, ready.message) == ("True", "2/2 trainer pods ready (1 finished)")
-    assert status.transition_events(running, closing) == []
+    assert job_status.transition_events(running, closing) == []
     done = gang.plan("demo", spec, attempt1, gang1("Succeeded", "Succeeded"), hashes, T0).lifecycle
     finished = build(closing, gang1("Succeeded", "Succeeded"), done, seconds=7)
     assert cond(finished, ConditionType.RESTARTING).reason == "TrainingFinished"  # False, echoing the finish
-    assert [(e.type, e.reason, e.message.split(":")[0]) for e in status.transition_events(closing, finished)] == [
+    assert [(e.type, e.reason, e.message.split(":")[0]) for e in job_status.transition_events(closing, finished)] == [
         ("Normal", "TrainingFinished", "Succeeded=True")]
 
 
@@ -292,19 +293,19 @@ def test_a_gang_restart_says_where_the_next_attempt_starts(checkpoint, resumes):
 def test_a_missing_secret_the_spec_names_is_told_with_its_field():
     spec = make_spec(hfTokenSecretRef={"name": "hf", "key": "token"},
                      redis={"mode": "external", "url": "redis://r:6379", "passwordSecretRef": {"name": "pw", "key": "p"}})
-    fields = status.secret_fields(spec)
+    fields = job_status.secret_fields(spec)
     assert fields == {"hf": "spec.hfTokenSecretRef", "pw": "spec.redis.passwordSecretRef"}
     waiting = dict(phase="Pending", waiting_reason="CreateContainerConfigError", container="trainer")
     pods = [trainer(0, 0, waiting_message='secret "hf" not found', **waiting),
             trainer(1, 0, waiting_message="couldn't find key p in Secret ns/pw", **waiting),
             trainer(2, 0, waiting_message="couldn't find key p in Secret ns/pw-other", **waiting)]
-    named = status.name_secret_fields(pods, fields)
+    named = job_status.name_secret_fields(pods, fields)
     assert [p.waiting_message for p in named] == [
         'secret "hf" not found (spec.hfTokenSecretRef)',
         "couldn't find key p in Secret ns/pw (spec.redis.passwordSecretRef)",
         "couldn't find key p in Secret ns/pw-other",  # another Secret: not the spec's
     ]
-    assert status.name_secret_fields(named, fields) == named  # told once
+    assert job_status.name_secret_fields(named, fields) == named  # told once
     built = build(RLTrainingJobStatus(), named[:2], replace(RUNNING, phase=Phase.STARTING))
     assert cond(built, ConditionType.TRAINER_READY).message == (
         '0/2 trainer pods ready; cannot start: demo-trainer-0: container trainer CreateContainerConfigError: secret '
@@ -323,7 +324,7 @@ def test_the_last_checkpoint_is_copied_into_status_and_kept_when_redis_forgets_i
     assert saved.last_checkpoint == CheckpointStatus(step=30, documents_seen=1920,
                                                      path="/var/lib/rljob/checkpoints/step-00000030",
                                                      time=datetime(2027, 1, 15, 8, 0, tzinfo=timezone.utc))
-    assert status.to_json(saved)["lastCheckpoint"] == {"step": 30, "documentsSeen": 1920,
+    assert job_status.to_json(saved)["lastCheckpoint"] == {"step": 30, "documentsSeen": 1920,
                                                         "path": "/var/lib/rljob/checkpoints/step-00000030",
                                                         "time": "2027-01-15T08:00:00Z"}
     forgotten = build(saved, pods, RUNNING, seconds=5, fetched=protocol.parse_progress({}, {}, {}))

@@ -12,12 +12,12 @@ from rljob_api.constants import ConditionType, Phase, Reason
 from rljob_api.spec import RLTrainingJobSpec
 from rljob_api.status import RLTrainingJobStatus
 
-from rljob_operator import gang, render, resolution, status
-from rljob_operator.progress import Progress
+from rljob_operator import gang, job_status, render, resolution
+from rljob_api.protocol import Progress
 
 from operator_helpers import T0, make_job, rollout, trainer
 
-READY = status.RedisHealth(True, "managed Redis demo-redis: 1/1 replicas available")
+READY = job_status.RedisHealth(True, "managed Redis demo-redis: 1/1 replicas available")
 RUNNING = gang.Lifecycle(phase=Phase.RUNNING, gang_created=True, start_time=T0, reason=Reason.TRAINING,
                          message="attempt 0: all 2 trainer pods running")
 EXTERNAL = ("spec.rollout.replicas is 0: rljob runs no rollout pod; producers outside rljob write documents to stream "
@@ -27,11 +27,11 @@ EXTERNAL = ("spec.rollout.replicas is 0: rljob runs no rollout pod; producers ou
 
 
 def stream_of(job: render.Job):
-    return status.stream_status(render.job_config(job), render.redis_password_ref(job))
+    return job_status.stream_status(render.job_config(job), render.redis_password_ref(job))
 
 
 def build(job: render.Job, pods, previous=None, lifecycle=RUNNING, progress=None, seconds=0.0, stream=True):
-    return status.build_status(
+    return job_status.build_status(
         previous or RLTrainingJobStatus(), generation=1, lifecycle=lifecycle, problems=[], data_parallel_size=2,
         redis=READY, pods=pods, nodes=2, replicas=job.spec.rollout.replicas, progress=progress,
         now=T0 + timedelta(seconds=seconds), stream=stream_of(job) if stream else None,
@@ -53,18 +53,18 @@ def test_a_trainer_only_job_is_ready_running_and_says_where_producers_write():
     running = st.condition(ConditionType.RUNNING)  # nothing about documents that cannot reach the trainer
     assert (running.status, running.reason, running.message) == ("True", "Training",
                                                                  "attempt 0: all 2 trainer pods running")
-    assert status.to_json(st)["stream"] == {
+    assert job_status.to_json(st)["stream"] == {
         "redisAddress": "demo-redis.ns.svc.cluster.local:6379/0", "tls": False,
         "passwordSecretRef": {"name": "demo-redis-auth", "key": "password"},
         "streamKey": "fast_llm_streaming", "group": "fast_llm_group", "eventsKey": "fast_llm_events",
         "membersKey": "rljob:ns:demo:members", "deadLetterKey": "rljob:ns:demo:dead_letter",
         "firstTransferRank": 1, "weightsAddress": "demo-trainer-0.demo-trainer.ns.svc.cluster.local:29600",
     }
-    events = status.transition_events(RLTrainingJobStatus(), st)
+    events = job_status.transition_events(RLTrainingJobStatus(), st)
     assert ("Normal", "ExternalProducers", f"RolloutReady=True: {EXTERNAL}") in [
         (e.type, e.reason, e.message) for e in events]
     again = build(job, [trainer(0, 0), trainer(1, 0)], previous=st, stream=False, seconds=5)  # no stream this pass
-    assert status.status_patch(status.to_json(st), again) is None  # the saved stream is kept, nothing to write
+    assert job_status.status_patch(job_status.to_json(st), again) is None  # the saved stream is kept, nothing to write
 
 
 def test_the_gang_runs_with_no_rollout_pod_and_scaling_to_zero_deletes_them_without_a_restart():
@@ -95,7 +95,7 @@ def test_status_stream_of_an_external_redis_names_the_prefixed_keys_tls_db_and_t
     job = make_job(trainer={"nodes": 2}, rollout={"replicas": 2, "gpusPerReplica": 4, "backend": "vllm"},
                    redis={"mode": "external", "url": "rediss://redis.example.com:6380/3",
                           "passwordSecretRef": {"name": "shared-redis", "key": "pw"}})
-    stream = status.to_json(build(job, [trainer(0, 0), trainer(1, 0)]))["stream"]
+    stream = job_status.to_json(build(job, [trainer(0, 0), trainer(1, 0)]))["stream"]
     assert stream == {
         "redisAddress": "redis.example.com:6380/3", "tls": True,
         "passwordSecretRef": {"name": "shared-redis", "key": "pw"},
@@ -117,4 +117,4 @@ def test_scaling_between_zero_and_n_keeps_the_gangs_config_and_moves_the_first_t
     assert render.role_config_hash(config, c.Role.TRAINER) == render.role_config_hash(recorded.config, c.Role.TRAINER)
     assert render.role_config_hash(config, c.Role.ROLLOUT) == render.role_config_hash(recorded.config, c.Role.ROLLOUT)
     assert config.config_hash() != recorded.config.config_hash()  # the replica count itself is recorded anew
-    assert status.stream_status(config, None).first_transfer_rank == 1 + after
+    assert job_status.stream_status(config, None).first_transfer_rank == 1 + after

@@ -12,11 +12,11 @@ from portutil import free_port
 from rljob_api import protocol
 from rljob_api.config import JobConfig, RedisConnection, resolve
 from rljob_api.spec import RLTrainingJobSpec
-from rljob_trainer.model import build_model, build_tokenizer
+from rljob_wire.model import build_model, build_tokenizer
 from rljob_rollout.backends.cpu import CpuBackend
 from rljob_rollout.tasks import build_task
 from rljob_rollout.worker import RolloutWorker
-from rljob_trainer.stream.connection import connect
+from rljob_wire.connection import connect
 from waiting import wait_until  # noqa: F401 - re-exported for the rollout tests
 
 SMALL = {"layers": 1, "hiddenSize": 16, "heads": 2, "intermediateSize": 32, "maxPositionEmbeddings": 32}

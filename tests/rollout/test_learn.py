@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+from source_tree import pythonpath
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from rollout_harness import TOY, make_config
 from rollout_harness import rollout_rewards
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
-from train_harness import REPO, Torchrun, json_lines  # noqa: E402 - the trainer tests' torchrun launcher
+from train_harness import Torchrun, json_lines  # noqa: E402 - the trainer tests' torchrun launcher
 
 DIGITS = 4
 PROMPTS, SAMPLES = 32, 16
@@ -40,7 +41,7 @@ cores), so the asserted rise of 0.4 has a wide margin."""
 def _rollout_process(config_path: Path, password: str, log_path: Path) -> subprocess.Popen:
     env = dict(os.environ, RLJOB_CONFIG=str(config_path), REDIS_PASSWORD=password, RLJOB_REPLICA_INDEX="0",
                OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "api"), str(REPO / "trainer_image"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = pythonpath(env)
     log = open(log_path, "w")
     return subprocess.Popen([sys.executable, "-m", "rljob_rollout"], env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)

@@ -18,7 +18,7 @@ import rl_pipeline as rp  # noqa: E402
 import time_to_reward as ttr  # noqa: E402
 
 from rljob_api.spec import RLTrainingJobSpec  # noqa: E402
-from rljob_trainer.model import DigitTokenizer  # noqa: E402
+from rljob_wire.model import DigitTokenizer  # noqa: E402
 
 
 def points(*rewards: float, per_step: int = 512, start: float = 10.0, every: float = 2.0) -> list[rp.Point]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rljob_api.spec import ModelSpec, SamplingSpec, TinyModelSpec
-from rljob_trainer.model import DigitTokenizer, build_model, sequence_logprobs
+from rljob_wire.model import DigitTokenizer, build_model, sequence_logprobs
 from rljob_rollout.backends.cpu import CpuBackend
 from rljob_rollout.writer import make_document
 

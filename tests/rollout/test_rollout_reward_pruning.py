@@ -52,7 +52,7 @@ def test_hash_keeps_exactly_the_newest_versions_with_their_values(redis_server):
     b_reports = len(range(0, total_versions, 3))
     assert int(client.hget(key, "samples_generated")) == 2 * total_versions + b_reports
 
-    # the operator's reader (rljob_operator.progress) reports the newest version's mean, rounded for status
+    # the operator's reader (rljob_operator.redis_io.reads) reports the newest version's mean, rounded for status
     progress = protocol.parse_progress({}, client.hgetall(key))
     step = total_versions - 1
     mean = round((step / 1000 + 1.0) / (3 if step % 3 == 0 else 2), protocol.REWARD_DECIMALS)

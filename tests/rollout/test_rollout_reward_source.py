@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from source_tree import pythonpath
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,8 @@ from rljob_api import protocol
 from rljob_api.spec import RewardSourceSpec, RLTrainingJobSpec
 from rljob_rollout.__main__ import reward_file
 from rljob_rollout.tasks import build_task, load_reward_function
-from rljob_trainer.model import build_tokenizer
-from rljob_trainer.weights import WeightPublisher
+from rljob_wire.model import build_tokenizer
+from rljob_trainer.weight_publisher import WeightPublisher
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = RewardSourceSpec.model_validate({"configMapKeyRef": {"name": "rewards", "key": "reward.py"}})
@@ -121,7 +122,7 @@ def _rollout(config_path: Path, password: str, reward: Path, **popen) -> subproc
     """``python -m rljob_rollout`` as the rollout pod runs it, with the reward file where the pod's env names it."""
     env = dict(os.environ, RLJOB_CONFIG=str(config_path), REDIS_PASSWORD=password, RLJOB_REPLICA_INDEX="0",
                OMP_NUM_THREADS="1", **{c.ENV_REWARD_SOURCE: str(reward)})
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "api"), str(REPO / "trainer_image"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = pythonpath(env)
     return subprocess.Popen([sys.executable, "-m", "rljob_rollout"], env=env, text=True, start_new_session=True,
                             **popen)
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from rljob_api.spec import DIGIT_TASKS, ModelSpec, TaskSpec
-from rljob_trainer.model import TEXT_ALPHABET, DigitTokenizer, build_tokenizer
+from rljob_wire.model import TEXT_ALPHABET, DigitTokenizer, build_tokenizer
 from rljob_rollout.tasks import DigitsTask, InvalidReward, Prompt, build_task, extract_number, load_reward_function
 
 TOK = DigitTokenizer()

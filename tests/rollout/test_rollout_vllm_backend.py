@@ -20,11 +20,11 @@ import torch
 
 from rollout_harness import make_config, tiny_model
 from rljob_api.spec import SamplingSpec
-from rljob_trainer.model import DigitTokenizer
+from rljob_wire.model import DigitTokenizer
 from rljob_rollout.backends.base import UpdateOutcome
 from rljob_rollout.backends.vllm import EXTENSION, VllmBackend, logprobs_mode
-from rljob_rollout.weights import WeightSubscriber
-from rljob_trainer.weights import WeightPublisher
+from rljob_rollout.weight_subscriber import WeightSubscriber
+from rljob_trainer.weight_publisher import WeightPublisher
 
 
 @dataclass

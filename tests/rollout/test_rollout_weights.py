@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from source_tree import pythonpath
 from pathlib import Path
 
 import pytest
@@ -23,10 +24,10 @@ from rljob_api import protocol
 from rljob_api.protocol import TransferTicket, parse_event, parse_member
 from rljob_rollout.backends.base import UpdateOutcome
 from rljob_rollout.backends.cpu import CpuBackend
-from rljob_rollout.weights import WeightSubscriber
-from rljob_trainer.transfer import (GROUP_KEY, STORE_PREFIX, GroupKeeper, KeptGroup, StoreAddress, TransferFailed, UpdateSender,
+from rljob_rollout.weight_subscriber import WeightSubscriber
+from rljob_wire.transfer import (GROUP_KEY, STORE_PREFIX, GroupKeeper, KeptGroup, StoreAddress, TransferFailed, UpdateSender,
                                     _AllowListUnpickler, _reported_group, connect_store, receive_update, unwrapped_name)
-from rljob_trainer.weights import WeightPublisher
+from rljob_trainer.weight_publisher import WeightPublisher
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -37,7 +38,7 @@ def _receiver(config_path: Path, replica: int, out: Path, password: str, die_aft
               fresh_groups: bool = False) -> subprocess.Popen:
     """A receiver process (transfer_receiver.py) as transfer rank 1 + ``replica``."""
     env = dict(os.environ, REDIS_PASSWORD=password, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "api"), str(REPO / "trainer_image"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = pythonpath(env)
     args = [sys.executable, str(HERE / "transfer_receiver.py"), str(config_path), str(replica), str(out)]
     if die_after is not None:
         args += ["--die-after", str(die_after)]

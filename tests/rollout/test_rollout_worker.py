@@ -16,13 +16,13 @@ import torch
 
 from rollout_harness import make_config, make_worker, running, tiny_model, wait_until
 from rljob_api import protocol
-from rljob_trainer.model import sequence_logprobs
+from rljob_wire.model import sequence_logprobs
 from rljob_rollout.__main__ import replica_index
 from rljob_rollout.backoff import JITTER_LOW, Backoff
 from rljob_rollout.worker import REWARD_BACKOFF_CAP_S, REWARD_BACKOFF_INITIAL_S, WAIT_FOR_ROOM_MS, room_wait_ms
 from rollout_harness import rollout_rewards
-from rljob_trainer.stream.codec import decode_entry
-from rljob_trainer.weights import WeightPublisher
+from rljob_wire.codec import decode_entry
+from rljob_trainer.weight_publisher import WeightPublisher
 
 
 @pytest.fixture()

@@ -13,9 +13,9 @@ from rollout_harness import make_config
 from rljob_api import protocol
 from rljob_rollout.writer import BatchReport, DocumentWriter, StreamBacklog, make_document
 from rollout_harness import rollout_rewards
-from rljob_trainer.stream.codec import decode_entry
+from rljob_wire.codec import decode_entry
 from rljob_trainer.stream.reader import DataTimeout, StreamReader
-from rljob_trainer.progress import publish_checkpointed, publish_start
+from rljob_trainer.progress_report import publish_checkpointed, publish_start
 
 
 def _docs(n: int, version: int = 0):

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from rljob_api.config import JobConfig
-from rljob_trainer.stream.connection import connect
-from rljob_rollout.weights import WeightSubscriber
-from rljob_trainer.transfer import GroupKeeper, TransferFailed, receive_update
+from rljob_wire.connection import connect
+from rljob_rollout.weight_subscriber import WeightSubscriber
+from rljob_wire.transfer import GroupKeeper, TransferFailed, receive_update
 
 
 def main() -> int:

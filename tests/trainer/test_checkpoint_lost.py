@@ -21,7 +21,7 @@ from rljob_rollout.writer import DocumentWriter
 from rljob_trainer.stream.reader import DataTimeout
 from rljob_trainer import fence
 from rljob_trainer.fence import gang_attempt
-from rljob_trainer.progress import publish_start
+from rljob_trainer.progress_report import publish_start
 from rljob_trainer.train import run
 from train_harness import make_config, make_documents
 

@@ -21,7 +21,7 @@ from rljob_trainer.checkpoint import (
     resolve_init_from,
     step_dir,
 )
-from rljob_trainer.model import DigitTokenizer, build_model
+from rljob_wire.model import DigitTokenizer, build_model
 from rljob_trainer.parallel import init_distributed, shutdown_distributed
 from train_harness import make_config, make_documents, write_documents
 
@@ -233,7 +233,7 @@ def test_a_failed_commit_hook_is_raised_after_the_commit(redis_server, tmp_path,
     from redis.retry import Retry
 
     from portutil import free_port
-    from rljob_trainer.progress import publish_checkpointed
+    from rljob_trainer.progress_report import publish_checkpointed
 
     config = make_config(redis_server, tmp_path / "ckpt", processes=1)
     where = init_distributed(config)

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from rljob_trainer.export import SafetensorsFile, TensorEntry, plan_files
-from rljob_trainer.model import DigitTokenizer, build_model
+from rljob_wire.model import DigitTokenizer, build_model
 from train_harness import init_gloo, make_config, run_ranks
 
 torch.set_num_threads(1)

@@ -16,7 +16,7 @@ from rljob_api import constants as c
 from rljob_api import protocol
 from rljob_trainer import fence
 from rljob_trainer.checkpoint import COMMIT_FILE
-from rljob_trainer.progress import publish_start
+from rljob_trainer.progress_report import publish_start
 from rljob_trainer.stream.reader import ack_entries
 from train_harness import (
     Torchrun,
@@ -183,7 +183,7 @@ def test_a_running_attempt_that_loses_the_job_stops_writing_and_the_new_attempt_
 
 
 def test_the_stream_identity_is_made_once_and_again_after_redis_forgot(setup):
-    from rljob_trainer.progress import stream_identity
+    from rljob_trainer.progress_report import stream_identity
     config, client = setup
     first = stream_identity(client, config)
     assert len(first) == 32 and stream_identity(client, config) == first  # a restart keeps it

@@ -83,7 +83,7 @@ def test_one_step_equals_the_one_rank_reference(redis_server, tmp_path, loss, ra
 
 def one_step_initial_weights(redis_server, tmp_path: Path) -> dict[str, torch.Tensor]:
     """The weights every rank starts from (the seeded tiny model of :func:`make_config`)."""
-    from rljob_trainer.model import DigitTokenizer, build_model
+    from rljob_wire.model import DigitTokenizer, build_model
 
     config = make_config(redis_server, tmp_path / "initial", processes=1)
     return build_model(config.spec.model, DigitTokenizer().vocab_size, config.spec.trainer.seed).state_dict()

@@ -31,7 +31,7 @@ from rljob_trainer.loading import (
     model_config,
     safetensors_files,
 )
-from rljob_trainer.model import DigitTokenizer, build_model, tiny_config
+from rljob_wire.model import DigitTokenizer, build_model, tiny_config
 from train_harness import TINY, make_config, run_ranks
 
 SEED = 5

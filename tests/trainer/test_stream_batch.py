@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from rljob_api.spec import ModelSpec
-from rljob_trainer.model import build_model, sequence_logprobs
+from rljob_wire.model import build_model, sequence_logprobs
 from rljob_trainer.stream.batch import flat_from_padded, pack_documents
-from rljob_trainer.stream.codec import Document
+from rljob_wire.codec import Document
 
 torch.set_num_threads(1)
 

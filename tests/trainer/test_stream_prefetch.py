@@ -13,8 +13,8 @@ import redis
 
 from rljob_api import RLTrainingJobSpec, resolve
 from rljob_api.config import RedisConnection
-from rljob_trainer.stream.codec import Document, encode_document
-from rljob_trainer.stream.connection import OUTAGE_SECONDS, PipelinedConnection, connect
+from rljob_wire.codec import Document, encode_document
+from rljob_wire.connection import OUTAGE_SECONDS, PipelinedConnection, connect
 from test_stream_reader import firsts, pending_of, reader, wait_pending, write, write_docs
 
 CONSUMER = "fast_llm_consumer_0"

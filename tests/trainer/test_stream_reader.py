@@ -11,7 +11,7 @@ import redis
 
 from rljob_api import RLTrainingJobSpec, resolve
 from rljob_api.config import RedisConnection
-from rljob_trainer.stream.codec import Document, MalformedKind, encode_document
+from rljob_wire.codec import Document, MalformedKind, encode_document
 from rljob_trainer.stream.reader import DataTimeout, StreamReader
 
 KEYS = resolve("demo", "ns", RLTrainingJobSpec.model_validate({"model": {"source": "tiny"}}), RedisConnection(host="unused")).keys

@@ -28,7 +28,7 @@ from rljob_api import RLTrainingJobSpec, resolve
 from rljob_api.config import RedisConnection
 from rljob_trainer.parallel import Distributed
 from rljob_rollout.writer import DocumentWriter
-from rljob_trainer.stream.codec import Document, encode_document
+from rljob_wire.codec import Document, encode_document
 from rljob_trainer.stream.reader import StreamReader
 from rljob_trainer.stream.redistribute import Redistribution, redistribute_pending
 from train_harness import (

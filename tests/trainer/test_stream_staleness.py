@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rljob_api import protocol
-from rljob_trainer.stream.codec import Document, MalformedKind, encode_document
+from rljob_wire.codec import Document, MalformedKind, encode_document
 from rljob_trainer.stream.reader import DataTimeout, document_staleness
 from test_stream_reader import KEYS, document, firsts, pending_of, reader, write, write_docs
 

@@ -232,7 +232,7 @@ def test_an_unreachable_tracking_server_leaves_training_alone(redis_server, clie
 
 
 def test_step_scalars_name_every_part_of_the_record():
-    from rljob_trainer.progress import StepRecord
+    from rljob_trainer.step_record import StepRecord
 
     record = StepRecord(step=7, documents_seen=28, model_version=28, tokens_per_second=12.5,
                         metrics={"loss": 0.25, "sampler_mismatch_ratio": float("nan")}, stream={"dead_lettered": 1})

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rljob_trainer.parallel import ParallelDims, WorldSizeMismatch
-from rljob_trainer.progress import (
+from rljob_trainer.progress_report import (
     NoOpProgress,
     RankZeroProgress,
     StepRecord,

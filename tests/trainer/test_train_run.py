@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from portutil import free_port
 from rljob_trainer.checkpoint import COMMIT_FILE, committed_checkpoints
 from rljob_trainer.metrics_registry import CHECKPOINT_BLOCKING, CHECKPOINT_SAVE, WEIGHT_SYNC
-from rljob_trainer.model import DigitTokenizer, build_model
+from rljob_wire.model import DigitTokenizer, build_model
 from rljob_trainer.stream.reader import DataTimeout
 from rljob_trainer.train import run
 from train_harness import (

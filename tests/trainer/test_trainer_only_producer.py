@@ -3,7 +3,7 @@ that writes entries exactly as Fast-LLM's ``RedisStreamingDocumentData.to_messag
 ``reward``) and holds back by the consumer group's backlog (``redis.maxPending``), a real 2-rank trainer that trains to
 maxSteps and checkpoints, and a weight member outside rljob that heartbeats in the members hash as the first transfer
 rank above the rollout range and receives every update. Everything the outsiders use comes from ``status.stream``
-(:func:`rljob_operator.status.stream_status` over the job's resolved config), as README's "Trainer-only jobs" says.
+(:func:`rljob_operator.job_status.stream_status` over the job's resolved config), as README's "Trainer-only jobs" says.
 With metrics on, such entries are dead-lettered with a counted reason and the trainer's data timeout names them."""
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from safetensors.torch import load_file
 from portutil import free_port
 from rljob_api import protocol
 from rljob_api.status import StreamStatus
-from rljob_operator.status import stream_status
+from rljob_operator.job_status import stream_status
 from rljob_trainer.checkpoint import COMMIT_FILE, committed_checkpoints
 from rljob_trainer.metrics_registry import TIMINGS
-from rljob_trainer.model import DigitTokenizer
+from rljob_wire.model import DigitTokenizer
 from rljob_trainer.stream.reader import DataTimeout
 from rljob_trainer.train import run
-from rljob_trainer.transfer import StoreAddress, receive_update
+from rljob_wire.transfer import StoreAddress, receive_update
 from train_harness import (
     Torchrun,
     XackMonitor,

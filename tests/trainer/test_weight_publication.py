@@ -1,4 +1,4 @@
-"""The trainer's weight publication (:func:`rljob_trainer.weights.publish_weights`) from DDP-style plain tensors and
+"""The trainer's weight publication (:func:`rljob_trainer.weight_publisher.publish_weights`) from DDP-style plain tensors and
 from FSDP2 shards: real gloo process groups, a real Redis, a real rollout member receiving over the wire."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 
 from rljob_api.config import JobConfig
-from rljob_trainer.model import DigitTokenizer, build_model
+from rljob_wire.model import DigitTokenizer, build_model
 from rljob_trainer.parallel import Distributed, ParallelDims, wrap_model
-from rljob_trainer.stream.connection import connect
-from rljob_trainer.weights import WeightPublisher, publish_weights
+from rljob_wire.connection import connect
+from rljob_trainer.weight_publisher import WeightPublisher, publish_weights
 from train_harness import WeightReceiver, init_gloo, make_config, run_ranks, wait_until
 
 SEED = 7

@@ -21,11 +21,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from portutil import free_port
+from source_tree import pythonpath
 from rljob_api.config import JobConfig, RedisConnection, resolve
 from rljob_api.spec import RLTrainingJobSpec
 from rljob_trainer.checkpoint import COMMIT_FILE, committed_checkpoints
-from rljob_trainer.model import DigitTokenizer
-from rljob_trainer.stream.codec import Document, encode_document
+from rljob_wire.model import DigitTokenizer
+from rljob_wire.codec import Document, encode_document
 from waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -156,9 +157,7 @@ class Torchrun:
             RLJOB_CONFIG=str(config_path),
             REDIS_PASSWORD=password,
             OMP_NUM_THREADS="1",
-            PYTHONPATH=os.pathsep.join(
-                [str(REPO / "api"), str(REPO / "trainer_image"), env.get("PYTHONPATH", "")]
-            ),
+            PYTHONPATH=pythonpath(env),
         )
         self.stdout_path = log_dir / f"{tag}.stdout"
         self.stderr_path = log_dir / f"{tag}.stderr"
@@ -218,7 +217,7 @@ class WeightReceiver:
     """
 
     def __init__(self, config: JobConfig, client: Any):
-        from rljob_rollout.weights import WeightSubscriber
+        from rljob_rollout.weight_subscriber import WeightSubscriber
 
         self.subscriber = WeightSubscriber(config, client, replica_index=0)
         self.subscriber.follow_from_now()
@@ -233,7 +232,7 @@ class WeightReceiver:
     def _loop(self) -> None:
         import torch
 
-        from rljob_trainer.transfer import receive_update
+        from rljob_wire.transfer import receive_update
 
         try:
             while not self._stop.is_set() and not self.finished:

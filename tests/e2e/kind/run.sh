@@ -30,7 +30,7 @@ kind load docker-image --name "$CLUSTER" "$OPERATOR_IMAGE" "$TRAINER_IMAGE" "$EA
 
 export KUBECONFIG=${KUBECONFIG:-$(mktemp)}
 kind get kubeconfig --name "$CLUSTER" > "$KUBECONFIG"
-python3 -m pip install -q -e '.[test]'
+bash scripts/install-dev.sh test
 python3 -m pytest -m e2e --cluster=existing --operator-image="$OPERATOR_IMAGE" \
   --earlier-operator-image="$EARLIER_IMAGE" -q tests/e2e
 status=$?

@@ -1,0 +1,87 @@
+"""The one interface both generation backends (``cpu``, ``vllm``) implement.
+
+Log-probability convention (DESIGN §2 "Token alignment"): a completion's ``logprobs[i]`` is
+``log softmax(logits / temperature)[token_ids[i]]`` over the FULL vocabulary, given the prompt and
+``token_ids[:i]`` — the quantity :func:`rljob_wire.model.sequence_logprobs` recomputes on the trainer, which
+knows the temperature but not top-p. Sampling itself draws from the top-p nucleus of that distribution, so with
+``topP < 1`` the behaviour policy is the truncated distribution while both old and new log-probabilities are
+of the untruncated one; the importance ratio then stays consistent between old and new, at the price of a small
+off-policy bias on the truncated tail (none with ``topP = 1``, the usual RL setting).
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from rljob_api.spec import SamplingSpec
+from rljob_api.protocol import TransferTicket
+from rljob_wire.transfer import StoreAddress
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled completion (prompt excluded).
+
+    Attributes:
+        token_ids: [N] generated token ids, N <= max new tokens, the stop token included when one was sampled.
+        logprobs: [N] float, log-probability of each generated token at the sampling temperature (see the module
+            docstring), natural log.
+        finish_reason: ``"stop"`` (end-of-sequence sampled) or ``"length"`` (hit the token limit).
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str
+
+
+class UpdateOutcome(enum.Enum):
+    """What a weight update did to a backend's weights."""
+
+    LOADED = "loaded"
+    """Every tensor arrived and was loaded: the weights are the event's version."""
+    NOT_SELECTED = "not_selected"
+    """The trainer formed the group without this worker (too late to join): weights unchanged."""
+    FAILED_INTACT = "failed_intact"
+    """The transfer failed before anything was loaded: the old weights (and version) are still valid."""
+    FAILED_TORN = "failed_torn"
+    """The transfer failed after some tensors were loaded: the weights match no version; generate nothing
+    until the next successful update."""
+
+
+class GenerationBackend(ABC):
+    """Generates completions with per-token log-probabilities and takes new weights from the trainer."""
+
+    @abstractmethod
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingSpec) -> list[list[Completion]]:
+        """Sample ``n`` completions for each prompt.
+
+        Args:
+            prompt_token_ids: P prompts, each a list of token ids (special tokens included).
+            n: completions per prompt (the group size G).
+            sampling: temperature, top-p and ``max_new_tokens`` (tokens per completion, at most).
+
+        Returns:
+            P lists of ``n`` :class:`Completion`, in prompt order.
+        """
+
+    @abstractmethod
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the model's weights with ``named_tensors`` (Hugging Face parameter names, full tensors).
+
+        Raises:
+            ValueError: unknown or missing parameter names, or a shape mismatch (names them).
+        """
+
+    @abstractmethod
+    def receive_weights(self, ticket: TransferTicket, address: StoreAddress, transfer_ranks: Sequence[int]) -> UpdateOutcome:
+        """Join the weight transfer of ``ticket`` as ``transfer_ranks`` (one per GPU process of this pod) and
+        load what arrives. Never raises for a failed transfer: the outcome says whether the old weights
+        survived."""
+
+    def close(self) -> None:
+        """Release the engine (default: nothing to release)."""

@@ -1,0 +1,164 @@
+"""The ``vllm`` backend: vLLM's offline ``LLM`` engine on the pod's GPUs (an optional extra, rollout GPU image only).
+
+vLLM is imported lazily (only when this backend is built), so the trainer image and the tests never need it.
+
+* Engine: ``LLM(model, tensor_parallel_size=gpusPerReplica, skip_tokenizer_init=True, generation_config="vllm",
+  logprobs_mode=..., worker_extension_cls=WeightReceiverExtension)``: prompts go in as token ids (the worker's
+  own tokenizer made them), the checkpoint's generation defaults are ignored so only ``spec.rollout.sampling``
+  applies, and each GPU worker joins rljob's weight transfer itself (:mod:`.vllm_worker`). A ``tiny`` model is
+  saved to a temporary directory first.
+* Sampling: ``SamplingParams(n, temperature, top_p, max_tokens, logprobs=0, stop_token_ids=[eos],
+  detokenize=False)``; ``logprobs=0`` returns the sampled token's log-probability only.
+* Log-probabilities must be of ``softmax(logits / T)`` over the full vocabulary (:mod:`.base`). vLLM's
+  ``processed_logprobs`` are taken after temperature *and* top-p, ``raw_logprobs`` before temperature. So:
+  top-p = 1 → ``processed_logprobs`` (exactly the temperature-scaled distribution); top-p < 1 at temperature 1
+  → ``raw_logprobs`` (the same thing at T = 1); top-p < 1 at another temperature cannot be served exactly and
+  is refused at start (:func:`logprobs_mode`).
+* Weight updates: ``collective_rpc("rljob_receive_weights", ...)`` runs the receive in every GPU worker at once,
+  between ``generate`` calls (the worker loop is single-threaded, so requests in flight finish on the old
+  weights first); the prefix cache is reset after a successful update, since its KV entries came from the old
+  weights.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import tempfile
+from types import ModuleType
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+from rljob_api.config import JobConfig
+from rljob_api.spec import SamplingSpec
+from rljob_rollout.backends.base import Completion, GenerationBackend, UpdateOutcome
+from rljob_api.protocol import TransferTicket
+from rljob_wire.transfer import StoreAddress
+
+log = logging.getLogger(__name__)
+
+EXTENSION = "rljob_rollout.backends.vllm_worker.WeightReceiverExtension"
+RECEIVE_METHOD = "rljob_receive_weights"
+
+
+def logprobs_mode(sampling: SamplingSpec) -> str:
+    """vLLM's ``logprobs_mode`` that yields temperature-only log-probabilities for ``sampling``.
+
+    Raises:
+        ValueError: top-p < 1 with a temperature other than 1 (names both fields).
+    """
+    if sampling.top_p >= 1.0:
+        return "processed_logprobs"
+    if sampling.temperature == 1.0:
+        return "raw_logprobs"
+    raise ValueError(
+        f"spec.rollout.sampling: topP = {sampling.top_p} < 1 with temperature = {sampling.temperature} != 1 is not "
+        "supported by the vllm backend: vLLM cannot return log-probabilities of the temperature-scaled, untruncated "
+        "distribution the trainer recomputes. Use topP = 1, or temperature = 1."
+    )
+
+
+class VllmBackend(GenerationBackend):
+    """vLLM generation on this pod's GPUs (see the module docstring).
+
+    Args:
+        config: the resolved job config (model, sampling, gpusPerReplica).
+        tokenizer: the job's tokenizer (its eos id stops generation).
+        seed: sampling seed (rollout seed + replica index).
+        vllm_module: the ``vllm`` module; tests pass a stand-in with the same ``LLM`` / ``SamplingParams`` API.
+        engine_options: extra keyword arguments for ``vllm.LLM`` (e.g. ``gpu_memory_utilization``).
+
+    Raises:
+        ImportError: vLLM is not installed (use the rollout GPU image, trainer_image/Dockerfile.vllm).
+        ValueError: unsupported sampling settings (:func:`logprobs_mode`).
+    """
+
+    def __init__(
+        self,
+        config: JobConfig,
+        tokenizer: Any,
+        seed: int,
+        *,
+        vllm_module: Optional[ModuleType] = None,
+        engine_options: Optional[dict[str, Any]] = None,
+    ) -> None:
+        sampling = config.spec.rollout.sampling
+        mode = logprobs_mode(sampling)
+        self._vllm = vllm_module or importlib.import_module("vllm")
+        self._eos = getattr(tokenizer, "eos_token_id", None)
+        self._tmp: Optional[tempfile.TemporaryDirectory] = None
+        model = config.spec.model
+        if model.source == "tiny":
+            from rljob_wire.model import build_model
+
+            self._tmp = tempfile.TemporaryDirectory(prefix="rljob-tiny-")
+            vocab_size = len(tokenizer) if hasattr(tokenizer, "__len__") else tokenizer.vocab_size  # as the trainer
+            build_model(model, vocab_size, seed=config.spec.trainer.seed).save_pretrained(self._tmp.name)
+            where, revision = self._tmp.name, None
+        else:
+            where = model.path if model.source == "path" else model.name
+            revision = model.revision
+        self.llm = self._vllm.LLM(
+            model=where,
+            revision=revision,
+            tensor_parallel_size=max(1, config.spec.rollout.gpus_per_replica),
+            seed=seed,
+            skip_tokenizer_init=True,
+            generation_config="vllm",
+            logprobs_mode=mode,
+            worker_extension_cls=EXTENSION,
+            **(engine_options or {}),
+        )
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingSpec) -> list[list[Completion]]:
+        params = self._vllm.SamplingParams(
+            n=n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=sampling.max_new_tokens,
+            logprobs=0,
+            stop_token_ids=[self._eos] if self._eos is not None else None,
+            detokenize=False,
+        )
+        prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [[_completion(choice) for choice in output.outputs] for output in outputs]
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load host tensors into every GPU worker (for tests and tools; updates use :meth:`receive_weights`)."""
+        pairs = [(name, tensor.detach().cpu()) for name, tensor in named_tensors]
+        self.llm.collective_rpc(_load_weights_rpc, args=(pairs,))
+        self.llm.reset_prefix_cache()
+
+    def receive_weights(self, ticket: TransferTicket, address: StoreAddress, transfer_ranks: Sequence[int]) -> UpdateOutcome:
+        replies = self.llm.collective_rpc(RECEIVE_METHOD, args=(ticket.to_json(), address.host, address.port, transfer_ranks[0]))
+        outcomes = {reply["outcome"] for reply in replies}
+        if outcomes == {"loaded"}:
+            self.llm.reset_prefix_cache()
+            return UpdateOutcome.LOADED
+        if any(reply["tensors_loaded"] for reply in replies):
+            log.error("vllm backend: update %s left mixed weights: %s", ticket.id, replies)
+            return UpdateOutcome.FAILED_TORN
+        if outcomes == {"not_selected"}:
+            return UpdateOutcome.NOT_SELECTED
+        log.warning("vllm backend: update %s not loaded: %s", ticket.id, replies)
+        return UpdateOutcome.FAILED_INTACT
+
+    def close(self) -> None:
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+
+def _completion(choice: Any) -> Completion:
+    """A vLLM ``CompletionOutput`` (token_ids, logprobs = one {token id: Logprob} per token) as a :class:`Completion`."""
+    tokens = tuple(int(t) for t in choice.token_ids)
+    if choice.logprobs is None or len(choice.logprobs) != len(tokens):
+        raise RuntimeError(f"vllm backend: expected one logprob entry per generated token, got {choice.logprobs!r}")
+    logprobs = tuple(float(entry[token].logprob) for entry, token in zip(choice.logprobs, tokens))
+    finish = "stop" if choice.finish_reason == "stop" else "length"
+    return Completion(tokens, logprobs, finish)
+
+
+def _load_weights_rpc(worker: Any, pairs: list[tuple[str, torch.Tensor]]) -> None:
+    worker.model_runner.model.load_weights(weights=pairs)

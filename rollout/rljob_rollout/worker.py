@@ -1,0 +1,340 @@
+"""The rollout loop: follow the trainer's weights, generate, score, compute advantages, write documents.
+
+At start the worker follows the events stream from its last entry. When that entry is a ``training_finished``
+whose ``step`` is at least this config's ``spec.trainer.maxSteps`` (or carries no step: an older trainer), the job
+is done and the worker exits 0. One with a lower step is an earlier attempt's end — ``maxSteps`` was raised and
+the operator restarted the gang — so the worker stays and waits for the new attempt's weights.
+
+One iteration (:meth:`RolloutWorker.step`):
+
+1. Read new events. A live ``training_finished`` → the worker exits 0, whatever its step. The newest
+   ``weights_ready`` that invites one of this pod's transfer ranks → join that transfer and load the weights; on
+   success the local version becomes the event's ``documents_seen``, even when lower than before (a trainer
+   resumed from an older checkpoint).
+2. Before the first successful update, generate nothing (DESIGN §2): wait for events.
+3. While backing off after a batch whose every reward failed (below), or while back-pressure or max lag says wait
+   (:mod:`.writer`), wait for events a little and go round again: 250 ms, but right after a weight update 5 ms,
+   doubling (:func:`room_wait_ms`), since the trainer makes room for the next batch just after it publishes.
+4. Generate ``promptsPerBatch`` × ``samplesPerPrompt`` completions, score them, compute group advantages,
+   optionally drop zero-variance groups, write the documents, report the batch to the rollout hash.
+
+Following the trainer back: when the trainer resumes from an older checkpoint, a batch generated with the newer weights
+of the abandoned timeline (its version above the trainer's model_version) is dropped at write time and counted
+(``documents_abandoned`` in the rollout hash, ``rljob_rollout_abandoned_documents_total``); the next iteration loads
+the resumed weights the trainer announces at its start.
+
+Version tagging: the loop is single-threaded, so weights change only between batches — a weight update that
+arrives during generation waits until the batch is written. Every token of a batch is therefore tagged with
+the version of the weights that generated it (in-flight generations finish on the old weights and carry the
+old version; nothing is aborted). A transfer that fails after touching the weights (possible with vLLM, which
+loads tensor by tensor) leaves the worker with no version: it generates nothing until the next update.
+
+Reward failures: a reward function that raises drops that sample; the exception's class name is counted in
+the rollout hash and logged once per kind (with its traceback); the worker keeps going. A batch where every
+sample failed writes nothing and extends the failure streak ``all_rewards_failed`` in the rollout hash (since when,
+the exceptions by class and message; the operator ends the job after ``spec.rollout.rewardFailureDeadlineSeconds``).
+After such a batch the worker backs off before the next one: jittered exponential back-off, 1 s doubling to 60 s
+(:data:`REWARD_BACKOFF_INITIAL_S`, :data:`REWARD_BACKOFF_CAP_S`; each wait drawn in [0.5, 1] × the nominal delay,
+:class:`~rljob_rollout.backoff.Backoff`), reset by the first batch with a scored sample. A reward function that
+raises on everything then costs about one batch a minute instead of a GPU generating at full speed for nothing. The
+wait is spent polling the events stream, so weight updates and ``training_finished`` are handled during it (and the
+heartbeats go on); a loaded update does not end the wait.
+
+Outages: Redis errors (after the client's own retries) make the loop wait with jittered exponential backoff
+(0.5 s doubling to 30 s) and try again, forever — no crash loop; an unreachable trainer only makes transfers
+fail, and the worker keeps its weights and waits for the next ``weights_ready``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import Counter
+from typing import Any, Optional
+
+import redis
+
+from rljob_api import protocol
+from rljob_api.config import JobConfig
+from rljob_rollout.advantages import filter_zero_variance, group_advantages
+from rljob_rollout.backoff import Backoff
+from rljob_rollout.backends.base import Completion, GenerationBackend, UpdateOutcome
+from rljob_rollout.worker_metrics import RolloutMetrics
+from rljob_rollout.tasks import InvalidReward, Prompt, Task
+from rljob_rollout.writer import BatchReport, DocumentWriter, make_document
+from rljob_wire.connection import RedisTLSError
+from rljob_api.protocol import Event
+from rljob_rollout.weight_subscriber import WeightSubscriber
+
+log = logging.getLogger(__name__)
+
+WAIT_FOR_WEIGHTS_MS = 1000
+"""Longest single wait for events before the first weights (milliseconds)."""
+WAIT_FOR_ROOM_MS = 250
+"""Wait for events while back-pressure holds the worker (milliseconds)."""
+RECHECK_AFTER_UPDATE_MS = 5
+"""The first wait for events while held back right after a weight update (milliseconds); each further one doubles, up
+to :data:`WAIT_FOR_ROOM_MS` (:func:`room_wait_ms`). The trainer reports a step (progress hash) just after the
+publication the worker took part in, so the room that step makes shows within milliseconds. With a flat 250 ms wait a
+synchronous job (maxLag 0) lost 0.25-0.35 s on about half of its steps (docs/time-to-reward.md)."""
+OUTAGE_BACKOFF_INITIAL_S = 0.5
+OUTAGE_BACKOFF_CAP_S = 30.0
+"""Waits between tries while Redis is unreachable (seconds; :class:`~rljob_rollout.backoff.Backoff`, doubling)."""
+REWARD_BACKOFF_INITIAL_S = 1.0
+REWARD_BACKOFF_CAP_S = 60.0
+"""Waits between batches whose every reward failed (seconds; doubling, module docstring)."""
+
+
+def room_wait_ms(checks_since_update: int) -> int:
+    """How long to wait for events (milliseconds) before checking back-pressure and max lag again, when the worker was
+    held back ``checks_since_update`` times since its last weight update: 5, 10, 20, 40, 80, 160, then 250 ms."""
+    return min(WAIT_FOR_ROOM_MS, RECHECK_AFTER_UPDATE_MS << min(checks_since_update, 16))
+
+
+def finished_for(event: Event, max_steps: int) -> bool:
+    """Whether a ``training_finished`` event found in the stream at start means a job with ``max_steps`` (optimizer
+    steps) is done: its final step is >= ``max_steps``, or it carries no step (an older or upstream trainer)."""
+    return event.step is None or event.step >= max_steps
+
+
+class RolloutWorker:
+    """One rollout pod's loop (see the module docstring).
+
+    Args:
+        config: the resolved job config.
+        replica_index: this pod's index i (``<job>-rollout-<i>``).
+        client: a bytes-mode Redis client (:func:`rljob_wire.connection.connect`).
+        backend: the generation backend.
+        task: prompts and rewards.
+        tokenizer: decodes completions for the reward function.
+        metrics: Prometheus instruments (a fresh, unserved set by default).
+    """
+
+    def __init__(
+        self,
+        config: JobConfig,
+        replica_index: int,
+        *,
+        client: redis.Redis,
+        backend: GenerationBackend,
+        task: Task,
+        tokenizer: Any,
+        metrics: Optional[RolloutMetrics] = None,
+    ) -> None:
+        self.config = config
+        self.spec = config.spec.rollout
+        self.backend = backend
+        self.task = task
+        self.tokenizer = tokenizer
+        self.subscriber = WeightSubscriber(config, client, replica_index)
+        self.writer = DocumentWriter(client, config, replica_index)
+        self.metrics = metrics or RolloutMetrics()
+        limit = min(self.spec.sampling.max_new_tokens, task.max_new_tokens or self.spec.sampling.max_new_tokens)
+        self.sampling = self.spec.sampling.model_copy(update={"max_new_tokens": limit})
+        self.reward_errors: Counter = Counter()
+        self.batches = 0
+        self.reward_backoff = Backoff(REWARD_BACKOFF_INITIAL_S, REWARD_BACKOFF_CAP_S)
+        self._generate_after = 0.0  # time.monotonic() before which no batch starts (reward back-off)
+        self._stop = threading.Event()
+        self._heartbeats_started = False
+        self._last_wait_reason: Optional[str] = None
+        self._held_since_update = 16  # checks held back since the last weight update; none yet: the long wait
+
+    @classmethod
+    def from_config(cls, config: JobConfig, replica_index: int, reward_file: Optional[str] = None) -> "RolloutWorker":
+        """Build the worker of a rollout pod: Redis client, tokenizer, task, backend (seed = rollout seed + i).
+        ``reward_file``: the file of ``spec.rollout.task.rewardSource`` in this container.
+
+        Raises:
+            ValueError / FileNotFoundError / OSError: a bad task, dataset, reward function or model (names the field).
+        """
+        from rljob_wire.model import build_tokenizer
+        from rljob_rollout.backends import build_backend
+        from rljob_rollout.tasks import build_task
+        from rljob_wire.connection import connect
+
+        seed = config.spec.rollout.seed + replica_index
+        tokenizer = build_tokenizer(config.spec.model, config.spec.rollout.task)
+        task = build_task(config.spec.rollout.task, tokenizer, seed, reward_file)
+        backend = build_backend(config, tokenizer, seed)
+        return cls(config, replica_index, client=connect(config), backend=backend, task=task, tokenizer=tokenizer)
+
+    @property
+    def version(self) -> Optional[int]:
+        """The loaded weights' version (documents), None before the first update."""
+        return self.subscriber.version
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to return after the current iteration (SIGTERM, tests)."""
+        self._stop.set()
+
+    def run(self) -> int:
+        """Loop until ``training_finished`` (returns 0) or :meth:`stop` (returns 0). Redis outages are waited out.
+
+        A ``training_finished`` already in the stream at start ends the loop only when it finished this config's
+        ``maxSteps`` (:func:`finished_for`; module docstring).
+
+        Raises:
+            redis.AuthenticationError: the Redis password is wrong (never retried).
+            RedisTLSError: the server's certificate does not verify against the CA bundle (never retried).
+        """
+        outage = Backoff(OUTAGE_BACKOFF_INITIAL_S, OUTAGE_BACKOFF_CAP_S)
+        try:
+            while not self._stop.is_set():
+                try:
+                    if not self._heartbeats_started:
+                        last = self.subscriber.follow_from_now()
+                        if last is not None and last.type == protocol.EVENT_TRAINING_FINISHED:
+                            max_steps = self.config.spec.trainer.max_steps
+                            if finished_for(last, max_steps):
+                                log.info("rollout: training already finished (step %s); exiting", last.step)
+                                return 0
+                            log.info("rollout: ignoring an earlier attempt's training_finished "
+                                     "(step %d < maxSteps %d)", last.step, max_steps)
+                        self.subscriber.start_heartbeats()
+                        self._heartbeats_started = True
+                    if self.step():
+                        log.info("rollout: training_finished received after %d batches; exiting", self.batches)
+                        return 0
+                    outage.reset()
+                except (redis.AuthenticationError, RedisTLSError):
+                    raise  # a wrong password or CA bundle: waiting cannot fix it, the pod's restarts say so
+                except redis.RedisError as error:
+                    wait = outage.next_wait()
+                    log.warning("rollout: Redis unavailable (%s); retrying in %.1f s", error, wait)
+                    self._stop.wait(wait)
+            return 0
+        finally:
+            self.subscriber.leave()
+
+    def step(self) -> bool:
+        """One iteration (module docstring). Returns True when training has finished. Raises redis.RedisError."""
+        backing_off = self._generate_after - time.monotonic()
+        if self.version is None:
+            block: Optional[int] = WAIT_FOR_WEIGHTS_MS
+        elif backing_off > 0:
+            block = min(max(1, math.ceil(backing_off * 1000)), WAIT_FOR_WEIGHTS_MS)
+        elif self._last_wait_reason is not None:
+            block = room_wait_ms(self._held_since_update)
+        else:
+            block = None
+        if self._handle_events(self.subscriber.poll(block_ms=block)):
+            return True
+        if self.version is None or self._stop.is_set() or time.monotonic() < self._generate_after:
+            return False
+        state = self.writer.snapshot()
+        self.metrics.observe_backlog(state)
+        reason = self.writer.wait_reason(state)
+        if reason is not None:
+            if reason != self._last_wait_reason:
+                log.info("rollout: waiting: %s", reason)
+            self._last_wait_reason = reason
+            self._held_since_update += 1
+            self.metrics.waiting.set(1)
+            return False
+        self._last_wait_reason = None
+        self.metrics.waiting.set(0)
+        self.generate_batch()
+        return False
+
+    def _handle_events(self, events: list[Event]) -> bool:
+        invitation: Optional[Event] = None
+        mine = set(self.subscriber.transfer_ranks)
+        for event in events:
+            if event.type == protocol.EVENT_TRAINING_FINISHED:
+                return True
+            if event.type != protocol.EVENT_WEIGHTS_READY:
+                continue
+            if event.ticket is None:
+                log.warning("rollout: weights_ready %s carries no transfer ticket (not an rljob trainer?); ignored", event.id)
+            elif mine & set(event.ticket.members):
+                invitation = event
+        if invitation is not None:
+            self._update_weights(invitation)
+        return False
+
+    def _update_weights(self, event: Event) -> None:
+        started = time.monotonic()
+        outcome = self.backend.receive_weights(event.ticket, self.subscriber.address, self.subscriber.transfer_ranks)
+        self.metrics.updates.labels(outcome=outcome.value).inc()
+        if outcome is UpdateOutcome.LOADED:
+            previous, self.subscriber.version = self.version, event.documents_seen
+            self._held_since_update = 0
+            log.info(
+                "rollout: loaded weights of step %d, version %s -> %d (%.2f s)",
+                event.step, previous, event.documents_seen, time.monotonic() - started,
+            )
+            self.metrics.model_version.set(event.documents_seen)
+            self.subscriber.heartbeat()
+        elif outcome is UpdateOutcome.FAILED_TORN:
+            self.subscriber.version = None
+            log.error("rollout: weight update %s failed half-way; generating nothing until the next update", event.ticket.id)
+        else:
+            log.info("rollout: weight update %s: %s; keeping version %s", event.ticket.id, outcome.value, self.version)
+
+    def generate_batch(self) -> int:
+        """Generate, score and write one batch. Returns the number of documents written. After a batch whose every
+        reward failed, the next one waits out the reward back-off (:meth:`step`; module docstring); a batch with a
+        scored sample resets it. Raises redis.RedisError."""
+        version = self.version
+        if version is None:
+            raise RuntimeError("rollout: generate_batch called before any weights were loaded")
+        started = time.monotonic()
+        prompts = self.task.next_prompts(self.spec.prompts_per_batch)
+        groups = self.backend.generate([p.token_ids for p in prompts], self.spec.samples_per_prompt, self.sampling)
+        errors: Counter = Counter()
+        scored = [(prompt, self._score(prompt, completions, errors)) for prompt, completions in zip(prompts, groups)]
+        seconds = time.monotonic() - started
+
+        nonempty = [(prompt, group) for prompt, group in scored if group]
+        kept = filter_zero_variance([[r for _, r in group] for _, group in nonempty], enabled=self.spec.filter_zero_variance)
+        documents = []
+        for index in kept.kept:
+            prompt, group = nonempty[index]
+            advantages = group_advantages(
+                [r for _, r in group], normalize_std=self.spec.advantage.normalize_std, epsilon=self.spec.advantage.epsilon
+            )
+            for (completion, reward), advantage in zip(group, advantages):
+                documents.append(
+                    make_document(prompt.token_ids, completion.token_ids, completion.logprobs,
+                                  reward=reward, advantage=float(advantage), model_version=version)
+                )
+        rewards = [r for _, group in scored for _, r in group]
+        report = BatchReport(version, rewards, len(prompts) * self.spec.samples_per_prompt, errors,
+                             kept.groups_dropped, kept.samples_dropped, seconds)
+        written = self.writer.write(documents, version)
+        if written < len(documents):
+            self.metrics.abandoned.inc(len(documents) - written)
+        self.writer.report(report)
+        self.metrics.observe_batch(report, written)
+        if rewards:
+            self.reward_backoff.reset()
+        else:
+            wait = self.reward_backoff.next_wait()
+            self._generate_after = time.monotonic() + wait
+            log.error("rollout: every sample of the batch failed its reward function (%s); nothing written; next batch "
+                      "in %.1f s (back-off)", dict(errors), wait)
+        self.batches += 1
+        return len(documents)
+
+    def _score(self, prompt: Prompt, completions: list[Completion], errors: Counter) -> list[tuple[Completion, float]]:
+        """(completion, reward) of every completion whose reward could be computed; failures counted in ``errors`` per
+        :func:`rljob_api.protocol.reward_error_key` ("Class: message")."""
+        group = []
+        for completion in completions:
+            text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+            try:
+                reward = float(self.task.reward(prompt, completion.token_ids, text))
+                if not math.isfinite(reward):
+                    raise InvalidReward(f"reward {reward} is not finite")
+            except Exception as error:  # noqa: BLE001 - user code: any exception drops only this sample
+                kind = type(error).__name__
+                if kind not in self.reward_errors:
+                    log.warning("rollout: reward function raised %s; dropping such samples (logged once per kind)", kind, exc_info=True)
+                self.reward_errors[kind] += 1
+                errors[protocol.reward_error_key(kind, str(error))] += 1
+                continue
+            group.append((completion, reward))
+        return group

@@ -1,0 +1,191 @@
+"""The metrics registry: every value a trainer step reduces over the data-parallel ranks after the loss, with its
+reduction and the level that logs it (DESIGN §4); the wall-clock timings a step record may carry; and the metrics
+level.
+
+:class:`~rljob_trainer.loss_metrics.StepMetrics` accumulates and reduces what is declared here; a new metric is a
+:class:`MetricDef` in :data:`METRICS` (loss metrics, by level) or :data:`STEP_TOTALS` (every step, every level); a new
+timing (global rank 0's wall clock, not reduced) is a :class:`TimingDef` in :data:`TIMINGS`. Units and weighting:
+:mod:`rljob_trainer.loss_metrics`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal, NamedTuple
+
+from rljob_api import rules
+
+if TYPE_CHECKING:
+    from rljob_api.config import JobConfig
+    from rljob_api.spec import RLTrainingJobSpec
+
+MetricsLevel = Literal["none", "basic", "full"]
+Reduction = Literal["sum", "max", "min"]
+
+
+class MetricDef(NamedTuple):
+    """One metric: its name, its cross-rank reduction, the lowest level that logs it (``always``: every level,
+    ``none`` included), and its meaning.
+
+    ``needs``: the loss correction it describes (a :attr:`rljob_trainer.loss.Corrections.terms` name:
+    ``dual_clip``, ``importance_sampling``, ``kl``), registered only when that correction is on; empty: always.
+    ``per`` (sum metrics): what the step's sum is divided by: ``document``, the step's documents (a
+    document-weighted mean); ``total``, nothing (a count over labelled tokens); or the name of a ``total`` metric,
+    a token mean over the tokens that metric counts.
+    """
+
+    name: str
+    reduction: Reduction
+    level: Literal["always", "basic", "full"]
+    description: str
+    needs: str = ""
+    per: str = "document"
+
+
+METRICS: tuple[MetricDef, ...] = (
+    MetricDef("new_logprobs", "sum", "basic", "mean log-probability of labelled tokens, trained policy"),
+    MetricDef("old_logprobs", "sum", "basic", "mean log-probability of labelled tokens, sampling policy"),
+    MetricDef("ratio_new_old", "sum", "basic", "mean importance ratio r (GSPO: sequence ratio R_d)"),
+    MetricDef("kl_new_old", "sum", "basic", "mean of r - log r - 1 (Schulman's k3 estimate of KL(old||new))"),
+    MetricDef("clipped_ratio_fraction", "sum", "basic", "mean of [r outside 1-epsilon_low, 1+epsilon_high]"),
+    MetricDef("advantage", "sum", "basic", "mean advantage"),
+    MetricDef("max_advantage", "max", "basic", "largest advantage of a labelled token"),
+    MetricDef("min_advantage", "min", "basic", "smallest advantage of a labelled token"),
+    MetricDef("num_tokens", "sum", "basic", "labelled tokens in the step, all ranks (a count)", per="total"),
+    MetricDef("entropy", "sum", "full", "mean entropy (nats) of the temperature-scaled token distribution"),
+    MetricDef("train_samples_reward", "sum", "basic", "mean raw reward over the step's documents (biased)"),
+    MetricDef("max_train_samples_reward", "max", "basic", "largest document reward"),
+    MetricDef("min_train_samples_reward", "min", "basic", "smallest document reward"),
+    MetricDef("staleness", "sum", "basic", "mean documents_seen - model_version (documents)"),
+    MetricDef("max_staleness", "max", "basic", "largest staleness of a labelled token (documents)"),
+    MetricDef("min_staleness", "min", "basic", "smallest staleness of a labelled token (documents)"),
+    MetricDef("sampler_mismatch_tokens", "sum", "basic", "labelled tokens sampled with the trainer's current weights "
+              "(model_version == documents_seen), all ranks (a count)", per="total"),
+    MetricDef("sampler_mismatch_ratio", "sum", "basic", "mean of exp(lp_new - lp_old) over those tokens: the sampler's "
+              "and the trainer's numerical mismatch on the same weights (1 when they agree; NaN without such tokens)",
+              per="sampler_mismatch_tokens"),
+    MetricDef("sampler_mismatch_kl", "sum", "basic", "mean of r - log r - 1 over those tokens (k3 estimate of "
+              "KL(sampler||trainer); 0 when they agree)", per="sampler_mismatch_tokens"),
+    MetricDef("dual_clip_fraction", "sum", "basic", "mean of [the dual clip's bound dualClip x A replaced the "
+              "surrogate] (A < 0 and ratio > dualClip)", needs="dual_clip"),
+    MetricDef("behaviour_weight", "sum", "basic", "mean behaviour weight min(pi_prox / pi_behaviour, cap) the loss "
+              "applied", needs="importance_sampling"),
+    MetricDef("max_behaviour_weight", "max", "basic", "largest behaviour weight pi_prox / pi_behaviour of a labelled "
+              "token, before truncation", needs="importance_sampling"),
+    MetricDef("behaviour_weight_truncated_fraction", "sum", "basic", "mean of [pi_prox / pi_behaviour > cap]",
+              needs="importance_sampling"),
+    MetricDef("kl_ref", "sum", "basic", "mean KL estimate to the reference policy (the loss's k1 or k3, nats)",
+              needs="kl"),
+)
+"""Every loss metric, in the fixed order of registration and reduction."""
+
+STEP_TOTALS: tuple[MetricDef, ...] = (
+    MetricDef("loss", "sum", "always", "the step's loss: each micro-batch's loss (global normaliser), summed"),
+    MetricDef("redeliveries", "sum", "always", "entries re-read from pending lists at start, all ranks (count)"),
+    MetricDef("dropped_too_long", "sum", "always", "documents over microBatchTokens dropped, all ranks (count)"),
+    MetricDef("dead_lettered", "sum", "always", "malformed entries dead-lettered, all ranks (count)"),
+    MetricDef("lost_pending", "sum", "always", "pending entries deleted from the stream before re-reading (count)"),
+    MetricDef("dropped_stale", "sum", "always", "documents staler than algorithm.maxStaleness dropped before the loss, "
+              "all ranks (count; acked with the next checkpoint)"),
+)
+"""The totals every step reduces whatever the level, passed to :meth:`StepMetrics.reduce`: the loss (logged with
+the metrics) and the readers' counters since this attempt started (logged as ``stream``)."""
+
+STREAM_COUNTERS: tuple[str, ...] = tuple(m.name for m in STEP_TOTALS if m.name != "loss")
+"""The reader counters among :data:`STEP_TOTALS` (:class:`~rljob_trainer.stream.reader.ReaderCounters` fields)."""
+
+class TimingDef(NamedTuple):
+    """A wall-clock duration in a step record's ``metrics``: measured by global rank 0, not reduced over ranks, not
+    reproducible between runs (compare metrics across runs without :data:`TIMINGS`). Present only in the records
+    its ``when`` names."""
+
+    name: str
+    when: str
+    description: str
+
+
+CHECKPOINT_BLOCKING = "checkpoint_blocking_time_ms"
+CHECKPOINT_SAVE = "checkpoint_save_time_ms"
+WEIGHT_SYNC = "weight_sync_time_ms"
+TIMINGS: tuple[TimingDef, ...] = (
+    TimingDef(WEIGHT_SYNC, "every step",
+              "milliseconds of the step's weight publication on global rank 0, named as Fast-LLM logs it: the "
+              "weights_ready event, the join, the gathers of sharded parameters, the sends to the rollout and the "
+              "late-joiner copy of gathered or cast tensors (rljob_trainer.weight_publisher.publish_weights; a DDP model's "
+              "own tensors are copied afterwards on a thread, waited for before the next optimizer step)"),
+    TimingDef(CHECKPOINT_BLOCKING, "the steps that checkpoint",
+              "milliseconds the training loop stood still for the step's checkpoint: waiting for the previous save, a "
+              "barrier, the snapshot of model and optimizer state to host memory, the RNG files, the gather of covered "
+              "entry ids and the start of the background write"),
+    TimingDef(CHECKPOINT_SAVE, "the first step reported after a checkpoint's commit (the last step for the final one)",
+              "milliseconds from the start of a checkpoint's snapshot to the end of its commit: every rank's files "
+              "durable, commit file written, checkpoint_documents_seen published, covered entries acked"),
+)
+"""Every timing a step record may carry, by name."""
+
+GRAD_NORM = "grad_norm"
+LEARNING_RATE = "learning_rate"
+
+
+class ScalarDef(NamedTuple):
+    """A value of every step record's ``metrics`` that is neither a loss metric nor a timing."""
+
+    name: str
+    description: str
+
+
+OPTIMIZER_SCALARS: tuple[ScalarDef, ...] = (
+    ScalarDef(GRAD_NORM, "total gradient norm before clipping (optimizer.gradClip), all parameters"),
+    ScalarDef(LEARNING_RATE, "the learning rate of the step's AdamW update (warm-up, then the schedule)"),
+)
+"""The optimizer's scalars in every step record (global, not reduced: every rank computes the same value)."""
+
+
+def record_metric_names() -> frozenset[str]:
+    """Every name a step record's ``metrics`` may carry (:class:`~rljob_trainer.progress_report.StepRecord`, the Prometheus
+    gauge ``rljob_trainer_metric{name}``, the trackers' ``train/<name>``): the loss metrics of every level and
+    correction, ``loss``, the optimizer's scalars and the timings. Stream counters are the record's ``stream``."""
+    return frozenset((*(m.name for m in METRICS), "loss", *(m.name for m in OPTIMIZER_SCALARS),
+                      *(t.name for t in TIMINGS)))
+
+
+COUNT_METRICS: tuple[str, ...] = tuple(m.name for m in METRICS if m.per == "total")
+"""Sum metrics reported as totals (``per="total"``); the others are divided by the step's document count or by one of
+these."""
+
+
+def resolve_metrics_level(level: str, pipeline_parallel: int) -> MetricsLevel:
+    """The effective level: ``auto`` becomes ``basic`` when ``pipeline_parallel == 1``, else ``none``.
+
+    Raises:
+        ValueError: an unknown level, or ``basic``/``full`` with ``pipeline_parallel != 1`` (the metrics need
+            the whole vocabulary on one stage; admission rejects it too).
+    """
+    if level == "auto":
+        return "basic" if pipeline_parallel == 1 else "none"
+    if level not in ("none", "basic", "full"):
+        raise ValueError(f"spec.algorithm.metrics must be one of none, basic, full, auto; got {level!r}")
+    if not rules.metrics_allowed(level, pipeline_parallel):
+        raise ValueError(
+            f"spec.algorithm.metrics={level} requires spec.trainer.pipelineParallel == 1, got {pipeline_parallel}"
+        )
+    return level  # type: ignore[return-value]
+
+
+def metrics_level(config: JobConfig | RLTrainingJobSpec) -> MetricsLevel:
+    """The effective metrics level of a resolved job config (or a spec). Raises as :func:`resolve_metrics_level`."""
+    spec = getattr(config, "spec", config)
+    return resolve_metrics_level(spec.algorithm.metrics, spec.trainer.pipeline_parallel)
+
+
+def metric_definitions(level: MetricsLevel, terms: frozenset[str] = frozenset()) -> tuple[MetricDef, ...]:
+    """The metrics a level logs, in registration order: none → (), basic → all but entropy, full → all; of those
+    describing a loss correction (``needs``), only the ones whose correction is in ``terms``
+    (:attr:`rljob_trainer.loss.Corrections.terms`). Every rank reads both from the one resolved config.
+
+    Raises:
+        ValueError: an unresolved or unknown level.
+    """
+    if level not in ("none", "basic", "full"):
+        raise ValueError(f"metrics level must be none, basic or full (resolve 'auto' first), got {level!r}")
+    levels = {"none": (), "basic": ("basic",), "full": ("basic", "full")}[level]
+    return tuple(m for m in METRICS if m.level in levels and (not m.needs or m.needs in terms))

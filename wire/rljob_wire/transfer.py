@@ -1,0 +1,561 @@
+"""The weight-transfer wire, both ends (DESIGN §3 "Weight transfer"): the ready/final handshake on the trainer's store,
+the transfer group and the object/tensor broadcasts. The trainer's :class:`rljob_trainer.weight_publisher.WeightPublisher`
+sends with :func:`open_update` (:class:`UpdateSender`) or :func:`send_update`; a rollout backend receives with
+:func:`receive_update`. The events and heartbeats that announce updates are in :mod:`rljob_api.protocol`.
+
+Group: a dedicated process group outside the data-parallel world. Trainer global rank 0 is group rank 0 and
+hosts a ``torch.distributed.TCPStore`` on ``config.weights_port`` (the store's server listens on every
+interface; rollout workers connect to ``config.trainer_master_host``). Rollout process t of replica i has the
+stable *transfer rank* ``1 + i·gpusPerReplica + t`` (:meth:`rljob_api.config.JobConfig.transfer_rank`); a group
+has rank 0 plus the workers that joined the update that formed it, in ascending transfer-rank order, numbered
+densely. Process groups are built directly on the store (``ProcessGroupGloo`` on CPU tensors,
+``ProcessGroupNCCL`` on CUDA tensors), never through ``init_process_group``, so the trainer's default group
+stays the data-parallel world.
+
+One update (ticket ``U``; keys under ``rljob/weights/U/`` in the store), after the publisher announced it with a
+weights_ready event carrying the ticket:
+
+1. Each invited worker sets ``ready/<transfer rank>`` to JSON ``{"group": G}``: the id of the group it kept from
+   its last complete update (null when none; any other value, such as an older receiver's ``1``, counts as none).
+   The publisher waits up to ``join_timeout_s`` for them; a dead or busy worker costs one join timeout and is
+   left out, never a hang.
+2. The publisher writes ``group`` and then ``final`` = the members that are ready (a JSON list). It reuses the
+   group it kept when ``final`` equals that group's members and every one of them reported its id: ``group`` is
+   then that id. Otherwise (a member joined or left, a receiver or the publisher restarted or failed an update)
+   both ends drop what they kept, ``group`` is ``U``, and rank 0 and the ``final`` members form a new group on the
+   keys ``rljob/weights/U/pg/`` (collective timeout ``timeout_s``). A receiver that reads no ``group`` (an older
+   publisher) forms the new group as well. When nobody joined, ``final`` is empty, no ``group`` is written and every
+   end keeps what it kept.
+3. Per tensor: an object broadcast of ``(shard name, parameter name, shape, dtype)``, then the tensor; an object
+   broadcast of ``None`` ends the update. Object broadcasts use the layout of
+   ``torch.distributed.broadcast_object_list`` for one object (an int64 size tensor, then the pickled bytes as
+   uint8), the per-tensor layout upstream's ``broadcast_object`` produces; receivers unpickle with an allow-list
+   (builtins containers, ``torch.Size``, torch dtypes) so a stray peer cannot run code.
+4. Each end keeps the group (:class:`GroupKeeper`) once its side of the update is complete: every broadcast
+   done, ``None`` included. After a failure it is dropped. Both ends ran the same broadcasts on a kept group, so
+   a group that every member and rank 0 kept is in step; the ids in ``ready`` make sure no one reuses a group
+   that another end dropped.
+
+The ready/final/group handshake is rljob's own; upstream (Fast-LLM, PipelineRL) forms one group of a fixed size
+at the trainer's start and keeps it, which is what a kept group does while the members stay the same.
+
+Speed without changing those bytes (docs/weight-sync.md): the group is kept while the members stay the same (no
+rendezvous and no teardown per update); the sender queues each tensor's three broadcasts without waiting, two
+tensors ahead (:class:`UpdateSender`); a receiver reads the next tensor's metadata and posts its broadcast while the
+previous tensor is still arriving, and may receive into buffers it keeps across updates (:class:`ReceiveBuffers`),
+since fresh memory costs page faults on every update. The ticket's ``timeout_s`` (the publisher's
+``transfer_timeout_s``) bounds a whole update on rank 0 (:attr:`UpdateSender.deadline`), not each broadcast, so
+that the other data-parallel ranks, which wait for rank 0 meanwhile, wait at most ``join_timeout_s + timeout_s``
+(DESIGN §3); a receiver allows ``timeout_s`` per broadcast.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import io
+import json
+import pickle
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import redis
+import torch
+from torch.distributed import BroadcastOptions, PrefixStore, ProcessGroupGloo, Store, TCPStore
+
+from rljob_api.protocol import TransferTicket
+
+SHARD_NAME = "weights"
+"""Shard name sent with every tensor (Fast-LLM's name for the model weights shard)."""
+STORE_PREFIX = "rljob/weights/"
+GROUP_KEY = "group"
+"""The key under an update's prefix naming the group it goes over (step 2 of the module docstring)."""
+FINAL_MARGIN_S = 10.0
+"""A receiver waits join_timeout_s + this for the publisher's `final` list (seconds)."""
+READY_POLL_S = 0.05
+"""How often rank 0's wait for ready members checks whether it was cancelled (seconds)."""
+IN_FLIGHT = 2
+"""Tensors rank 0 keeps on the wire at once (:class:`UpdateSender`)."""
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    """Where the trainer's transfer store listens: ``config.trainer_master_host:config.weights_port``."""
+
+    host: str
+    port: int
+
+
+
+def redis_time(client: redis.Redis) -> float:
+    """Redis's clock, seconds (the one clock both sides of the membership compare)."""
+    seconds, micros = client.time()
+    return seconds + micros / 1e6
+
+
+# --- the wire: object and tensor broadcasts on a raw process group ---------------------------------
+class _AllowListUnpickler(pickle.Unpickler):
+    """Unpickles the metadata tuples only: builtins containers/scalars, torch.Size and torch dtypes."""
+
+    _BUILTINS = {"tuple", "list", "dict", "str", "int", "float", "bool", "NoneType"}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "builtins" and name in self._BUILTINS:
+            return super().find_class(module, name)
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"weight transfer: refusing to unpickle {module}.{name}")
+
+
+def _start_broadcast(group: Any, tensor: torch.Tensor) -> Any:
+    """Start a broadcast of ``tensor`` (contiguous, on the group's device) from group rank 0; returns its Work."""
+    options = BroadcastOptions()
+    options.rootRank = 0
+    options.rootTensor = 0
+    return group.broadcast([tensor], options)
+
+
+def _wait(work: Any, seconds: float) -> None:
+    """Wait for ``work`` at most ``seconds``. Raises TimeoutError when none are left; RuntimeError / DistError when the
+    broadcast failed or timed out."""
+    if seconds <= 0:
+        raise TimeoutError("weight transfer: the update ran out of time")
+    work.wait(datetime.timedelta(seconds=seconds))
+
+
+def _object_tensors(obj: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``broadcast_object_list([obj], src=0)`` sends for ``obj``: int64 [1] = n, then uint8 [n] = the pickle."""
+    payload = pickle.dumps(obj)
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    return size.to(device), torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+
+
+def _receive_object(group: Any, size: torch.Tensor, size_work: Any, *, device: torch.device, seconds: float) -> Any:
+    """The rest of an object broadcast whose size broadcast (``size``, int64 [1]) was started as ``size_work``."""
+    _wait(size_work, seconds)
+    data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    _wait(_start_broadcast(group, data), seconds)
+    return _AllowListUnpickler(io.BytesIO(data.cpu().numpy().tobytes())).load()
+
+
+def _new_group(backend: str, store: Store, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+    if backend == "gloo":
+        return ProcessGroupGloo(store, rank, size, timeout)
+    from torch.distributed import ProcessGroupNCCL
+
+    options = ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return ProcessGroupNCCL(store, rank, size, options)
+
+
+def _ticket_store(store: Store, ticket: TransferTicket) -> PrefixStore:
+    return PrefixStore(f"{STORE_PREFIX}{ticket.id}/", store)
+
+
+@dataclass(frozen=True)
+class KeptGroup:
+    """A transfer group one end kept after a complete update (module docstring, step 4).
+
+    Attributes:
+        id: the ticket id of the update that formed it (its rendezvous keys are ``rljob/weights/<id>/pg/``).
+        members: the receivers' transfer ranks, ascending (group ranks 1, 2, ...).
+        group: the process group (``ProcessGroupGloo`` or ``ProcessGroupNCCL``).
+    """
+
+    id: str
+    members: tuple[int, ...]
+    group: Any
+
+
+class GroupKeeper:
+    """Where one end of the transfer keeps its group between updates: at most one per backend (``gloo``, ``nccl``).
+
+    :func:`open_update` and :func:`receive_update` take the group out for the length of an update and put it back
+    only when their side of it completed, so a group that failed is dropped (and destroyed with its last reference).
+    One update at a time per keeper (not thread-safe).
+    """
+
+    def __init__(self) -> None:
+        self._kept: dict[str, KeptGroup] = {}
+
+    def take(self, backend: str) -> Optional[KeptGroup]:
+        """Remove and return the group kept for ``backend`` (None when there is none)."""
+        return self._kept.pop(backend, None)
+
+    def keep(self, backend: str, kept: KeptGroup) -> None:
+        """Keep ``kept`` for the next update over ``backend`` (drops the one kept before, if any)."""
+        self._kept.pop(backend, None)
+        self._kept[backend] = kept
+
+    def kept_id(self, backend: str) -> Optional[str]:
+        """The id of the group kept for ``backend``, or None."""
+        kept = self._kept.get(backend)
+        return kept.id if kept is not None else None
+
+    def close(self) -> None:
+        """Drop every kept group."""
+        self._kept.clear()
+
+
+def _ready_value(kept: Optional[KeptGroup]) -> str:
+    return json.dumps({GROUP_KEY: kept.id if kept is not None else None})
+
+
+def _reported_group(value: bytes) -> Optional[str]:
+    """The group id a ``ready/<rank>`` value reports; None for none or for a value of another form (an older
+    receiver's ``1``)."""
+    try:
+        body = json.loads(value)
+    except ValueError:
+        return None
+    group = body.get(GROUP_KEY) if isinstance(body, dict) else None
+    return group if isinstance(group, str) else None
+
+
+def _await_ready(
+    store: Store, members: Sequence[int], timeout_s: float, cancelled: Optional[Callable[[], bool]] = None
+) -> list[int]:
+    """Members whose ``ready/<rank>`` key appeared within ``timeout_s`` (ascending); returns as soon as every member
+    is ready, or early (with those ready so far) once ``cancelled()`` is true (checked every ``READY_POLL_S``)."""
+    deadline = time.monotonic() + timeout_s
+    waiting = {rank: f"ready/{rank}" for rank in members}
+    while waiting:
+        left = deadline - time.monotonic()
+        if left <= 0 or (cancelled is not None and cancelled()):
+            break
+        try:
+            store.wait(list(waiting.values()), datetime.timedelta(seconds=min(left, READY_POLL_S)))
+            waiting = {}
+        except RuntimeError:  # DistStoreError: not all of them yet
+            waiting = {rank: key for rank, key in waiting.items() if not store.check([key])}
+    return sorted(set(members) - set(waiting))
+
+
+class UpdateSender:
+    """Rank 0's end of one update: sends (name, tensor) pairs in the per-tensor layout of the module
+    docstring. Made by :func:`open_update`.
+
+    :meth:`send` starts a tensor's three broadcasts (size, pickled ``(shard, name, shape, dtype)``, the tensor)
+    and returns once at most :data:`IN_FLIGHT` tensors are still on the wire: the next tensor's broadcasts are
+    queued before the previous one has arrived, so the receiver never waits for rank 0's main thread (on a busy
+    machine each such wait costs a scheduling delay). The tensors in flight must stay alive and unchanged until
+    :meth:`send` has returned :data:`IN_FLIGHT` more times, or :meth:`wait` or :meth:`finish` has returned: send
+    tensors that cost no extra memory (the model's own, or late-joiner buffers), or call :meth:`wait` after
+    each.
+
+    Attributes:
+        joined: the transfer ranks in the group (ascending; group ranks 1, 2, ...).
+        reused: whether the update goes over a group kept from an earlier update (False: formed for it).
+        join_s: seconds :func:`open_update` waited for the invited members (step 1 of the module docstring).
+        deadline: ``time.monotonic()`` value past which every wait raises TimeoutError: ``ticket.timeout_s`` after
+            the group began to form. Broadcasts are started with the time left as their timeout, so none outlives
+            it (dropping the group after a failure waits for what is in flight).
+
+    Raises (every method): TimeoutError past the deadline; RuntimeError / DistError when a broadcast failed (a
+    receiver died). After an error the update is lost: drop the sender.
+    """
+
+    def __init__(
+        self,
+        kept: KeptGroup,
+        device: torch.device,
+        deadline: float,
+        *,
+        reused: bool = False,
+        keeper: Optional[GroupKeeper] = None,
+        backend: str = "gloo",
+    ) -> None:
+        self.joined = list(kept.members)
+        self.deadline = deadline
+        self.reused = reused
+        self.join_s = 0.0
+        self._kept = kept
+        self._group = kept.group
+        self._device = device
+        self._keeper = keeper
+        self._backend = backend
+        self._in_flight: collections.deque[list[tuple[Any, torch.Tensor]]] = collections.deque()
+
+    def send(self, name: str, tensor: torch.Tensor) -> None:
+        """Send one tensor (contiguous, on the sender's device; [shape] of any dtype) under ``name``."""
+        started = self._start_object((SHARD_NAME, name, tuple(tensor.shape), tensor.dtype))
+        if tensor.numel():
+            started.append(self._start(tensor))
+        self._in_flight.append(started)
+        while len(self._in_flight) > IN_FLIGHT:
+            self._wait_oldest()
+
+    def wait(self) -> None:
+        """Return once every broadcast started so far is complete."""
+        while self._in_flight:
+            self._wait_oldest()
+        if self._device.type == "cuda":
+            torch.cuda.current_stream(self._device).synchronize()  # NCCL's wait only orders the streams
+
+    def finish(self) -> None:
+        """End the update: the ``None`` object, then wait for everything; the group is then kept for the next update
+        (with a ``keeper``)."""
+        self._in_flight.append(self._start_object(None))
+        self.wait()
+        if self._keeper is not None:
+            self._keeper.keep(self._backend, self._kept)
+
+    def _wait_oldest(self) -> None:
+        for work, _tensor in self._in_flight.popleft():
+            _wait(work, self.deadline - time.monotonic())
+
+    def _start_object(self, obj: Any) -> list[tuple[Any, torch.Tensor]]:
+        size, payload = _object_tensors(obj, self._device)
+        return [self._start(size), self._start(payload)]
+
+    def _start(self, tensor: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        left = max(self.deadline - time.monotonic(), 1e-3)
+        self._group.set_timeout(datetime.timedelta(seconds=left))
+        return _start_broadcast(self._group, tensor), tensor
+
+
+def open_update(
+    store: Store,
+    ticket: TransferTicket,
+    *,
+    device: torch.device,
+    cancelled: Optional[Callable[[], bool]] = None,
+    groups: Optional[GroupKeeper] = None,
+) -> Optional[UpdateSender]:
+    """Rank 0's start of one update: wait for the invited members, write ``group`` and ``final``, reuse the kept group
+    or form a new one (module docstring, steps 1-2).
+
+    Args:
+        store: the trainer's transfer store (the master ``TCPStore``).
+        ticket: the update, already announced on the events stream.
+        device: where tensors are sent from (CPU for gloo, the rank's CUDA device for nccl).
+        cancelled: polled while waiting for members; once true, nobody more is waited for.
+        groups: where rank 0 keeps its groups between updates (None: a new group for every update, dropped after).
+            The group is taken out here and kept again by :meth:`UpdateSender.finish`.
+
+    Returns:
+        The sender, or None when no member joined (or ``cancelled`` came first): ``final`` is then empty and a kept
+        group stays kept.
+
+    Raises:
+        RuntimeError / DistError: the store failed or the group could not form.
+    """
+    started = time.monotonic()
+    scoped = _ticket_store(store, ticket)
+    kept = groups.take(ticket.backend) if groups is not None else None
+    joined = _await_ready(scoped, ticket.members, ticket.join_timeout_s, cancelled)
+    if cancelled is not None and cancelled():
+        joined = []
+    if not joined:
+        scoped.set("final", json.dumps(joined))
+        if kept is not None and groups is not None:
+            groups.keep(ticket.backend, kept)  # nobody used it: still in step
+        return None
+    ready_at = time.monotonic()
+    deadline = ready_at + ticket.timeout_s
+    reported = {_reported_group(value) for value in scoped.multi_get([f"ready/{rank}" for rank in joined])}
+    reused = kept is not None and kept.members == tuple(joined) and reported == {kept.id}
+    if not reused:
+        kept = None  # the members changed: drop the old group before the new one forms
+    scoped.set(GROUP_KEY, kept.id if kept is not None else ticket.id)
+    scoped.set("final", json.dumps(joined))
+    if kept is None:
+        timeout = datetime.timedelta(seconds=ticket.timeout_s)
+        kept = KeptGroup(ticket.id, tuple(joined), _new_group(ticket.backend, PrefixStore("pg/", scoped), 0, 1 + len(joined), timeout))
+    sender = UpdateSender(kept, device, deadline, reused=reused, keeper=groups, backend=ticket.backend)
+    sender.join_s = ready_at - started
+    return sender
+
+
+def send_update(
+    store: Store,
+    ticket: TransferTicket,
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    device: torch.device,
+    cancelled: Optional[Callable[[], bool]] = None,
+    groups: Optional[GroupKeeper] = None,
+) -> list[int]:
+    """Rank 0's side of one whole update (:func:`open_update`, then every tensor, then the end).
+
+    Args:
+        store, ticket, device, groups: as :func:`open_update`.
+        named_tensors: (parameter name, tensor) pairs; consumed only when at least one member joined; each is
+            moved to ``device`` (at most two exist at once: the one in flight and the next).
+        cancelled: checked while waiting for members and before each tensor; once true the update is abandoned.
+
+    Returns:
+        The transfer ranks that joined and received the whole update.
+
+    Raises:
+        TransferCancelled: ``cancelled()`` became true after the group formed (the receivers' updates fail).
+        TimeoutError: the update took longer than ``ticket.timeout_s``.
+        RuntimeError / DistError: the group could not form or a broadcast failed (a receiver died mid-update).
+    """
+    sender = open_update(store, ticket, device=device, cancelled=cancelled, groups=groups)
+    if sender is None:
+        return []
+    for name, tensor in named_tensors:
+        if cancelled is not None and cancelled():
+            raise TransferCancelled(f"weight update {ticket.id} cancelled")
+        sender.send(name, tensor.detach().to(device).contiguous())
+    sender.finish()
+    return sender.joined
+
+
+class TransferCancelled(RuntimeError):
+    """An update was abandoned on purpose (:func:`send_update`'s ``cancelled``)."""
+
+
+class TransferFailed(RuntimeError):
+    """A receiver's update did not complete. ``tensors_loaded``: how many tensors the sink had accepted."""
+
+    def __init__(self, message: str, tensors_loaded: int) -> None:
+        super().__init__(message)
+        self.tensors_loaded = tensors_loaded
+
+
+class ReceiveBuffers:
+    """Tensors a receiver keeps across updates and receives into: one per parameter name, replaced when the
+    name's shape, dtype or device changes (the old one is dropped first, so a name never holds two).
+
+    Fresh memory is slow on some machines (every page faults on first touch; measured in docs/weight-sync.md), so
+    a receiver that stages a whole update before loading it (the CPU backend) saves that on every update, at the
+    price of keeping one copy of the model's published tensors between updates (:attr:`nbytes`). A tensor handed
+    to the sink is overwritten by the next update that uses the same buffers: a sink that keeps tensors across
+    updates must copy them.
+    """
+
+    def __init__(self) -> None:
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The buffer of ``name``: [shape] of ``dtype`` on ``device``, contents undefined."""
+        tensor = self._tensors.get(name)
+        if tensor is None or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype or tensor.device != torch.device(device):
+            self._tensors.pop(name, None)
+            del tensor  # freed before its replacement is allocated
+            tensor = self._tensors[name] = torch.empty(tuple(shape), dtype=dtype, device=device)
+        return tensor
+
+    def items(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, buffer) of every buffer, in the order the names were first received."""
+        return list(self._tensors.items())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by every buffer."""
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+
+
+def connect_store(address: StoreAddress, timeout_s: float) -> TCPStore:
+    """A client of the trainer's transfer store. Raises RuntimeError/DistError when it is not reachable in time."""
+    return TCPStore(address.host, address.port, None, False, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def receive_update(
+    address: StoreAddress,
+    ticket: TransferTicket,
+    transfer_rank: int,
+    *,
+    device: torch.device,
+    sink: Callable[[str, torch.Tensor], None],
+    buffers: Optional[ReceiveBuffers] = None,
+    groups: Optional[GroupKeeper] = None,
+) -> bool:
+    """A rollout process's side of one update: join, receive every tensor, hand each to ``sink``.
+
+    ``sink(name, tensor)`` gets each tensor once it has arrived, in the order sent ([shape] of the sent dtype, on
+    ``device``): a new tensor, or with ``buffers`` that name's buffer (overwritten by the next update, see
+    :class:`ReceiveBuffers`). The next tensor's metadata is read and its broadcast posted before the previous one is
+    waited for (gloo sends a tensor only once its receiver has posted it), so without ``buffers`` two received
+    tensors exist at once. If ``sink`` raises, the rest of the update is still received (so the other receivers are
+    not disturbed) and the first error is raised at the end. Each broadcast may take ``ticket.timeout_s``
+    (seconds). With ``groups``, the group is kept after an update whose every broadcast arrived (a ``sink`` error
+    included) and reused when the publisher says so (module docstring, steps 2 and 4); without, every update forms
+    its own group.
+
+    Returns:
+        True when the whole update arrived; False when this rank was not invited or was left out of the group
+        (joined too late): nothing was received.
+
+    Raises:
+        TransferFailed: the store was unreachable, the group failed, or ``sink`` raised.
+    """
+    if transfer_rank not in ticket.members:
+        return False
+    kept = groups.take(ticket.backend) if groups is not None else None  # kept again only if this update completes
+    loaded = 0
+    sink_error: Optional[BaseException] = None
+    seconds = ticket.timeout_s
+    try:
+        # The publisher writes `final` at most join_timeout_s after announcing, and it is there for good after.
+        scoped = _ticket_store(connect_store(address, ticket.join_timeout_s), ticket)
+        scoped.set(f"ready/{transfer_rank}", _ready_value(kept))
+        scoped.wait(["final"], datetime.timedelta(seconds=ticket.join_timeout_s + FINAL_MARGIN_S))
+        final = json.loads(scoped.get("final"))
+        if transfer_rank not in final:
+            if not final and kept is not None and groups is not None:
+                groups.keep(ticket.backend, kept)  # nobody joined: rank 0 kept its group too
+            return False
+        group_id = scoped.get(GROUP_KEY).decode() if scoped.check([GROUP_KEY]) else ticket.id  # none: an older publisher
+        if kept is not None and kept.id == group_id and kept.members == tuple(final):
+            kept.group.set_timeout(datetime.timedelta(seconds=seconds))
+        elif group_id != ticket.id:
+            raise RuntimeError(f"the publisher reuses group {group_id}, which this receiver does not hold")
+        else:
+            kept = None  # drop the old group before the new one forms
+            timeout = datetime.timedelta(seconds=seconds)
+            rank = 1 + final.index(transfer_rank)
+            kept = KeptGroup(ticket.id, tuple(final), _new_group(ticket.backend, PrefixStore("pg/", scoped), rank, 1 + len(final), timeout))
+        group = kept.group
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+        size_work = _start_broadcast(group, size)
+        arriving: Optional[tuple[str, torch.Tensor, Any]] = None  # (name, tensor, its Work) still on the wire
+        while True:
+            # The next object's metadata is read while the previous tensor may still arrive, so its tensor's
+            # broadcast is posted as soon as the sender can send it.
+            meta = _receive_object(group, size, size_work, device=device, seconds=seconds)
+            incoming = None
+            if meta is not None:
+                _shard, name, shape, dtype = meta
+                if buffers is not None:
+                    tensor = buffers.get(name, shape, dtype, device)
+                else:
+                    tensor = torch.empty(tuple(shape), dtype=dtype, device=device)
+                incoming = (name, tensor, _start_broadcast(group, tensor) if tensor.numel() else None)
+                size = torch.zeros(1, dtype=torch.int64, device=device)  # the next object's size
+                size_work = _start_broadcast(group, size)
+            if arriving is not None:
+                arrived_name, arrived, work = arriving
+                if work is not None:
+                    _wait(work, seconds)
+                if sink_error is None:
+                    try:
+                        sink(arrived_name, arrived)
+                        loaded += 1
+                    except Exception as error:  # noqa: BLE001 - reported after the update is drained
+                        sink_error = error
+            if incoming is None:
+                break
+            arriving = incoming
+    except Exception as error:  # noqa: BLE001 - store/gloo/NCCL errors come in many classes
+        raise TransferFailed(f"weight update {ticket.id} as transfer rank {transfer_rank} failed: {error}", loaded) from error
+    if groups is not None:
+        groups.keep(ticket.backend, kept)
+    if sink_error is not None:
+        raise TransferFailed(f"weight update {ticket.id}: loading failed: {sink_error}", loaded) from sink_error
+    return True
+
+
+def unwrapped_name(name: str) -> str:
+    """A parameter name without DDP's ``module.`` and torch.compile's ``_orig_mod.`` prefixes."""
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in _WRAPPER_PREFIXES:
+            if name.startswith(prefix):
+                name, stripped = name[len(prefix):], True
+    return name
