@@ -1,4 +1,4 @@
-"""The learning curves of the README: the CPU example's digits-copy task and the harder digits-sort task, each learned by
+"""The learning curves of docs/tasks.md: the CPU example's digits-copy task and the harder digits-sort task, each learned by
 rljob's real pipeline (:mod:`rl_pipeline`: a 2-rank trainer under torchrun and one ``python -m rljob_rollout`` over a
 real Redis, ``OMP_NUM_THREADS=1``, pinned to ``--cores``), from a random tiny model.
 

@@ -181,5 +181,5 @@ def pod_template_field(role: str, on_change: str) -> Any:
         description=f"Additions to the {role} pods, merged onto what rljob renders: labels, annotations, env, envFrom, "
         "volumes and volumeMounts, affinity, topologySpreadConstraints, priorityClassName, serviceAccountName, "
         "imagePullSecrets, securityContext, runtimeClassName, schedulerName, init containers and native sidecars "
-        f"(README 'Pod templates'). What rljob sets itself is refused, naming the field. {on_change}",
+        f"(docs/pod-templates.md). What rljob sets itself is refused, naming the field. {on_change}",
     )

@@ -2,7 +2,7 @@
 
     python -m rljob_localcluster up       # build tools if missing; control plane + 2 nodes in the background
     python -m rljob_localcluster up --no-nodes   # the control plane alone (on 127.0.0.1)
-    python -m rljob_localcluster up --kueue      # ... and Kueue next to it (README "Kueue"; rljob_localcluster.kueue)
+    python -m rljob_localcluster up --kueue      # ... and Kueue next to it (docs/kueue.md; rljob_localcluster.kueue)
     eval "$(python -m rljob_localcluster env)"
     kubectl get nodes -o wide
     python -m rljob_localcluster status   # state JSON and the nodes; exit 1 when down or starting,

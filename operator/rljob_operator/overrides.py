@@ -1,7 +1,7 @@
 """A role's ``podTemplate`` (:class:`~rljob_api.pod_template.PodTemplateOverride`) merged onto the pod rljob renders for
 it (a Pod, or the managed Redis Deployment's pod template), and what rljob keeps for itself refused.
 
-Precedence (README "Pod templates"), ``<c>`` being rljob's container of the role (trainer, rollout, redis):
+Precedence (docs/pod-templates.md), ``<c>`` being rljob's container of the role (trainer, rollout, redis):
 
 - ``metadata.labels``, ``metadata.annotations``: added. Refused: a key under ``rljob.dev/``, and a label rljob sets on
   the pod (job name, role, hashes, replica index, attempt, ``app.kubernetes.io/managed-by``), and Kueue's queue name
@@ -87,7 +87,7 @@ def _metadata_conflicts(meta: Mapping[str, Any], override: PodTemplateOverride, 
         elif key == c.LABEL_KUEUE_QUEUE_NAME:
             problems.append(SpecProblem(f"{field}.metadata.labels", (
                 f"{key!r} on pods would make Kueue's pod integration queue each pod as a workload of its own; put it "
-                "on the RLTrainingJob (one Workload for the whole job, README \"Kueue\") and remove it here")))
+                "on the RLTrainingJob (one Workload for the whole job, docs/kueue.md) and remove it here")))
     rljob_annotations = sorted(meta.get("annotations") or {})
     for key in override.metadata.annotations:
         if key.startswith(RESERVED_PREFIX) or key in rljob_annotations:

@@ -1,4 +1,4 @@
-"""RLTrainingJobs queued by the real Kueue (README "Kueue") on the node cluster: Kueue's manager built from source
+"""RLTrainingJobs queued by the real Kueue (docs/kueue.md) on the node cluster: Kueue's manager built from source
 (localcluster/build-go-tools.sh) runs next to the control plane with its webhooks (rljob_localcluster.kueue), the
 operator runs as a pod under the chart's RBAC, and the trainer and rollout pods run on real kubelets that advertise
 fake ``nvidia.com/gpu`` (4 per node), which the ClusterQueues below count.
@@ -142,7 +142,7 @@ def prerequisites(cluster: Cluster, namespace: str) -> None:
 
 
 def overrides(role: str, image: str, namespace: str) -> dict:
-    """A pod template with an override of every kind that README "Pod templates" lists: labels, annotations, the
+    """A pod template with an override of every kind that docs/pod-templates.md lists: labels, annotations, the
     pod-level fields rljob lets the template set, pod and container securityContext, a volume and its mount, a
     topology spread, a pull Secret, env and envFrom, an init container that runs to completion and a native sidecar."""
     return {

@@ -284,7 +284,7 @@ def test_kueues_queue_label_is_refused_on_pods_queued_job_or_not():
         assert str(problem) == (
             "spec.trainer.podTemplate.metadata.labels: 'kueue.x-k8s.io/queue-name' on pods would make Kueue's pod "
             "integration queue each pod as a workload of its own; put it on the RLTrainingJob (one Workload for the "
-            'whole job, README "Kueue") and remove it here'), str(problem)
+            'whole job, docs/kueue.md) and remove it here'), str(problem)
 
 
 def test_a_template_of_every_kind_is_valid_for_every_role():

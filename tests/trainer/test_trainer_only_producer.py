@@ -3,7 +3,7 @@ that writes entries exactly as Fast-LLM's ``RedisStreamingDocumentData.to_messag
 ``reward``) and holds back by the consumer group's backlog (``redis.maxPending``), a real 2-rank trainer that trains to
 maxSteps and checkpoints, and a weight member outside rljob that heartbeats in the members hash as the first transfer
 rank above the rollout range and receives every update. Everything the outsiders use comes from ``status.stream``
-(:func:`rljob_operator.job_status.stream_status` over the job's resolved config), as README's "Trainer-only jobs" says.
+(:func:`rljob_operator.job_status.stream_status` over the job's resolved config), as docs/trainer-only.md says.
 With metrics on, such entries are dead-lettered with a counted reason and the trainer's data timeout names them."""
 
 from __future__ import annotations
