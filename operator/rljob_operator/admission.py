@@ -1,15 +1,19 @@
 """Admission: what one pass of a job may run, decided from its name, its spec and what this process knows.
 
-:func:`admit` returns one :class:`Decision`:
+Pure: :func:`decide` takes the job, the pass's observations and the record of the job's config (the pass reads it,
+:func:`.resolution.known_record`, at its I/O edge) and returns one :class:`Decision`, the config the pass runs resolved
+once (:func:`.resolution.effective_config`) and handed down with it:
 
-- the job's name and spec are checked (:func:`parse_spec`, each role's ``podTemplate`` against the pods rljob
-  renders included); a child the API server refused (400/422) for this generation is one more problem;
+- the job's name and spec are checked (:func:`check`, each role's ``podTemplate`` against the pods rljob renders for
+  that config, rendered again only when the config changes); a child the API server refused (400/422) for this
+  generation is one more problem;
 - an edit of ``spec.redis.podTemplate`` that would replace a managed Redis keeping its data in an emptyDir is a
   problem unless the job accepts the loss (:func:`redis_template_problems`);
 - a valid spec runs, unless children of an earlier job of the same name are still there (:func:`foreign_children`):
   the pass waits for the garbage collector;
 - an invalid spec of a job with pods (Pending, Starting, Running, Restarting) or of a suspended job does not orphan
-  or forget them: the job goes on with its last valid spec (:func:`kept_spec`), and Valid=False says so;
+  or forget them: the job goes on with its last valid spec (:func:`kept_spec`: the last one this process applied, or
+  the recorded one), and Valid=False says so;
 - otherwise nothing runs (phase Invalid; a finished job stays finished).
 """
 
@@ -21,7 +25,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 from pydantic import ValidationError
 
-from rljob_api import constants as c, names
+from rljob_api import constants as c
 from rljob_api.config import JobConfig
 from rljob_api.constants import Phase
 from rljob_api.pod_template import PodTemplateOverride
@@ -29,9 +33,8 @@ from rljob_api.spec import RLTrainingJobSpec, RunPolicySpec
 from rljob_api.validation import SpecProblem, check_spec
 
 from rljob_operator import gang, render, resolution, workload
-from rljob_operator.kube_api import KubeApi
 from rljob_operator.observe import DeploymentView, PodView
-from rljob_operator.runtime import JobRuntime
+from rljob_operator.runtime import JobRuntime, Recorded
 
 NAME_PATTERN = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
@@ -46,7 +49,8 @@ class Decision:
     ``spec``: the parsed spec (None when it does not parse); ``problems``: every reason it cannot run, a refused child
     included; ``run``: the spec whose children and pods this pass keeps — ``spec`` when it has no problem, the kept
     spec, or None (nothing runs); ``note``: what Valid's message adds after the problems (what the job goes on with
-    meanwhile); ``leftovers``: children of an earlier job of the same name to wait for.
+    meanwhile); ``leftovers``: children of an earlier job of the same name to wait for; ``config``: the config the
+    pass runs for ``run`` (:func:`.resolution.effective_config`), resolved once (None when nothing runs).
     """
 
     spec: Optional[RLTrainingJobSpec]
@@ -54,6 +58,7 @@ class Decision:
     run: Optional[RLTrainingJobSpec] = None
     note: Optional[str] = None
     leftovers: tuple[str, ...] = ()
+    config: Optional[JobConfig] = None
 
     @property
     def applies(self) -> bool:
@@ -61,15 +66,18 @@ class Decision:
         return self.run is not None and not self.problems and not self.leftovers
 
 
-def parse_spec(name: str, raw: Mapping[str, Any], namespace: str = "default",
-               labels: Optional[Mapping[str, str]] = None) -> tuple[Optional[RLTrainingJobSpec], list[SpecProblem]]:
+def check(name: str, raw: Mapping[str, Any], namespace: str = "default", labels: Optional[Mapping[str, str]] = None,
+          *, uid: str = "", generation: Optional[int] = None, recorded: Optional[Recorded] = None,
+          runtime: Optional[JobRuntime] = None) -> tuple[Optional[RLTrainingJobSpec], list[SpecProblem],
+                                                          Optional[JobConfig]]:
     """Validate the job's name and ``raw`` spec with the pydantic model, then :func:`check_spec`, each role's
-    ``podTemplate`` against the pods rljob renders for the job (``namespace``, metadata ``labels``:
-    :func:`.render.override_problems`) and the job's Kueue labels (:func:`.workload.label_problems`).
+    ``podTemplate`` against the pods rljob renders from the config the pass runs (:func:`override_problems`) and the
+    job's Kueue labels (:func:`.workload.label_problems`).
 
-    Returns (spec or None, problems); every problem names its field (``metadata.name``, ``spec.a.b``).
-    The name rule is checked here, not by CEL: the API server cannot bound the cost of a regex on
-    metadata.name.
+    Returns (spec or None, problems, config or None): every problem names its field (``metadata.name``, ``spec.a.b``);
+    the config is :func:`.resolution.effective_config` of the spec (``generation``, ``recorded``), None when the spec
+    does not parse or resolve (its check says why). The name rule is checked here, not by CEL: the API server cannot
+    bound the cost of a regex on metadata.name.
     """
     problems = []
     if not NAME_PATTERN.match(name):
@@ -85,26 +93,46 @@ def parse_spec(name: str, raw: Mapping[str, Any], namespace: str = "default",
         return None, problems + [
             SpecProblem("spec." + ".".join(str(part) for part in e["loc"]) if e["loc"] else "spec", e["msg"])
             for e in err.errors()
-        ]
-    overrides = render.override_problems(render.Job(name, namespace, spec, labels or {}))
-    return spec, problems + check_spec(spec) + overrides + workload.label_problems(labels or {}, namespace)
+        ], None
+    job = render.Job(name, namespace, spec, dict(labels or {}), uid)
+    try:
+        config = resolution.effective_config(job, generation, recorded)
+    except ValueError:
+        config = None  # check_spec names the field
+    overrides = [] if config is None else override_problems(job, config, runtime)
+    return spec, problems + check_spec(spec) + overrides + workload.label_problems(labels or {}, namespace), config
 
 
-def redis_template_problems(job: render.Job, generation: Optional[int], recorded: Optional[resolution.Recorded],
+def parse_spec(name: str, raw: Mapping[str, Any], namespace: str = "default",
+               labels: Optional[Mapping[str, str]] = None) -> tuple[Optional[RLTrainingJobSpec], list[SpecProblem]]:
+    """(spec or None, problems) of :func:`check` for a job seen for the first time (nothing recorded)."""
+    spec, problems, _ = check(name, raw, namespace, labels)
+    return spec, problems
+
+
+def override_problems(job: render.Job, config: JobConfig, runtime: Optional[JobRuntime] = None) -> list[SpecProblem]:
+    """:func:`.render.override_problems` of ``job`` and ``config``, kept in ``runtime`` while the config, the job's
+    labels and uid stay the same, so a pass renders the pods for this check only when one of them changed."""
+    if runtime is None:
+        return render.override_problems(job, config)
+    key = (config.to_json(), tuple(sorted(render.role_hashes(config).items())), tuple(sorted(job.labels.items())),
+           job.uid)
+    if runtime.override_check is None or runtime.override_check[0] != key:
+        runtime.override_check = (key, tuple(render.override_problems(job, config)))
+    return list(runtime.override_check[1])
+
+
+def redis_template_problems(job: render.Job, config: JobConfig, recorded: Optional[Recorded],
                             annotations: Mapping[str, str]) -> list[SpecProblem]:
     """The problem of an edit of ``spec.redis.podTemplate`` that replaces the managed Redis pod while it keeps its data
     in an emptyDir (the ``recorded`` config's Redis has no claim, and the edit does not move it to one): the new pod
     would start empty. None when the job's ``annotations`` accept the loss
-    (:data:`~rljob_api.constants.ANNOTATION_ALLOW_REDIS_DATA_LOSS`), or nothing is recorded yet.
-
-    Raises:
-        ValueError: the spec does not resolve (see :func:`.render.job_config`).
-    """
+    (:data:`~rljob_api.constants.ANNOTATION_ALLOW_REDIS_DATA_LOSS`), or nothing is recorded yet. ``config``: what the
+    pass runs for ``job`` (:func:`.resolution.effective_config`)."""
     if recorded is None or job.spec.redis.mode != "managed" or recorded.config.spec.redis.mode != "managed":
         return []
     if annotations.get(c.ANNOTATION_ALLOW_REDIS_DATA_LOSS) == "true":
         return []
-    config = resolution.effective_config(job, generation, recorded)
     if render.redis_persistence(recorded.config) is not None or render.redis_persistence(config) is not None:
         return []  # durable: the new pod reads the same file; or a move to a claim, which starts empty anyway
     before = recorded.config.spec.redis.pod_template or PodTemplateOverride()
@@ -132,30 +160,20 @@ def foreign_children(uid: Optional[str], pods: Iterable[PodView], redis: Optiona
     return found
 
 
-async def kept_spec(
-    name: str, namespace: str, raw: Mapping[str, Any], runtime: JobRuntime, api: KubeApi
-) -> Optional[tuple[Optional[int], RLTrainingJobSpec]]:
+def kept_spec(raw: Mapping[str, Any], runtime: JobRuntime,
+              recorded: Optional[Recorded]) -> Optional[tuple[Optional[int], RLTrainingJobSpec]]:
     """The (generation or None, spec) an active job goes on with while its spec is invalid: the last valid spec this
-    process applied, or — after an operator restart — the one in the job's config ConfigMap (the resolved config of
-    the last valid spec). Its ``runPolicy`` is the invalid spec's when that part validates on its own (suspend,
-    deadlines and backoffLimit still act; the ConfigMap's copy holds only defaults), else the last valid one's.
-    None when there is none (a job that was never valid). The caller drops a kept spec equal to the current one
-    (a spec whose children the API server refused).
-
-    Raises:
-        ApiError: reading the ConfigMap failed other than with 404.
-    """
+    process applied, or — after an operator restart — the ``recorded`` one (read from the job's config ConfigMap: the
+    resolved config of the last valid spec). Its ``runPolicy`` is the invalid ``raw`` spec's when that part validates
+    on its own (suspend, deadlines and backoffLimit still act; the recorded copy holds only defaults), else the last
+    valid one's. None when there is none (a job that was never valid). The caller drops a kept spec equal to the
+    current one (a spec whose children the API server refused)."""
     if runtime.last_valid is not None:
         generation, spec = runtime.last_valid
+    elif recorded is not None:
+        generation, spec = None, recorded.config.spec
     else:
-        stored = await api.get("v1", "ConfigMap", namespace, names.config_map(name))
-        try:
-            spec = JobConfig.from_json(stored["data"][c.CONFIG_FILE_NAME]).spec if stored else None
-        except (KeyError, TypeError, ValidationError):
-            spec = None  # edited by hand: nothing to go on with
-        if spec is None:
-            return None
-        generation = None
+        return None
     try:
         run_policy = RunPolicySpec.model_validate(raw.get("runPolicy") or {})
     except ValidationError:
@@ -209,17 +227,16 @@ def refused_field(message: str) -> str:
     return f"spec.{role.group(1)}" + (f".{part.group(1)}" if part else "")
 
 
-async def admit(body: Mapping[str, Any], before: gang.Lifecycle, pods: Iterable[PodView],
-                redis: Optional[DeploymentView], runtime: JobRuntime, api: KubeApi) -> Decision:
-    """Decide what the pass over the job ``body`` (saved lifecycle ``before``, observed ``pods`` and managed
-    ``redis`` Deployment) runs; see the module docstring. Forgets a refused child of an older generation.
-
-    Raises:
-        ApiError: reading the config ConfigMap (the record, a kept spec) failed other than with 404.
-    """
+def decide(body: Mapping[str, Any], before: gang.Lifecycle, pods: Iterable[PodView], redis: Optional[DeploymentView],
+           runtime: JobRuntime, recorded: Optional[Recorded]) -> Decision:
+    """Decide what the pass over the job ``body`` (saved lifecycle ``before``, observed ``pods`` and managed ``redis``
+    Deployment, the ``recorded`` config: :func:`.resolution.known_record`) runs; see the module docstring. Forgets a
+    refused child of an older generation."""
     meta = body["metadata"]
-    name, generation = meta["name"], meta.get("generation")
-    spec, problems = parse_spec(name, body.get("spec") or {}, meta["namespace"], meta.get("labels") or {})
+    name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
+    labels, uid = meta.get("labels") or {}, meta.get("uid") or ""
+    spec, problems, config = check(name, body.get("spec") or {}, namespace, labels, uid=uid, generation=generation,
+                                   recorded=recorded, runtime=runtime)
     if runtime.rejected and runtime.rejected[0] != generation:
         runtime.rejected = None
     if runtime.rejected:
@@ -227,22 +244,23 @@ async def admit(body: Mapping[str, Any], before: gang.Lifecycle, pods: Iterable[
         problems.append(SpecProblem(refused_field(runtime.rejected[1]),
                                     f"the API server refused a child object: {runtime.rejected[1]}{retried}"))
     if spec is not None and not problems and spec.redis.mode == "managed":
-        job = render.Job(name, meta["namespace"], spec, meta.get("labels") or {}, meta.get("uid") or "")
-        problems += redis_template_problems(job, generation, await resolution.known_record(body, runtime, api),
-                                            meta.get("annotations") or {})
+        job = render.Job(name, namespace, spec, dict(labels), uid)
+        problems += redis_template_problems(job, config, recorded, meta.get("annotations") or {})
     if spec is not None and not problems:
         leftovers = tuple(foreign_children(meta.get("uid"), pods, redis))
-        return Decision(spec, run=spec, leftovers=leftovers)
+        return Decision(spec, run=spec, leftovers=leftovers, config=config)
     pods = list(pods)
     kept = None
     if before.phase in KEEP_PHASES and (before.phase == Phase.SUSPENDED or live_workers(pods)):
-        kept = await kept_spec(name, meta["namespace"], body.get("spec") or {}, runtime, api)
+        kept = kept_spec(body.get("spec") or {}, runtime, recorded)
     if kept is not None and spec is not None and kept[1].model_copy(update={"run_policy": spec.run_policy}) == spec:
         kept = None  # the last valid spec is this one, refused by the API server: nothing valid to go on with
     if kept is not None:
         kept_generation, kept_run = kept
         note = ("the job goes on with its last valid spec"
                 + (f" (generation {kept_generation})" if kept_generation is not None else "") + " until then")
-        return Decision(spec, tuple(problems), run=kept_run, note=note)
+        kept_config = resolution.effective_config(render.Job(name, namespace, kept_run, dict(labels), uid),
+                                                  generation, recorded)
+        return Decision(spec, tuple(problems), run=kept_run, note=note, config=kept_config)
     note = f"the job has {before.phase.value}: a spec edit changes nothing" if before.phase in gang.FINISHED else None
     return Decision(spec, tuple(problems), note=note)

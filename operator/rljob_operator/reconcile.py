@@ -3,12 +3,13 @@ status once → act.
 
 Everything decided here comes from :mod:`.admission` and the pure modules (:mod:`.render`, :mod:`.gang`,
 :mod:`.job_status`); this module sequences their results with the calls of :mod:`.children`, :mod:`.redis_io.reads` and
-:mod:`.apply`:
+:mod:`.kube_api`:
 
-1. admit (:func:`.admission.admit`): the spec to run (the spec, or while an invalid edit is fixed the last valid
-   one), its problems, or children of an earlier job of the same name to wait for;
+1. admit (:func:`.admission.decide`, after the pass's one read of the job's record): the spec to run (the spec, or while
+   an invalid edit is fixed the last valid one) with the config it runs, resolved once and used by every later step,
+   its problems, or children of an earlier job of the same name to wait for;
 2. apply the static children of a valid spec (Redis Secret and data claim create-only, ConfigMap, Services, Redis
-   Deployment), only when their rendering changed since this process last applied them (:mod:`.applied`); a child the
+   Deployment), only when their rendering changed since this process last applied them (:mod:`.applied_hash`); a child the
    API server refuses as the spec's fault (400/422; 403 for a pod naming a PriorityClass, ServiceAccount or
    RuntimeClass that does not exist) makes the job Invalid in this pass (admission is asked again); a managed Redis
    moved between an emptyDir and its claim is told in a RedisReplaced Event;
@@ -146,18 +147,14 @@ class _Pass:
                           self.meta.get("uid") or "")
 
     async def admit(self) -> Decision:
-        return await admission.admit(self.body, self.before, self.pods(), self.redis, self.runtime, self.ctx.api)
-
-    async def config(self, spec: RLTrainingJobSpec) -> JobConfig:
-        """The config this pass runs for ``spec`` (:func:`.resolution.effective_config`): the record of a job seen
-        before is read from its ConfigMap once per process, then kept in the runtime."""
+        """:func:`.admission.decide` with the record of the job's config: read from its ConfigMap once per process
+        (:func:`.resolution.known_record`: the pass's one API read for admission), then kept in the runtime."""
         recorded = await resolution.known_record(self.body, self.runtime, self.ctx.api)
-        return resolution.effective_config(self.job(spec), self.meta.get("generation"), recorded)
+        return admission.decide(self.body, self.before, self.pods(), self.redis, self.runtime, recorded)
 
-    def stream(self, spec: RLTrainingJobSpec, config: Optional[JobConfig] = None) -> StreamStatus:
-        """status.stream for ``spec`` (:func:`.status.stream_status`) from ``config``, else from a fresh resolution."""
-        job = self.job(spec)
-        return job_status.stream_status(config or render.job_config(job), render.redis_password_ref(job))
+    def stream(self, spec: RLTrainingJobSpec, config: JobConfig) -> StreamStatus:
+        """status.stream for ``spec`` (:func:`.job_status.stream_status`) from the pass's ``config``."""
+        return job_status.stream_status(config, render.redis_password_ref(self.job(spec)))
 
     def status(self, lifecycle: gang.Lifecycle, **report: Any) -> RLTrainingJobStatus:
         """The new status (:func:`.status.build_status`) for ``lifecycle`` and the rest of the ``report``."""
@@ -226,8 +223,7 @@ async def _apply_children(this: _Pass, decision: Decision) -> Decision:
     problem of the spec)."""
     if not decision.applies:
         return decision
-    job, generation = this.job(decision.run), this.meta.get("generation")
-    config = await this.config(decision.run)
+    job, generation, config = this.job(decision.run), this.meta.get("generation"), decision.config
     earlier = this.runtime.recorded
     try:
         await children.apply_static(job, config, generation, this.body, this.runtime, this.ctx)
@@ -262,7 +258,7 @@ def _waiting_for_leftovers(this: _Pass, decision: Decision) -> _Outcome:
         "deleted: " + ", ".join(decision.leftovers)))
     new = this.status(waiting, problems=[], data_parallel_size=data_parallel_size(spec),
                       redis=this.runtime.redis_health, pods=[], nodes=spec.trainer.nodes,
-                      replicas=spec.rollout.replicas, progress=None, stream=this.stream(spec))
+                      replicas=spec.rollout.replicas, progress=None, stream=this.stream(spec, decision.config))
     return _Outcome(new, delay=min(this.ctx.active_interval_s, 1.0))
 
 
@@ -284,9 +280,8 @@ def _invalid(this: _Pass, decision: Decision, pods: list[PodView], base: Optiona
 
 async def _run(this: _Pass, decision: Decision) -> _Outcome:
     """The gang's plan for the spec to run, with its pods created (see the module docstring)."""
-    spec, runtime, ctx = decision.run, this.runtime, this.ctx
+    spec, config, runtime, ctx = decision.run, decision.config, this.runtime, this.ctx
     job = this.job(spec)
-    config = await this.config(spec)
     pods = this.pods()
     source = await read_reward_source(spec, job.namespace, ctx)
     hashes = replace(render.config_hashes(config), reward_source=source.hash)

@@ -392,14 +392,10 @@ def static_children(job: Job, config: JobConfig, generation: Optional[int] = Non
     return children
 
 
-def override_problems(job: Job) -> list[SpecProblem]:
+def override_problems(job: Job, config: JobConfig) -> list[SpecProblem]:
     """What each role's ``podTemplate`` sets that rljob sets itself (:func:`.overrides.conflicts`), found by rendering
-    trainer pod 0, rollout pod 0 and the managed Redis Deployment; empty when the spec does not resolve (its check
-    reports why). A job not created yet is rendered with a stand-in uid, so that its pods carry every env rljob sets."""
-    try:
-        config = job_config(job)
-    except ValueError:
-        return []
+    trainer pod 0, rollout pod 0 and the managed Redis Deployment from ``config`` (what the pass runs for ``job``). A
+    job not created yet is rendered with a stand-in uid, so that its pods carry every env rljob sets."""
     job = replace(job, uid=job.uid or "uid")
     renders = [lambda: trainer_pod(job, config, 0, 0), lambda: rollout_pod(job, config, 0)]
     if job.spec.redis.mode == "managed":

@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from rljob_api.protocol import Backlog
 from rljob_api.config import JobConfig
 from rljob_api.spec import RLTrainingJobSpec
+from rljob_api.validation import SpecProblem
 
 from rljob_operator.kube_api import KubeApi
 from rljob_operator.eta import StepRate
@@ -78,6 +79,9 @@ class JobRuntime:
     seen: Optional[tuple] = None
     """What the job's metadata said at the last pass (see ``handlers``): a watch event that changes it wakes the
     daemon, this process's own status writes do not."""
+    override_check: Optional[tuple[Any, tuple[SpecProblem, ...]]] = None
+    """(key, problems) of the last podTemplate check (:func:`.admission.override_problems`): the pods are rendered for
+    it again only when the config, labels or uid change."""
     notices: list[Event] = field(default_factory=list)
     """Events of what a pass did (not condition transitions, e.g. RedisReplaced), posted after the next status write
     (or pass without one): a pass refused as stale keeps them for the next."""

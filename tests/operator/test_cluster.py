@@ -26,6 +26,7 @@ import yaml
 
 from helm_tools import CHART, helm_binary, render
 from rljob_operator.kube_api import KubeApi
+from rljob_operator import resolution
 from rljob_operator.admission import kept_spec
 from rljob_operator.runtime import JobRuntime
 
@@ -462,7 +463,8 @@ def test_an_invalid_edit_keeps_the_running_pods_on_the_last_valid_spec_until_fix
     async def kept_after_restart():
         api = await KubeApi.connect(str(installed))
         try:
-            return await kept_spec("edit", namespace, {"runPolicy": {"backoffLimit": 7}}, JobRuntime(), api)
+            recorded = await resolution.read_recorded("edit", namespace, api)
+            return kept_spec({"runPolicy": {"backoffLimit": 7}}, JobRuntime(), recorded)
         finally:
             await api.close()
 

@@ -324,17 +324,20 @@ EMPTYDIR_MESSAGE = (
     ({"enabled": False}, {"persistence": {"enabled": False}, "maxPending": 99}, {}, False),  # no template change
 ], ids=["emptydir", "pre-persistence", "accepted", "not-true", "durable", "to-a-claim", "elsewhere"])
 def test_a_redis_template_edit_that_would_empty_an_emptydir_redis_is_refused(recorded, redis, annotations, refused):
-    problems = redis_template_problems(make_job(redis=redis), 4, _recorded(recorded), annotations)
+    job = make_job(redis=redis)
+    problems = redis_template_problems(job, resolution.effective_config(job, 4, _recorded(recorded)),
+                                       _recorded(recorded), annotations)
     assert [str(p) for p in problems] == ([EMPTYDIR_MESSAGE] if refused else [])
-    assert redis_template_problems(make_job(redis=redis), 4, None, annotations) == []  # a new job: no Redis yet
+    assert redis_template_problems(job, render.job_config(job), None, annotations) == []  # a new job: no Redis yet
 
 
 def test_removing_the_redis_template_of_an_emptydir_redis_is_refused_too():
     recorded = _recorded({"enabled": False}, TEMPLATE)
-    assert [str(p) for p in redis_template_problems(make_job(redis={"persistence": {"enabled": False}}), 4, recorded,
+    removed = make_job(redis={"persistence": {"enabled": False}})
+    assert [str(p) for p in redis_template_problems(removed, resolution.effective_config(removed, 4, recorded), recorded,
                                                     {})] == [EMPTYDIR_MESSAGE]
     kept = make_job(redis={"persistence": {"enabled": False}, "podTemplate": TEMPLATE})
-    assert redis_template_problems(kept, 4, recorded, {}) == []
+    assert redis_template_problems(kept, resolution.effective_config(kept, 4, recorded), recorded, {}) == []
 
 
 @pytest.mark.parametrize(("message", "field"), [
