@@ -4,8 +4,8 @@
     python requirements.py trainer/pyproject.toml:trackers ...     # with the named extras (comma-separated)
 
 rljob's own distributions (``rljob-*``) are left out: an image installs them from its source folders, after the
-layer these requirements make, so that a source change rebuilds only the small last layer. A name without a version
-is left out where another of the files pins it. Exits 2 on an extra a file does not define.
+layer these requirements make, so that a source change rebuilds only the small last layer. A requirement without
+``==`` is left out where another of the files pins the name. Exits 2 on an extra a file does not define.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ def requirements(arguments: list[str]) -> list[str]:
     own = re.compile(r"^rljob-[a-z]+\b")
     name = re.compile(r"^[A-Za-z0-9_.-]+")
     lines = [line for line in dict.fromkeys(lines) if not own.match(line)]
-    pinned = {name.match(line).group(0).lower() for line in lines if line != name.match(line).group(0)}
-    # A bare name (rljob-wire's "torch") adds nothing where another distribution pins it.
-    return [line for line in lines if line != name.match(line).group(0) or line.lower() not in pinned]
+    pinned = {name.match(line).group(0).lower() for line in lines if "==" in line}
+    # A loose requirement (rljob-wire's "torch", "numpy>=2") adds nothing where another distribution pins the name.
+    return [line for line in lines if "==" in line or name.match(line).group(0).lower() not in pinned]
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 # Installs everything rljob's tests and demo need on a fresh Debian machine (idempotent):
 # Debian packages (redis-server, iproute2, util-linux; containerd, runc, the CNI plugins, iptables and
 # conntrack for the local cluster's nodes; buildah and debootstrap for its images), rljob's distributions
-# (scripts/install-dev.sh: editable, with the test extra), the Go-built control plane, node components, helm and Kueue (cached under
+# (scripts/install-dev.sh: editable, with the test extra), a venv with vLLM's CPU build (scripts/vllm-venv.sh), the Go-built control plane, node components, helm and Kueue (cached under
 # ~/.cache/rljob/tools by version), and the images built from the project's Dockerfiles (cached under
 # ~/.cache/rljob/images by a hash of their inputs), and the operator image of the commit the e2e upgrade test
 # starts from (tests/e2e/upgrade-from; ~/.cache/rljob/releases, by commit).
@@ -33,6 +33,9 @@ fi
 
 echo "setup: scripts/install-dev.sh (every distribution editable, with the test extra)"
 bash scripts/install-dev.sh test
+
+echo "setup: the vLLM venv of the vllm backend's tests (scripts/vllm-venv.sh; cached by its inputs)"
+bash scripts/vllm-venv.sh >/dev/null
 
 if [ -x localcluster/build-go-tools.sh ]; then
   echo "setup: Go tools (control plane, node components, kubectl, helm, Kueue)"

