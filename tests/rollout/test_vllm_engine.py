@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -146,3 +146,62 @@ def test_load_weights_crosses_the_process_boundary_and_close_leaves_no_engine_pr
     closed = driver.ask(op="close")
     assert not [line for line in closed["children"] if "EngineCore" in line or "VLLM" in line], closed
     assert driver.proc.wait(60) == 0
+
+
+def _engine_pids(pid: int) -> list[int]:
+    """The pids of ``pid``'s children whose title vLLM set (its EngineCore)."""
+    out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if "VLLM" in line or "EngineCore" in line]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.timeout(420)
+def test_a_rollout_process_on_vllm_streams_documents_and_ends_its_engine_on_sigterm(vllm_python, redis_server,
+                                                                                   tmp_path):
+    """``python -m rljob_rollout`` with ``backend: vllm`` and no GPUs, as a rollout pod runs it: it joins the weight
+    transfer, generates with the published weights and streams scored documents; SIGTERM (the kubelet's stop) ends
+    it with exit 0 within a pod's default grace period (30 s), its engine process gone."""
+    from rljob_api import protocol
+
+    from rollout_harness import wait_until
+
+    config = make_config(redis_server, tiny=HEAD_32, rollout={
+        "backend": "vllm", "gpusPerReplica": 0, "maxLag": 10_000_000, "sampling": {"maxNewTokens": 4}},
+        redis={"maxPending": 10_000_000}).model_copy(update={"metrics_port": 0})
+    path = tmp_path / "config.json"
+    path.write_text(config.to_json())
+    env = {**os.environ, "RLJOB_CONFIG": str(path), "REDIS_PASSWORD": redis_server.password, "OMP_NUM_THREADS": "1",
+           "VLLM_CPU_KVCACHE_SPACE": "1",
+           "PYTHONPATH": os.pathsep.join(str(REPO / d) for d in ("api", "wire", "rollout"))}
+    client = redis_server.client()
+    publisher = WeightPublisher(config, client, join_timeout_s=10, transfer_timeout_s=30, poll_interval_s=0.3)
+    log = tmp_path / "rollout.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([vllm_python, "-m", "rljob_rollout"], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        wait_until(lambda: client.hlen(config.keys.members) == 1 or proc.poll() is not None, 180,
+                   "the rollout process to start its engine and join", lambda: log.read_text()[-3000:])
+        assert proc.poll() is None, log.read_text()[-3000:]
+        engines = _engine_pids(proc.pid)
+        assert engines, log.read_text()[-3000:]
+        assert publisher.publish(tiny_model(config, 1).named_parameters(), step=0, documents_seen=0) == 1
+        wait_until(lambda: client.xlen(config.keys.stream) >= 16, 120, "documents on the stream",
+                   lambda: log.read_text()[-3000:])
+        assert protocol.rewards_by_version(client.hgetall(config.keys.rollout))[0][1] >= 16
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()[-3000:]
+        assert not [pid for pid in engines if _alive(pid)], log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        publisher.close()
+        client.close()

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 EXTENSION = "rljob_rollout.backends.vllm_worker.WeightReceiverExtension"
 RECEIVE_METHOD = "rljob_receive_weights"
 LOAD_FILE_METHOD = "rljob_load_file"
-ENGINE_EXIT_S = 30.0
+ENGINE_EXIT_S = 10.0
 """How long :meth:`VllmBackend.close` waits for the engine's processes after asking them to shut down (seconds)."""
 
 
