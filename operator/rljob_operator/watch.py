@@ -1,4 +1,5 @@
-"""`rljob watch`: a live view of one RLTrainingJob's status (phase, step, reward, staleness, conditions).
+"""`rljob watch`: a live view of one RLTrainingJob's status (phase, step, reward, staleness, conditions); plain lines
+as they change when the output is not a terminal.
 
 Reads only the job object through the API server, so it works on any cluster the kubeconfig reaches.
 """
@@ -67,6 +68,37 @@ def render(job: dict[str, Any]) -> Group:
     return Group(bar, figures, conditions)
 
 
+def figures_line(job: dict[str, Any]) -> str:
+    """The job's figures on one line, e.g. ``demo Running step 3/40 attempt 1 DP 2 documents 192 modelVersion 192
+    rollout reward 0.812 train reward 0.750 staleness 12.5/64`` ("-" where status has no value yet)."""
+    spec, status = job.get("spec", {}), job.get("status", {}) or {}
+    metrics = status.get("lastMetrics") or {}
+    max_steps = int(spec.get("trainer", {}).get("maxSteps", 100))
+    return (f"{job['metadata']['name']} {status.get('phase', 'Pending')} step {int(status.get('step') or 0)}/{max_steps}"
+            f" attempt {_fmt(status.get('attempt'))} DP {_fmt(status.get('dataParallelSize'))}"
+            f" documents {_fmt(status.get('documentsSeen'))} modelVersion {_fmt(status.get('modelVersion'))}"
+            f" rollout reward {_fmt(status.get('rolloutReward'))}"
+            f" train reward {_fmt(metrics.get('train_samples_reward'))}"
+            f" staleness {_fmt(metrics.get('staleness'), 1)}/{_fmt(metrics.get('max_staleness'), 0)}")
+
+
+def plain_lines(job: dict[str, Any], shown: dict[str, Any], now: str) -> list[str]:
+    """What a file or a pipe gets for ``job`` (no live redraw there): the figures line when it changed since the lines
+    in ``shown`` (updated), then one line per condition whose status, reason or message changed, each prefixed with
+    ``now`` (HH:MM:SS)."""
+    lines = []
+    figures = figures_line(job)
+    if shown.get("figures") != figures:
+        shown["figures"] = figures
+        lines.append(f"{now} {figures}")
+    for cond in (job.get("status") or {}).get("conditions", []):
+        told = (cond.get("status"), cond.get("reason", ""), cond.get("message", ""))
+        if shown.setdefault("conditions", {}).get(cond.get("type")) != told:
+            shown["conditions"][cond.get("type")] = told
+            lines.append(f"{now} {job['metadata']['name']} {cond.get('type')}={told[0]} {told[1]}: {told[2]}")
+    return lines
+
+
 def watch(
     name: str,
     namespace: str,
@@ -75,8 +107,11 @@ def watch(
     interval_seconds: float = 2.0,
     console: Optional[Console] = None,
     fetch: Callable[[str, str], dict[str, Any]] = get_job,
+    clock: Callable[[], str] = lambda: time.strftime("%H:%M:%S"),
 ) -> dict[str, Any]:
-    """Refresh the view until the job is Succeeded or Failed, then return the final object.
+    """Refresh the view until the job is Succeeded or Failed, then return the final object. On a terminal the view is
+    redrawn in place (:func:`render`); to a file or a pipe (``rljob watch JOB > log``) it prints plain lines as they
+    change (:func:`plain_lines`, stamped by ``clock``), each written at once.
 
     Raises:
         TimeoutError: the job did not finish within ``timeout_seconds``.
@@ -84,6 +119,18 @@ def watch(
     console = console or Console()
     deadline = time.monotonic() + timeout_seconds
     job = fetch(name, namespace)
+    if not console.is_terminal:
+        shown: dict[str, Any] = {}
+        while True:
+            for line in plain_lines(job, shown, clock()):
+                console.out(line, highlight=False)
+                console.file.flush()
+            if (job.get("status") or {}).get("phase") in FINAL_PHASES:
+                return job
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"RLTrainingJob {namespace}/{name} did not finish within {timeout_seconds:.0f} s")
+            time.sleep(interval_seconds)
+            job = fetch(name, namespace)
     with Live(render(job), console=console, refresh_per_second=2, transient=False) as live:
         while (job.get("status") or {}).get("phase") not in FINAL_PHASES:
             if time.monotonic() > deadline:
@@ -91,6 +138,4 @@ def watch(
             time.sleep(interval_seconds)
             job = fetch(name, namespace)
             live.update(render(job))
-    if not console.is_terminal:  # Live ends a terminal's last frame with a newline, not a file's or a pipe's
-        console.line()
     return job

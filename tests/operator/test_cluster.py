@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -824,9 +825,16 @@ def test_watch_of_a_job_that_does_not_exist_says_so_in_one_line(kube, installed,
         3, "", f"rltrainingjob nosuchjob not found in namespace {namespace}\n")
     elsewhere = watch("here")  # the default namespace
     assert (elsewhere.returncode, elsewhere.stderr) == (3, "rltrainingjob here not found in namespace default\n")
+    wait_for(lambda: (kube.job(namespace, "here").get("status") or {}).get("phase") == "Suspended", "Suspended")
     waited = watch("here", "-n", namespace, "--timeout=0.5")
     assert waited.returncode == 2 and waited.stderr == (
         f"RLTrainingJob {namespace}/here did not finish within 0 s\n"), waited.stderr
+    # Not a terminal (a pipe): plain lines, the figures, then each condition.
+    lines = waited.stdout.splitlines()
+    assert re.fullmatch(r"\d\d:\d\d:\d\d here Suspended step 0/100 attempt 0 DP 2 documents - modelVersion - "
+                        r"rollout reward - train reward - staleness -/-", lines[0]), waited.stdout
+    assert any(re.fullmatch(r"\d\d:\d\d:\d\d here Suspended=True JobSuspended: job suspended: .*", line)
+               for line in lines[1:]), waited.stdout
 
 
 def api_requests(proc: OperatorProcess) -> dict[tuple[str, str], float]:
