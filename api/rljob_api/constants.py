@@ -96,6 +96,15 @@ ENV_REWARD_SOURCE = "RLJOB_REWARD_SOURCE"
 (the ConfigMap key under :data:`REWARD_SOURCE_MOUNT_DIR`, or ``rewardSource.path``). Read by rljob_rollout."""
 ENV_JOB_UID = "RLJOB_JOB_UID"
 """The RLTrainingJob's metadata.uid on trainer pods: with the attempt, the owner of the job's Redis writes."""
+RESERVED_ENV_PREFIX = "RLJOB_"
+"""Env names under it are rljob's, now or in a later version: a pod template may not set them, nor import them with an
+``envFrom`` prefix."""
+TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME")
+"""What torchrun sets for every rank of a trainer pod: the trainer's pod template may not set them."""
+TORCHELASTIC_ENV_PREFIX = "TORCHELASTIC_"
+"""torchrun's own variables (TORCHELASTIC_RUN_ID, ...): refused in the trainer's pod template, as a name or an envFrom
+prefix."""
 
 CONFIG_MOUNT_DIR = "/etc/rljob"
 CONFIG_FILE_NAME = "config.json"

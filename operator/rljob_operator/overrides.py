@@ -68,7 +68,7 @@ def conflicts(template: Mapping[str, Any], override: PodTemplateOverride, contai
         if not rules.own_container_only(entry.name, container):
             problems.append(SpecProblem(f"{path}.name", f"{entry.name!r} {rules.extra_container_message(container)}"))
             continue
-        problems += _container_conflicts(own, entry.env, entry.volume_mounts, path)
+        problems += _container_conflicts(own, entry.env, entry.env_from, entry.volume_mounts, path)
     return problems
 
 
@@ -127,15 +127,31 @@ def _init_container_conflicts(spec: Mapping[str, Any], own: Mapping[str, Any], o
     return problems
 
 
-def _container_conflicts(own: Mapping[str, Any], env: list[dict[str, Any]], mounts: list[dict[str, Any]],
-                         path: str) -> list[SpecProblem]:
+def _reserved_env(name: str, container: str) -> Optional[str]:
+    """Why an env name (or an envFrom prefix) is rljob's or torchrun's in ``container``; None when it is free."""
+    if name.startswith(c.RESERVED_ENV_PREFIX):
+        return f"names under {c.RESERVED_ENV_PREFIX} are rljob's"
+    if container == c.Role.TRAINER.value and (name in c.TORCHRUN_ENV or name.startswith(c.TORCHELASTIC_ENV_PREFIX)):
+        return f"torchrun sets it for every rank ({_listing(c.TORCHRUN_ENV)}, {c.TORCHELASTIC_ENV_PREFIX}*)"
+    return None
+
+
+def _container_conflicts(own: Mapping[str, Any], env: list[dict[str, Any]], env_from: list[dict[str, Any]],
+                         mounts: list[dict[str, Any]], path: str) -> list[SpecProblem]:
     problems = []
     rljob_env = [e["name"] for e in own.get("env") or []]
     for j, var in enumerate(env):
-        if var.get("name") in rljob_env:
+        name = str(var.get("name") or "")
+        if name in rljob_env:
             problems.append(SpecProblem(f"{path}.env[{j}].name", (
-                f"{var.get('name')!r} is set by rljob in the {own['name']} container ({_listing(rljob_env)}): "
-                "remove it")))
+                f"{name!r} is set by rljob in the {own['name']} container ({_listing(rljob_env)}): remove it")))
+        elif (why := _reserved_env(name, own["name"])) is not None:
+            problems.append(SpecProblem(f"{path}.env[{j}].name", f"{name!r}: {why}: rename it"))
+    for j, source in enumerate(env_from):
+        prefix = str(source.get("prefix") or "")
+        if prefix and (why := _reserved_env(prefix, own["name"])) is not None:
+            problems.append(SpecProblem(f"{path}.envFrom[{j}].prefix", (
+                f"{prefix!r} would import names that are not the template's ({why}): choose another prefix")))
     rljob_paths = [m["mountPath"] for m in own.get("volumeMounts") or []]
     for j, mount in enumerate(mounts):
         collision = mount_collision(str(mount.get("mountPath") or ""), rljob_paths, own["name"])

@@ -134,7 +134,7 @@ def prerequisites(cluster: Cluster, namespace: str) -> None:
     cluster.kubectl("create", "serviceaccount", "rl-pods", "-n", namespace)
     cluster.kubectl("create", "secret", "docker-registry", "registry", "-n", namespace, "--docker-server=registry.invalid",
                     "--docker-username=rl", "--docker-password=unused")
-    cluster.kubectl("create", "configmap", "rl-settings", "-n", namespace, "--from-literal=RLJOB_E2E_FROM=envFrom")
+    cluster.kubectl("create", "configmap", "rl-settings", "-n", namespace, "--from-literal=E2E_FROM=envFrom")
     cluster.apply({"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": f"rl-{namespace}"},
                    "value": 100}, namespace)
     cluster.apply({"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": f"runc-{namespace}"},
@@ -166,7 +166,7 @@ def overrides(role: str, image: str, namespace: str) -> dict:
                  "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}]},
                 {"name": "sidecar", "image": image, "restartPolicy": "Always", "command": ["sh", "-c", SIDECAR]},
             ],
-            "containers": [{"name": role, "env": [{"name": "RLJOB_E2E_MARKER", "value": role}],
+            "containers": [{"name": role, "env": [{"name": "E2E_MARKER", "value": role}],
                             "envFrom": [{"configMapRef": {"name": "rl-settings"}}],
                             "volumeMounts": [{"name": "scratch", "mountPath": "/scratch", "readOnly": True}],
                             "securityContext": {"allowPrivilegeEscalation": False}}],
@@ -191,7 +191,7 @@ def check_overrides(pod: dict, role: str, namespace: str) -> None:
     (container,) = spec["containers"]
     assert container["name"] == role
     env = {e["name"]: e.get("value") for e in container["env"]}
-    assert env["RLJOB_E2E_MARKER"] == role and c.ENV_CONFIG in env, env
+    assert env["E2E_MARKER"] == role and c.ENV_CONFIG in env, env
     assert container["envFrom"] == [{"configMapRef": {"name": "rl-settings"}}]
     assert {"name": "scratch", "mountPath": "/scratch", "readOnly": True} in container["volumeMounts"]
     assert container["securityContext"]["allowPrivilegeEscalation"] is False

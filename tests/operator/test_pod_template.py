@@ -203,6 +203,29 @@ PROBLEMS = {
         "spec.redis.podTemplate.spec.containers[0].env[0].name: 'REDIS_PASSWORD' is set by rljob in the redis "
         "container (REDIS_PASSWORD): remove it",
     ),
+    "reserved-env": (
+        {"rollout": {"podTemplate": {"spec": {"containers": [{"name": "rollout", "env": [
+            {"name": "MASTER_ADDR", "value": "ok on a rollout pod"}, {"name": "RLJOB_EXTRA", "value": "x"}],
+            "envFrom": [{"prefix": "APP_", "configMapRef": {"name": "a"}},
+                        {"prefix": "RLJOB_", "configMapRef": {"name": "b"}}]}]}}}},
+        "spec.rollout.podTemplate.spec.containers[0].env[1].name: 'RLJOB_EXTRA': names under RLJOB_ are rljob's: "
+        "rename it",
+        "spec.rollout.podTemplate.spec.containers[0].envFrom[1].prefix: 'RLJOB_' would import names that are not the "
+        "template's (names under RLJOB_ are rljob's): choose another prefix",
+    ),
+    "torchrun-env": (
+        {"trainer": {"podTemplate": {"spec": {"containers": [{"name": "trainer", "env": [
+            {"name": "MASTER_ADDR", "value": "10.0.0.1"}, {"name": "TORCHELASTIC_RUN_ID", "value": "r"}],
+            "envFrom": [{"prefix": "TORCHELASTIC_", "secretRef": {"name": "s"}}]}]}}}},
+        *[f"spec.trainer.podTemplate.spec.containers[0].{field}: {what}torchrun sets it for every rank (MASTER_ADDR, "
+          "MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE, ROLE_RANK, "
+          f"ROLE_WORLD_SIZE, ROLE_NAME, TORCHELASTIC_*){then}"
+          for field, what, then in (
+              ("env[0].name", "'MASTER_ADDR': ", ": rename it"),
+              ("env[1].name", "'TORCHELASTIC_RUN_ID': ", ": rename it"),
+              ("envFrom[0].prefix", "'TORCHELASTIC_' would import names that are not the template's (", "): choose "
+               "another prefix"))],
+    ),
     "rljob-volume": (
         {"rollout": {"podTemplate": {"spec": {"volumes": [{"name": "dshm", "emptyDir": {}}]}}}},
         "spec.rollout.podTemplate.spec.volumes[0].name: 'dshm' is the name of one of rljob's volumes in these pods "
