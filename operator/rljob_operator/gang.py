@@ -15,7 +15,8 @@ Rules (JobSet's BlockingRecreate, Kubernetes Job's backoffLimit, suspend and dea
   export) has Succeeded.
 - ``runPolicy.suspend``: every trainer and rollout pod is deleted (Redis, the config and the stream stay);
   ``startTime`` is cleared, so ``activeDeadlineSeconds`` counts again from the resume; the next gang is a
-  new attempt (not a restart).
+  new attempt (not a restart). A suspend that comes once the trainer reported all ``maxSteps`` done, while every pod
+  of the gang still runs (exporting, exiting), lets the gang finish: the job Succeeds.
 - A queued job that Kueue has not admitted (or evicted) is held (:class:`~rljob_operator.workload.Hold`): as by a
   suspend every trainer and rollout pod is deleted, the next gang is a new attempt (not a restart, not counted) and
   ``startTime`` is cleared, but the phase is Pending with the hold's reason, and ``runPolicy.suspend`` is untouched.
@@ -219,7 +220,7 @@ class _Observed:
 def plan(
     job: str, spec: RLTrainingJobSpec, previous: Lifecycle, pods: Iterable[PodView], hashes: ConfigHashes,
     now: datetime, rewards: Optional[RewardFailures] = None, nodes: Mapping[str, NodeView] = {},
-    stream_lost: bool = False, hold: Optional[Hold] = None,
+    stream_lost: bool = False, hold: Optional[Hold] = None, trained_step: Optional[int] = None,
 ) -> Plan:
     """Decide one reconcile pass of a valid job (see the module docstring for the rules).
 
@@ -234,9 +235,11 @@ def plan(
         nodes: the nodes of the pods being deleted that are not Ready (others may be left out): stuck pods.
         stream_lost: Redis forgot the stream during the saved attempt: its end is StreamLost, not counted.
         hold: why Kueue does not let the job's pods run now (None: not queued, or admitted).
+        trained_step: the steps the trainer reported done (status.step; None: none yet). A suspend that comes once
+            ``maxSteps`` are done lets the running gang finish (the job Succeeds) instead of deleting it.
     """
     pods = list(pods)
-    decided = _plan(job, spec, previous, pods, hashes, now, rewards, stream_lost, hold)
+    decided = _plan(job, spec, previous, pods, hashes, now, rewards, stream_lost, hold, trained_step)
     return _with_stuck(decided, stuck_pods(pods, nodes), now)
 
 
@@ -262,7 +265,8 @@ def _with_stuck(decided: Plan, stuck: Sequence[StuckPod], now: datetime) -> Plan
 
 
 def _plan(job: str, spec: RLTrainingJobSpec, previous: Lifecycle, pods: list[PodView], hashes: ConfigHashes,
-          now: datetime, rewards: Optional[RewardFailures], stream_lost: bool, hold: Optional[Hold]) -> Plan:
+          now: datetime, rewards: Optional[RewardFailures], stream_lost: bool, hold: Optional[Hold],
+          trained_step: Optional[int]) -> Plan:
     trainers = [p for p in pods if p.role == c.Role.TRAINER]
     obs = _Observed(
         trainers=trainers,
@@ -272,6 +276,13 @@ def _plan(job: str, spec: RLTrainingJobSpec, previous: Lifecycle, pods: list[Pod
     )
     if previous.phase in FINISHED:
         return _finished(spec, previous, obs, now)
+    if spec.run_policy.suspend and _finishing(spec, previous, obs, trained_step):
+        finishing = _active(job, spec, previous, obs, hashes, now, rewards, stream_lost)
+        if finishing.lifecycle.phase == Phase.RUNNING:
+            finishing = replace(finishing, lifecycle=replace(finishing.lifecycle, message=(
+                f"{finishing.lifecycle.message}; the suspend waits: all {spec.trainer.max_steps} steps are done and "
+                "the gang is finishing (the job Succeeds)")))
+        return finishing
     if spec.run_policy.suspend:
         return _suspend(spec, previous, obs)
     if hold is not None:
@@ -333,6 +344,14 @@ def _cleanup(policy: str, pods: Sequence[PodView]) -> tuple[str, ...]:
     if policy == "Running":
         return _names(p for p in pods if p.active)
     return ()
+
+
+def _finishing(spec: RLTrainingJobSpec, lc: Lifecycle, obs: _Observed, trained_step: Optional[int]) -> bool:
+    """Whether the gang has trained all ``maxSteps`` and is finishing on its own (every pod of its attempt running or
+    exited 0): a suspend then lets it end instead of deleting it."""
+    return (trained_step is not None and trained_step >= spec.trainer.max_steps and lc.gang_created
+            and len(obs.current) == spec.trainer.nodes
+            and all(p.phase in ("Running", "Succeeded") and not p.deleting for p in obs.current.values()))
 
 
 def _suspend(spec: RLTrainingJobSpec, lc: Lifecycle, obs: _Observed) -> Plan:

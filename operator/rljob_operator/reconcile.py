@@ -290,7 +290,7 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
     queued = await queueing.decide(job, config, this.body, this.before, runtime, ctx)
     hold = queued.hold if queued is not None else None
     plan = gang.plan(job.name, spec, this.before, pods, hashes, this.now, nodes=nodes, stream_lost=stream_lost,
-                     hold=hold)
+                     hold=hold, trained_step=this.previous.step)
     claim = await redis_reads.read_claim(job.name, job.namespace, config, this.redis, ctx)
     health = redis_reads.health(spec, this.redis, runtime, pods, this.now, claim)
     fetched, forgot = None, None
@@ -301,9 +301,12 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
             runtime.step_rate.add(fetched.updated_at, fetched.step)
             forgot = _forgotten_stream(this, fetched)
         health = redis_reads.health(spec, this.redis, runtime, pods, this.now, claim)
-        if fetched is not None and (fetched.reward_failures is not None or forgot):  # the plan may change
+        done = fetched is not None and fetched.step is not None and fetched.step >= spec.trainer.max_steps
+        if fetched is not None and (fetched.reward_failures is not None or forgot or (spec.run_policy.suspend and done)):
+            # the plan may change (a suspend that comes after the last step lets the gang finish)
             plan = gang.plan(job.name, spec, this.before, pods, hashes, this.now, rewards=fetched.reward_failures,
-                             nodes=nodes, stream_lost=stream_lost or forgot is not None, hold=hold)
+                             nodes=nodes, stream_lost=stream_lost or forgot is not None, hold=hold,
+                             trained_step=fetched.step)
     manifests = [render.trainer_pod(job, config, i, plan.lifecycle.attempt) for i in plan.create_trainers]
     manifests += [render.rollout_pod(job, config, i, source.hash) for i in plan.create_rollouts]
     if queued is not None:

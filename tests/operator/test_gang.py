@@ -32,9 +32,10 @@ class Sim:
     def hashes(self) -> gang.ConfigHashes:
         return render.config_hashes(render.job_config(render.Job("demo", "ns", self.spec)))
 
-    def step(self, rewards=None) -> gang.Plan:
+    def step(self, rewards=None, trained_step=None) -> gang.Plan:
         hashes = self.hashes
-        plan = gang.plan("demo", self.spec, self.lc, list(self.pods.values()), hashes, self.now, rewards)
+        plan = gang.plan("demo", self.spec, self.lc, list(self.pods.values()), hashes, self.now, rewards,
+                         trained_step=trained_step)
         self.plans.append(plan)
         for name in plan.delete:
             self.pods[name] = replace(self.pods[name], deleting=True)
@@ -64,7 +65,7 @@ class Sim:
 
 
 def running_sim(**spec) -> Sim:
-    sim = Sim(make_spec(trainer={"nodes": 2}, **spec))
+    sim = Sim(make_spec(**{**spec, "trainer": {"nodes": 2, **spec.get("trainer", {})}}))
     sim.step()
     sim.kubelet_runs_everything()
     sim.step()
@@ -273,6 +274,37 @@ def test_suspend_deletes_every_pod_and_resume_starts_a_new_attempt_with_a_fresh_
     assert plan.create_trainers == (0, 1) and plan.lifecycle.attempt == 1
     assert plan.lifecycle.start_time == sim.now and plan.requeue_after == 600
     assert (plan.lifecycle.restarts, plan.lifecycle.failed_attempts) == (0, 0)
+
+
+def test_a_suspend_after_the_last_step_lets_the_gang_finish_and_the_job_succeed():
+    sim = running_sim(trainer={"nodes": 2, "maxSteps": 40})
+    sim.spec = make_spec(trainer={"nodes": 2, "maxSteps": 40}, runPolicy={"suspend": True})
+    plan = sim.step(trained_step=40)
+    assert plan.delete == () and plan.lifecycle.phase == Phase.RUNNING, plan
+    assert plan.lifecycle.message == ("attempt 0: all 2 trainer pods running; the suspend waits: all 40 steps are done "
+                                      "and the gang is finishing (the job Succeeds)")
+    sim.set("demo-trainer-1", phase="Succeeded")  # its share done, pod 0 still exporting
+    assert sim.step(trained_step=40).lifecycle.phase == Phase.RUNNING
+    sim.set("demo-trainer-0", phase="Succeeded")
+    plan = sim.step(trained_step=40)
+    assert plan.lifecycle.phase == Phase.SUCCEEDED and plan.lifecycle.reason == Reason.TRAINING_FINISHED
+    assert sim.step(trained_step=40).lifecycle.phase == Phase.SUCCEEDED  # a finished job stays so, suspended or not
+
+
+@pytest.mark.parametrize("trained_step", [None, 39])
+def test_a_suspend_before_the_last_step_deletes_the_gang(trained_step):
+    sim = running_sim(trainer={"nodes": 2, "maxSteps": 40})
+    sim.spec = make_spec(trainer={"nodes": 2, "maxSteps": 40}, runPolicy={"suspend": True})
+    plan = sim.step(trained_step=trained_step)
+    assert plan.lifecycle.phase == Phase.SUSPENDED
+    assert set(plan.delete) == {"demo-trainer-0", "demo-trainer-1", "demo-rollout-0"}
+
+
+def test_a_suspend_after_the_last_step_of_a_gang_with_a_failed_pod_suspends():
+    sim = running_sim(trainer={"nodes": 2, "maxSteps": 40})
+    sim.set("demo-trainer-1", phase="Failed", failure="container trainer exited with code 1 (Error)")
+    sim.spec = make_spec(trainer={"nodes": 2, "maxSteps": 40}, runPolicy={"suspend": True})
+    assert sim.step(trained_step=40).lifecycle.phase == Phase.SUSPENDED
 
 
 def test_active_deadline_fails_the_job():
