@@ -146,6 +146,12 @@ class RLTrainingJobStatus(StatusModel):
     rollout_model_version: Optional[int] = Field(
         None, ge=0, description="The weights version rolloutReward was measured on."
     )
+    reward: Optional[float] = Field(
+        None,
+        description="What the REWARD column of kubectl get shows: rolloutReward, or for a trainer-only job "
+        "(spec.rollout.replicas 0, producers outside rljob) the mean reward of the samples the last step trained "
+        "(lastMetrics.train_samples_reward).",
+    )
     last_metrics: dict[str, float] = Field(
         default_factory=dict, description="Loss metrics of the last step by name (DESIGN §4)."
     )

@@ -122,8 +122,9 @@ PRINTER_COLUMNS = [
     {
         "name": "Reward",
         "type": "number",
-        "jsonPath": ".status.rolloutReward",
-        "description": "Mean rollout reward of the newest weights version.",
+        "jsonPath": ".status.reward",
+        "description": "Mean rollout reward of the newest weights version (trainer-only jobs: of the samples the last "
+                       "step trained).",
     },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     # -o wide

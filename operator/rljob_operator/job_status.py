@@ -468,10 +468,21 @@ def build_status(
         fields["stream"] = stream
     if progress is not None:
         fields.update(status_fields(progress))
+        fields["reward"] = shown_reward(fields.get("rollout_reward"), fields.get("last_metrics") or {}, replicas)
     if max_steps is not None:
         fields.update(_progress_estimate(lifecycle.phase, fields.get("step", previous.step), max_steps,
                                          steps_per_second, read=progress is not None))
     return previous.model_copy(update=fields)
+
+
+def shown_reward(rollout_reward: Optional[float], metrics: Mapping[str, float], replicas: int) -> Optional[float]:
+    """status.reward: ``rollout_reward``; with no rollout pods (``replicas`` 0) the trained samples' mean reward of the
+    last step (``train_samples_reward`` of its metrics, rounded as rolloutReward is), since nothing rljob runs measures a
+    rollout reward then."""
+    if replicas > 0:
+        return rollout_reward
+    trained = metrics.get("train_samples_reward")
+    return None if trained is None else round(trained, protocol.REWARD_DECIMALS)
 
 
 def _progress_estimate(phase: Phase, step: Optional[int], max_steps: int, steps_per_second: Optional[float],

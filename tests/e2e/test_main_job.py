@@ -149,7 +149,7 @@ def test_cpu_example_trains_to_succeeded_through_an_operator_restart(cluster, op
         "NAME", "PHASE", "DP", "STEP", "PROGRESS", "ETA", "MODELVERSION", "REWARD", "AGE"]
     row = re.split(r"\s+", table[1].strip())  # a finished job has no ETA: kubectl leaves the cell empty
     assert row[:6] == [name, "Succeeded", "2", str(max_steps), "100", str(status["modelVersion"])], table
-    assert float(row[6]) == pytest.approx(status["rolloutReward"])
+    assert float(row[6]) == pytest.approx(status["rolloutReward"]) and status["reward"] == status["rolloutReward"]
     assert status["progressPercentage"] == 100 and "estimatedRemainingSeconds" not in status, status
 
     # Events on the transitions, posted on the job by the operator.

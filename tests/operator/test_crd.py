@@ -141,7 +141,7 @@ def test_status_subresource_columns_and_names():
         ("Progress", ".status.progressPercentage", 0),
         ("ETA", ".status.estimatedRemainingTimeSummary", 0),
         ("ModelVersion", ".status.modelVersion", 0),
-        ("Reward", ".status.rolloutReward", 0),
+        ("Reward", ".status.reward", 0),
         ("Age", ".metadata.creationTimestamp", 0),
         ("Attempt", ".status.attempt", 1),  # -o wide
         ("Restarts", ".status.restarts", 1),

@@ -118,3 +118,17 @@ def test_scaling_between_zero_and_n_keeps_the_gangs_config_and_moves_the_first_t
     assert render.role_config_hash(config, c.Role.ROLLOUT) == render.role_config_hash(recorded.config, c.Role.ROLLOUT)
     assert config.config_hash() != recorded.config.config_hash()  # the replica count itself is recorded anew
     assert job_status.stream_status(config, None).first_transfer_rank == 1 + after
+
+
+def test_the_reward_column_shows_the_trained_reward_of_a_trainer_only_job_and_the_rollout_reward_otherwise():
+    trained = Progress(step=3, metrics={"train_samples_reward": 0.623456, "loss": 0.1})
+    only = build(make_job(trainer={"nodes": 2}, rollout={"replicas": 0}), [trainer(0, 0), trainer(1, 0)],
+                 progress=trained)
+    assert only.reward == 0.6235 and only.rollout_reward is None
+    assert job_status.to_json(only)["reward"] == 0.6235
+    both = Progress(step=3, metrics={"train_samples_reward": 0.62}, rollout_reward=0.8125, rollout_model_version=64)
+    with_rollouts = build(make_job(trainer={"nodes": 2}), [trainer(0, 0), trainer(1, 0), rollout(0)], progress=both)
+    assert with_rollouts.reward == with_rollouts.rollout_reward == 0.8125
+    kept = build(make_job(trainer={"nodes": 2}, rollout={"replicas": 0}), [trainer(0, 0), trainer(1, 0)],
+                 previous=only, seconds=5)  # a pass that did not read Redis keeps it
+    assert kept.reward == 0.6235
