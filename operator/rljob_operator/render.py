@@ -83,6 +83,19 @@ ROLLOUT_ONLY_FIELDS = (
 restarts the gang until someone classifies it."""
 POD_ROLES = (c.Role.TRAINER, c.Role.ROLLOUT)
 """The roles whose pods read the config."""
+ROLLOUT_READS_FROM_TRAINER = ("max_steps", "seed", "batch", "precision")
+"""Fields of ``spec.trainer`` that rollout processes read: ``maxSteps`` (a ``training_finished`` event ends a worker
+only at or past it), ``seed`` (the ``tiny`` model's initial weights), ``batch`` (the writer runs at most
+``documentsPerStep`` ahead) and ``precision`` (the dtype vLLM runs the model in). A change of one replaces the rollout
+pods too."""
+TRAINER_ONLY_FIELDS = (
+    "image", "backend", "nodes", "processes_per_node", "parallelism", "activation_checkpointing", "tensor_parallel",
+    "pipeline_parallel", "resources", "node_selector", "tolerations", "pod_template", "optimizer", "checkpoint",
+    "export", "tensorboard", "collective_timeout_seconds", "rendezvous_timeout_seconds", "data_timeout_seconds",
+)
+"""Fields of ``spec.trainer`` that no rollout process reads: left out of the rollout pods' :func:`role_config_hash`,
+so that an edit of one (a learning rate, the checkpoint interval, the topology while suspended) restarts the gang
+alone and keeps the rollout pods, whose engines take long to start."""
 ROLLOUT_POD_IGNORES = ("replicas", "reward_failure_deadline_seconds")
 """Fields of ``spec.rollout`` left out of the rollout pods' :func:`role_config_hash`: a kept replica runs the same
 whatever the replica count (a worker checks only that its index is below it, and pods above it are deleted), and
@@ -93,11 +106,11 @@ them): left out of both pod roles' :func:`role_config_hash`, so that an edit rep
 ROLE_IGNORES = {
     c.Role.TRAINER: (*(f"rollout.{path}" for path in ROLLOUT_ONLY_FIELDS),
                      *(f"redis.{path}" for path in REDIS_POD_ONLY_FIELDS)),
-    c.Role.ROLLOUT: (*(f"rollout.{path}" for path in ROLLOUT_POD_IGNORES), "trainer.pod_template",
+    c.Role.ROLLOUT: (*(f"rollout.{path}" for path in ROLLOUT_POD_IGNORES),
+                     *(f"trainer.{path}" for path in TRAINER_ONLY_FIELDS),
                      *(f"redis.{path}" for path in REDIS_POD_ONLY_FIELDS)),
 }
-"""Paths under ``spec`` (snake_case) left out of each pod role's :func:`role_config_hash`. The trainer's pod template
-is its own (a change restarts the gang), not the rollout's."""
+"""Paths under ``spec`` (snake_case) left out of each pod role's :func:`role_config_hash`."""
 
 _CONFIG_VOLUME = "config"
 _SHM_VOLUME = "dshm"

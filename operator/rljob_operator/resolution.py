@@ -7,8 +7,9 @@ change the pods' config hashes and restart every gang. So the job's config Confi
 (``rljob.dev/resolved-generation``, ``rljob.dev/role-config-hashes``), and :func:`effective_config` decides:
 
 - same generation as recorded: the recorded config, byte for byte, with its recorded hashes;
-- a new generation (the user edited the spec): the spec resolved anew, unless the edit changed nothing the trainer
-  reads (its role hash is the same for the recorded spec and the edited one, both resolved by this version): then
+- a new generation (the user edited the spec): the spec resolved anew (the rollout pods' recorded hash kept when the
+  edit changed nothing a rollout pod reads: a learning rate, the checkpoint interval), unless the edit changed nothing
+  the trainer reads (its role hash is the same for the recorded spec and the edited one, both resolved by this version): then
   the recorded config with the rollout-only fields (and ``spec.redis.podTemplate``) of the new resolution, the
   trainer's recorded hash kept, and the
   rollout's kept too when the edit changed nothing a rollout pod reads (``replicas``). So a role gets this version's
@@ -79,7 +80,14 @@ def effective_config(job: render.Job, generation: Optional[int], recorded: Optio
         return recorded.config
     before = render.job_config(render.Job(job.name, job.namespace, recorded.config.spec, job.labels, job.uid))
     if render.role_config_hash(before, c.Role.TRAINER) != render.role_config_hash(fresh, c.Role.TRAINER):
-        return _keep_redis_storage(fresh, recorded.config, before)
+        edited = _keep_redis_storage(fresh, recorded.config, before)
+        if render.role_config_hash(before, c.Role.ROLLOUT) != render.role_config_hash(fresh, c.Role.ROLLOUT):
+            return edited
+        # a trainer-only edit: the rollout pods keep their recorded hash, whatever version computed it
+        return JobConfig.from_recorded(edited.to_json(), {
+            c.Role.TRAINER.value: render.role_config_hash(edited, c.Role.TRAINER),
+            c.Role.ROLLOUT.value: recorded.config.recorded_role_hash(c.Role.ROLLOUT.value)
+            or render.role_config_hash(before, c.Role.ROLLOUT)})
     merged = json.loads(recorded.config.to_json())
     new = json.loads(fresh.to_json())
     for path in render.ROLE_IGNORES[c.Role.TRAINER]:  # what the edit changed: the trainer reads none of it

@@ -70,6 +70,20 @@ def test_an_edit_of_a_field_the_trainer_reads_resolves_anew():
     assert render.config_hashes(config) == render.config_hashes(render.job_config(edited))
 
 
+@pytest.mark.parametrize("trainer", [{"optimizer": {"learningRate": 1e-4}}, {"checkpoint": {"everySteps": 3}}])
+def test_an_edit_of_a_trainer_only_field_restarts_the_gang_and_keeps_the_rollout_pods(trainer):
+    """The trainer resolves anew; the rollout pods keep the hash recorded with them (here an earlier version's): no
+    rollout pod is replaced for a field none of them reads."""
+    edited = make_job(trainer=trainer)
+    config = resolution.effective_config(edited, 4, recorded_by_an_earlier_version(make_job()))
+    assert config.to_json() == render.job_config(edited).to_json()
+    assert render.role_config_hash(config, c.Role.TRAINER) == render.role_config_hash(render.job_config(edited),
+                                                                                      c.Role.TRAINER)
+    assert render.role_config_hash(config, c.Role.ROLLOUT) == "earlier-rollout"
+    read_back = JobConfig.from_recorded(config.to_json(), render.role_hashes(config))  # as the ConfigMap records it
+    assert render.role_config_hash(read_back, c.Role.ROLLOUT) == "earlier-rollout"
+
+
 def test_the_record_is_read_back_from_the_configmap_as_rendered():
     job = make_job()
     config = render.job_config(job)
