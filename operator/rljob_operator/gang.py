@@ -106,6 +106,10 @@ class Lifecycle:
         )
 
 
+MAX_CHANGED_NAMED = 5
+"""The changed fields a ConfigChanged message names at most (then "and N more")."""
+
+
 @dataclass(frozen=True)
 class ConfigHashes:
     """The config hashes current pods carry (from :mod:`rljob_operator.render`).
@@ -120,6 +124,9 @@ class ConfigHashes:
     reward_source: Optional[str] = None
     """The content hash of the reward ConfigMap (:mod:`rljob_operator.reward_source`) rollout pods must carry; None:
     any (no ConfigMap source, or not found)."""
+    changed: tuple[str, ...] = ()
+    """The fields the trainer reads that the last edit changed (:func:`rljob_operator.render.changed_fields`), named in
+    a ConfigChanged restart; empty when unknown (an operator restarted since the edit)."""
 
     def outdated(self, pod: PodView) -> bool:
         """Whether ``pod`` runs a config its role would now read differently, or a rollout pod reward code other than
@@ -511,8 +518,10 @@ def _failures(
             reason = Reason.POD_EVICTED if p.disrupted else Reason.POD_DELETED
             failures.append(_Failure(p.name, reason, "was deleted", counted=not p.disrupted))
         elif hashes.outdated(p):
-            failures.append(_Failure(p.name, Reason.CONFIG_CHANGED,
-                                     "runs an outdated config (a spec field the trainer reads changed)",
+            changed = (f"{', '.join(hashes.changed[:MAX_CHANGED_NAMED])}"
+                       + (f" and {len(hashes.changed) - MAX_CHANGED_NAMED} more" if len(hashes.changed) > MAX_CHANGED_NAMED
+                          else "")) if hashes.changed else "a spec field the trainer reads"
+            failures.append(_Failure(p.name, Reason.CONFIG_CHANGED, f"runs an outdated config ({changed} changed)",
                                      counted=False))
     if lc.gang_created:
         for index in range(spec.trainer.nodes):

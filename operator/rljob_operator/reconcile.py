@@ -233,6 +233,8 @@ async def _apply_children(this: _Pass, decision: Decision) -> Decision:
         this.runtime.reject(generation, err.message)
         return await this.admit()
     this.runtime.last_valid = (generation, decision.run)
+    if earlier is not None and earlier.config.to_json() != config.to_json():
+        this.runtime.config_changes = render.changed_fields(earlier.config, config, c.Role.TRAINER)
     this.runtime.recorded = resolution.Recorded(resolution.as_recorded(config), generation)
     if earlier is not None and earlier.config.spec.redis.mode == config.spec.redis.mode == "managed":
         replaced = job_status.redis_replaced(job.name, render.redis_persistence(earlier.config),
@@ -284,7 +286,7 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
     job = this.job(spec)
     pods = this.pods()
     source = await read_reward_source(spec, job.namespace, ctx)
-    hashes = replace(render.config_hashes(config), reward_source=source.hash)
+    hashes = replace(render.config_hashes(config), reward_source=source.hash, changed=runtime.config_changes)
     nodes = await _lost_nodes(this.ctx, pods, this.now)
     stream_lost = this.previous.stream_lost_attempt == this.before.attempt
     queued = await queueing.decide(job, config, this.body, this.before, runtime, ctx)

@@ -39,6 +39,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional
 from urllib.parse import urlsplit
 
+from pydantic.alias_generators import to_camel
+
 from rljob_api import constants as c
 from rljob_api import names
 from rljob_api.canonical import canonical_hash, canonical_json
@@ -196,17 +198,38 @@ def role_config_hash(config: JobConfig, role: c.Role) -> str:
     Raises:
         ValueError: ``role`` has no pods (Redis, config).
     """
-    ignored = ROLE_IGNORES.get(role)
-    if ignored is None:
+    if ROLE_IGNORES.get(role) is None:
         raise ValueError(f"role {role.value!r} has no pods that read the config")
     if (recorded := config.recorded_role_hash(role.value)) is not None:
         return recorded
+    return canonical_hash(_role_view(config, role), digits=16)
+
+
+def _role_view(config: JobConfig, role: c.Role) -> dict[str, Any]:
+    """The JSON dump of ``config`` with the fields of :data:`ROLE_IGNORES` for ``role`` reset to their defaults."""
     view = config.model_dump(mode="json")
     defaults = {"trainer": TrainerSpec().model_dump(mode="json"), "rollout": RolloutSpec().model_dump(mode="json"),
                 "redis": RedisSpec().model_dump(mode="json")}
-    for path in ignored:
+    for path in ROLE_IGNORES[role]:
         copy_field(view["spec"], defaults, path)
-    return canonical_hash(view, digits=16)
+    return view
+
+
+def changed_fields(before: JobConfig, after: JobConfig, role: c.Role) -> tuple[str, ...]:
+    """The fields pods of ``role`` read whose values differ between two configs, as CRD paths (``spec.trainer.
+    optimizer.learningRate``; a list is one field), sorted; derived fields outside ``spec`` (the data-parallel size)
+    by their config name."""
+    found: list[str] = []
+
+    def walk(a: Any, b: Any, path: str) -> None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for key in sorted(set(a) | set(b)):
+                walk(a.get(key), b.get(key), f"{path}.{to_camel(key)}" if path else to_camel(key))
+        elif a != b:
+            found.append(path)
+
+    walk(_role_view(before, role), _role_view(after, role), "")
+    return tuple(sorted(found))
 
 
 def copy_field(target: dict[str, Any], source: Mapping[str, Any], path: str) -> None:

@@ -79,6 +79,9 @@ class JobRuntime:
     seen: Optional[tuple] = None
     """What the job's metadata said at the last pass (see ``handlers``): a watch event that changes it wakes the
     daemon, this process's own status writes do not."""
+    config_changes: tuple[str, ...] = ()
+    """The fields the trainer reads that the last applied edit changed (:func:`.render.changed_fields`): named by a
+    ConfigChanged restart. Empty after an operator restart (the earlier config is gone by then)."""
     override_check: Optional[tuple[Any, tuple[SpecProblem, ...]]] = None
     """(key, problems) of the last podTemplate check (:func:`.admission.override_problems`): the pods are rendered for
     it again only when the config, labels or uid change."""

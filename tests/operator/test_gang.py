@@ -27,10 +27,12 @@ class Sim:
         self.lc = gang.Lifecycle()
         self.plans: list[gang.Plan] = []
         self.created = 0
+        self.changed: tuple[str, ...] = ()
 
     @property
     def hashes(self) -> gang.ConfigHashes:
-        return render.config_hashes(render.job_config(render.Job("demo", "ns", self.spec)))
+        hashes = render.config_hashes(render.job_config(render.Job("demo", "ns", self.spec)))
+        return replace(hashes, changed=self.changed)
 
     def step(self, rewards=None, trained_step=None) -> gang.Plan:
         hashes = self.hashes
@@ -274,6 +276,16 @@ def test_suspend_deletes_every_pod_and_resume_starts_a_new_attempt_with_a_fresh_
     assert plan.create_trainers == (0, 1) and plan.lifecycle.attempt == 1
     assert plan.lifecycle.start_time == sim.now and plan.requeue_after == 600
     assert (plan.lifecycle.restarts, plan.lifecycle.failed_attempts) == (0, 0)
+
+
+def test_a_config_change_restart_names_the_changed_fields():
+    sim = running_sim()
+    sim.spec = make_spec(trainer={"nodes": 2, "optimizer": {"learningRate": 1e-4}})
+    sim.changed = ("spec.trainer.optimizer.learningRate",)  # what the operator found the edit changed
+    restart = sim.step()
+    assert restart.lifecycle.reason == Reason.CONFIG_CHANGED
+    assert "runs an outdated config (spec.trainer.optimizer.learningRate changed)" in restart.lifecycle.message
+    assert restart.create_rollouts == () and not [n for n in restart.delete if "rollout" in n]  # no rollout replaced
 
 
 def test_a_suspend_after_the_last_step_lets_the_gang_finish_and_the_job_succeed():

@@ -351,3 +351,13 @@ def test_the_examples_config_hashes_are_those_running_pods_carry():
                 seen[job.name] = (config.config_hash(), render.role_config_hash(config, c.Role.TRAINER),
                                   render.role_config_hash(config, c.Role.ROLLOUT))
     assert seen == EXAMPLE_HASHES
+
+
+def test_changed_fields_name_what_a_role_reads_as_crd_paths():
+    base = render.job_config(make_job())
+    edited = render.job_config(make_job(trainer={"optimizer": {"learningRate": 1e-4}, "maxSteps": 7},
+                                        rollout={"maxLag": 3, "replicas": 4}))
+    assert render.changed_fields(base, edited, c.Role.TRAINER) == (
+        "spec.trainer.maxSteps", "spec.trainer.optimizer.learningRate")
+    assert render.changed_fields(base, edited, c.Role.ROLLOUT) == ("spec.rollout.maxLag", "spec.trainer.maxSteps")
+    assert render.changed_fields(base, base, c.Role.TRAINER) == ()
