@@ -136,6 +136,18 @@ def test_logprobs_mode_gives_temperature_only_logprobs_or_refuses():
         logprobs_mode(SamplingSpec(temperature=0.7, top_p=0.9))
 
 
+def test_the_vllm_backend_on_an_image_without_vllm_names_the_field_the_value_and_the_image(redis_server):
+    from rljob_rollout.backends import build_backend
+
+    config = make_config(redis_server, rollout={"backend": "vllm", "gpusPerReplica": 1, "image": "rljob/trainer-cpu:0.1.0"})
+    assert importlib.util.find_spec("vllm") is None  # the tests' Python never has vLLM (scripts/vllm-venv.sh does)
+    with pytest.raises(ImportError) as raised:
+        build_backend(config, DigitTokenizer(), seed=0)
+    assert str(raised.value).startswith(
+        "spec.rollout.backend: 'vllm' needs vLLM, which the rollout image 'rljob/trainer-cpu:0.1.0' does not have: "
+        "set spec.rollout.image to an image with vLLM")
+
+
 def test_the_engine_runs_in_the_dtype_the_trainer_publishes(redis_server):
     assert engine_dtype(make_config(redis_server, rollout={"backend": "vllm", "gpusPerReplica": 1})) == "bfloat16"
     assert engine_dtype(make_config(redis_server, rollout={"backend": "vllm", "gpusPerReplica": 1},

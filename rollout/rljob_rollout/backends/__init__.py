@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 from rljob_api.config import JobConfig
@@ -12,10 +13,15 @@ def build_backend(config: JobConfig, tokenizer: Any, seed: int) -> GenerationBac
     """The backend named by ``spec.rollout.backend``, seeded with ``seed``.
 
     Raises:
-        ImportError: ``vllm`` without vLLM installed.
+        ImportError: ``vllm`` on an image without vLLM (names the field, its value and the image).
         ValueError: sampling settings the backend cannot serve exactly (names the field).
     """
     if config.spec.rollout.backend == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            raise ImportError(
+                f"spec.rollout.backend: 'vllm' needs vLLM, which the rollout image {config.spec.rollout.image!r} does "
+                "not have: set spec.rollout.image to an image with vLLM (trainer_image/Dockerfile.vllm), or backend "
+                "to 'cpu'")
         from rljob_rollout.backends.vllm import VllmBackend
 
         return VllmBackend(config, tokenizer, seed)
