@@ -10,7 +10,7 @@ trainer_image/device_check_vllm.py on a GPU machine.
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import threading
 import types
 from dataclasses import dataclass
