@@ -109,6 +109,14 @@ def load_index(path: Optional[os.PathLike[str] | str] = None) -> list[Image]:
     return images
 
 
+SNAPSHOT_RACE = "does not exist: not found"
+"""What ``ctr images import`` says when a parent layer snapshot it found was removed before it stacked on it
+("failed to prepare extraction snapshot ...: parent snapshot sha256:... does not exist: not found"): seen when an
+image replaces an earlier one of the same name in a node's kept containerd root. One retry imports it."""
+IMPORT_RETRY_S = 5.0
+"""Seconds before that retry."""
+
+
 def ctr(socket: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """``ctr --address <socket> --namespace k8s.io <args>`` (output captured as text, exit status unchecked).
 
@@ -171,6 +179,13 @@ def import_into(ctr_socket: str, images: Optional[Sequence[Image]] = None, *, ti
                 log(f"importing {image.name} ({image.bytes / 2**20:.0f} MiB archive) into {ctr_socket}")
             extra = ["--snapshotter", snapshotter] if snapshotter else []
             proc = ctr(ctr_socket, "images", "import", *extra, str(image.archive), timeout=left(image.name))
+            if proc.returncode != 0 and SNAPSHOT_RACE in (proc.stderr or proc.stdout):
+                # containerd's garbage collector removed a layer snapshot of the image this name replaces while the
+                # import was about to stack on it; once it is done, the import unpacks that layer anew
+                if log:
+                    log(f"importing {image.name} again: {(proc.stderr or proc.stdout).strip()[-300:]}")
+                time.sleep(IMPORT_RETRY_S)
+                proc = ctr(ctr_socket, "images", "import", *extra, str(image.archive), timeout=left(image.name))
             if proc.returncode != 0:
                 raise RuntimeError(f"ctr images import {image.archive} at {ctr_socket}: "
                                    f"{(proc.stderr or proc.stdout).strip()[-2000:]}")
