@@ -31,6 +31,8 @@ pytestmark = pytest.mark.slow
 HEAD_32 = {"layers": 2, "hiddenSize": 64, "heads": 2, "intermediateSize": 128, "maxPositionEmbeddings": 64}
 ENGINE = {"max_model_len": 64, "enforce_eager": True}
 SAMPLING = {"temperature": 1.0, "topP": 1.0, "maxNewTokens": 6}
+VENV_PYTHONPATH = os.pathsep.join(str(REPO / folder) for folder in ("api", "wire", "rollout"))
+"""What the venv's python imports of this checkout (rljob's packages are not installed there)."""
 PROMPTS = [[1, 5, 6, 7, 8, 3], [1, 9, 9, 4, 5, 3], [1, 4, 4, 4, 4, 3]]
 
 
@@ -48,7 +50,7 @@ class Driver:
 
     def __init__(self, python: str, config: JobConfig, workdir: Path, password: str):
         (workdir / "config.json").write_text(config.to_json())
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(REPO / d) for d in ("api", "wire", "rollout")),
+        env = {**os.environ, "PYTHONPATH": VENV_PYTHONPATH,
                "REDIS_PASSWORD": password, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
         self.log = open(workdir / "driver.log", "w")
         self.proc = subprocess.Popen([python, str(Path(__file__).with_name("vllm_driver.py")),
@@ -179,7 +181,7 @@ def test_a_rollout_process_on_vllm_streams_documents_and_ends_its_engine_on_sigt
     path.write_text(config.to_json())
     env = {**os.environ, "RLJOB_CONFIG": str(path), "REDIS_PASSWORD": redis_server.password, "OMP_NUM_THREADS": "1",
            "VLLM_CPU_KVCACHE_SPACE": "1",
-           "PYTHONPATH": os.pathsep.join(str(REPO / d) for d in ("api", "wire", "rollout"))}
+           "PYTHONPATH": VENV_PYTHONPATH}
     client = redis_server.client()
     publisher = WeightPublisher(config, client, join_timeout_s=10, transfer_timeout_s=30, poll_interval_s=0.3)
     log = tmp_path / "rollout.log"
