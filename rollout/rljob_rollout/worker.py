@@ -52,6 +52,7 @@ import math
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import redis
@@ -60,7 +61,7 @@ from rljob_api import protocol
 from rljob_api.config import JobConfig
 from rljob_rollout.advantages import filter_zero_variance, group_advantages
 from rljob_rollout.backoff import Backoff
-from rljob_rollout.backends.base import Completion, GenerationBackend, UpdateOutcome
+from rljob_rollout.backends.base import Completion, GenerationBackend, Group, UpdateOutcome
 from rljob_rollout.worker_metrics import RolloutMetrics
 from rljob_rollout.tasks import InvalidReward, Prompt, Task
 from rljob_rollout.writer import BatchReport, DocumentWriter, make_document
@@ -85,6 +86,26 @@ OUTAGE_BACKOFF_CAP_S = 30.0
 REWARD_BACKOFF_INITIAL_S = 1.0
 REWARD_BACKOFF_CAP_S = 60.0
 """Waits between batches whose every reward failed (seconds; doubling, module docstring)."""
+
+
+COLLECT_WAIT_S = 0.05
+"""Longest wait for a finished group while groups are in flight (seconds): the delay, at most, before the worker sees a
+weights_ready event then."""
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """A group in flight: its prompt, the weights version when it was submitted, and when (time.monotonic())."""
+
+    prompt: Prompt
+    version: int
+    at: float
+
+
+def completion_versions(completion: Completion, submitted: int) -> tuple[int, ...]:
+    """The version of each of ``completion``'s tokens: the backend's (:attr:`Completion.versions`), or ``submitted``
+    for every token when it gives none."""
+    return completion.versions if completion.versions is not None else (submitted,) * len(completion.token_ids)
 
 
 def room_wait_ms(checks_since_update: int) -> int:
@@ -141,6 +162,10 @@ class RolloutWorker:
         self._heartbeats_started = False
         self._last_wait_reason: Optional[str] = None
         self._held_since_update = 16  # checks held back since the last weight update; none yet: the long wait
+        self._recheck_at = 0.0  # time.monotonic() before which a held worker with groups in flight does not check again
+        self._submitted: dict[int, Submitted] = {}
+        self._next_key = 0
+        self._written_at = 0.0  # time.monotonic() of the last write: the rate's start
 
     @classmethod
     def from_config(cls, config: JobConfig, replica_index: int, reward_file: Optional[str] = None) -> "RolloutWorker":
@@ -212,8 +237,10 @@ class RolloutWorker:
     def step(self) -> bool:
         """One iteration (module docstring). Returns True when training has finished. Raises redis.RedisError."""
         backing_off = self._generate_after - time.monotonic()
-        if self.version is None:
-            block: Optional[int] = WAIT_FOR_WEIGHTS_MS
+        if self.backend.in_flight:
+            block: Optional[int] = None  # the wait is on the engine, below
+        elif self.version is None:
+            block = WAIT_FOR_WEIGHTS_MS
         elif backing_off > 0:
             block = min(max(1, math.ceil(backing_off * 1000)), WAIT_FOR_WEIGHTS_MS)
         elif self._last_wait_reason is not None:
@@ -222,22 +249,46 @@ class RolloutWorker:
             block = None
         if self._handle_events(self.subscriber.poll(block_ms=block)):
             return True
+        if self.backend.in_flight:
+            self._write(self.backend.finished(timeout_s=COLLECT_WAIT_S))
         if self.version is None or self._stop.is_set() or time.monotonic() < self._generate_after:
             return False
+        if self._top_up() and not self.backend.continuous:
+            self._write(self.backend.finished(timeout_s=0))  # generated here, with the weights they were submitted under
+        return False
+
+    def _top_up(self) -> int:
+        """Submit groups while fewer than ``promptsPerBatch`` are in flight and back-pressure and max lag leave room,
+        samples in flight counted as written (DESIGN §6). Returns the groups submitted. Raises redis.RedisError."""
+        free = self.spec.prompts_per_batch - self.backend.in_flight
+        if free <= 0 or time.monotonic() < self._recheck_at:
+            return 0
+        group_size = self.spec.samples_per_prompt
+        in_flight = self.backend.in_flight * group_size
         state = self.writer.snapshot()
         self.metrics.observe_backlog(state)
-        reason = self.writer.wait_reason(state)
+        reason = self.writer.wait_reason(state, in_flight)
         if reason is not None:
             if reason != self._last_wait_reason:
                 log.info("rollout: waiting: %s", reason)
             self._last_wait_reason = reason
             self._held_since_update += 1
+            self._recheck_at = time.monotonic() + room_wait_ms(self._held_since_update) / 1000 if in_flight else 0.0
             self.metrics.waiting.set(1)
-            return False
+            return 0
         self._last_wait_reason = None
+        self._recheck_at = 0.0
         self.metrics.waiting.set(0)
-        self.generate_batch()
-        return False
+        return self._submit(min(free, -(-self.writer.room(state, in_flight) // group_size)))
+
+    def _submit(self, count: int) -> int:
+        """Submit ``count`` groups of the task's next prompts under the current version; returns ``count``."""
+        now = time.monotonic()
+        for prompt in self.task.next_prompts(count):
+            key, self._next_key = self._next_key, self._next_key + 1
+            self._submitted[key] = Submitted(prompt, self.version, now)
+            self.backend.submit(key, prompt.token_ids, self.spec.samples_per_prompt, self.sampling)
+        return count
 
     def _handle_events(self, events: list[Event]) -> bool:
         invitation: Optional[Event] = None
@@ -257,7 +308,8 @@ class RolloutWorker:
 
     def _update_weights(self, event: Event) -> None:
         started = time.monotonic()
-        outcome = self.backend.receive_weights(event.ticket, self.subscriber.address, self.subscriber.transfer_ranks)
+        outcome = self.backend.receive_weights(event.ticket, self.subscriber.address, self.subscriber.transfer_ranks,
+                                               event.documents_seen)
         self.metrics.updates.labels(outcome=outcome.value).inc()
         if outcome is UpdateOutcome.LOADED:
             previous, self.subscriber.version = self.version, event.documents_seen
@@ -275,49 +327,72 @@ class RolloutWorker:
             log.info("rollout: weight update %s: %s; keeping version %s", event.ticket.id, outcome.value, self.version)
 
     def generate_batch(self) -> int:
-        """Generate, score and write one batch. Returns the number of documents written. After a batch whose every
-        reward failed, the next one waits out the reward back-off (:meth:`step`; module docstring); a batch with a
-        scored sample resets it. Raises redis.RedisError."""
-        version = self.version
-        if version is None:
-            raise RuntimeError("rollout: generate_batch called before any weights were loaded")
-        started = time.monotonic()
-        prompts = self.task.next_prompts(self.spec.prompts_per_batch)
-        groups = self.backend.generate([p.token_ids for p in prompts], self.spec.samples_per_prompt, self.sampling)
-        errors: Counter = Counter()
-        scored = [(prompt, self._score(prompt, completions, errors)) for prompt, completions in zip(prompts, groups)]
-        seconds = time.monotonic() - started
+        """Submit ``promptsPerBatch`` groups whatever the stream's room, wait for every group in flight and write them;
+        for tests and tools (the loop is :meth:`step`). Returns the documents written. Raises redis.RedisError.
 
-        nonempty = [(prompt, group) for prompt, group in scored if group]
+        Raises:
+            RuntimeError: no weights loaded yet.
+        """
+        if self.version is None:
+            raise RuntimeError("rollout: generate_batch called before any weights were loaded")
+        self._submit(self.spec.prompts_per_batch)
+        written = 0
+        while self.backend.in_flight:
+            written += self._write(self.backend.finished(timeout_s=COLLECT_WAIT_S))
+        return written
+
+    def _write(self, done: list[tuple[int, Group]]) -> int:
+        """Score the finished groups, compute their advantages, write their documents and report them (module
+        docstring). After a set whose every reward failed the next groups wait out the reward back-off; a set with a
+        scored sample resets it. Returns the documents written. Raises redis.RedisError."""
+        if not done:
+            return 0
+        finished = [(self._submitted.pop(key), group) for key, group in done]
+        aborted = sum(1 for _, group in finished if group is None)
+        if aborted:
+            self.metrics.aborted.inc(aborted * self.spec.samples_per_prompt)
+            log.warning("rollout: %d groups aborted by a torn weight update", aborted)
+        finished = [(submitted, group) for submitted, group in finished if group is not None]
+        if not finished:
+            return 0
+        now = time.monotonic()
+        seconds = now - max(self._written_at, min(submitted.at for submitted, _ in finished))
+        self._written_at = now
+        errors: Counter = Counter()
+        scored = [(submitted, self._score(submitted.prompt, group, errors)) for submitted, group in finished]
+        nonempty = [(submitted, group) for submitted, group in scored if group]
         kept = filter_zero_variance([[r for _, r in group] for _, group in nonempty], enabled=self.spec.filter_zero_variance)
-        documents = []
+        documents, newest = [], []
         for index in kept.kept:
-            prompt, group = nonempty[index]
+            submitted, group = nonempty[index]
             advantages = group_advantages(
                 [r for _, r in group], normalize_std=self.spec.advantage.normalize_std, epsilon=self.spec.advantage.epsilon
             )
             for (completion, reward), advantage in zip(group, advantages):
-                documents.append(
-                    make_document(prompt.token_ids, completion.token_ids, completion.logprobs,
-                                  reward=reward, advantage=float(advantage), model_version=version)
-                )
-        rewards = [r for _, group in scored for _, r in group]
-        report = BatchReport(version, rewards, len(prompts) * self.spec.samples_per_prompt, errors,
-                             kept.groups_dropped, kept.samples_dropped, seconds)
-        written = self.writer.write(documents, version)
+                versions = completion_versions(completion, submitted.version)
+                documents.append(make_document(submitted.prompt.token_ids, completion.token_ids, completion.logprobs,
+                                               reward=reward, advantage=float(advantage), model_version=versions))
+                newest.append(max(versions, default=submitted.version))
+        samples = [(completion, reward, submitted.version) for submitted, group in scored for completion, reward in group]
+        reward_versions = [max(completion_versions(completion, version), default=version)
+                           for completion, _, version in samples]
+        report = BatchReport(max(reward_versions or [s.version for s, _ in finished]), [r for _, r, _ in samples],
+                             len(finished) * self.spec.samples_per_prompt, errors, kept.groups_dropped,
+                             kept.samples_dropped, seconds, reward_versions)
+        written = self.writer.write(documents, newest)
         if written < len(documents):
             self.metrics.abandoned.inc(len(documents) - written)
         self.writer.report(report)
         self.metrics.observe_batch(report, written)
-        if rewards:
+        if report.rewards:
             self.reward_backoff.reset()
         else:
             wait = self.reward_backoff.next_wait()
             self._generate_after = time.monotonic() + wait
-            log.error("rollout: every sample of the batch failed its reward function (%s); nothing written; next batch "
-                      "in %.1f s (back-off)", dict(errors), wait)
+            log.error("rollout: every sample failed its reward function (%s); nothing written; next groups in %.1f s "
+                      "(back-off)", dict(errors), wait)
         self.batches += 1
-        return len(documents)
+        return written
 
     def _score(self, prompt: Prompt, completions: list[Completion], errors: Counter) -> list[tuple[Completion, float]]:
         """(completion, reward) of every completion whose reward could be computed; failures counted in ``errors`` per

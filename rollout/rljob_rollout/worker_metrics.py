@@ -2,7 +2,8 @@
 
 Names: ``rljob_rollout_samples_total`` (completions generated), ``rljob_rollout_documents_total`` (documents
 written), ``rljob_rollout_reward_errors_total{kind}`` (samples dropped because the reward function raised),
-``rljob_rollout_filtered_samples_total`` (zero-variance filter), ``rljob_rollout_weight_updates_total{outcome}``,
+``rljob_rollout_filtered_samples_total`` (zero-variance filter), ``rljob_rollout_aborted_samples_total`` (in
+flight when a weight update tore), ``rljob_rollout_weight_updates_total{outcome}``,
 ``rljob_rollout_model_version`` (documents), ``rljob_rollout_reward`` (mean reward of the last batch, before
 filtering), ``rljob_rollout_samples_per_second``, ``rljob_rollout_waiting`` (1 while back-pressure or max lag
 holds the worker), ``rljob_rollout_stream_backlog`` and ``rljob_rollout_stream_ahead`` (documents: what
@@ -33,6 +34,8 @@ class RolloutMetrics:
         self.filtered = Counter("rljob_rollout_filtered_samples", "Samples of zero-variance groups dropped.", registry=r)
         self.abandoned = Counter("rljob_rollout_abandoned_documents", "Documents dropped: sampled with weights of a "
                                  "timeline the trainer abandoned (it resumed from an older checkpoint).", registry=r)
+        self.aborted = Counter("rljob_rollout_aborted_samples", "Samples aborted in flight by a torn weight update.",
+                               registry=r)
         self.updates = Counter("rljob_rollout_weight_updates", "Weight updates by outcome.", ["outcome"], registry=r)
         self.model_version = Gauge("rljob_rollout_model_version", "Version of the loaded weights (documents).", registry=r)
         self.reward = Gauge("rljob_rollout_reward", "Mean reward of the last batch, before filtering.", registry=r)

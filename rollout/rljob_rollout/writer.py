@@ -71,19 +71,32 @@ from rljob_wire.codec import Document, encode_document
 log = logging.getLogger(__name__)
 
 def make_document(prompt_ids: Sequence[int], completion_ids: Sequence[int], completion_logprobs: Sequence[float],
-                  *, reward: float, advantage: float, model_version: int) -> Document:
+                  *, reward: float, advantage: float, model_version: int | Sequence[int]) -> Document:
     """One stream document: prompt + completion tokens, the prompt's labels masked.
+
+    Args:
+        model_version: the weights version (documents) of every completion token ([N] ints), or one for all of them.
+            The prompt's tokens get the first completion token's: the weights that first read the prompt.
 
     Returns:
         :class:`Document` with tokens [T] int64 (T = P + N), old_log_probabilities [T] float32 (0 on the P
-        prompt tokens, the sampling log-probabilities on the N completion tokens), model_version [T] int64 all
-        equal to ``model_version`` (documents), loss_masking_spans ``[(0, P)]``, the advantage and raw reward.
+        prompt tokens, the sampling log-probabilities on the N completion tokens), model_version [T] int64,
+        loss_masking_spans ``[(0, P)]``, the advantage and raw reward.
+
+    Raises:
+        ValueError: per-token versions whose count is not N.
     """
     num_prompt = len(prompt_ids)
     tokens = np.asarray(list(prompt_ids) + list(completion_ids), dtype=np.int64)
     old = np.zeros(len(tokens), dtype=np.float32)
     old[num_prompt:] = np.asarray(completion_logprobs, dtype=np.float32)
-    versions = np.full(len(tokens), model_version, dtype=np.int64)
+    if isinstance(model_version, (int, np.integer)):
+        versions = np.full(len(tokens), model_version, dtype=np.int64)
+    else:
+        if len(model_version) != len(completion_ids):
+            raise ValueError(f"make_document: {len(model_version)} versions for {len(completion_ids)} completion tokens")
+        first = model_version[0] if len(model_version) else 0
+        versions = np.asarray([first] * num_prompt + list(model_version), dtype=np.int64)
     return Document(tokens, old, versions, [(0, num_prompt)], float(advantage), float(reward))
 
 
@@ -92,13 +105,15 @@ class BatchReport:
     """What one generated batch contributes to the rollout hash.
 
     Attributes:
-        version: the weights version every sample of the batch was generated with (documents).
+        version: the newest weights version of the batch's samples (documents).
         rewards: rewards of every scored sample (before filtering; failed samples excluded).
         samples_generated: completions generated (scored or not).
         reward_errors: failed samples per :func:`rljob_api.protocol.reward_error_key` ("Class: message", or the
             class alone).
         groups_filtered / samples_filtered: dropped by the zero-variance filter.
         seconds: wall time of generation + scoring (seconds).
+        reward_versions: the version each reward's sample counts under (parallel to ``rewards``: the newest version of
+            its tokens, DESIGN §3); None: all ``version``.
     """
 
     version: int
@@ -108,6 +123,14 @@ class BatchReport:
     groups_filtered: int
     samples_filtered: int
     seconds: float
+    reward_versions: Optional[Sequence[int]] = None
+
+    def rewards_by_version(self) -> dict[int, list[float]]:
+        """The rewards per version, ``version`` first (it is there even without rewards)."""
+        by_version: dict[int, list[float]] = {self.version: []}
+        for version, reward in zip(self.reward_versions or [self.version] * len(self.rewards), self.rewards):
+            by_version.setdefault(version, []).append(reward)
+        return by_version
 
     @property
     def errors_by_class(self) -> Counter:
@@ -213,53 +236,68 @@ class DocumentWriter:
         Raises RedisError."""
         return self.snapshot().ahead
 
-    def wait_reason(self, state: Optional[StreamBacklog] = None) -> Optional[str]:
-        """Why the worker must not start a batch now (back-pressure or max lag), or None, from ``state`` (default: a
-        :meth:`snapshot` taken now). Raises RedisError."""
+    def wait_reason(self, state: Optional[StreamBacklog] = None, in_flight: int = 0) -> Optional[str]:
+        """Why the worker must not start another group now (back-pressure or max lag), or None, from ``state`` (default:
+        a :meth:`snapshot` taken now) and the ``in_flight`` samples it has started and not yet written, which count as
+        written (DESIGN §6). Raises RedisError."""
         state = state or self.snapshot()
         dropped = f" - {state.dropped_unacked} dropped as stale" if state.dropped_unacked else ""
-        if state.backlog >= self.max_pending:
+        flight = f" + {in_flight} in flight" if in_flight else ""
+        if state.backlog + in_flight >= self.max_pending:
             return (
-                f"backlog {state.backlog} ({state.undelivered} undelivered + {state.pending} pending{dropped}) >= "
-                f"spec.redis.maxPending {self.max_pending} documents"
+                f"backlog {state.backlog} ({state.undelivered} undelivered + {state.pending} pending{dropped}){flight} "
+                f">= spec.redis.maxPending {self.max_pending} documents"
             )
-        if state.ahead >= self.max_ahead:
+        if state.ahead + in_flight >= self.max_ahead:
             return (
                 f"{state.ahead} documents ahead of the trainer ({state.undelivered} undelivered + {state.pending} "
-                f"pending - {state.trained_unacked} trained{dropped} and waiting for a checkpoint) >= "
+                f"pending - {state.trained_unacked} trained{dropped} and waiting for a checkpoint){flight} >= "
                 f"max(maxLag, documentsPerStep) = {self.max_ahead}"
             )
         return None
 
-    def write(self, documents: Sequence[Document], version: Optional[int] = None) -> int:
-        """XADD every document and add their count to ``documents_written``, in one MULTI/EXEC, unless they belong to
-        a timeline the trainer abandoned: ``version`` (the weights they were sampled with, documents) above the progress
-        hash's ``model_version`` (the trainer's current weights; set back to the checkpoint's documents_seen when it
-        resumes from an older one). Those are dropped and counted in ``documents_abandoned`` instead; the check and the
-        write are one WATCH/MULTI/EXEC on the progress hash, so a trainer start between them reruns the check. Returns
-        the documents written (0 when abandoned). Raises RedisError."""
+    def room(self, state: StreamBacklog, in_flight: int = 0) -> int:
+        """Samples the worker may still start before back-pressure or max lag holds it (0 when :meth:`wait_reason`
+        gives one): min(maxPending − backlog, max(maxLag, documentsPerStep) − ahead) − ``in_flight``."""
+        return max(0, min(self.max_pending - state.backlog, self.max_ahead - state.ahead) - in_flight)
+
+    def write(self, documents: Sequence[Document], versions: Optional[Sequence[int]] = None) -> int:
+        """XADD the documents and add their count to ``documents_written``, in one MULTI/EXEC, except those of a
+        timeline the trainer abandoned: ``versions[i]`` (the newest weights document i was sampled with, documents)
+        above the progress hash's ``model_version`` (the trainer's current weights; set back to the checkpoint's
+        documents_seen when it resumes from an older one). Those are dropped and counted in ``documents_abandoned``
+        instead; the check and the write are one WATCH/MULTI/EXEC on the progress hash, so a trainer start between
+        them reruns the check. ``versions`` None: no check. Returns the documents written. Raises RedisError.
+
+        Raises:
+            ValueError: ``versions`` and ``documents`` differ in length.
+        """
+        if versions is not None and len(versions) != len(documents):
+            raise ValueError(f"write: {len(versions)} versions for {len(documents)} documents")
         if not documents:
             return 0
-        outcome: list[bool] = []
+        kept: list[Document] = []
 
         def add(pipe: redis.client.Pipeline) -> None:
             current = pipe.hget(self._keys.progress, protocol.PROGRESS_MODEL_VERSION)
-            abandoned = version is not None and current is not None and version > int(current)
-            outcome[:] = [abandoned]
+            if versions is None or current is None:
+                kept[:] = documents
+            else:
+                kept[:] = [doc for doc, version in zip(documents, versions) if version <= int(current)]
             pipe.multi()
-            if abandoned:
-                pipe.hincrby(self._keys.rollout, protocol.ROLLOUT_DOCUMENTS_ABANDONED, len(documents))
-                return
-            for doc in documents:
+            if len(kept) < len(documents):
+                pipe.hincrby(self._keys.rollout, protocol.ROLLOUT_DOCUMENTS_ABANDONED, len(documents) - len(kept))
+            for doc in kept:
                 pipe.xadd(self._keys.stream, encode_document(doc))
-            pipe.hincrby(self._keys.rollout, protocol.ROLLOUT_DOCUMENTS_WRITTEN, len(documents))
+            if kept:
+                pipe.hincrby(self._keys.rollout, protocol.ROLLOUT_DOCUMENTS_WRITTEN, len(kept))
 
         self._client.transaction(add, self._keys.progress)
-        if outcome[0]:
-            log.warning("rollout: dropped %d documents sampled with weights version %s: the trainer went back to an "
-                        "older checkpoint (model_version below it); loading its weights next", len(documents), version)
-            return 0
-        return len(documents)
+        if len(kept) < len(documents):
+            log.warning("rollout: dropped %d documents sampled with weights newer than the trainer's (version %s): it "
+                        "went back to an older checkpoint; loading its weights next", len(documents) - len(kept),
+                        max(versions or [0]))
+        return len(kept)
 
     def report(self, batch: BatchReport) -> None:
         """Add one batch to the rollout hash, prune per-version reward pairs beyond the newest
@@ -279,8 +317,9 @@ class DocumentWriter:
                     previous, version=version, samples=batch.samples_generated, errors=batch.reward_errors,
                     now=seconds + microseconds / 1e6, own_streak=self._last_failed)
             pipe.multi()
-            pipe.hincrbyfloat(key, f"{protocol.ROLLOUT_REWARD_SUM_PREFIX}{version}", float(sum(batch.rewards)))
-            pipe.hincrby(key, f"{protocol.ROLLOUT_REWARD_COUNT_PREFIX}{version}", len(batch.rewards))
+            for each, rewards in batch.rewards_by_version().items():  # ``version`` first: its totals are replies 0, 1
+                pipe.hincrbyfloat(key, f"{protocol.ROLLOUT_REWARD_SUM_PREFIX}{each}", float(sum(rewards)))
+                pipe.hincrby(key, f"{protocol.ROLLOUT_REWARD_COUNT_PREFIX}{each}", len(rewards))
             pipe.hincrby(key, protocol.ROLLOUT_SAMPLES_GENERATED, batch.samples_generated)
             for kind, count in batch.errors_by_class.items():
                 pipe.hincrby(key, f"{protocol.ROLLOUT_REWARD_ERRORS_PREFIX}{kind}", count)

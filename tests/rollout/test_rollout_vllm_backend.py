@@ -34,10 +34,18 @@ class Logprob:
 
 
 @dataclass
+class WeightVersionSpan:
+    version: str
+    start: int
+    end: int
+
+
+@dataclass
 class CompletionOutput:
     token_ids: list
     logprobs: list
     finish_reason: str
+    weight_versions: list | None = None
 
 
 @dataclass
@@ -46,7 +54,16 @@ class RequestOutput:
     outputs: list
 
 
+class RequestOutputKind:
+    FINAL_ONLY = "final-only"
+
+
 class SamplingParams:
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+
+class AsyncEngineArgs:
     def __init__(self, **kwargs):
         self.kwargs = kwargs
 
@@ -73,15 +90,21 @@ def _reload_weights(worker, weights_iterator, is_checkpoint_format):
 
 
 def make_fake_vllm(models: list[HFModelRunnerModel]) -> types.ModuleType:
+    """A ``vllm`` module whose ``AsyncLLMEngine`` runs the real worker extension in one thread per tensor-parallel
+    worker and answers every request with two tokens per sample: the first sampled at once, the second once
+    ``engine.gate`` is open (open unless a test closes it), each labelled with the engine's weight version then, as
+    vLLM's ``weight_versions`` spans are."""
     module = types.ModuleType("vllm")
 
-    class LLM:
+    class AsyncLLMEngine:
         instances: list = []
 
-        def __init__(self, **kwargs):
+        def __init__(self, kwargs):
             self.kwargs = kwargs
-            self.generate_calls = []
-            self.prefix_resets = 0
+            self.requests, self.calls, self.aborted = [], [], set()
+            self.version = "default"
+            self.gate = threading.Event()
+            self.gate.set()
             path, name = kwargs["worker_extension_cls"].rsplit(".", 1)
             extension = getattr(importlib.import_module(path), name)
             worker_class = type("Worker", (extension,), {"reload_weights": _reload_weights})
@@ -91,40 +114,62 @@ def make_fake_vllm(models: list[HFModelRunnerModel]) -> types.ModuleType:
                 worker.rank, worker.device = rank, torch.device("cpu")
                 worker.model_runner = types.SimpleNamespace(model=models[rank])
                 self.workers.append(worker)
-            LLM.instances.append(self)
+            AsyncLLMEngine.instances.append(self)
 
-        def generate(self, prompts, params, use_tqdm=True):
-            self.generate_calls.append((prompts, params))
-            n = params.kwargs["n"]
-            outs = []
-            for index, prompt in enumerate(prompts):
-                completions = []
-                for sample in range(n):
-                    tokens = [5 + index, 6 + sample]
-                    # vLLM returns the sampled token's entry, plus (for logprobs > 0) the top ones: decoys here
-                    entries = [{tokens[0]: Logprob(-0.25), 99: Logprob(-9.0)}, {tokens[1]: Logprob(-1.5 - sample)}]
-                    completions.append(CompletionOutput(tokens, entries, "length" if sample else "stop"))
-                outs.append(RequestOutput(prompt["prompt_token_ids"], completions))
-            return outs
+        @classmethod
+        def from_engine_args(cls, arguments):
+            return cls(arguments.kwargs)
 
-        def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-            replies = [None] * len(self.workers)
+        async def generate(self, prompt, params, request_id):
+            import asyncio
 
-            def call(i, worker):
-                target = getattr(worker, method) if isinstance(method, str) else (lambda *a: method(worker, *a))
-                replies[i] = target(*args, **(kwargs or {}))
+            self.requests.append((prompt, params, request_id))
+            n, index = params.kwargs["n"], prompt["prompt_token_ids"][1]
+            first = self.version
+            while not self.gate.is_set() and request_id not in self.aborted:
+                await asyncio.sleep(0.01)
+            completions = []
+            for sample in range(n):
+                tokens = [index, 6 + sample]
+                # vLLM returns the sampled token's entry, plus (for logprobs > 0) the top ones: decoys here
+                entries = [{tokens[0]: Logprob(-0.25), 99: Logprob(-9.0)}, {tokens[1]: Logprob(-1.5 - sample)}]
+                finish = "abort" if request_id in self.aborted else ("length" if sample else "stop")
+                spans = [WeightVersionSpan(first, 0, 1), WeightVersionSpan(self.version, 1, 2)]
+                if first == self.version:
+                    spans = [WeightVersionSpan(first, 0, 2)]
+                completions.append(CompletionOutput(tokens, entries, finish, spans))
+            yield RequestOutput(prompt["prompt_token_ids"], completions)
 
-            threads = [threading.Thread(target=call, args=(i, w)) for i, w in enumerate(self.workers)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(60)
-            return replies
+        async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+            import asyncio
 
-        def reset_prefix_cache(self):
-            self.prefix_resets += 1
+            self.calls.append(method)
+            return list(await asyncio.gather(*[asyncio.to_thread(getattr(worker, method), *args, **(kwargs or {}))
+                                               for worker in self.workers]))
 
-    module.LLM = LLM
+        async def pause_generation(self, mode="abort", clear_cache=True):
+            self.calls.append(("pause", mode, clear_cache))
+
+        async def resume_generation(self):
+            self.calls.append("resume")
+
+        async def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
+            self.calls.append(("reset_prefix_cache", reset_running_requests))
+            return True
+
+        async def update_weight_version(self, version):
+            self.calls.append(("version", version))
+            self.version = version
+
+        async def abort(self, request_ids):
+            self.calls.append(("abort", sorted(request_ids)))
+            self.aborted.update(request_ids)
+
+        def shutdown(self, timeout=None):
+            self.calls.append("shutdown")
+
+    module.AsyncEngineArgs = AsyncEngineArgs
+    module.AsyncLLMEngine = AsyncLLMEngine
     module.SamplingParams = SamplingParams
     return module
 
@@ -160,8 +205,8 @@ def test_engine_arguments_sampling_parameters_and_output_parsing(redis_server):
     models = [HFModelRunnerModel(tiny_model(config, 0)) for _ in range(2)]
     fake = make_fake_vllm(models)
     backend = VllmBackend(config, DigitTokenizer(), seed=7, vllm_module=fake)
-    llm = fake.LLM.instances[-1]
-    args = llm.kwargs
+    engine = fake.AsyncLLMEngine.instances[-1]
+    args = engine.kwargs
     assert (args["tensor_parallel_size"], args["seed"], args["logprobs_mode"]) == (2, 7, "processed_logprobs")
     assert args["skip_tokenizer_init"] is True and args["generation_config"] == "vllm"
     assert args["worker_extension_cls"] == EXTENSION
@@ -169,47 +214,79 @@ def test_engine_arguments_sampling_parameters_and_output_parsing(redis_server):
     assert (Path(args["model"]) / "config.json").is_file()  # the tiny model was saved for vLLM to load
 
     groups = backend.generate([[1, 5, 3], [1, 6, 3]], 2, SamplingSpec(temperature=0.7, top_p=1.0, max_new_tokens=2))
-    prompts, params = llm.generate_calls[0]
-    assert prompts == [{"prompt_token_ids": [1, 5, 3]}, {"prompt_token_ids": [1, 6, 3]}]
+    assert sorted(prompt["prompt_token_ids"] for prompt, _, _ in engine.requests) == [[1, 5, 3], [1, 6, 3]]
+    assert len({request_id for _, _, request_id in engine.requests}) == 2  # one request per group
+    params = engine.requests[0][1]
     assert params.kwargs == {"n": 2, "temperature": 0.7, "top_p": 1.0, "max_tokens": 2, "logprobs": 0,
-                             "stop_token_ids": [DigitTokenizer().eos_token_id], "detokenize": False}
+                             "stop_token_ids": [DigitTokenizer().eos_token_id], "detokenize": False,
+                             "output_kind": RequestOutputKind.FINAL_ONLY}
     assert [[c.token_ids for c in g] for g in groups] == [[(5, 6), (5, 7)], [(6, 6), (6, 7)]]
     assert [c.logprobs for c in groups[0]] == [(-0.25, -1.5), (-0.25, -2.5)]
     assert [c.finish_reason for c in groups[0]] == ["stop", "length"]
+    assert groups[0][0].versions is None  # the engine's label before any update ("default") is no version
     backend.close()
+    assert engine.calls[-1] == "shutdown" and not backend._thread.is_alive()
     assert not Path(args["model"]).exists()
 
 
-@pytest.mark.parametrize("fail_on_second_worker", [False, True])
-def test_every_tensor_parallel_worker_receives_the_update(redis_server, fail_on_second_worker):
-    config = make_config(redis_server, rollout={"backend": "vllm", "gpusPerReplica": 2})
-    client = redis_server.client()
-    published = tiny_model(config, seed=9)
-    failing = "model.layers.0.mlp.up_proj.weight" if fail_on_second_worker else None
-    models = [HFModelRunnerModel(tiny_model(config, 0)), HFModelRunnerModel(tiny_model(config, 0), fail_on=failing)]
-    backend = VllmBackend(config, DigitTokenizer(), seed=0, vllm_module=make_fake_vllm(models))
-    subscriber = WeightSubscriber(config, client, replica_index=0)
-    assert subscriber.transfer_ranks == (1, 2)
-    subscriber.follow_from_now()
-    subscriber.heartbeat()
+def _publish_once(config, client, backend, published, documents_seen, subscriber):
+    """Publish ``published`` as version ``documents_seen`` and have ``backend`` receive it; returns (outcome, the
+    publisher's count of receivers)."""
     publisher = WeightPublisher(config, client, join_timeout_s=5, transfer_timeout_s=10, serve_late_joiners=False)
     try:
         result = {}
         sender = threading.Thread(target=lambda: result.setdefault("n", publisher.publish(
-            published.named_parameters(), step=1, documents_seen=16)))
+            published.named_parameters(), step=1, documents_seen=documents_seen)))
         sender.start()
         [event] = subscriber.poll(block_ms=5000)
-        outcome = backend.receive_weights(event.ticket, subscriber.address, subscriber.transfer_ranks)
+        outcome = backend.receive_weights(event.ticket, subscriber.address, subscriber.transfer_ranks,
+                                          event.documents_seen)
         sender.join(30)
-        assert result["n"] == 2
     finally:
         publisher.close()
-    llm = backend.llm
+    return outcome, result["n"]
+
+
+@pytest.mark.parametrize("fail_on_second_worker", [False, True])
+def test_every_tensor_parallel_worker_receives_the_update_in_flight(redis_server, fail_on_second_worker):
+    """An update pauses the engine keeping its requests; loaded: every worker has the new weights, the running requests
+    recompute their KV entries (a prefix-cache reset with them), the tokens after it carry the new version; torn (the
+    second worker fails half-way): the kept requests are aborted and come back as None."""
+    config = make_config(redis_server, rollout={"backend": "vllm", "gpusPerReplica": 2})
+    client = redis_server.client()
+    failing = "model.layers.0.mlp.up_proj.weight" if fail_on_second_worker else None
+    models = [HFModelRunnerModel(tiny_model(config, 0)), HFModelRunnerModel(tiny_model(config, 0), fail_on=failing)]
+    fake = make_fake_vllm(models)
+    backend = VllmBackend(config, DigitTokenizer(), seed=0, vllm_module=fake)
+    engine = fake.AsyncLLMEngine.instances[-1]
+    subscriber = WeightSubscriber(config, client, replica_index=0)
+    assert subscriber.transfer_ranks == (1, 2)
+    subscriber.follow_from_now()
+    subscriber.heartbeat()
+    sampling = SamplingSpec(max_new_tokens=2)
+    engine.version = "16"  # as after an earlier update
+    engine.gate.clear()
+    backend.submit(0, [1, 5, 3], 2, sampling)
+    backend.submit(1, [1, 6, 3], 2, sampling)
+    assert backend.in_flight == 2 and backend.finished(timeout_s=0.1) == []
+    published = tiny_model(config, seed=9)
+    outcome, receivers = _publish_once(config, client, backend, published, 32, subscriber)
+    assert receivers == 2
+    engine.gate.set()
+    done = dict(backend.finished(timeout_s=5))
+    while len(done) < 2:
+        done.update(backend.finished(timeout_s=5))
+    assert backend.in_flight == 0
+    pause = ("pause", "keep", False)
     if fail_on_second_worker:
         assert outcome is UpdateOutcome.FAILED_TORN  # the second worker loaded some tensors, then failed
-        assert llm.prefix_resets == 0
+        assert engine.calls == [pause, "rljob_receive_weights", ("abort", ["rljob-0", "rljob-1"]), "resume"]
+        assert done == {0: None, 1: None} and backend.aborted == 2
     else:
-        assert outcome is UpdateOutcome.LOADED and llm.prefix_resets == 1
+        assert outcome is UpdateOutcome.LOADED
+        assert engine.calls == [pause, "rljob_receive_weights", ("reset_prefix_cache", True), ("version", "32"),
+                                "resume"]
+        assert [c.versions for c in done[0]] == [(16, 32), (16, 32)]
         for model in models:
             for name, tensor in published.state_dict().items():
                 assert torch.equal(model.module.state_dict()[name], tensor), name

@@ -263,10 +263,58 @@ def test_a_batch_of_a_timeline_the_trainer_abandoned_is_dropped_and_counted(redi
     writer = DocumentWriter(client, config, 0)
     assert writer.write(_docs(2, version=5)) == 2  # no trainer yet: nothing to compare with
     client.hset(config.keys.progress, protocol.PROGRESS_MODEL_VERSION, 640)
-    assert writer.write(_docs(3, version=640), 640) == 3
+    assert writer.write(_docs(3, version=640), [640] * 3) == 3
     publish_start(client, config, 6, 384, None)  # the new attempt resumes from an older checkpoint
-    assert writer.write(_docs(4, version=640), 640) == 0
+    assert writer.write(_docs(4, version=640), [640] * 4) == 0
     assert client.xlen(config.keys.stream) == 5
     rollout = {k.decode(): v.decode() for k, v in client.hgetall(config.keys.rollout).items()}
     assert (rollout["documents_written"], rollout["documents_abandoned"]) == ("5", "4")
-    assert writer.write(_docs(2, version=384), 384) == 2 and client.xlen(config.keys.stream) == 7
+    assert writer.write(_docs(2, version=384), [384] * 2) == 2 and client.xlen(config.keys.stream) == 7
+    # a set finished across the restart: only the documents with a token of the abandoned timeline are dropped
+    assert writer.write(_docs(3, version=384), [384, 640, 384]) == 2 and client.xlen(config.keys.stream) == 9
+    with pytest.raises(ValueError, match="2 versions for 3 documents"):
+        writer.write(_docs(3, version=384), [384, 384])
+
+
+def test_per_token_versions_reach_the_stream_and_rewards_count_under_a_samples_newest_version(redis_server):
+    """A sample that spanned an in-flight weight update (DESIGN §3): each token carries the version that sampled it,
+    the prompt the first completion token's, and its reward counts under its newest version."""
+    config = make_config(redis_server)
+    client = redis_server.client()
+    writer = DocumentWriter(client, config, 0)
+    spanning = make_document([1, 5, 3], [7, 8, 9], [-0.5, -1.0, -2.0], reward=1.0, advantage=0.5,
+                             model_version=[16, 16, 32])
+    assert spanning.model_version.tolist() == [16, 16, 16, 16, 16, 32]
+    with pytest.raises(ValueError, match="2 versions for 3 completion tokens"):
+        make_document([1, 5, 3], [7, 8, 9], [-0.5, -1.0, -2.0], reward=1.0, advantage=0.5, model_version=[16, 32])
+    writer.write([spanning], [32])
+    [(_id, fields)] = client.xrange(config.keys.stream)
+    assert decode_entry(fields, require_metrics_fields=True, max_tokens=64).model_version.tolist() == [16] * 5 + [32]
+
+    writer.report(BatchReport(32, [1.0, 0.0, 0.5], 3, Counter(), 0, 0, 0.1, reward_versions=[32, 16, 16]))
+    assert rollout_rewards(client, config.keys.rollout) == {16: (0.25, 2), 32: (1.0, 1)}
+    stored = {k.decode(): v.decode() for k, v in client.hgetall(config.keys.rollout).items()}
+    assert (float(stored[protocol.ROLLOUT_REWARD]), stored[protocol.ROLLOUT_REWARD_VERSION]) == (1.0, "32")
+
+
+def test_samples_in_flight_count_as_written_for_back_pressure_and_max_lag(redis_server):
+    config = make_config(redis_server, rollout={"maxLag": 8}, trainer={"batch": {"documentsPerStep": 4}},
+                         redis={"maxPending": 12})
+    client = redis_server.client()
+    writer = DocumentWriter(client, config, 0)
+    writer.write(_docs(4))
+    state = writer.snapshot()
+    assert writer.wait_reason(state, in_flight=3) is None and writer.room(state, in_flight=3) == 1
+    assert writer.wait_reason(state, in_flight=4) == (
+        "4 documents ahead of the trainer (4 undelivered + 0 pending - 0 trained and waiting for a checkpoint) + 4 in "
+        "flight >= max(maxLag, documentsPerStep) = 8")
+    assert writer.room(state, in_flight=6) == 0
+    publish_start(client, config, 0, 0, None)
+    reader = _reader(client, config)
+    reader.start()
+    _train_step(client, config, reader, 0, 4)  # the 4 documents trained, waiting for a checkpoint
+    writer.write(_docs(6))
+    state = writer.snapshot()
+    assert (state.backlog, state.ahead, writer.room(state)) == (10, 6, 2)
+    assert writer.wait_reason(state, in_flight=2).startswith(
+        "backlog 10 (6 undelivered + 4 pending) + 2 in flight >= spec.redis.maxPending 12")

@@ -134,6 +134,59 @@ def test_generation_follows_the_initial_weights_then_an_update_published_by_the_
     assert new.max() < 1e-4 and old.mean() > 0.05, (new, old.mean())
 
 
+def _publish(config, client, driver, model, documents_seen: int, *, before_receive: dict | None = None) -> dict:
+    """Publish ``model`` as version ``documents_seen`` to the driver's backend (after ``before_receive``, a driver
+    command sent once the update is announced); returns the driver's answer to ``receive``."""
+    publisher = WeightPublisher(config, client, join_timeout_s=10, transfer_timeout_s=30, serve_late_joiners=False)
+    try:
+        driver.ask(op="follow")
+        sent = {}
+        sender = threading.Thread(target=lambda: sent.setdefault("n", publisher.publish(
+            model.named_parameters(), step=1, documents_seen=documents_seen)))
+        sender.start()
+        if before_receive is not None:
+            driver.ask(**before_receive)
+        update = driver.ask(op="receive")
+        sender.join(60)
+    finally:
+        publisher.close()
+    assert sent["n"] == 1
+    return update
+
+
+def test_an_update_in_flight_keeps_the_requests_and_each_token_carries_the_weights_that_sampled_it(
+        engine, module_redis_server):
+    """DESIGN §3: groups submitted under one version, an update loaded while they run (pause keeping the requests,
+    reload, their KV entries recomputed, resume): the tokens before it carry the old version and match the old
+    weights, those after it the new version and the new weights over their whole context."""
+    config, driver = engine
+    client = module_redis_server.client()
+    old, new = tiny_model(config, seed=2001), tiny_model(config, seed=2002)
+    try:
+        assert _publish(config, client, driver, old, 256) == {"outcome": "loaded", "version": 256}
+        long = {**SAMPLING, "maxNewTokens": 64 - len(PROMPTS[0])}
+        update = _publish(config, client, driver, new, 320,
+                          before_receive={"op": "submit", "prompts": PROMPTS * 2, "n": 4, "sampling": long})
+        assert update == {"outcome": "loaded", "version": 320}
+        groups = driver.ask(op="collect")["groups"]
+    finally:
+        client.close()
+    assert sorted(groups) == [str(key) for key in range(6)]
+    samples = [(PROMPTS[int(key) % 3], c) for key, group in groups.items() for c in group]
+    spanning = 0
+    for prompt, c in samples:
+        versions = c["versions"]
+        assert len(versions) == len(c["tokens"]) and set(versions) <= {256, 320} and versions == sorted(versions)
+        spanning += len(set(versions)) == 2
+        for model, version in ((old, 256), (new, 320)):
+            picked = [i for i, v in enumerate(versions) if v == version]
+            if picked:
+                gap = (logprobs_under(model, prompt, c["tokens"])[picked]
+                       - torch.tensor(c["logprobs"], dtype=torch.float64)[picked]).abs()
+                assert gap.max() < 1e-4, (version, gap)
+    assert spanning > 0, [c["versions"] for _, c in samples]  # the update did land in flight
+
+
 def test_load_weights_crosses_the_process_boundary_and_close_leaves_no_engine_process(engine, tmp_path):
     from safetensors.torch import save_file
 

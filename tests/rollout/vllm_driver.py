@@ -6,7 +6,9 @@ included, go to stderr).
 
 Commands: ``{"op": "generate", "prompts": [[ids]], "n": int, "sampling": {...}}`` → ``{"groups": [[{"tokens",
 "logprobs"}]]}``; ``{"op": "follow"}`` (heartbeat, events from now) → ``{}``; ``{"op": "receive"}`` (the next update
-event, received by the backend) → ``{"outcome": str, "version": int}``; ``{"op": "load", "path": str}`` (a safetensors
+event, received by the backend) → ``{"outcome": str, "version": int}``; ``{"op": "submit", "prompts": [[ids]], "n": int,
+"sampling": {...}}`` (one group per prompt, keys 0, 1, ... in the order given; nothing waited for) → ``{}``;
+``{"op": "collect"}`` (every group in flight) → ``{"groups": {key: [{"tokens", "logprobs", "versions"}] or null}}``; ``{"op": "load", "path": str}`` (a safetensors
 file) → ``{}``; ``{"op": "close"}`` → ``{"children": [command lines of the processes left]}``, then it exits. The
 first line it writes is ``{"ready": true, "torch": ..., "vllm": ...}``.
 """
@@ -59,13 +61,26 @@ def main() -> int:
             groups = backend.generate(command["prompts"], command["n"], SamplingSpec.model_validate(command["sampling"]))
             answer({"groups": [[{"tokens": list(c.token_ids), "logprobs": list(c.logprobs)} for c in group]
                                for group in groups]})
+        elif op == "submit":
+            sampling = SamplingSpec.model_validate(command["sampling"])
+            for key, prompt in enumerate(command["prompts"]):
+                backend.submit(key, prompt, command["n"], sampling)
+            answer({})
+        elif op == "collect":
+            done = {}
+            while backend.in_flight:
+                done.update(backend.finished(timeout_s=1.0))
+            answer({"groups": {key: None if group is None else [
+                {"tokens": list(c.token_ids), "logprobs": list(c.logprobs), "versions": c.versions} for c in group]
+                for key, group in done.items()}})
         elif op == "follow":
             subscriber.follow_from_now()
             subscriber.heartbeat()
             answer({})
         elif op == "receive":
             [event] = subscriber.poll(block_ms=60_000)
-            outcome = backend.receive_weights(event.ticket, subscriber.address, subscriber.transfer_ranks)
+            outcome = backend.receive_weights(event.ticket, subscriber.address, subscriber.transfer_ranks,
+                                              event.documents_seen)
             answer({"outcome": outcome.value, "version": event.documents_seen})
         elif op == "load":
             backend.load_weights(load_file(command["path"]).items())

@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -32,11 +32,19 @@ class Completion:
         logprobs: [N] float, log-probability of each generated token at the sampling temperature (see the module
             docstring), natural log.
         finish_reason: ``"stop"`` (end-of-sequence sampled) or ``"length"`` (hit the token limit).
+        versions: [N] the weights version (documents) that sampled each token, with every token before it computed
+            by those weights too (DESIGN §3 "In-flight weight updates"); None from a backend whose weights change only
+            between generations: every token then has the version the group was submitted under.
     """
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str
+    versions: Optional[tuple[int, ...]] = None
+
+
+Group = Optional[list[Completion]]
+"""A finished group: its completions in order, or None when the backend aborted it (a torn weight update)."""
 
 
 class UpdateOutcome(enum.Enum):
@@ -54,7 +62,41 @@ class UpdateOutcome(enum.Enum):
 
 
 class GenerationBackend(ABC):
-    """Generates completions with per-token log-probabilities and takes new weights from the trainer."""
+    """Generates completions with per-token log-probabilities and takes new weights from the trainer.
+
+    Groups go in with :meth:`submit` and come out with :meth:`finished`. This base class runs what was submitted as
+    one :meth:`generate` call inside :meth:`finished`, so its weights change only between those calls
+    (``continuous = False``); a backend with an engine of its own (``vllm``) runs groups while the worker goes on and
+    takes weight updates while they are in flight (``continuous = True``).
+    """
+
+    continuous = False
+    """Whether groups run while the worker goes on (and weight updates arrive while they are in flight)."""
+
+    def __init__(self) -> None:
+        self._submitted: list[tuple[int, Sequence[int], int, SamplingSpec]] = []
+
+    @property
+    def in_flight(self) -> int:
+        """Groups submitted and not yet returned by :meth:`finished`."""
+        return len(self._submitted)
+
+    def submit(self, key: int, prompt_token_ids: Sequence[int], n: int, sampling: SamplingSpec) -> None:
+        """Start sampling ``n`` completions of one prompt; :meth:`finished` returns them under ``key``."""
+        self._submitted.append((key, prompt_token_ids, n, sampling))
+
+    def finished(self, timeout_s: float) -> list[tuple[int, Group]]:
+        """Groups that finished (``(key, completions)``), waiting up to ``timeout_s`` seconds for the first one.
+        Here: everything submitted, generated now in one :meth:`generate` per sampling setting."""
+        submitted, self._submitted = self._submitted, []
+        done: list[tuple[int, Group]] = []
+        while submitted:
+            n, sampling = submitted[0][2], submitted[0][3]
+            same = [item for item in submitted if item[2] == n and item[3] == sampling]
+            submitted = [item for item in submitted if not (item[2] == n and item[3] == sampling)]
+            groups = self.generate([prompt for _, prompt, _, _ in same], n, sampling)
+            done.extend((key, group) for (key, _, _, _), group in zip(same, groups))
+        return done
 
     @abstractmethod
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingSpec) -> list[list[Completion]]:
@@ -78,10 +120,12 @@ class GenerationBackend(ABC):
         """
 
     @abstractmethod
-    def receive_weights(self, ticket: TransferTicket, address: StoreAddress, transfer_ranks: Sequence[int]) -> UpdateOutcome:
+    def receive_weights(self, ticket: TransferTicket, address: StoreAddress, transfer_ranks: Sequence[int],
+                        version: Optional[int] = None) -> UpdateOutcome:
         """Join the weight transfer of ``ticket`` as ``transfer_ranks`` (one per GPU process of this pod) and
-        load what arrives. Never raises for a failed transfer: the outcome says whether the old weights
-        survived."""
+        load what arrives, the weights of ``version`` (documents; None: not known, as in tools). Never raises for a failed transfer: the outcome
+        says whether the old weights survived. A continuous backend keeps the groups in flight across a loaded or
+        intact outcome and aborts them on a torn one (:meth:`finished` returns them as None)."""
 
     def close(self) -> None:
         """Release the engine (default: nothing to release)."""

@@ -17,7 +17,7 @@ it too (:class:`~rljob_wire.transfer.GroupKeeper`).
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +57,7 @@ class CpuBackend(GenerationBackend):
         max_rows: int = 512,
         device: torch.device | str = "cpu",
     ) -> None:
+        super().__init__()
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         self.pad_token_id = pad_token_id
@@ -137,7 +138,8 @@ class CpuBackend(GenerationBackend):
         for name, tensor in incoming.items():
             targets[name].data.copy_(tensor)
 
-    def receive_weights(self, ticket: TransferTicket, address: StoreAddress, transfer_ranks: Sequence[int]) -> UpdateOutcome:
+    def receive_weights(self, ticket: TransferTicket, address: StoreAddress, transfer_ranks: Sequence[int],
+                        version: Optional[int] = None) -> UpdateOutcome:
         staged: dict[str, torch.Tensor] = {}
         try:
             if not receive_update(address, ticket, transfer_ranks[0], device=torch.device("cpu"), sink=staged.__setitem__,

@@ -1,34 +1,46 @@
-"""The ``vllm`` backend: vLLM's offline ``LLM`` engine on the pod's GPUs (an optional extra, rollout GPU image only).
+"""The ``vllm`` backend: vLLM's async engine (``AsyncLLM``) on the pod's GPUs, or vLLM's CPU build without them.
 
 vLLM is imported lazily (only when this backend is built), so the trainer image and the tests never need it.
 
-* Engine: ``LLM(model, tensor_parallel_size=gpusPerReplica, skip_tokenizer_init=True, generation_config="vllm",
-  logprobs_mode=..., worker_extension_cls=WeightReceiverExtension)``: prompts go in as token ids (the worker's
-  own tokenizer made them), the checkpoint's generation defaults are ignored so only ``spec.rollout.sampling``
-  applies, and each GPU worker joins rljob's weight transfer itself (:mod:`.vllm_worker`). A ``tiny`` model is
-  saved to a temporary directory first.
+* Engine: ``AsyncLLM`` from ``AsyncEngineArgs(model, tensor_parallel_size=max(1, gpusPerReplica),
+  skip_tokenizer_init=True, generation_config="vllm", logprobs_mode=..., worker_extension_cls=WeightReceiverExtension,
+  dtype=...)``, driven from an event loop on a thread of its own: prompts go in as token ids (the worker's own
+  tokenizer made them), the checkpoint's generation defaults are ignored so only ``spec.rollout.sampling`` applies,
+  and each worker process joins rljob's weight transfer itself (:mod:`.vllm_worker`). A ``tiny`` model is saved to a
+  temporary directory first.
+* Continuous batching: every group (one prompt, ``n`` samples) is its own request, submitted while others run and
+  returned as soon as its samples finish (:meth:`VllmBackend.submit`, :meth:`VllmBackend.finished`), so a long
+  completion holds up nothing but its own group.
 * Sampling: ``SamplingParams(n, temperature, top_p, max_tokens, logprobs=0, stop_token_ids=[eos],
-  detokenize=False)``; ``logprobs=0`` returns the sampled token's log-probability only.
+  detokenize=False, output_kind=FINAL_ONLY)``; ``logprobs=0`` returns the sampled token's log-probability only.
 * Log-probabilities must be of ``softmax(logits / T)`` over the full vocabulary (:mod:`.base`). vLLM's
   ``processed_logprobs`` are taken after temperature *and* top-p, ``raw_logprobs`` before temperature. So:
   top-p = 1 → ``processed_logprobs`` (exactly the temperature-scaled distribution); top-p < 1 at temperature 1
   → ``raw_logprobs`` (the same thing at T = 1); top-p < 1 at another temperature cannot be served exactly and
   is refused at start (:func:`logprobs_mode`).
-* Weight updates: ``collective_rpc("rljob_receive_weights", ...)`` runs the receive in every worker at once,
-  between ``generate`` calls (the worker loop is single-threaded, so requests in flight finish on the old
-  weights first), and each worker reloads in place through vLLM's ``reload_weights`` (:mod:`.vllm_worker`); the
-  prefix cache is reset after a successful update, since its KV entries came from the old weights. Only method
-  names, JSON, strings and integers cross ``collective_rpc`` (the default multi-process executor serialises
-  nothing else).
+* In-flight weight updates (DESIGN §3): ``pause_generation(mode="keep")`` freezes the running requests, then
+  ``collective_rpc("rljob_receive_weights", ...)`` runs the receive in every worker at once and each worker reloads
+  in place through vLLM's ``reload_weights`` (:mod:`.vllm_worker`). A loaded update then resets the prefix cache
+  *with the running requests* (``reset_running_requests=True``: they are preempted and recompute their KV entries with
+  the new weights when they resume, so every token is sampled by one set of weights over its whole context) and
+  labels the engine with the new version (``update_weight_version``): vLLM reports each completion's
+  ``weight_versions`` spans, which become :attr:`Completion.versions`. A torn update aborts the kept requests (their
+  groups come back as None) and leaves the worker without a version; an intact failure keeps them running on the
+  old weights. Only method names, JSON, strings and integers cross ``collective_rpc`` (the default multi-process
+  executor serialises nothing else).
 * :meth:`VllmBackend.close` shuts the engine down: no EngineCore process is left behind.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import importlib
 import logging
 import multiprocessing
+import queue
 import tempfile
+import threading
 import time
 from types import ModuleType
 from typing import Any, Iterable, Optional, Sequence
@@ -37,7 +49,7 @@ import torch
 
 from rljob_api.config import JobConfig
 from rljob_api.spec import SamplingSpec
-from rljob_rollout.backends.base import Completion, GenerationBackend, UpdateOutcome
+from rljob_rollout.backends.base import Completion, GenerationBackend, Group, UpdateOutcome
 from rljob_api.protocol import TransferTicket
 from rljob_wire.transfer import StoreAddress
 
@@ -76,19 +88,25 @@ def logprobs_mode(sampling: SamplingSpec) -> str:
 
 
 class VllmBackend(GenerationBackend):
-    """vLLM generation on this pod's GPUs (see the module docstring).
+    """vLLM's async engine on this pod's GPUs, or its CPU build without them (see the module docstring).
 
     Args:
         config: the resolved job config (model, sampling, gpusPerReplica).
         tokenizer: the job's tokenizer (its eos id stops generation).
         seed: sampling seed (rollout seed + replica index).
-        vllm_module: the ``vllm`` module; tests pass a stand-in with the same ``LLM`` / ``SamplingParams`` API.
-        engine_options: extra keyword arguments for ``vllm.LLM`` (e.g. ``gpu_memory_utilization``).
+        vllm_module: the ``vllm`` module; tests pass a stand-in with the same ``AsyncEngineArgs`` / ``AsyncLLM`` /
+            ``SamplingParams`` API.
+        engine_options: extra keyword arguments for ``AsyncEngineArgs`` (e.g. ``gpu_memory_utilization``).
+
+    Attributes:
+        aborted: groups aborted by torn updates since the start.
 
     Raises:
         ImportError: vLLM is not installed (use the rollout GPU image, trainer_image/Dockerfile.vllm).
         ValueError: unsupported sampling settings (:func:`logprobs_mode`).
     """
+
+    continuous = True
 
     def __init__(
         self,
@@ -99,6 +117,7 @@ class VllmBackend(GenerationBackend):
         vllm_module: Optional[ModuleType] = None,
         engine_options: Optional[dict[str, Any]] = None,
     ) -> None:
+        super().__init__()
         sampling = config.spec.rollout.sampling
         mode = logprobs_mode(sampling)
         self._vllm = vllm_module or importlib.import_module("vllm")
@@ -115,8 +134,7 @@ class VllmBackend(GenerationBackend):
         else:
             where = model.path if model.source == "path" else model.name
             revision = model.revision
-        before = set(multiprocessing.active_children())
-        self.llm = self._vllm.LLM(
+        arguments = self._vllm.AsyncEngineArgs(
             model=where,
             revision=revision,
             tensor_parallel_size=max(1, config.spec.rollout.gpus_per_replica),
@@ -128,10 +146,30 @@ class VllmBackend(GenerationBackend):
             dtype=engine_dtype(config),
             **(engine_options or {}),
         )
+        self._final_only = importlib.import_module(self._vllm.SamplingParams.__module__).RequestOutputKind.FINAL_ONLY
+        self.aborted = 0
+        self._done: queue.Queue = queue.Queue()
+        self._running: dict[int, concurrent.futures.Future] = {}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rljob-vllm-engine", daemon=True)
+        self._thread.start()
+        before = set(multiprocessing.active_children())
+        try:
+            self.engine = self._call(self._start(arguments))
+        except BaseException:
+            self._stop_loop()
+            raise
         self._engine_processes = [p for p in multiprocessing.active_children() if p not in before]
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingSpec) -> list[list[Completion]]:
-        params = self._vllm.SamplingParams(
+    async def _start(self, arguments: Any) -> Any:
+        return self._vllm.AsyncLLMEngine.from_engine_args(arguments)
+
+    def _call(self, coroutine: Any, timeout_s: Optional[float] = None) -> Any:
+        """Run ``coroutine`` on the engine's event loop and wait for its result (its exception is raised here)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout_s)
+
+    def _params(self, n: int, sampling: SamplingSpec) -> Any:
+        return self._vllm.SamplingParams(
             n=n,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
@@ -139,55 +177,149 @@ class VllmBackend(GenerationBackend):
             logprobs=0,
             stop_token_ids=[self._eos] if self._eos is not None else None,
             detokenize=False,
+            output_kind=self._final_only,
         )
-        prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [[_completion(choice) for choice in output.outputs] for output in outputs]
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._running)
+
+    def submit(self, key: int, prompt_token_ids: Sequence[int], n: int, sampling: SamplingSpec) -> None:
+        if key in self._running:
+            raise ValueError(f"vllm backend: group {key} is already in flight")
+        self._running[key] = asyncio.run_coroutine_threadsafe(
+            self._sample(key, list(prompt_token_ids), self._params(n, sampling)), self._loop)
+
+    async def _sample(self, key: int, prompt: list[int], params: Any) -> None:
+        final = None
+        try:
+            async for output in self.engine.generate({"prompt_token_ids": prompt}, params, _request_id(key)):
+                final = output
+        except BaseException as error:  # noqa: BLE001 - handed to the worker's thread by finished()
+            self._done.put((key, error))
+            raise
+        if final is None or any(choice.finish_reason == "abort" for choice in final.outputs):
+            self._done.put((key, None))
+        else:
+            self._done.put((key, [_completion(choice) for choice in final.outputs]))
+
+    def finished(self, timeout_s: float) -> list[tuple[int, Group]]:
+        """Groups that finished, waiting up to ``timeout_s`` seconds for the first one.
+
+        Raises:
+            RuntimeError: the engine failed a group (its error chained).
+        """
+        done: list[tuple[int, Group]] = []
+        try:
+            item = self._done.get(timeout=timeout_s) if self._running else None
+            while item is not None:
+                key, result = item
+                self._running.pop(key, None)
+                if isinstance(result, BaseException):
+                    raise RuntimeError(f"vllm backend: the engine failed group {key}: {result!r}") from result
+                done.append((key, result))
+                item = self._done.get_nowait()
+        except queue.Empty:
+            pass
+        return done
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingSpec) -> list[list[Completion]]:
+        """All groups at once, through :meth:`submit` and :meth:`finished`.
+
+        Raises:
+            RuntimeError: the engine failed or aborted a group.
+        """
+        base = -len(prompt_token_ids) - 1 - max((abs(k) for k in self._running), default=0)
+        keys = [base - index for index in range(len(prompt_token_ids))]
+        for key, prompt in zip(keys, prompt_token_ids):
+            self.submit(key, prompt, n, sampling)
+        results: dict[int, Group] = {}
+        while len(results) < len(keys):
+            results.update(self.finished(timeout_s=1.0))
+        if any(results[key] is None for key in keys):
+            raise RuntimeError("vllm backend: a weight update tore while generate() waited; its groups were aborted")
+        return [results[key] for key in keys]
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load host tensors into every worker (for tests and tools; updates use :meth:`receive_weights`): written to a
         temporary safetensors file, which each worker reloads from (:meth:`~.vllm_worker.WeightReceiverExtension.
-        rljob_load_file`): only its path crosses the process boundary."""
+        rljob_load_file`): only its path crosses the process boundary. Nothing may be in flight."""
         from safetensors.torch import save_file
 
         tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in named_tensors}
         with tempfile.TemporaryDirectory(prefix="rljob-weights-") as directory:
             path = f"{directory}/weights.safetensors"
             save_file(tensors, path)
-            self.llm.collective_rpc(LOAD_FILE_METHOD, args=(path,))
-        self.llm.reset_prefix_cache()
+            self._call(self.engine.collective_rpc(LOAD_FILE_METHOD, args=(path,)))
+        self._call(self.engine.reset_prefix_cache())
 
-    def receive_weights(self, ticket: TransferTicket, address: StoreAddress, transfer_ranks: Sequence[int]) -> UpdateOutcome:
-        replies = self.llm.collective_rpc(RECEIVE_METHOD, args=(ticket.to_json(), address.host, address.port, transfer_ranks[0]))
-        outcomes = {reply["outcome"] for reply in replies}
-        if outcomes == {"loaded"}:
-            self.llm.reset_prefix_cache()
-            return UpdateOutcome.LOADED
-        if any(reply["tensors_loaded"] for reply in replies):
-            log.error("vllm backend: update %s left mixed weights: %s", ticket.id, replies)
-            return UpdateOutcome.FAILED_TORN
-        if outcomes == {"not_selected"}:
-            return UpdateOutcome.NOT_SELECTED
-        log.warning("vllm backend: update %s not loaded: %s", ticket.id, replies)
-        return UpdateOutcome.FAILED_INTACT
+    def receive_weights(self, ticket: TransferTicket, address: StoreAddress, transfer_ranks: Sequence[int],
+                        version: Optional[int] = None) -> UpdateOutcome:
+        return self._call(self._update(ticket, address, transfer_ranks, version))
+
+    async def _update(self, ticket: TransferTicket, address: StoreAddress, transfer_ranks: Sequence[int],
+                      version: Optional[int]) -> UpdateOutcome:
+        """Pause keeping the requests, receive and reload in every worker, then on success drop every KV entry (the
+        kept requests recompute theirs with the new weights) and label what follows ``version``; on a torn update
+        abort the kept requests; resume (module docstring)."""
+        await self.engine.pause_generation(mode="keep", clear_cache=False)
+        try:
+            replies = await self.engine.collective_rpc(
+                RECEIVE_METHOD, args=(ticket.to_json(), address.host, address.port, transfer_ranks[0]))
+            outcome = _outcome(ticket, replies)
+            if outcome is UpdateOutcome.LOADED:
+                await self.engine.reset_prefix_cache(reset_running_requests=True)
+                if version is not None:
+                    await self.engine.update_weight_version(str(version))
+            elif outcome is UpdateOutcome.FAILED_TORN and self._running:
+                kept = list(self._running)
+                self.aborted += len(kept)
+                log.error("vllm backend: aborting the %d groups kept across update %s", len(kept), ticket.id)
+                await self.engine.abort([_request_id(key) for key in kept])
+            return outcome
+        finally:
+            await self.engine.resume_generation()
 
     def close(self) -> None:
         """Shut the engine down and wait for its processes (EngineCore) to end, killing those still there after
-        :data:`ENGINE_EXIT_S`; remove a ``tiny`` model's directory."""
-        engine = getattr(self.llm, "llm_engine", None)
-        core = getattr(engine, "engine_core", None)
-        if core is not None:
-            core.shutdown()
+        :data:`ENGINE_EXIT_S`; stop the event loop; remove a ``tiny`` model's directory."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown(timeout=ENGINE_EXIT_S)
         deadline = time.monotonic() + ENGINE_EXIT_S
-        for process in self._engine_processes:
+        for process in getattr(self, "_engine_processes", []):
             process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():
                 log.warning("vllm backend: engine process %s still there %.0f s after shutdown: killed",
                             process.pid, ENGINE_EXIT_S)
                 process.kill()
                 process.join(5)
+        self._stop_loop()
         if self._tmp is not None:
             self._tmp.cleanup()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(ENGINE_EXIT_S)
+
+
+def _request_id(key: int) -> str:
+    return f"rljob-{key}"
+
+
+def _outcome(ticket: TransferTicket, replies: Sequence[dict[str, Any]]) -> UpdateOutcome:
+    """One update's outcome from every worker's reply (:meth:`~.vllm_worker.WeightReceiverExtension.
+    rljob_receive_weights`): loaded only when every worker loaded; torn as soon as one loaded a tensor otherwise."""
+    outcomes = {reply["outcome"] for reply in replies}
+    if outcomes == {"loaded"}:
+        return UpdateOutcome.LOADED
+    if any(reply["tensors_loaded"] for reply in replies):
+        log.error("vllm backend: update %s left mixed weights: %s", ticket.id, replies)
+        return UpdateOutcome.FAILED_TORN
+    if outcomes == {"not_selected"}:
+        return UpdateOutcome.NOT_SELECTED
+    log.warning("vllm backend: update %s not loaded: %s", ticket.id, replies)
+    return UpdateOutcome.FAILED_INTACT
 
 
 def _completion(choice: Any) -> Completion:
@@ -197,5 +329,20 @@ def _completion(choice: Any) -> Completion:
         raise RuntimeError(f"vllm backend: expected one logprob entry per generated token, got {choice.logprobs!r}")
     logprobs = tuple(float(entry[token].logprob) for entry, token in zip(choice.logprobs, tokens))
     finish = "stop" if choice.finish_reason == "stop" else "length"
-    return Completion(tokens, logprobs, finish)
+    return Completion(tokens, logprobs, finish, _token_versions(getattr(choice, "weight_versions", None), len(tokens)))
+
+
+def _token_versions(spans: Optional[Sequence[Any]], count: int) -> Optional[tuple[int, ...]]:
+    """The version of each of ``count`` tokens from vLLM's ``WeightVersionSpan``s (version label, [start, end)), or
+    None when a token has no integer label (generated before the first update labelled the engine)."""
+    if not spans:
+        return None
+    versions: list[int] = []
+    for span in spans:
+        try:
+            label = int(span.version)
+        except (TypeError, ValueError):
+            return None
+        versions.extend([label] * (span.end - span.start))
+    return tuple(versions) if len(versions) == count else None
 
