@@ -307,7 +307,7 @@ class RolloutWorker:
         return False
 
     def _update_weights(self, event: Event) -> None:
-        started = time.monotonic()
+        started, in_flight = time.monotonic(), self.backend.in_flight
         outcome = self.backend.receive_weights(event.ticket, self.subscriber.address, self.subscriber.transfer_ranks,
                                                event.documents_seen)
         self.metrics.updates.labels(outcome=outcome.value).inc()
@@ -315,8 +315,8 @@ class RolloutWorker:
             previous, self.subscriber.version = self.version, event.documents_seen
             self._held_since_update = 0
             log.info(
-                "rollout: loaded weights of step %d, version %s -> %d (%.2f s)",
-                event.step, previous, event.documents_seen, time.monotonic() - started,
+                "rollout: loaded weights of step %d, version %s -> %d (%.2f s, %d groups in flight)",
+                event.step, previous, event.documents_seen, time.monotonic() - started, in_flight,
             )
             self.metrics.model_version.set(event.documents_seen)
             self.subscriber.heartbeat()

@@ -221,14 +221,17 @@ def _alive(pid: int) -> bool:
 def test_a_rollout_process_on_vllm_streams_documents_and_ends_its_engine_on_sigterm(vllm_python, redis_server,
                                                                                    tmp_path):
     """``python -m rljob_rollout`` with ``backend: vllm`` and no GPUs, as a rollout pod runs it: it joins the weight
-    transfer, generates with the published weights and streams scored documents; SIGTERM (the kubelet's stop) ends
-    it with exit 0 within a pod's default grace period (30 s), its engine process gone."""
+    transfer, generates with the published weights and streams scored documents, takes the next update while its
+    groups run (documents spanning it carry both versions, in order); SIGTERM (the kubelet's stop) ends it with exit 0
+    within a pod's default grace period (30 s), its engine process gone."""
     from rljob_api import protocol
+    from rljob_wire.codec import decode_entry
 
     from rollout_harness import wait_until
 
     config = make_config(redis_server, tiny=HEAD_32, rollout={
-        "backend": "vllm", "gpusPerReplica": 0, "maxLag": 10_000_000, "sampling": {"maxNewTokens": 4}},
+        "backend": "vllm", "gpusPerReplica": 0, "maxLag": 10_000_000, "sampling": {"maxNewTokens": 16},
+        "task": {"name": "digits-copy", "digits": 16}},
         redis={"maxPending": 10_000_000}).model_copy(update={"metrics_port": 0})
     path = tmp_path / "config.json"
     path.write_text(config.to_json())
@@ -251,6 +254,18 @@ def test_a_rollout_process_on_vllm_streams_documents_and_ends_its_engine_on_sigt
         wait_until(lambda: client.xlen(config.keys.stream) >= 16, 120, "documents on the stream",
                    lambda: log.read_text()[-3000:])
         assert protocol.rewards_by_version(client.hgetall(config.keys.rollout))[0][1] >= 16
+        assert publisher.publish(tiny_model(config, 2).named_parameters(), step=1, documents_seen=64) == 1
+
+        def versions() -> list[list[int]]:
+            entries = client.xrange(config.keys.stream)
+            docs = [decode_entry(fields, require_metrics_fields=True, max_tokens=128) for _, fields in entries]
+            return [doc.model_version[doc.label_mask()].tolist() for doc in docs]
+
+        wait_until(lambda: sum(64 in v for v in versions()) >= 16, 120, "documents of the second version",
+                   lambda: log.read_text()[-3000:])
+        seen = versions()
+        assert all(set(v) <= {0, 64} and v == sorted(v) for v in seen), seen
+        assert any(set(v) == {0, 64} for v in seen), seen  # groups in flight took the update
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, log.read_text()[-3000:]
         assert not [pid for pid in engines if _alive(pid)], log.read_text()[-3000:]
