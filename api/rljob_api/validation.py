@@ -296,8 +296,15 @@ def _rollout_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
             SpecProblem("spec.rollout.task.rewardFunction", f"must be 'module:function', got {r.task.reward_function!r}")
         )
     problems += _reward_source_problems(spec)
-    if r.backend == "vllm" and r.gpus_per_replica < 1:
-        problems.append(SpecProblem("spec.rollout.gpusPerReplica", "must be >= 1 with backend 'vllm'"))
+    tiny = spec.model.tiny
+    if (r.backend == "vllm" and r.gpus_per_replica == 0 and spec.model.source == "tiny"
+            and not tiny.hidden_size % tiny.heads
+            and tiny.hidden_size // tiny.heads not in rules.VLLM_CPU_HEAD_SIZES):
+        sizes = ", ".join(str(size) for size in rules.VLLM_CPU_HEAD_SIZES)
+        problems.append(SpecProblem("spec.model.tiny", (
+            f"hiddenSize = {tiny.hidden_size} / heads = {tiny.heads} gives a head size of "
+            f"{tiny.hidden_size // tiny.heads}, which vLLM's CPU attention (backend 'vllm' with gpusPerReplica 0) "
+            f"cannot run: it runs head sizes {sizes}; {_heads_for(tiny.hidden_size)}")))
     if r.backend == "cpu" and r.gpus_per_replica > 0:
         problems.append(SpecProblem(
             "spec.rollout.gpusPerReplica",
@@ -305,6 +312,14 @@ def _rollout_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
             f"{r.gpus_per_replica} GPUs per rollout pod unused): set it to 0, or backend to 'vllm'",
         ))
     return problems
+
+
+def _heads_for(hidden_size: int) -> str:
+    """Advice: a head count giving ``hidden_size`` a head size vLLM's CPU attention runs, or how to get one."""
+    for size in rules.VLLM_CPU_HEAD_SIZES:
+        if hidden_size % size == 0:
+            return f"e.g. heads = {hidden_size // size}"
+    return f"no head count does for hiddenSize = {hidden_size}: make it a multiple of 32"
 
 
 def normalized_path(path: str) -> str:

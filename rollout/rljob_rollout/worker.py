@@ -7,27 +7,31 @@ the operator restarted the gang — so the worker stays and waits for the new at
 
 One iteration (:meth:`RolloutWorker.step`):
 
-1. Read new events. A live ``training_finished`` → the worker exits 0, whatever its step. The newest
-   ``weights_ready`` that invites one of this pod's transfer ranks → join that transfer and load the weights; on
-   success the local version becomes the event's ``documents_seen``, even when lower than before (a trainer
-   resumed from an older checkpoint).
-2. Before the first successful update, generate nothing (DESIGN §2): wait for events.
-3. While backing off after a batch whose every reward failed (below), or while back-pressure or max lag says wait
-   (:mod:`.writer`), wait for events a little and go round again: 250 ms, but right after a weight update 5 ms,
-   doubling (:func:`room_wait_ms`), since the trainer makes room for the next batch just after it publishes.
-4. Generate ``promptsPerBatch`` × ``samplesPerPrompt`` completions, score them, compute group advantages,
-   optionally drop zero-variance groups, write the documents, report the batch to the rollout hash.
+1. Read new events (without waiting while groups are in flight). A live ``training_finished`` → the worker exits 0,
+   whatever its step. The newest ``weights_ready`` that invites one of this pod's transfer ranks → join that
+   transfer and load the weights, with groups in flight on a continuous backend (DESIGN §3 "In-flight weight
+   updates"); on success the local version becomes the event's ``documents_seen``, even when lower than before (a
+   trainer resumed from an older checkpoint).
+2. Groups in flight: wait up to :data:`COLLECT_WAIT_S` for finished ones; score them, compute group advantages,
+   optionally drop zero-variance groups, write the documents and report them to the rollout hash.
+3. Before the first successful update, generate nothing (DESIGN §2): wait for events.
+4. While backing off after groups whose every reward failed (below), or while back-pressure or max lag says wait
+   (:mod:`.writer`, samples in flight counted as written), wait for events a little and go round again: 250 ms,
+   but right after a weight update 5 ms, doubling (:func:`room_wait_ms`), since the trainer makes room for the next
+   batch just after it publishes.
+5. Top up to ``promptsPerBatch`` groups in flight, as many as the bounds leave room for (DESIGN §6). A backend that
+   is not continuous (``cpu``) generates them at once, as one batch.
 
-Following the trainer back: when the trainer resumes from an older checkpoint, a batch generated with the newer weights
-of the abandoned timeline (its version above the trainer's model_version) is dropped at write time and counted
+Following the trainer back: when the trainer resumes from an older checkpoint, a document with a token of the newer
+weights of the abandoned timeline (a version above the trainer's model_version) is dropped at write time and counted
 (``documents_abandoned`` in the rollout hash, ``rljob_rollout_abandoned_documents_total``); the next iteration loads
 the resumed weights the trainer announces at its start.
 
-Version tagging: the loop is single-threaded, so weights change only between batches — a weight update that
-arrives during generation waits until the batch is written. Every token of a batch is therefore tagged with
-the version of the weights that generated it (in-flight generations finish on the old weights and carry the
-old version; nothing is aborted). A transfer that fails after touching the weights (possible with vLLM, which
-loads tensor by tensor) leaves the worker with no version: it generates nothing until the next update.
+Version tagging: each token carries the version of the weights that sampled it (:attr:`~.backends.base.Completion.
+versions`; from the ``cpu`` backend, whose weights change only between batches, the version the group was submitted
+under). A sample spanning an in-flight update counts, for its reward, under its newest version. A transfer that fails
+after touching the weights (possible with vLLM, which loads tensor by tensor) aborts the groups in flight and leaves
+the worker with no version: it generates nothing until the next update.
 
 Reward failures: a reward function that raises drops that sample; the exception's class name is counted in
 the rollout hash and logged once per kind (with its traceback); the worker keeps going. A batch where every

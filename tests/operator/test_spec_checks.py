@@ -80,7 +80,10 @@ CASES = {
         "spec.trainer.resources.limits: nvidia.com/gpu is requested but has no limit: GPUs are asked for through "
         "limits (the API server refuses a pod with only a request); move it to limits",
     ),
-    "vllm-gpus": ({"rollout": {"backend": "vllm"}}, "spec.rollout.gpusPerReplica: must be >= 1 with backend 'vllm'"),
+    "vllm-cpu-head-size": ({"rollout": {"backend": "vllm"}}, (
+        "spec.model.tiny: hiddenSize = 64 / heads = 4 gives a head size of 16, which vLLM's CPU attention (backend "
+        "'vllm' with gpusPerReplica 0) cannot run: it runs head sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, "
+        "512; e.g. heads = 2")),
     "cpu-gpus": (
         {"rollout": {"backend": "cpu", "gpusPerReplica": 2}},
         "spec.rollout.gpusPerReplica: must be 0 with backend 'cpu' (it generates on CPU; 2 would hold 2 GPUs per "
@@ -168,6 +171,22 @@ def test_a_valid_spec_has_no_problems():
     spec, problems = parse_spec("grpo-demo", {"model": {"source": "tiny"},
                                               "trainer": {"nodes": 2, "batch": {"documentsPerStep": 64}}})
     assert problems == [] and spec.trainer.nodes == 2
+
+
+def test_vllm_on_cpu_runs_head_sizes_its_attention_has_and_gpus_run_any():
+    def problems(tiny: dict, gpus: int) -> list[str]:
+        return [str(p) for p in parse_spec("v", {"model": {"source": "tiny", "tiny": tiny},
+                                                 "rollout": {"backend": "vllm", "gpusPerReplica": gpus}})[1]]
+
+    assert problems({"hiddenSize": 64, "heads": 2}, 0) == []
+    assert problems({"hiddenSize": 320, "heads": 4}, 0) == []  # 80
+    assert problems({"hiddenSize": 64, "heads": 4}, 1) == []  # vLLM's GPU attention: not checked here
+    assert problems({"hiddenSize": 48, "heads": 1}, 0) == [
+        "spec.model.tiny: hiddenSize = 48 / heads = 1 gives a head size of 48, which vLLM's CPU attention (backend "
+        "'vllm' with gpusPerReplica 0) cannot run: it runs head sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, "
+        "512; no head count does for hiddenSize = 48: make it a multiple of 32"]
+    assert problems({"hiddenSize": 64, "heads": 3}, 0) == [  # one message: the division's own
+        "spec.model.tiny.heads: heads = 3 does not divide hiddenSize = 64"]
 
 
 def test_a_ca_for_a_tls_redis_is_valid():
