@@ -23,7 +23,9 @@ from rollout_harness import make_config, tiny_model
 from rljob_api.spec import SamplingSpec
 from rljob_wire.model import DigitTokenizer
 from rljob_rollout.backends.base import UpdateOutcome
-from rljob_rollout.backends.vllm import EXTENSION, VllmBackend, engine_dtype, logprobs_mode
+from rljob_rollout.backends.vllm import (DEFAULT_KV_CACHE_BYTES, EXTENSION, VLLM_CPU_RESERVED_BYTES, VllmBackend,
+                                         engine_dtype, kv_cache_bytes, logprobs_mode, memory_limit_bytes,
+                                         sequence_kv_bytes)
 from rljob_rollout.weight_subscriber import WeightSubscriber
 from rljob_trainer.weight_publisher import WeightPublisher
 
@@ -290,4 +292,42 @@ def test_every_tensor_parallel_worker_receives_the_update_in_flight(redis_server
         for model in models:
             for name, tensor in published.state_dict().items():
                 assert torch.equal(model.module.state_dict()[name], tensor), name
+    backend.close()
+
+
+def test_the_kv_cache_on_cpu_is_what_the_memory_limit_leaves_and_a_limit_too_small_names_both_numbers(tmp_path):
+    (tmp_path / "v2").mkdir()
+    (tmp_path / "v2" / "memory.max").write_text("max\n")
+    assert memory_limit_bytes(str(tmp_path / "v2")) is None
+    (tmp_path / "v2" / "memory.max").write_text("8589934592\n")
+    assert memory_limit_bytes(str(tmp_path / "v2")) == 8 * 2**30
+    (tmp_path / "v1" / "memory").mkdir(parents=True)
+    (tmp_path / "v1" / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # cgroup v1: none
+    assert memory_limit_bytes(str(tmp_path / "v1")) is None
+    assert memory_limit_bytes(str(tmp_path / "none")) is None
+
+    assert kv_cache_bytes(None, 10**9, 2**20) == DEFAULT_KV_CACHE_BYTES
+    assert kv_cache_bytes(8 * 2**30, 2**30, 2**20) == 8 * 2**30 - VLLM_CPU_RESERVED_BYTES - 2**30
+    with pytest.raises(ValueError) as refused:
+        kv_cache_bytes(4 * 2**30, 2**30, 64 * 2**20)
+    assert str(refused.value) == (
+        "spec.rollout.resources.limits.memory: the rollout container's limit of 4.00 GiB leaves 0.00 GiB for vLLM's KV "
+        "cache after 3.00 GiB for the engine and 1.00 GiB for the weights, and one sequence of the model's full length "
+        "needs 64.0 MiB: set the limit to at least 4.06 GiB")
+
+
+def test_vllm_on_cpu_gets_its_kv_cache_from_the_container_and_the_model(redis_server):
+    """With gpusPerReplica 0 the engine gets ``kv_cache_memory_bytes`` (vLLM's CPU default would size it from the
+    host's free memory): the tiny model's float32 weights and the KV entries of one full-length sequence (2 × layers ×
+    heads × head size × 4 bytes × positions)."""
+    tiny = {"layers": 2, "hiddenSize": 64, "heads": 2, "intermediateSize": 128, "maxPositionEmbeddings": 64}
+    config = make_config(redis_server, tiny=tiny, rollout={"backend": "vllm", "gpusPerReplica": 0})
+    model = tiny_model(config, 0)
+    assert sequence_kv_bytes(model.config, 4) == 2 * 2 * 2 * 32 * 4 * 64
+    fake = make_fake_vllm([HFModelRunnerModel(model)])
+    backend = VllmBackend(config, DigitTokenizer(), seed=0, vllm_module=fake)
+    weights = sum(p.numel() for p in model.parameters()) * 4
+    assert fake.AsyncLLMEngine.instances[-1].kwargs["kv_cache_memory_bytes"] == kv_cache_bytes(
+        memory_limit_bytes(), weights, 2 * 2 * 2 * 32 * 4 * 64)
+    assert fake.AsyncLLMEngine.instances[-1].kwargs["dtype"] == "float32"
     backend.close()

@@ -51,7 +51,7 @@ class Driver:
     def __init__(self, python: str, config: JobConfig, workdir: Path, password: str):
         (workdir / "config.json").write_text(config.to_json())
         env = {**os.environ, "PYTHONPATH": VENV_PYTHONPATH,
-               "REDIS_PASSWORD": password, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+               "REDIS_PASSWORD": password, "OMP_NUM_THREADS": "1"}
         self.log = open(workdir / "driver.log", "w")
         self.proc = subprocess.Popen([python, str(Path(__file__).with_name("vllm_driver.py")),
                                       str(workdir / "config.json"), json.dumps(ENGINE)],
@@ -236,7 +236,6 @@ def test_a_rollout_process_on_vllm_streams_documents_and_ends_its_engine_on_sigt
     path = tmp_path / "config.json"
     path.write_text(config.to_json())
     env = {**os.environ, "RLJOB_CONFIG": str(path), "REDIS_PASSWORD": redis_server.password, "OMP_NUM_THREADS": "1",
-           "VLLM_CPU_KVCACHE_SPACE": "1",
            "PYTHONPATH": VENV_PYTHONPATH}
     client = redis_server.client()
     publisher = WeightPublisher(config, client, join_timeout_s=10, transfer_timeout_s=30, poll_interval_s=0.3)

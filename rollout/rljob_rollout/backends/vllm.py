@@ -28,6 +28,10 @@ vLLM is imported lazily (only when this backend is built), so the trainer image 
   groups come back as None) and leaves the worker without a version; an intact failure keeps them running on the
   old weights. Only method names, JSON, strings and integers cross ``collective_rpc`` (the default multi-process
   executor serialises nothing else).
+* Memory on CPU (``gpusPerReplica: 0``): the KV cache is what the container's memory limit leaves after the engine's
+  own :data:`VLLM_CPU_RESERVED_BYTES` and the weights (``kv_cache_memory_bytes``; :data:`DEFAULT_KV_CACHE_BYTES`
+  without a limit), and a limit that cannot hold one sequence of the model's full length stops the pod at start with
+  both numbers (:func:`kv_cache_bytes`). On GPUs vLLM's ``gpu_memory_utilization`` sizes it.
 * :meth:`VllmBackend.close` shuts the engine down: no EngineCore process is left behind.
 """
 
@@ -37,11 +41,13 @@ import asyncio
 import concurrent.futures
 import importlib
 import logging
+import math
 import multiprocessing
 import queue
 import tempfile
 import threading
 import time
+from pathlib import Path
 from types import ModuleType
 from typing import Any, Iterable, Optional, Sequence
 
@@ -58,6 +64,12 @@ log = logging.getLogger(__name__)
 EXTENSION = "rljob_rollout.backends.vllm_worker.WeightReceiverExtension"
 RECEIVE_METHOD = "rljob_receive_weights"
 LOAD_FILE_METHOD = "rljob_load_file"
+VLLM_CPU_RESERVED_BYTES = 3 * 2**30
+"""Memory a vLLM CPU engine takes besides its weights and KV cache (bytes): RSS measured 2.9 GiB here for the tiny
+model with a 64 MiB KV cache, frontend and EngineCore processes together (vllm-cpu 0.32)."""
+DEFAULT_KV_CACHE_BYTES = 2**30
+"""The KV cache of vLLM on CPU in a container without a memory limit (bytes); vLLM's own default sizes it from the
+host's free memory, which a pod does not own."""
 ENGINE_EXIT_S = 10.0
 """How long :meth:`VllmBackend.close` waits for the engine's processes after asking them to shut down (seconds)."""
 
@@ -68,6 +80,50 @@ def engine_dtype(config: JobConfig) -> str:
     own ``auto`` would run a float32 checkpoint in bfloat16 on CPU)."""
     on_gpus = config.spec.rollout.gpus_per_replica > 0
     return "bfloat16" if on_gpus and config.spec.trainer.precision.param == "bf16" else "float32"
+
+
+def memory_limit_bytes(cgroup_root: str = "/sys/fs/cgroup") -> Optional[int]:
+    """This container's memory limit (bytes) from its cgroup (v2 ``memory.max``, v1 ``memory/memory.limit_in_bytes``),
+    or None when it has none."""
+    for name in ("memory.max", "memory/memory.limit_in_bytes"):
+        try:
+            raw = Path(cgroup_root, name).read_text().strip()
+        except OSError:
+            continue
+        if raw == "max" or int(raw) >= 2**62:  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
+            return None
+        return int(raw)
+    return None
+
+
+def kv_cache_bytes(limit: Optional[int], weight_bytes: int, sequence_bytes: int) -> int:
+    """The KV cache of vLLM on CPU (bytes): what the container's memory ``limit`` leaves after
+    :data:`VLLM_CPU_RESERVED_BYTES` and the model's ``weight_bytes``; :data:`DEFAULT_KV_CACHE_BYTES` without a limit.
+
+    Raises:
+        ValueError: the limit leaves less than ``sequence_bytes``, the KV entries of one sequence of the model's full
+            length (names the limit, what it leaves and what is needed).
+    """
+    if limit is None:
+        return max(DEFAULT_KV_CACHE_BYTES, sequence_bytes)
+    room = limit - VLLM_CPU_RESERVED_BYTES - weight_bytes
+    if room < sequence_bytes:
+        need = VLLM_CPU_RESERVED_BYTES + weight_bytes + sequence_bytes
+        raise ValueError(
+            f"spec.rollout.resources.limits.memory: the rollout container's limit of {limit / 2**30:.2f} GiB leaves "
+            f"{room / 2**30:.2f} GiB for vLLM's KV cache after {VLLM_CPU_RESERVED_BYTES / 2**30:.2f} GiB for the "
+            f"engine and {weight_bytes / 2**30:.2f} GiB for the weights, and one sequence of the model's full length "
+            f"needs {sequence_bytes / 2**20:.1f} MiB: set the limit to at least {need / 2**30:.2f} GiB")
+    return room
+
+
+def sequence_kv_bytes(hf_config: Any, dtype_bytes: int) -> int:
+    """KV-cache bytes of one sequence of ``max_position_embeddings`` tokens: 2 (keys, values) × layers × key-value
+    heads × head size × ``dtype_bytes`` per token."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return 2 * hf_config.num_hidden_layers * kv_heads * head_size * dtype_bytes * hf_config.max_position_embeddings
 
 
 def logprobs_mode(sampling: SamplingSpec) -> str:
@@ -129,11 +185,18 @@ class VllmBackend(GenerationBackend):
 
             self._tmp = tempfile.TemporaryDirectory(prefix="rljob-tiny-")
             vocab_size = len(tokenizer) if hasattr(tokenizer, "__len__") else tokenizer.vocab_size  # as the trainer
-            build_model(model, vocab_size, seed=config.spec.trainer.seed).save_pretrained(self._tmp.name)
+            built = build_model(model, vocab_size, seed=config.spec.trainer.seed)
+            built.save_pretrained(self._tmp.name)
             where, revision = self._tmp.name, None
+            parameters, hf_config = sum(p.numel() for p in built.parameters()), built.config
         else:
             where = model.path if model.source == "path" else model.name
             revision = model.revision
+            parameters, hf_config = None, None
+        options = dict(engine_options or {})
+        if config.spec.rollout.gpus_per_replica == 0 and "kv_cache_memory_bytes" not in options:
+            options["kv_cache_memory_bytes"] = self._cpu_kv_cache(where, revision, parameters, hf_config,
+                                                                  engine_dtype(config))
         arguments = self._vllm.AsyncEngineArgs(
             model=where,
             revision=revision,
@@ -144,7 +207,7 @@ class VllmBackend(GenerationBackend):
             logprobs_mode=mode,
             worker_extension_cls=EXTENSION,
             dtype=engine_dtype(config),
-            **(engine_options or {}),
+            **options,
         )
         self._final_only = importlib.import_module(self._vllm.SamplingParams.__module__).RequestOutputKind.FINAL_ONLY
         self.aborted = 0
@@ -160,6 +223,29 @@ class VllmBackend(GenerationBackend):
             self._stop_loop()
             raise
         self._engine_processes = [p for p in multiprocessing.active_children() if p not in before]
+
+    @staticmethod
+    def _cpu_kv_cache(where: str, revision: Optional[str], parameters: Optional[int], hf_config: Any,
+                      dtype: str) -> int:
+        """The KV cache for vLLM on CPU (:func:`kv_cache_bytes`); a model's shape is read from its config.json and its
+        parameter count from its safetensors headers (from the Hub for ``huggingface``, which vLLM downloads next
+        anyway).
+
+        Raises:
+            ValueError: the container's memory limit cannot hold one sequence (:func:`kv_cache_bytes`).
+        """
+        dtype_bytes = 2 if dtype == "bfloat16" else 4
+        if hf_config is None:
+            from transformers import AutoConfig
+
+            hf_config = AutoConfig.from_pretrained(where, revision=revision)
+        if parameters is None:
+            parameters = _parameters(where, revision)
+        limit = memory_limit_bytes()
+        size = kv_cache_bytes(limit, parameters * dtype_bytes, sequence_kv_bytes(hf_config, dtype_bytes))
+        log.info("vllm backend: KV cache %.2f GiB on CPU (container memory limit %s)", size / 2**30,
+                 "none" if limit is None else f"{limit / 2**30:.2f} GiB")
+        return size
 
     async def _start(self, arguments: Any) -> Any:
         return self._vllm.AsyncLLMEngine.from_engine_args(arguments)
@@ -301,6 +387,23 @@ class VllmBackend(GenerationBackend):
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(ENGINE_EXIT_S)
+
+
+def _parameters(where: str, revision: Optional[str]) -> int:
+    """Parameters in the safetensors files of the local directory ``where``, or of the Hub model ``where`` (its files'
+    headers only)."""
+    if not Path(where).is_dir():
+        from huggingface_hub import get_safetensors_metadata
+
+        return sum(get_safetensors_metadata(where, revision=revision).parameter_count.values())
+    from safetensors import safe_open
+
+    total = 0
+    for file in sorted(Path(where).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as weights:
+            for name in weights.keys():
+                total += math.prod(weights.get_slice(name).get_shape())
+    return total
 
 
 def _request_id(key: int) -> str:
