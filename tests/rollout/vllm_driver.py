@@ -7,8 +7,10 @@ included, go to stderr).
 Commands: ``{"op": "generate", "prompts": [[ids]], "n": int, "sampling": {...}}`` → ``{"groups": [[{"tokens",
 "logprobs"}]]}``; ``{"op": "follow"}`` (heartbeat, events from now) → ``{}``; ``{"op": "receive"}`` (the next update
 event, received by the backend) → ``{"outcome": str, "version": int}``; ``{"op": "submit", "prompts": [[ids]], "n": int,
-"sampling": {...}}`` (one group per prompt, keys 0, 1, ... in the order given; nothing waited for) → ``{}``;
-``{"op": "collect"}`` (every group in flight) → ``{"groups": {key: [{"tokens", "logprobs", "versions"}] or null}}``; ``{"op": "load", "path": str}`` (a safetensors
+"sampling": {...}, "first_key": int}`` (one group per prompt, keys first_key (default 0), first_key + 1, ... in the
+order given; nothing waited for) → ``{}``; ``{"op": "collect", "keys": [int]}`` (waits for those groups, or every
+group in flight without keys) → ``{"groups": {key: [{"tokens", "logprobs", "versions"}] or null}, "aborted": groups
+aborted by torn updates so far}``, every group finished since the last collect; ``{"op": "load", "path": str}`` (a safetensors
 file) → ``{}``; ``{"op": "close"}`` → ``{"children": [command lines of the processes left]}``, then it exits. The
 first line it writes is ``{"ready": true, "torch": ..., "vllm": ...}``.
 """
@@ -54,6 +56,7 @@ def main() -> int:
         answers.flush()
 
     answer({"ready": True, "torch": torch.__version__, "vllm": vllm.__version__})
+    done: dict = {}
     for line in sys.stdin:
         command = json.loads(line)
         op = command["op"]
@@ -63,16 +66,17 @@ def main() -> int:
                                for group in groups]})
         elif op == "submit":
             sampling = SamplingSpec.model_validate(command["sampling"])
-            for key, prompt in enumerate(command["prompts"]):
+            for key, prompt in enumerate(command["prompts"], start=command.get("first_key", 0)):
                 backend.submit(key, prompt, command["n"], sampling)
             answer({})
         elif op == "collect":
-            done = {}
-            while backend.in_flight:
+            waited = set(command.get("keys", []))
+            while backend.in_flight and (not waited or not waited <= set(done)):
                 done.update(backend.finished(timeout_s=1.0))
             answer({"groups": {key: None if group is None else [
                 {"tokens": list(c.token_ids), "logprobs": list(c.logprobs), "versions": c.versions} for c in group]
-                for key, group in done.items()}})
+                for key, group in done.items()}, "aborted": backend.aborted})
+            done = {}
         elif op == "follow":
             subscriber.follow_from_now()
             subscriber.heartbeat()
