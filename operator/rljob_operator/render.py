@@ -39,10 +39,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional
 from urllib.parse import urlsplit
 
+from kubernetes.utils import parse_quantity
 from pydantic.alias_generators import to_camel
 
 from rljob_api import constants as c
-from rljob_api import names
+from rljob_api import names, rules
 from rljob_api.canonical import canonical_hash, canonical_json
 from rljob_api.config import JobConfig, RedisConnection, resolve
 from rljob_api.spec import (RedisPersistenceSpec, RedisSpec, RLTrainingJobSpec, RolloutSpec, RunPolicySpec,
@@ -439,10 +440,36 @@ def override_problems(job: Job, config: JobConfig) -> list[SpecProblem]:
     problems: list[SpecProblem] = []
     for render_one in renders:
         try:
-            render_one()
+            rendered = render_one()
         except overrides.Refused as refused:
             problems += refused.problems
+            continue
+        if rendered.get("metadata", {}).get("labels", {}).get(c.LABEL_ROLE) == c.Role.ROLLOUT.value:
+            problems += vllm_cpu_memory_problems(job, rendered)
     return problems
+
+
+def vllm_cpu_memory_problems(job: Job, pod: dict[str, Any]) -> list[SpecProblem]:
+    """A ``tiny`` model's rollout pod running vLLM on CPU whose container memory limit cannot hold the engine, the weights (at least: the vocabulary's share aside) and one full-length
+    sequence's KV entries (:func:`rljob_api.rules.vllm_cpu_kv_cache`). Other models are checked by the pod at start,
+    which reads their shape."""
+    spec = job.spec
+    if spec.rollout.backend != "vllm" or spec.rollout.gpus_per_replica or spec.model.source != "tiny":
+        return []
+    container = next(x for x in pod["spec"]["containers"] if x["name"] == c.Role.ROLLOUT.value)
+    memory = ((container.get("resources") or {}).get("limits") or {}).get("memory")
+    if memory is None:
+        return []
+    try:
+        limit = int(parse_quantity(memory))
+    except ValueError:
+        return []  # the API server names a malformed quantity itself
+    tiny = spec.model.tiny
+    head_size = tiny.hidden_size // tiny.heads
+    weights = 4 * tiny.layers * (4 * tiny.hidden_size**2 + 3 * tiny.hidden_size * tiny.intermediate_size)
+    sequence = rules.kv_bytes_per_sequence(tiny.layers, tiny.heads, head_size, 4, tiny.max_position_embeddings)
+    _, problem = rules.vllm_cpu_kv_cache(limit, weights, sequence)
+    return [] if problem is None else [SpecProblem("spec.rollout.resources.limits.memory", problem)]
 
 
 # --- pods ------------------------------------------------------------------------------------------------------

@@ -240,3 +240,18 @@ def test_a_kueue_label_that_names_nothing_is_refused_not_ignored(labels, message
     assert [str(p) for p in problems] == messages
     if messages:
         assert valid_condition(problems).status == "False"
+
+
+def test_vllm_on_cpu_with_a_memory_limit_that_cannot_hold_the_engine_is_refused_naming_both_numbers():
+    """A tiny model's rollout pod on vLLM's CPU build: its container's limit must hold the engine's 3 GiB, the weights
+    and one full-length sequence's KV entries."""
+    def problems(rollout: dict) -> list[str]:
+        return [str(p) for p in parse_spec("v", {"model": {"source": "tiny", "tiny": {"heads": 2}},
+                                                 "rollout": {"backend": "vllm", "gpusPerReplica": 0, **rollout}})[1]]
+
+    assert problems({}) == [] and problems({"resources": {"limits": {"memory": "3073Mi"}}}) == []
+    assert problems({"resources": {"limits": {"memory": "3Gi"}}}) == [
+        "spec.rollout.resources.limits.memory: the rollout container's limit of 3072.0 MiB leaves 0.0 MiB for vLLM's "
+        "KV cache after 3072 MiB for the engine and 0.5 MiB for the weights, and one sequence of the model's full "
+        "length needs 0.25 MiB: set it to at least 3073Mi"]
+    assert problems({"gpusPerReplica": 1, "resources": {"limits": {"memory": "1Gi"}}}) == []  # GPUs: vLLM sizes it

@@ -23,9 +23,9 @@ from rollout_harness import make_config, tiny_model
 from rljob_api.spec import SamplingSpec
 from rljob_wire.model import DigitTokenizer
 from rljob_rollout.backends.base import UpdateOutcome
-from rljob_rollout.backends.vllm import (DEFAULT_KV_CACHE_BYTES, EXTENSION, VLLM_CPU_RESERVED_BYTES, VllmBackend,
-                                         engine_dtype, kv_cache_bytes, logprobs_mode, memory_limit_bytes,
-                                         sequence_kv_bytes)
+from rljob_api.rules import VLLM_CPU_DEFAULT_KV_CACHE_BYTES, VLLM_CPU_RESERVED_BYTES
+from rljob_rollout.backends.vllm import (EXTENSION, VllmBackend, engine_dtype, kv_cache_bytes, logprobs_mode,
+                                         memory_limit_bytes, sequence_kv_bytes)
 from rljob_rollout.weight_subscriber import WeightSubscriber
 from rljob_trainer.weight_publisher import WeightPublisher
 
@@ -306,14 +306,14 @@ def test_the_kv_cache_on_cpu_is_what_the_memory_limit_leaves_and_a_limit_too_sma
     assert memory_limit_bytes(str(tmp_path / "v1")) is None
     assert memory_limit_bytes(str(tmp_path / "none")) is None
 
-    assert kv_cache_bytes(None, 10**9, 2**20) == DEFAULT_KV_CACHE_BYTES
+    assert kv_cache_bytes(None, 10**9, 2**20) == VLLM_CPU_DEFAULT_KV_CACHE_BYTES
     assert kv_cache_bytes(8 * 2**30, 2**30, 2**20) == 8 * 2**30 - VLLM_CPU_RESERVED_BYTES - 2**30
     with pytest.raises(ValueError) as refused:
         kv_cache_bytes(4 * 2**30, 2**30, 64 * 2**20)
     assert str(refused.value) == (
-        "spec.rollout.resources.limits.memory: the rollout container's limit of 4.00 GiB leaves 0.00 GiB for vLLM's KV "
-        "cache after 3.00 GiB for the engine and 1.00 GiB for the weights, and one sequence of the model's full length "
-        "needs 64.0 MiB: set the limit to at least 4.06 GiB")
+        "spec.rollout.resources.limits.memory: the rollout container's limit of 4096.0 MiB leaves 0.0 MiB for vLLM's KV "
+        "cache after 3072 MiB for the engine and 1024.0 MiB for the weights, and one sequence of the model's full "
+        "length needs 64.00 MiB: set it to at least 4160Mi")
 
 
 def test_vllm_on_cpu_gets_its_kv_cache_from_the_container_and_the_model(redis_server):

@@ -29,9 +29,10 @@ vLLM is imported lazily (only when this backend is built), so the trainer image 
   old weights. Only method names, JSON, strings and integers cross ``collective_rpc`` (the default multi-process
   executor serialises nothing else).
 * Memory on CPU (``gpusPerReplica: 0``): the KV cache is what the container's memory limit leaves after the engine's
-  own :data:`VLLM_CPU_RESERVED_BYTES` and the weights (``kv_cache_memory_bytes``; :data:`DEFAULT_KV_CACHE_BYTES`
-  without a limit), and a limit that cannot hold one sequence of the model's full length stops the pod at start with
-  both numbers (:func:`kv_cache_bytes`). On GPUs vLLM's ``gpu_memory_utilization`` sizes it.
+  own :data:`~rljob_api.rules.VLLM_CPU_RESERVED_BYTES` and the weights (``kv_cache_memory_bytes``;
+  :data:`~rljob_api.rules.VLLM_CPU_DEFAULT_KV_CACHE_BYTES` without a limit), and a limit that cannot hold one
+  sequence of the model's full length stops the pod at start with both numbers (:func:`kv_cache_bytes`; admission
+  refuses it already for a ``tiny`` model). On GPUs vLLM's ``gpu_memory_utilization`` sizes it.
 * :meth:`VllmBackend.close` shuts the engine down: no EngineCore process is left behind.
 """
 
@@ -53,6 +54,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
+from rljob_api import rules
 from rljob_api.config import JobConfig
 from rljob_api.spec import SamplingSpec
 from rljob_rollout.backends.base import Completion, GenerationBackend, Group, UpdateOutcome
@@ -64,12 +66,6 @@ log = logging.getLogger(__name__)
 EXTENSION = "rljob_rollout.backends.vllm_worker.WeightReceiverExtension"
 RECEIVE_METHOD = "rljob_receive_weights"
 LOAD_FILE_METHOD = "rljob_load_file"
-VLLM_CPU_RESERVED_BYTES = 3 * 2**30
-"""Memory a vLLM CPU engine takes besides its weights and KV cache (bytes): RSS measured 2.9 GiB here for the tiny
-model with a 64 MiB KV cache, frontend and EngineCore processes together (vllm-cpu 0.32)."""
-DEFAULT_KV_CACHE_BYTES = 2**30
-"""The KV cache of vLLM on CPU in a container without a memory limit (bytes); vLLM's own default sizes it from the
-host's free memory, which a pod does not own."""
 ENGINE_EXIT_S = 10.0
 """How long :meth:`VllmBackend.close` waits for the engine's processes after asking them to shut down (seconds)."""
 
@@ -97,33 +93,26 @@ def memory_limit_bytes(cgroup_root: str = "/sys/fs/cgroup") -> Optional[int]:
 
 
 def kv_cache_bytes(limit: Optional[int], weight_bytes: int, sequence_bytes: int) -> int:
-    """The KV cache of vLLM on CPU (bytes): what the container's memory ``limit`` leaves after
-    :data:`VLLM_CPU_RESERVED_BYTES` and the model's ``weight_bytes``; :data:`DEFAULT_KV_CACHE_BYTES` without a limit.
+    """The KV cache of vLLM on CPU (bytes): :func:`rljob_api.rules.vllm_cpu_kv_cache`.
 
     Raises:
         ValueError: the limit leaves less than ``sequence_bytes``, the KV entries of one sequence of the model's full
-            length (names the limit, what it leaves and what is needed).
+            length (names the field, the limit, what it leaves and what is needed).
     """
-    if limit is None:
-        return max(DEFAULT_KV_CACHE_BYTES, sequence_bytes)
-    room = limit - VLLM_CPU_RESERVED_BYTES - weight_bytes
-    if room < sequence_bytes:
-        need = VLLM_CPU_RESERVED_BYTES + weight_bytes + sequence_bytes
-        raise ValueError(
-            f"spec.rollout.resources.limits.memory: the rollout container's limit of {limit / 2**30:.2f} GiB leaves "
-            f"{room / 2**30:.2f} GiB for vLLM's KV cache after {VLLM_CPU_RESERVED_BYTES / 2**30:.2f} GiB for the "
-            f"engine and {weight_bytes / 2**30:.2f} GiB for the weights, and one sequence of the model's full length "
-            f"needs {sequence_bytes / 2**20:.1f} MiB: set the limit to at least {need / 2**30:.2f} GiB")
-    return room
+    size, problem = rules.vllm_cpu_kv_cache(limit, weight_bytes, sequence_bytes)
+    if problem is not None:
+        raise ValueError(f"spec.rollout.resources.limits.memory: {problem}")
+    return size
 
 
 def sequence_kv_bytes(hf_config: Any, dtype_bytes: int) -> int:
-    """KV-cache bytes of one sequence of ``max_position_embeddings`` tokens: 2 (keys, values) × layers × key-value
-    heads × head size × ``dtype_bytes`` per token."""
+    """KV-cache bytes of one sequence of ``max_position_embeddings`` tokens of the model ``hf_config`` describes
+    (:func:`rljob_api.rules.kv_bytes_per_sequence`)."""
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    return 2 * hf_config.num_hidden_layers * kv_heads * head_size * dtype_bytes * hf_config.max_position_embeddings
+    return rules.kv_bytes_per_sequence(hf_config.num_hidden_layers, kv_heads, head_size, dtype_bytes,
+                                       hf_config.max_position_embeddings)
 
 
 def logprobs_mode(sampling: SamplingSpec) -> str:
