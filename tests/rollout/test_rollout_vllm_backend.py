@@ -331,3 +331,26 @@ def test_vllm_on_cpu_gets_its_kv_cache_from_the_container_and_the_model(redis_se
         memory_limit_bytes(), weights, 2 * 2 * 2 * 32 * 4 * 64)
     assert fake.AsyncLLMEngine.instances[-1].kwargs["dtype"] == "float32"
     backend.close()
+
+
+def test_vllm_on_cpu_refuses_at_start_a_model_whose_head_size_its_attention_cannot_run(tmp_path):
+    """A model from a directory (or the Hub) with attention heads of 16: the pod stops at start naming the model and the
+    head size, instead of the engine dying at the first generate."""
+    from transformers import LlamaConfig
+
+    from rljob_api.config import RedisConnection, resolve
+    from rljob_api.spec import RLTrainingJobSpec
+
+    LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=128,
+                vocab_size=32).save_pretrained(tmp_path)
+    spec = RLTrainingJobSpec.model_validate({"model": {"source": "path", "path": str(tmp_path)},
+                                             "rollout": {"backend": "vllm", "gpusPerReplica": 0}})
+    config = resolve("v", "default", spec, RedisConnection(host="127.0.0.1"))
+    fake = make_fake_vllm([])
+    with pytest.raises(ValueError) as refused:
+        VllmBackend(config, DigitTokenizer(), seed=0, vllm_module=fake)
+    assert str(refused.value) == (
+        f"spec.model: {str(tmp_path)!r} has attention heads of size 16, which vLLM's CPU attention (backend 'vllm' with "
+        "spec.rollout.gpusPerReplica 0) cannot run: it runs head sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, "
+        "512; run this model on GPUs or with backend 'cpu'")
+    assert fake.AsyncLLMEngine.instances == []  # no engine started

@@ -221,13 +221,20 @@ class VllmBackend(GenerationBackend):
         anyway).
 
         Raises:
-            ValueError: the container's memory limit cannot hold one sequence (:func:`kv_cache_bytes`).
+            ValueError: a head size vLLM's CPU attention cannot run, or a memory limit that cannot hold one sequence
+                (:func:`kv_cache_bytes`).
         """
         dtype_bytes = 2 if dtype == "bfloat16" else 4
         if hf_config is None:
             from transformers import AutoConfig
 
             hf_config = AutoConfig.from_pretrained(where, revision=revision)
+        head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        if head_size not in rules.VLLM_CPU_HEAD_SIZES:
+            raise ValueError(
+                f"spec.model: {where!r} has attention heads of size {head_size}, which vLLM's CPU attention (backend "
+                f"'vllm' with spec.rollout.gpusPerReplica 0) cannot run: it runs head sizes "
+                f"{', '.join(map(str, rules.VLLM_CPU_HEAD_SIZES))}; run this model on GPUs or with backend 'cpu'")
         if parameters is None:
             parameters = _parameters(where, revision)
         limit = memory_limit_bytes()
@@ -343,7 +350,9 @@ class VllmBackend(GenerationBackend):
                 RECEIVE_METHOD, args=(ticket.to_json(), address.host, address.port, transfer_ranks[0]))
             outcome = _outcome(ticket, replies)
             if outcome is UpdateOutcome.LOADED:
-                await self.engine.reset_prefix_cache(reset_running_requests=True)
+                if not await self.engine.reset_prefix_cache(reset_running_requests=True):
+                    raise RuntimeError(f"vllm backend: after update {ticket.id} the engine did not drop its KV cache: "
+                                       "the requests in flight would go on with entries of the old weights")
                 if version is not None:
                     await self.engine.update_weight_version(str(version))
             elif outcome is UpdateOutcome.FAILED_TORN and self._running:
