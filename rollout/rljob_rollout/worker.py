@@ -35,7 +35,8 @@ the worker with no version: it generates nothing until the next update.
 
 Reward failures: a reward function that raises drops that sample; the exception's class name is counted in
 the rollout hash and logged once per kind (with its traceback); the worker keeps going. A batch where every
-sample failed writes nothing and extends the failure streak ``all_rewards_failed`` in the rollout hash (since when,
+sample failed (``promptsPerBatch`` groups in a row without a scored sample: finished groups with none wait, unreported,
+until a scored group reports them with its own or that many have failed) writes nothing and extends the failure streak ``all_rewards_failed`` in the rollout hash (since when,
 the exceptions by class and message; the operator ends the job after ``spec.rollout.rewardFailureDeadlineSeconds``).
 After such a batch the worker backs off before the next one: jittered exponential back-off, 1 s doubling to 60 s
 (:data:`REWARD_BACKOFF_INITIAL_S`, :data:`REWARD_BACKOFF_CAP_S`; each wait drawn in [0.5, 1] × the nominal delay,
@@ -170,6 +171,8 @@ class RolloutWorker:
         self._submitted: dict[int, Submitted] = {}
         self._next_key = 0
         self._written_at = 0.0  # time.monotonic() of the last write: the rate's start
+        self._failed: Optional[BatchReport] = None  # groups with no scored sample since the last report
+        self._failed_groups = 0  # groups with no scored sample in a row
 
     @classmethod
     def from_config(cls, config: JobConfig, replica_index: int, reward_file: Optional[str] = None) -> "RolloutWorker":
@@ -317,7 +320,7 @@ class RolloutWorker:
         self.metrics.updates.labels(outcome=outcome.value).inc()
         if outcome is UpdateOutcome.LOADED:
             previous, self.subscriber.version = self.version, event.documents_seen
-            self._held_since_update = 0
+            self._held_since_update, self._recheck_at = 0, 0.0
             log.info(
                 "rollout: loaded weights of step %d, version %s -> %d (%.2f s, %d groups in flight)",
                 event.step, previous, event.documents_seen, time.monotonic() - started, in_flight,
@@ -383,6 +386,15 @@ class RolloutWorker:
         report = BatchReport(max(reward_versions or [s.version for s, _ in finished]), [r for _, r, _ in samples],
                              len(finished) * self.spec.samples_per_prompt, errors, kept.groups_dropped,
                              kept.samples_dropped, seconds, reward_versions)
+        if not report.rewards:  # and so no documents
+            self._failed = report if self._failed is None else self._failed.merged(report)
+            self._failed_groups += len(finished)
+            if self._failed_groups < self.spec.prompts_per_batch:
+                return 0  # reported with the next scored groups, or once a batch's worth of groups has failed
+            report, self._failed = self._failed, None
+        elif self._failed is not None:
+            report, self._failed = self._failed.merged(report), None
+        self._failed_groups = 0
         written = self.writer.write(documents, newest)
         if written < len(documents):
             self.metrics.abandoned.inc(len(documents) - written)
@@ -390,6 +402,7 @@ class RolloutWorker:
         self.metrics.observe_batch(report, written)
         if report.rewards:
             self.reward_backoff.reset()
+            self._generate_after = 0.0
         else:
             wait = self.reward_backoff.next_wait()
             self._generate_after = time.monotonic() + wait

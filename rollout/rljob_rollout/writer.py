@@ -125,6 +125,16 @@ class BatchReport:
     seconds: float
     reward_versions: Optional[Sequence[int]] = None
 
+    def merged(self, other: "BatchReport") -> "BatchReport":
+        """This report and ``other`` as one (counts and times added, rewards kept with their versions)."""
+        return BatchReport(
+            max(self.version, other.version), [*self.rewards, *other.rewards],
+            self.samples_generated + other.samples_generated, self.reward_errors + other.reward_errors,
+            self.groups_filtered + other.groups_filtered, self.samples_filtered + other.samples_filtered,
+            self.seconds + other.seconds,
+            [*(self.reward_versions or [self.version] * len(self.rewards)),
+             *(other.reward_versions or [other.version] * len(other.rewards))])
+
     def rewards_by_version(self) -> dict[int, list[float]]:
         """The rewards per version, ``version`` first (it is there even without rewards)."""
         by_version: dict[int, list[float]] = {self.version: []}

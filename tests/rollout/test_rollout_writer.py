@@ -318,3 +318,14 @@ def test_samples_in_flight_count_as_written_for_back_pressure_and_max_lag(redis_
     assert (state.backlog, state.ahead, writer.room(state)) == (10, 6, 2)
     assert writer.wait_reason(state, in_flight=2).startswith(
         "backlog 10 (6 undelivered + 4 pending) + 2 in flight >= spec.redis.maxPending 12")
+
+
+def test_reports_merge_counts_and_keep_each_reward_with_its_version():
+    a = BatchReport(16, [], 8, Counter({"KeyError: 'x'": 8}), 0, 0, 0.5)
+    b = BatchReport(32, [1.0, 0.0], 8, Counter({"KeyError: 'x'": 2}), 1, 4, 0.25, reward_versions=[32, 16])
+    merged = a.merged(b)
+    assert (merged.version, merged.samples_generated, merged.seconds) == (32, 16, 0.75)
+    assert merged.reward_errors == Counter({"KeyError: 'x'": 10})
+    assert (merged.groups_filtered, merged.samples_filtered) == (1, 4)
+    assert merged.rewards_by_version() == {32: [1.0], 16: [0.0]}
+    assert BatchReport(8, [0.5], 2, Counter(), 0, 0, 0.1).merged(a).rewards_by_version() == {16: [], 8: [0.5]}

@@ -57,7 +57,8 @@ class Driver:
         self.log = open(workdir / "driver.log", "w")
         self.proc = subprocess.Popen([python, str(Path(__file__).with_name("vllm_driver.py")),
                                       str(workdir / "config.json"), json.dumps(ENGINE)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env,
+                                     start_new_session=True)
         self.hello = self._read()
 
     def _read(self) -> dict:
@@ -74,8 +75,11 @@ class Driver:
         return self._read()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
+        """End the driver and whatever engine processes it left (a test that did not close it): its process group."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         self.proc.wait(30)
         self.log.close()
 

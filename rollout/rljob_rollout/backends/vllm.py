@@ -144,7 +144,7 @@ class VllmBackend(GenerationBackend):
         engine_options: extra keyword arguments for ``AsyncEngineArgs`` (e.g. ``gpu_memory_utilization``).
 
     Attributes:
-        aborted: groups aborted by torn updates since the start.
+        aborted: groups :meth:`finished` returned as None (aborted by torn updates, or ended by an engine error).
 
     Raises:
         ImportError: vLLM is not installed (use the rollout GPU image, trainer_image/Dockerfile.vllm).
@@ -273,17 +273,16 @@ class VllmBackend(GenerationBackend):
             self._sample(key, list(prompt_token_ids), self._params(n, sampling)), self._loop)
 
     async def _sample(self, key: int, prompt: list[int], params: Any) -> None:
-        final = None
+        """One group's request; puts exactly one ``(key, completions | None | error)`` on the queue, whatever happens."""
         try:
+            final = None
             async for output in self.engine.generate({"prompt_token_ids": prompt}, params, _request_id(key)):
                 final = output
+            ended = final is None or any(choice.finish_reason in ("abort", "error") for choice in final.outputs)
+            self._done.put((key, None if ended else [_completion(choice) for choice in final.outputs]))
         except BaseException as error:  # noqa: BLE001 - handed to the worker's thread by finished()
             self._done.put((key, error))
             raise
-        if final is None or any(choice.finish_reason == "abort" for choice in final.outputs):
-            self._done.put((key, None))
-        else:
-            self._done.put((key, [_completion(choice) for choice in final.outputs]))
 
     def finished(self, timeout_s: float) -> list[tuple[int, Group]]:
         """Groups that finished, waiting up to ``timeout_s`` seconds for the first one.
@@ -299,6 +298,7 @@ class VllmBackend(GenerationBackend):
                 self._running.pop(key, None)
                 if isinstance(result, BaseException):
                     raise RuntimeError(f"vllm backend: the engine failed group {key}: {result!r}") from result
+                self.aborted += result is None
                 done.append((key, result))
                 item = self._done.get_nowait()
         except queue.Empty:
@@ -306,13 +306,15 @@ class VllmBackend(GenerationBackend):
         return done
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingSpec) -> list[list[Completion]]:
-        """All groups at once, through :meth:`submit` and :meth:`finished`.
+        """All groups at once, through :meth:`submit` and :meth:`finished`; for tests and tools, with nothing else in
+        flight.
 
         Raises:
-            RuntimeError: the engine failed or aborted a group.
+            RuntimeError: groups of :meth:`submit` in flight, or the engine failed or aborted a group.
         """
-        base = -len(prompt_token_ids) - 1 - max((abs(k) for k in self._running), default=0)
-        keys = [base - index for index in range(len(prompt_token_ids))]
+        if self._running:
+            raise RuntimeError(f"vllm backend: generate() with {len(self._running)} submitted groups in flight")
+        keys = list(range(len(prompt_token_ids)))
         for key, prompt in zip(keys, prompt_token_ids):
             self.submit(key, prompt, n, sampling)
         results: dict[int, Group] = {}
@@ -344,8 +346,8 @@ class VllmBackend(GenerationBackend):
         """Pause keeping the requests, receive and reload in every worker, then on success drop every KV entry (the
         kept requests recompute theirs with the new weights) and label what follows ``version``; on a torn update
         abort the kept requests; resume (module docstring)."""
-        await self.engine.pause_generation(mode="keep", clear_cache=False)
         try:
+            await self.engine.pause_generation(mode="keep", clear_cache=False)
             replies = await self.engine.collective_rpc(
                 RECEIVE_METHOD, args=(ticket.to_json(), address.host, address.port, transfer_ranks[0]))
             outcome = _outcome(ticket, replies)
@@ -356,9 +358,8 @@ class VllmBackend(GenerationBackend):
                 if version is not None:
                     await self.engine.update_weight_version(str(version))
             elif outcome is UpdateOutcome.FAILED_TORN and self._running:
-                kept = list(self._running)
-                self.aborted += len(kept)
-                log.error("vllm backend: aborting the %d groups kept across update %s", len(kept), ticket.id)
+                kept = list(self._running)  # those already finished are not aborted: finished() returns them whole
+                log.error("vllm backend: aborting the groups kept across update %s (%d in flight)", ticket.id, len(kept))
                 await self.engine.abort([_request_id(key) for key in kept])
             return outcome
         finally:
