@@ -31,6 +31,7 @@ start exits 2 without judging.
 
     python benchmarks/rollout_throughput.py                # about an hour on 2 cores
     python benchmarks/rollout_throughput.py --quick        # the example model only, 16 and 64 sequences
+    python benchmarks/rollout_throughput.py --models 150m --threads 1 --shapes 64x64,256x64   # a part (exits 1)
 
 Exit status: 0 when every target is met, 1 when one is missed, 2 when the machine is too busy or on an error.
 """
@@ -260,6 +261,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the example model only, 16 and 64 sequences")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--models", default="example,150m", help="comma-separated: example, 150m")
+    parser.add_argument("--threads", default="1,2", help="comma-separated thread counts per process")
+    parser.add_argument("--shapes", default="", help="comma-separated SEQUENCESxNEW_TOKENS (default: the grid)")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     if arguments.case:
@@ -271,14 +275,17 @@ def main() -> int:
         print(f"too busy to judge: load {load[0]:.2f} > {BUSY_LOAD} x {cores} cores")
         return 2
     python = venv_python()
-    models = ["example"] if arguments.quick else ["example", "150m"]
+    models = ["example"] if arguments.quick else arguments.models.split(",")
     grid = [(s, t) for s in ((16, 64) if arguments.quick else (16, 64, 256)) for t in (4, 64)]
+    if arguments.shapes:
+        grid = [tuple(int(x) for x in shape.split("x")) for shape in arguments.shapes.split(",")]
+    thread_counts = [int(t) for t in arguments.threads.split(",")]
     results: dict = {"load_start": load, "cores": cores, "throughput": {}}
     with tempfile.TemporaryDirectory(prefix="rljob-rollout-bench-") as tmp:
         for model in models:
             directory = Path(tmp, model)
             run_in_venv(python, ["--case", json.dumps({"kind": "save", "model": model, "directory": str(directory)})])
-            for threads in (1, 2):
+            for threads in thread_counts:
                 for backend in ("vllm", "cpu", "transformers"):
                     figures = {}
                     for shape in grid:  # a process per shape: one that runs out of memory costs only its figure
@@ -293,16 +300,19 @@ def main() -> int:
                     print(f"{model:8s} {threads} thread(s) {backend:12s} " + "  ".join(
                         f"{shape}: {rate:9.0f} tok/s" if rate else f"{shape}: failed" for shape, rate in figures.items()),
                         flush=True)
-        if not arguments.quick:
+        if "150m" in models:
             results["latency"] = run_in_venv(python, ["--case", json.dumps({
                 "kind": "latency", "directory": str(Path(tmp, "150m"))})])
     results["load_end"] = os.getloadavg()
     print(json.dumps(results))
-    if arguments.quick:
+    if "150m" not in models:
         return 0
     missed = []
-    for threads in (1, 2):
-        for shape in ("64x64", "256x64"):
+    judged = [shape for shape in ("64x64", "256x64") if shape in results["throughput"][f"150m/{thread_counts[0]}t/vllm"]]
+    if len(judged) < 2 or thread_counts != [1, 2]:
+        missed.append(f"not every judged case ran (shapes {judged}, threads {thread_counts}): figures only")
+    for threads in thread_counts:
+        for shape in judged:
             ours = results["throughput"][f"150m/{threads}t/vllm"][shape]
             for other in ("cpu", "transformers"):
                 theirs = results["throughput"][f"150m/{threads}t/{other}"][shape]
