@@ -263,12 +263,16 @@ def test_a_job_with_every_override_and_a_configmap_reward_waits_for_quota_then_t
 
         config_map["data"]["scoring.py"] = EDITED_SCORING
         cluster.apply(config_map, namespace)
-        edited = wait_for(lambda: ((s := job().get("status") or {}).get("rolloutReward") or 0) >= EDITED_OFFSET
-                          and s, 600, "a reward of the edited ConfigMap in status.rolloutReward", diagnostics)
-        assert edited["phase"] == "Running" and edited["restarts"] == 0, edited
+        # The trainer pod goes next, while the new rollout pod waits for weights: the job is then certainly before its
+        # last step (waiting for the edited reward to show in status gave a fast trainer time to finish first). The
+        # final status shows the edited reward.
+        (replaced,) = wait_for(lambda: (pods := running("rollout")) and len(pods) == 1
+                               and pods[0]["metadata"]["uid"] != rollout["metadata"]["uid"]
+                               and pods[0]["status"].get("phase") == "Running" and pods, 600,
+                               "the rollout pod replaced for the edited ConfigMap", diagnostics)
+        edited = job()["status"]
+        assert edited["phase"] == "Running" and edited["restarts"] == 0 and edited["step"] < MAX_STEPS, edited
         assert [p["metadata"]["uid"] for p in running("trainer")] == [trainers[0]["metadata"]["uid"]]
-        (replaced,) = running("rollout")
-        assert replaced["metadata"]["uid"] != rollout["metadata"]["uid"]
         assert (replaced["metadata"]["labels"][c.LABEL_REWARD_SOURCE_HASH]
                 != rollout["metadata"]["labels"][c.LABEL_REWARD_SOURCE_HASH])
 

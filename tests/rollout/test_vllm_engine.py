@@ -26,7 +26,7 @@ from rollout_harness import make_config, tiny_model
 from rljob_api.config import JobConfig
 from rljob_wire.model import build_tokenizer, sequence_logprobs
 from rljob_trainer.weight_publisher import WeightPublisher
-from source_tree import REPO
+from source_tree import REPO, pythonpath
 
 pytestmark = pytest.mark.slow
 
@@ -224,7 +224,7 @@ def test_a_trainer_killed_mid_update_aborts_the_kept_requests_and_the_next_updat
         [sys.executable, str(Path(__file__).with_name("stalling_publisher.py")), str(tmp_path / "config.json"), "384",
          "3001", "12"], stdout=subprocess.PIPE, text=True,
         env={**os.environ, "REDIS_PASSWORD": module_redis_server.password,
-             "PYTHONPATH": os.pathsep.join([os.environ.get("PYTHONPATH", ""), str(Path(__file__).parent)])})
+             "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(REPO / "tests"), pythonpath(os.environ)])})
     try:
         deadline = time.monotonic() + 60
         while client.xlen(config.keys.events) == events_before:  # weights_ready: the trainer waits for the join
