@@ -105,13 +105,16 @@ def kv_cache_bytes(limit: Optional[int], weight_bytes: int, sequence_bytes: int)
     return size
 
 
+def head_size(hf_config: Any) -> int:
+    """The attention head size of the model ``hf_config`` describes: ``head_dim``, or hidden size / heads."""
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
 def sequence_kv_bytes(hf_config: Any, dtype_bytes: int) -> int:
     """KV-cache bytes of one sequence of ``max_position_embeddings`` tokens of the model ``hf_config`` describes
     (:func:`rljob_api.rules.kv_bytes_per_sequence`)."""
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    return rules.kv_bytes_per_sequence(hf_config.num_hidden_layers, kv_heads, head_size, dtype_bytes,
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    return rules.kv_bytes_per_sequence(hf_config.num_hidden_layers, kv_heads, head_size(hf_config), dtype_bytes,
                                        hf_config.max_position_embeddings)
 
 
@@ -229,10 +232,10 @@ class VllmBackend(GenerationBackend):
             from transformers import AutoConfig
 
             hf_config = AutoConfig.from_pretrained(where, revision=revision)
-        head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        if head_size not in rules.VLLM_CPU_HEAD_SIZES:
+        size = head_size(hf_config)
+        if size not in rules.VLLM_CPU_HEAD_SIZES:
             raise ValueError(
-                f"spec.model: {where!r} has attention heads of size {head_size}, which vLLM's CPU attention (backend "
+                f"spec.model: {where!r} has attention heads of size {size}, which vLLM's CPU attention (backend "
                 f"'vllm' with spec.rollout.gpusPerReplica 0) cannot run: it runs head sizes "
                 f"{', '.join(map(str, rules.VLLM_CPU_HEAD_SIZES))}; run this model on GPUs or with backend 'cpu'")
         if parameters is None:
