@@ -201,6 +201,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def vllm_python() -> str:
+    """The python of vLLM's venv (scripts/vllm-venv.sh, built on first use: about 4 minutes).
+
+    Raises:
+        subprocess.CalledProcessError: the venv could not be built.
+    """
+    out = subprocess.run(["bash", str(REPO / "scripts" / "vllm-venv.sh")], check=True, capture_output=True, text=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
 def _environment() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
@@ -330,6 +340,7 @@ def run_pipeline(
     timeout_s: float = 1800,
     poll_s: float = 0.25,
     echo: Optional[Callable[[str], None]] = None,
+    rollout_python: Optional[str] = None,
 ) -> PipelineRun:
     """Run the trainer and the rollout replicas of ``spec`` (a :func:`local_spec`) until the trainer exits, ``stop_when``
     (called with the points after every poll) returns True, or ``timeout_s`` passes; see the module docstring.
@@ -339,6 +350,8 @@ def run_pipeline(
         work_dir: created if missing; holds the config, the checkpoints and the logs.
         cores: a ``taskset -c`` list (``"0,1"``) for every process; None: no pinning.
         echo: called with a progress line now and then (None: quiet).
+        rollout_python: the rollout replicas' Python (None: this one); the ``vllm`` backend's is vLLM's own venv
+            (scripts/vllm-venv.sh), whose torch is the trainer's.
 
     Raises:
         pydantic.ValidationError: ``spec`` is not a valid RLTrainingJob spec.
@@ -379,7 +392,7 @@ def run_pipeline(
         trainer = launch([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
                           f"--nproc-per-node={TRAINER_PROCESSES}", "--master-addr=127.0.0.1",
                           f"--master-port={free_port()}", "-m", "rljob_trainer.train"], "trainer")
-        rollouts = [launch([sys.executable, "-m", "rljob_rollout"], f"rollout-{i}", RLJOB_REPLICA_INDEX=str(i))
+        rollouts = [launch([rollout_python or sys.executable, "-m", "rljob_rollout"], f"rollout-{i}", RLJOB_REPLICA_INDEX=str(i))
                     for i in range(parsed.rollout.replicas)]
         stopped = timed_out = False
         last_echo = 0.0

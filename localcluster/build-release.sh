@@ -10,7 +10,7 @@
 # The image gets its own tag because an earlier commit usually carries the same version as the checkout (the tag
 # rljob/operator:<version> is the current build's); the test installs the earlier chart with that tag. Only the
 # operator is built: the earlier version's trainer/rollout pods run the checkout's trainer image, which the job names
-# (the CPU trainer image is 2.7 GiB and unpacks to 5.8 GiB in each node; the upgrade replaces the operator only).
+# (the CPU trainer image is 2.9 GiB and unpacks to 6.3 GiB in each node; the upgrade replaces the operator only).
 #
 # Caching: the tree is extracted once per commit; the image is build-images.sh's, keyed by the hash of its inputs
 # (that commit's Dockerfile and files, the base of this checkout's build-images.sh), so a run with both present takes

@@ -2,10 +2,13 @@
 
     python requirements.py api/pyproject.toml operator/pyproject.toml
     python requirements.py trainer/pyproject.toml:trackers ...     # with the named extras (comma-separated)
+    python requirements.py --constraints trainer/pyproject.toml    # the pinned ones only, as a pip constraints file
 
 rljob's own distributions (``rljob-*``) are left out: an image installs them from its source folders, after the
 layer these requirements make, so that a source change rebuilds only the small last layer. A requirement without
-``==`` is left out where another of the files pins the name. Exits 2 on an extra a file does not define.
+``==`` is left out where another of the files pins the name. With ``--constraints`` only the pinned requirements
+are printed, without their extras (pip refuses extras in a constraints file). Exits 2 on an extra a file does not
+define.
 """
 
 from __future__ import annotations
@@ -35,9 +38,16 @@ def requirements(arguments: list[str]) -> list[str]:
     return [line for line in lines if "==" in line or name.match(line).group(0).lower() not in pinned]
 
 
+def constraints(arguments: list[str]) -> list[str]:
+    return [re.sub(r"\[[^\]]*\]", "", line) for line in requirements(arguments) if "==" in line]
+
+
 if __name__ == "__main__":
     try:
-        print("\n".join(requirements(sys.argv[1:])))
+        if sys.argv[1:2] == ["--constraints"]:
+            print("\n".join(constraints(sys.argv[2:])))
+        else:
+            print("\n".join(requirements(sys.argv[1:])))
     except SystemExit as error:
         print(error, file=sys.stderr)
         sys.exit(2)

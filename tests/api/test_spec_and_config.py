@@ -147,7 +147,7 @@ def test_unacknowledged_documents_between_checkpoints_must_fit_under_max_pending
     assert "512 × 9 = 4608 must not exceed spec.redis.maxPending = 4096" in problem.message
 
 
-@pytest.mark.parametrize("example", ["rljob-cpu.yaml", "rljob.yaml"])
+@pytest.mark.parametrize("example", ["rljob-cpu.yaml", "rljob-vllm-cpu.yaml", "rljob.yaml"])
 def test_examples_pass_the_code_checks(example):
     from pathlib import Path
 

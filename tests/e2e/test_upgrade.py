@@ -3,7 +3,7 @@
 The earlier version is a real one: the commit in ``tests/e2e/upgrade-from``, whose chart, CRD and example come from
 ``git archive`` and whose operator image is built from its own Dockerfile (``localcluster/build-release.sh``, run by
 ``scripts/setup.sh``, cached by commit). Its job's pods run this checkout's trainer image, which the job names: the
-earlier trainer image would be another 2.7 GiB build and 5.8 GiB in each node, and the upgrade replaces the operator
+earlier trainer image would be another 2.9 GiB build and 6.3 GiB in each node, and the upgrade replaces the operator
 only (the pods keep whatever image they run).
 
 The upgrade as a user does it (helm/rljob-operator/README.md, "Upgrading"):

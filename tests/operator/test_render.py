@@ -327,15 +327,17 @@ def test_adopt_sets_owner_reference_and_namespace_but_copies_no_labels(owner):
         assert "team" not in child["metadata"]["labels"]
 
 
-#: The pods' hashes of the two examples as a fresh resolution computes them. Pods of a running attempt keep the hashes
+#: The pods' hashes of the examples as a fresh resolution computes them. Pods of a running attempt keep the hashes
 #: recorded with their ConfigMap (operator/rljob_operator/resolution.py), so a change here restarts nothing on an
 #: upgrade; it changes what a new job or an edited role gets. Changed on purpose by issue 10
 #: (spec.trainer.parallelism, precision and activationCheckpointing with their defaults) and issue 11
 #: (spec.redis.persistence with its defaults; spec.rollout.rewardFailureDeadlineSeconds with its default); the CPU
 #: example's by issue 13 (its cosine learning-rate schedule over 300 steps, docs/learning-robustness.md); the rollout
-#: hashes by issue 24 (the trainer fields no rollout process reads, render.TRAINER_ONLY_FIELDS, left out of it).
+#: hashes by issue 24 (the trainer fields no rollout process reads, render.TRAINER_ONLY_FIELDS, left out of it). The
+#: vLLM example's since issue 23 (which added it).
 EXAMPLE_HASHES = {
     "grpo-digits-cpu": ("b586aca0a56f9285", "716c7be73f3772b0", "7468491ddcb74a24"),
+    "grpo-digits-vllm": ("359fc53ae6e17646", "e0de11f1c3f5606c", "59d6e786cf97d33c"),
     "grpo-qwen-math": ("dfe81c83a9716c45", "e2d974bfb04919ef", "3a1d18b19cd69086"),
 }
 
@@ -343,7 +345,7 @@ EXAMPLE_HASHES = {
 def test_the_examples_config_hashes_are_those_running_pods_carry():
     examples = Path(__file__).resolve().parents[2] / "examples"
     seen = {}
-    for path in ("rljob-cpu.yaml", "rljob.yaml"):
+    for path in ("rljob-cpu.yaml", "rljob-vllm-cpu.yaml", "rljob.yaml"):
         for doc in yaml.safe_load_all((examples / path).read_text()):
             if doc and doc.get("kind") == "RLTrainingJob":
                 job = render.Job(doc["metadata"]["name"], "default", RLTrainingJobSpec.model_validate(doc["spec"]))

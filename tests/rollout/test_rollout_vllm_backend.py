@@ -186,12 +186,12 @@ def test_logprobs_mode_gives_temperature_only_logprobs_or_refuses():
 def test_the_vllm_backend_on_an_image_without_vllm_names_the_field_the_value_and_the_image(redis_server):
     from rljob_rollout.backends import build_backend
 
-    config = make_config(redis_server, rollout={"backend": "vllm", "gpusPerReplica": 1, "image": "rljob/trainer-cpu:0.1.0"})
+    config = make_config(redis_server, rollout={"backend": "vllm", "gpusPerReplica": 1, "image": "example.org/no-vllm:1"})
     assert importlib.util.find_spec("vllm") is None  # the tests' Python never has vLLM (scripts/vllm-venv.sh does)
     with pytest.raises(ImportError) as raised:
         build_backend(config, DigitTokenizer(), seed=0)
     assert str(raised.value).startswith(
-        "spec.rollout.backend: 'vllm' needs vLLM, which the rollout image 'rljob/trainer-cpu:0.1.0' does not have: "
+        "spec.rollout.backend: 'vllm' needs vLLM, which the rollout image 'example.org/no-vllm:1' does not have: "
         "set spec.rollout.image to an image with vLLM")
 
 

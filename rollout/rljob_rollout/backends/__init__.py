@@ -20,8 +20,8 @@ def build_backend(config: JobConfig, tokenizer: Any, seed: int) -> GenerationBac
         if importlib.util.find_spec("vllm") is None:
             raise ImportError(
                 f"spec.rollout.backend: 'vllm' needs vLLM, which the rollout image {config.spec.rollout.image!r} does "
-                "not have: set spec.rollout.image to an image with vLLM (trainer_image/Dockerfile.vllm), or backend "
-                "to 'cpu'")
+                "not have: set spec.rollout.image to an image with vLLM (GPUs: trainer_image/Dockerfile.vllm; "
+                "gpusPerReplica 0: rljob/trainer-cpu, trainer_image/Dockerfile.cpu), or backend to 'cpu'")
         from rljob_rollout.backends.vllm import VllmBackend
 
         return VllmBackend(config, tokenizer, seed)

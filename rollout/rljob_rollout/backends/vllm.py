@@ -150,7 +150,8 @@ class VllmBackend(GenerationBackend):
         aborted: groups :meth:`finished` returned as None (aborted by torn updates, or ended by an engine error).
 
     Raises:
-        ImportError: vLLM is not installed (use the rollout GPU image, trainer_image/Dockerfile.vllm).
+        ImportError: vLLM is not installed (use trainer_image/Dockerfile.vllm on GPUs, trainer_image/Dockerfile.cpu
+            without).
         ValueError: unsupported sampling settings (:func:`logprobs_mode`).
     """
 
