@@ -192,10 +192,11 @@ def latency_case(directory: Path) -> dict:
             engine.submit(key, prompt, group, long)
         return submitted
 
+    arrived: set[int] = set()  # every group finished() returned: one call may return groups another wait is for
+
     def wait(submitted: list[int]) -> None:
-        left = set(submitted)
-        while left:
-            left -= {key for key, _ in engine.finished(timeout_s=1.0)}
+        while not arrived.issuperset(submitted):
+            arrived.update(key for key, _ in engine.finished(timeout_s=1.0))
 
     def update() -> None:
         with socket.socket() as s:
