@@ -344,3 +344,40 @@ def test_a_rollout_process_on_vllm_streams_documents_and_ends_its_engine_on_sigt
             proc.wait()
         publisher.close()
         client.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_rollout_process_on_a_model_vllms_cpu_attention_cannot_run_stops_at_start_naming_it(vllm_python, redis_server,
+                                                                                            tmp_path):
+    """``model.source: path`` with attention heads of 16 (hidden 64, 4 heads), ``backend: vllm`` without GPUs: the
+    rollout process as a pod runs it exits 2 before any engine starts, well within the kubelet's first back-off (10 s
+    after a start of about as long), its last log line naming the model and its head size: the termination message
+    that RolloutReady quotes (tests/operator/test_reward_source_pass.py follows such a message into the condition)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_files import save_tokenizer
+    from rljob_api.config import RedisConnection, resolve
+    from rljob_api.spec import RLTrainingJobSpec
+
+    model = tmp_path / "model"
+    LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=128,
+                                 vocab_size=14, max_position_embeddings=64)).save_pretrained(model)
+    save_tokenizer(model)
+    spec = RLTrainingJobSpec.model_validate({"model": {"source": "path", "path": str(model)},
+                                             "rollout": {"backend": "vllm", "gpusPerReplica": 0}})
+    config = resolve("heads", "ns", spec, RedisConnection(host=redis_server.host, port=redis_server.port))
+    path = tmp_path / "config.json"
+    path.write_text(config.to_json())
+    env = {**os.environ, "RLJOB_CONFIG": str(path), "REDIS_PASSWORD": redis_server.password, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": VENV_PYTHONPATH}
+    started = time.monotonic()
+    result = subprocess.run([vllm_python, "-m", "rljob_rollout"], env=env, capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - started
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert took < 60, took
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.endswith(
+        f"ERROR rljob_rollout: rollout: cannot start: spec.model: {str(model)!r} has attention heads of size 16, "
+        "which vLLM's CPU attention (backend 'vllm' with spec.rollout.gpusPerReplica 0) cannot run: it runs head sizes "
+        "32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512; run this model on GPUs or with backend 'cpu'"), last
+    assert "EngineCore" not in result.stderr

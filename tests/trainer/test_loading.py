@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from hf_files import save_tokenizer
 from portutil import free_port
 from rljob_api.spec import ModelSpec
 from rljob_trainer.loading import (
@@ -247,18 +248,6 @@ def test_a_frozen_reference_is_sharded_like_the_policy_and_needs_no_gradient(two
 
 
 # --- a start from a checkpoint --------------------------------------------------------------------------------------
-def save_tokenizer(directory: Path) -> None:
-    """A character-level fast tokenizer with the special tokens the trainer needs, for ``AutoTokenizer``."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {token: i for i, token in enumerate(["<pad>", "<bos>", "<eos>", "<unk>", *"0123456789"])}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>", bos_token="<bos>",
-                            eos_token="<eos>").save_pretrained(directory)
-
-
 @pytest.mark.parametrize("start", ["initFrom", "own"])
 def test_a_start_from_a_checkpoint_reads_no_pretrained_weights(redis_server, tmp_path, monkeypatch, start):
     """``model.source: path`` whose safetensors are gone, and a checkpoint of that model to start from: another job's
