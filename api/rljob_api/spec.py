@@ -251,8 +251,8 @@ class ParallelismSpec(ApiModel):
     )
     replicate: int = Field(
         1,
-        ge=1,
-        le=4096,
+        ge=rules.REPLICATE_BOUNDS[0],
+        le=rules.REPLICATE_BOUNDS[1],
         description="fsdp only: data-parallel replica groups (HSDP, a 2-D mesh replicate x shard). Each group holds "
         "one sharded copy of the model over dataParallelSize/replicate ranks; gradients are reduce-scattered within "
         "a group and all-reduced across groups. Must divide the data-parallel size; 1 shards over every rank.",
@@ -286,7 +286,9 @@ class TrainerSpec(ApiModel):
     backend: Literal["builtin"] = Field("builtin", json_schema_extra={"enum": ["builtin"]},
                                         description="The training loop: `builtin`, rljob's own.")
     nodes: int = Field(1, ge=_COUNTS["nodes"][0], le=_COUNTS["nodes"][1],
-                       description="Trainer pods in the gang (torchrun nnodes).")
+                       description="Trainer pods in the gang (torchrun nnodes). Editable while the job runs, like "
+                                   "processesPerNode: the gang restarts at the new size from the last checkpoint, "
+                                   "resharded.")
     processes_per_node: int = Field(
         1, ge=_COUNTS["processesPerNode"][0], le=_COUNTS["processesPerNode"][1],
         description="Ranks per pod (torchrun nproc-per-node), usually GPUs."
@@ -300,9 +302,9 @@ class TrainerSpec(ApiModel):
         "(about a third more compute, activation memory of one block instead of all); none keeps them.",
     )
     tensor_parallel: int = Field(1, ge=_COUNTS["tensorParallel"][0], le=_COUNTS["tensorParallel"][1],
-                                 description="Tensor-parallel degree.")
+                                 description="Tensor-parallel degree; only 1 is supported yet.")
     pipeline_parallel: int = Field(1, ge=_COUNTS["pipelineParallel"][0], le=_COUNTS["pipelineParallel"][1],
-                                   description="Pipeline-parallel degree.")
+                                   description="Pipeline-parallel degree; only 1 is supported yet.")
     resources: dict[str, Any] = Field(
         default_factory=dict,
         description="Container resources (requests/limits) of each trainer pod, e.g. "

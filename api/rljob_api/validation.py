@@ -37,12 +37,17 @@ def data_parallel_size(spec: RLTrainingJobSpec) -> int:
     world = t.nodes * t.processes_per_node
     dp = rules.data_parallel(world, t.tensor_parallel, t.pipeline_parallel)
     if dp is None:
-        raise ValueError(
-            f"spec.trainer: nodes*processesPerNode = {t.nodes}*{t.processes_per_node} = {world} is not divisible "
-            f"by tensorParallel*pipelineParallel = {t.tensor_parallel}*{t.pipeline_parallel} = "
-            f"{t.tensor_parallel * t.pipeline_parallel}"
-        )
+        raise ValueError("spec.trainer: " + rules.TOPOLOGY_MESSAGE.text(
+            **topology_numbers(spec), world=world, modelParallel=t.tensor_parallel * t.pipeline_parallel))
     return dp
+
+
+def topology_numbers(spec: RLTrainingJobSpec) -> dict[str, int]:
+    """The trainer's counts by CRD field name (nodes, processesPerNode, tensorParallel, pipelineParallel): the numbers
+    the topology's messages (:class:`rules.NumberedMessage`) name."""
+    t = spec.trainer
+    return {"nodes": t.nodes, "processesPerNode": t.processes_per_node, "tensorParallel": t.tensor_parallel,
+            "pipelineParallel": t.pipeline_parallel}
 
 
 def trainer_gpus(spec: RLTrainingJobSpec) -> int:
@@ -103,31 +108,29 @@ def _trainer_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
             f"{a.kl_estimator} is ignored while spec.algorithm.klCoef is {a.kl_coef:g} (no KL penalty is computed): "
             "set klCoef > 0 to enable the KL penalty, or remove klEstimator")))
     if t.tensor_parallel != 1:
-        problems.append(SpecProblem("spec.trainer.tensorParallel", "tensor parallelism > 1 is not supported yet", False))
+        problems.append(SpecProblem("spec.trainer.tensorParallel", (
+            f"{t.tensor_parallel}: tensor parallelism > 1 is not supported yet (the trainer parallelises over "
+            "data-parallel ranks only): set it to 1"), False))
     if t.pipeline_parallel != 1:
-        problems.append(
-            SpecProblem("spec.trainer.pipelineParallel", "pipeline parallelism > 1 is not supported yet", False)
-        )
+        problems.append(SpecProblem("spec.trainer.pipelineParallel", (
+            f"{t.pipeline_parallel}: pipeline parallelism > 1 is not supported yet (the trainer parallelises over "
+            "data-parallel ranks only): set it to 1"), False))
     problems += _gpu_problems(spec)
     par = t.parallelism
     if par.strategy != "fsdp" and par.replicate != 1:
         problems.append(SpecProblem("spec.trainer.parallelism.replicate",
                                     f"replicate = {par.replicate} (HSDP) requires strategy fsdp, not {par.strategy}"))
     elif dp is not None and not rules.replicate_allowed(par.strategy, par.replicate, dp):
-        problems.append(SpecProblem("spec.trainer.parallelism.replicate",
-                                    f"replicate = {par.replicate} does not divide the data-parallel size {dp}"))
+        problems.append(SpecProblem("spec.trainer.parallelism.replicate", rules.REPLICATE_MESSAGE.text(
+            replicate=par.replicate, dataParallel=dp, **topology_numbers(spec))))
     if not rules.reduce_format_allowed(par.strategy, t.precision.reduce):
         problems.append(SpecProblem("spec.trainer.precision.reduce", (
             f"{t.precision.reduce} is ignored with spec.trainer.parallelism.strategy {par.strategy}, which all-reduces "
             "the gradients in float32 (only fsdp reduces in precision.reduce; precision.param applies to both): remove "
             "precision.reduce (fp32, the default) or set parallelism.strategy to fsdp")))
     if dp is not None and rules.documents_per_rank(t.batch.documents_per_step, dp) is None:
-        problems.append(
-            SpecProblem(
-                "spec.trainer.batch.documentsPerStep",
-                f"documentsPerStep = {t.batch.documents_per_step} is not divisible by the data-parallel size {dp}",
-            )
-        )
+        problems.append(SpecProblem("spec.trainer.batch.documentsPerStep", rules.DOCUMENTS_PER_STEP_MESSAGE.text(
+            documentsPerStep=t.batch.documents_per_step, dataParallel=dp, **topology_numbers(spec))))
     problems += _schedule_problems(spec)
     unacked = t.batch.documents_per_step * t.checkpoint.every_steps
     if unacked > spec.redis.max_pending:

@@ -30,7 +30,7 @@ from rljob_api.config import JobConfig
 from rljob_api.constants import Phase
 from rljob_api.pod_template import PodTemplateOverride
 from rljob_api.spec import RLTrainingJobSpec, RunPolicySpec
-from rljob_api.validation import SpecProblem, check_spec
+from rljob_api.validation import SpecProblem, check_spec, topology_numbers
 
 from rljob_operator import gang, render, resolution, workload
 from rljob_operator.observe import DeploymentView, PodView
@@ -146,6 +146,17 @@ def redis_template_problems(job: render.Job, config: JobConfig, recorded: Option
         f"pod, once), or accept the loss: kubectl annotate rljob {job.name} {c.ANNOTATION_ALLOW_REDIS_DATA_LOSS}=true"))]
 
 
+def kept_topology(kept: RLTrainingJobSpec, spec: Optional[RLTrainingJobSpec]) -> str:
+    """What Valid's note adds when an invalid edit changes the trainer's topology: the counts the running gang keeps,
+    e.g. "; its gang keeps processesPerNode 4, tensorParallel 1" (the problems name the edited values); "" when the
+    edit changes none of them or does not parse."""
+    if spec is None:
+        return ""
+    before, after = topology_numbers(kept), topology_numbers(spec)
+    kept_counts = [f"{name} {value}" for name, value in before.items() if after[name] != value]
+    return f"; its gang keeps {', '.join(kept_counts)}" if kept_counts else ""
+
+
 def live_workers(pods: Iterable[PodView]) -> list[PodView]:
     """The trainer and rollout pods of ``pods`` that are not being deleted (the managed Redis pod is not one)."""
     return [p for p in pods if p.role in (c.Role.TRAINER, c.Role.ROLLOUT) and not p.deleting]
@@ -258,7 +269,8 @@ def decide(body: Mapping[str, Any], before: gang.Lifecycle, pods: Iterable[PodVi
     if kept is not None:
         kept_generation, kept_run = kept
         note = ("the job goes on with its last valid spec"
-                + (f" (generation {kept_generation})" if kept_generation is not None else "") + " until then")
+                + (f" (generation {kept_generation})" if kept_generation is not None else "") + " until then"
+                + kept_topology(kept_run, spec))
         kept_config = resolution.effective_config(render.Job(name, namespace, kept_run, dict(labels), uid),
                                                   generation, recorded)
         return Decision(spec, tuple(problems), run=kept_run, note=note, config=kept_config)

@@ -93,18 +93,9 @@ FREE_FORM_SCHEMAS: dict[str, dict[str, Any]] = {
 }
 
 # --- CEL rules (x-kubernetes-validations); their messages are asserted by tests against a real API server ----
-# The rules the operator's spec check and the trainer's start check share are in rljob_api.rules.
-TOPOLOGY_FIELDS = ("nodes", "processesPerNode", "tensorParallel", "pipelineParallel")
-
-RULE_TOPOLOGY_IMMUTABLE = {
-    "rule": "self.runPolicy.suspend || oldSelf.runPolicy.suspend || ("
-    + " && ".join(f"self.trainer.{f} == oldSelf.trainer.{f}" for f in TOPOLOGY_FIELDS)
-    + ")",
-    "message": "trainer topology (nodes, processesPerNode, tensorParallel, pipelineParallel) is immutable unless "
-    "the job is suspended: set runPolicy.suspend to true first, then change it and resume",
-    "fieldPath": ".trainer",
-    "reason": "FieldValueForbidden",
-}
+# The rules the operator's spec check and the trainer's start check share are in rljob_api.rules. The trainer's
+# topology has no rule of its own: an edit of a running job is a gang restart that reshards the last checkpoint
+# (DESIGN §5), refused only where the new topology is (rules.CEL_TOPOLOGY and the rules beside it).
 PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "description": "Summary of the conditions."},
     {"name": "DP", "type": "integer", "jsonPath": ".status.dataParallelSize", "description": "Data-parallel size."},
@@ -277,7 +268,7 @@ def model_schema(model: type[BaseModel], path: str, *, with_defaults: bool) -> d
 def crd() -> dict[str, Any]:
     """The CustomResourceDefinition as a dict (apiextensions.k8s.io/v1)."""
     spec = model_schema(RLTrainingJobSpec, "spec", with_defaults=True)  # required (model has no default)
-    spec["x-kubernetes-validations"] = [rules.CEL_METRICS_ONE_STAGE, RULE_TOPOLOGY_IMMUTABLE]
+    spec["x-kubernetes-validations"] = [rules.CEL_METRICS_ONE_STAGE]
     spec["properties"]["trainer"]["x-kubernetes-validations"] = [rules.CEL_TOPOLOGY, rules.CEL_DOCUMENTS_PER_STEP,
                                                                   rules.CEL_REPLICATE, rules.CEL_REDUCE_NEEDS_FSDP,
                                                                   rules.CEL_DECAY_NEEDS_STEPS]

@@ -523,7 +523,9 @@ def _failures(
                           else "")) if hashes.changed else "a spec field the trainer reads"
             failures.append(_Failure(p.name, Reason.CONFIG_CHANGED, f"runs an outdated config ({changed} changed)",
                                      counted=False))
-    if lc.gang_created:
+    # A pod missing from a gang made for an outdated config was deleted, or never made: an edit of spec.trainer.nodes
+    # asks for pods the old gang never had, and the config change restarts the gang anyway, uncounted.
+    if lc.gang_created and not any(f.reason == Reason.CONFIG_CHANGED for f in failures):
         for index in range(spec.trainer.nodes):
             if index not in current:
                 failures.append(_Failure(names.trainer_pod(job, index), Reason.POD_DELETED, "is gone (deleted)",

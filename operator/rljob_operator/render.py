@@ -97,8 +97,9 @@ TRAINER_ONLY_FIELDS = (
     "export", "tensorboard", "collective_timeout_seconds", "rendezvous_timeout_seconds", "data_timeout_seconds",
 )
 """Fields of ``spec.trainer`` that no rollout process reads: left out of the rollout pods' :func:`role_config_hash`,
-so that an edit of one (a learning rate, the checkpoint interval, the topology while suspended) restarts the gang
-alone and keeps the rollout pods, whose engines take long to start."""
+so that an edit of one (a learning rate, the checkpoint interval, the topology) restarts the gang alone and keeps the
+rollout pods, whose engines take long to start. The data-parallel size, derived from the topology, is left out of it
+too."""
 ROLLOUT_POD_IGNORES = ("replicas", "reward_failure_deadline_seconds")
 """Fields of ``spec.rollout`` left out of the rollout pods' :func:`role_config_hash`: a kept replica runs the same
 whatever the replica count (a worker checks only that its index is below it, and pods above it are deleted), and
@@ -213,6 +214,8 @@ def _role_view(config: JobConfig, role: c.Role) -> dict[str, Any]:
                 "redis": RedisSpec().model_dump(mode="json")}
     for path in ROLE_IGNORES[role]:
         copy_field(view["spec"], defaults, path)
+    if role == c.Role.ROLLOUT:
+        del view["data_parallel_size"]  # derived from the trainer's topology, which no rollout process reads either
     return view
 
 

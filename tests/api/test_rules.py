@@ -57,7 +57,9 @@ def test_the_operators_check_names_the_replicate_and_its_numbers():
 
     assert problems(strategy="fsdp", replicate=2) == []
     assert problems(strategy="fsdp", replicate=3) == [
-        "spec.trainer.parallelism.replicate: replicate = 3 does not divide the data-parallel size 4"]
+        "spec.trainer.parallelism.replicate: replicate 3 does not divide the data-parallel size 4 = nodes 2 × "
+        "processesPerNode 2 / (tensorParallel 1 × pipelineParallel 1): each of the replicate groups (HSDP) shards the "
+        "model over the same number of ranks"]
     assert problems(strategy="ddp", replicate=2) == [
         "spec.trainer.parallelism.replicate: replicate = 2 (HSDP) requires strategy fsdp, not ddp"]
 
@@ -198,3 +200,25 @@ def test_trainer_count_bounds_are_the_schemas_and_the_cel_rules():
     for name, (low, high) in rules.TRAINER_COUNT_BOUNDS.items():
         assert (schema[name]["minimum"], schema[name]["maximum"]) == (low, high), name
         assert f"self.{name} >= {low} && self.{name} <= {high}" in rules.CEL_TOPOLOGY["rule"], name
+
+
+def test_the_divisibility_refusals_name_the_numbers_from_one_template_for_the_operator_and_the_api_server():
+    """The operator's message and the CEL rule's messageExpression come from one template; the API server's rendering
+    of the digits is asserted against a real API server in tests/operator/test_cluster.py."""
+    import string
+
+    for rule, message in ((rules.CEL_TOPOLOGY, rules.TOPOLOGY_MESSAGE),
+                          (rules.CEL_DOCUMENTS_PER_STEP, rules.DOCUMENTS_PER_STEP_MESSAGE),
+                          (rules.CEL_REPLICATE, rules.REPLICATE_MESSAGE)):
+        assert rule["messageExpression"] == message.cel()
+        fields = {name for _, name, _, _ in string.Formatter().parse(message.template) if name}
+        assert fields == set(message.values)
+    assert rules.cel_decimal("self.nodes", 4096) == (
+        "(self.nodes>=1000?'0123456789'.substring(self.nodes/1000%10,self.nodes/1000%10+1):'')+"
+        "(self.nodes>=100?'0123456789'.substring(self.nodes/100%10,self.nodes/100%10+1):'')+"
+        "(self.nodes>=10?'0123456789'.substring(self.nodes/10%10,self.nodes/10%10+1):'')+"
+        "'0123456789'.substring(self.nodes%10,self.nodes%10+1)")
+    assert rules.DOCUMENTS_PER_STEP_MESSAGE.text(
+        documentsPerStep=512, dataParallel=3, nodes=1, processesPerNode=3, tensorParallel=1, pipelineParallel=1
+    ).startswith("documentsPerStep 512 is not divisible by the data-parallel size 3 = nodes 1 × processesPerNode 3 / "
+                 "(tensorParallel 1 × pipelineParallel 1): ")

@@ -45,7 +45,8 @@ def test_data_parallel_size(nodes, ppn, tp, pp, dp):
 
 def test_indivisible_topology_message_prints_the_numbers():
     s = spec(trainer={"nodes": 3, "processesPerNode": 1, "tensorParallel": 2})
-    with pytest.raises(ValueError, match=r"3\*1 = 3 is not divisible by tensorParallel\*pipelineParallel = 2\*1 = 2"):
+    with pytest.raises(ValueError, match="^spec.trainer: nodes 3 × processesPerNode 1 = 3 ranks is not divisible by "
+                                         "tensorParallel 2 × pipelineParallel 1 = 2: "):
         data_parallel_size(s)
     fields = [p.field for p in check_spec(s)]
     assert fields[0] == "spec.trainer.nodes"
@@ -75,7 +76,10 @@ def test_code_checks_name_fields():
     assert "spec.trainer.batch.documentsPerStep" not in problems  # DP = 2 / 2 = 1 divides 3
     s2 = spec(trainer={"nodes": 2, "batch": {"documentsPerStep": 3}})
     assert [str(p) for p in check_spec(s2)] == [
-        "spec.trainer.batch.documentsPerStep: documentsPerStep = 3 is not divisible by the data-parallel size 2"
+        "spec.trainer.batch.documentsPerStep: documentsPerStep 3 is not divisible by the data-parallel size 2 = nodes "
+        "2 × processesPerNode 1 / (tensorParallel 1 × pipelineParallel 1): every data-parallel rank trains the same "
+        "number of documents per step; set documentsPerStep to a multiple of the data-parallel size, or change the "
+        "topology"
     ]
 
 

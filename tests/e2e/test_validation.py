@@ -20,11 +20,13 @@ def test_api_server_refuses_a_topology_that_does_not_divide(cluster, operator, n
     assert result.returncode != 0
     message = result.stderr
     assert "spec.trainer.nodes" in message, message
-    assert "nodes*processesPerNode must be divisible by tensorParallel*pipelineParallel" in message, message
+    assert ("nodes 3 × processesPerNode 1 = 3 ranks is not divisible by tensorParallel 2 × pipelineParallel 1 = 2"
+            in message), message
     assert get_job(cluster, namespace, "bad-topology") == {}
     odd = cluster.apply(job_manifest("odd-batch", {"trainer": {"batch": {"documentsPerStep": 63}}}), namespace,
                         check=False)  # DP = 2 does not divide 63
-    assert odd.returncode != 0 and "spec.trainer.batch.documentsPerStep" in odd.stderr, odd.stderr
+    assert odd.returncode != 0 and ('spec.trainer.batch.documentsPerStep: Invalid value: "object": documentsPerStep '
+                                    "63 is not divisible by the data-parallel size 2") in odd.stderr, odd.stderr
     assert get_job(cluster, namespace, "odd-batch") == {}
 
 

@@ -78,3 +78,22 @@ def test_an_invalid_edit_after_an_operator_restart_goes_on_with_the_recorded_spe
     assert decision.config is not None and decision.config.spec.model.tiny.heads == 4
     nothing = admission.decide(invalid, RUNNING, [trainer(0, 0)], None, JobRuntime(), None)
     assert nothing.run is None and nothing.config is None
+
+
+def test_an_edit_to_a_topology_no_trainer_runs_keeps_the_gang_and_names_its_counts():
+    """tensorParallel > 1 is not implemented (no checkpoint could be resharded to it): the edit is refused naming the
+    value, and the note names the counts the running gang keeps; an edit of the data-parallel counts alone runs."""
+    valid = body(generation=1, trainer={"nodes": 2, "processesPerNode": 2})
+    recorded = recorded_of(valid, 1)
+    edited = body(generation=2, trainer={"nodes": 1, "processesPerNode": 4, "tensorParallel": 2})
+    decision = admission.decide(edited, RUNNING, [trainer(0, 0), trainer(1, 0), rollout(0)], None, JobRuntime(),
+                                recorded)
+    assert [str(p) for p in decision.problems] == [
+        "spec.trainer.tensorParallel: 2: tensor parallelism > 1 is not supported yet (the trainer parallelises over "
+        "data-parallel ranks only): set it to 1"]
+    assert decision.note == ("the job goes on with its last valid spec until then; its gang keeps nodes 2, "
+                             "processesPerNode 2, tensorParallel 1")
+    assert (decision.run.trainer.nodes, decision.run.trainer.processes_per_node) == (2, 2)
+    resized = admission.decide(body(generation=2, trainer={"nodes": 1, "processesPerNode": 4}), RUNNING,
+                               [trainer(0, 0), trainer(1, 0), rollout(0)], None, JobRuntime(), recorded)
+    assert resized.applies and resized.config.data_parallel_size == 4

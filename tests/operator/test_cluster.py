@@ -212,22 +212,36 @@ def test_schema_and_cel_rules_are_enforced_with_messages_that_name_the_field(kub
         assert result.returncode != 0, f"accepted: {manifest}"
         return result.stderr
 
-    assert ('spec.trainer.nodes: Invalid value: "object": nodes*processesPerNode must be divisible by '
-            'tensorParallel*pipelineParallel') in refused(job_manifest("div", trainer={"nodes": 3, "tensorParallel": 2}))
+    # the refusals name the numbers (rljob_api.rules.NumberedMessage: digits a messageExpression can afford)
+    assert ('spec.trainer.nodes: Invalid value: "object": nodes 3 × processesPerNode 1 = 3 ranks is not divisible by '
+            "tensorParallel 2 × pipelineParallel 1 = 2: each data-parallel rank needs tensorParallel × "
+            "pipelineParallel processes") in refused(job_manifest("div", trainer={"nodes": 3, "tensorParallel": 2}))
+    assert ("nodes 4000 × processesPerNode 10 = 40000 ranks is not divisible by tensorParallel 64 × pipelineParallel "
+            "64 = 4096") in refused(job_manifest("div2", trainer={"nodes": 4000, "processesPerNode": 10,
+                                                                 "tensorParallel": 64, "pipelineParallel": 64}))
     assert ('spec.algorithm.metrics: Invalid value: "object": metrics basic or full requires '
             'trainer.pipelineParallel == 1') in refused(
         job_manifest("pp", algorithm={"metrics": "basic"}, trainer={"pipelineParallel": 2}))
-    assert ('spec.trainer.batch.documentsPerStep: Invalid value: "object": batch.documentsPerStep must be divisible '
-            'by the data-parallel size nodes*processesPerNode/(tensorParallel*pipelineParallel)') in refused(
+    assert ('spec.trainer.batch.documentsPerStep: Invalid value: "object": documentsPerStep 64 is not divisible by the '
+            "data-parallel size 6 = nodes 2 × processesPerNode 3 / (tensorParallel 1 × pipelineParallel 1): every "
+            "data-parallel rank trains the same number of documents per step; set documentsPerStep to a multiple of "
+            "the data-parallel size, or change the topology") in refused(
         job_manifest("docs", trainer={"nodes": 2, "processesPerNode": 3, "batch": {"documentsPerStep": 64}}))
+    assert ("documentsPerStep 1000000007 is not divisible by the data-parallel size 100 = nodes 10 × processesPerNode "
+            "10 / (tensorParallel 1 × pipelineParallel 1)") in refused(job_manifest("docs2", trainer={
+                "nodes": 10, "processesPerNode": 10, "batch": {"documentsPerStep": 1000000007}}))
+    assert ("documentsPerStep 9223372036854775807 is not divisible by the data-parallel size 40960 = nodes 640 × "
+            "processesPerNode 64 / (tensorParallel 1 × pipelineParallel 1)") in refused(job_manifest("docs3", trainer={
+                "nodes": 640, "processesPerNode": 64, "batch": {"documentsPerStep": 2**63 - 1}}))
     zero = refused(job_manifest("zero", trainer={"processesPerNode": 0}))  # the bound, and no CEL error beside it
     assert "spec.trainer.processesPerNode in body should be greater than or equal to 1" in zero
     assert "divisible" not in zero and "modulus by zero" not in zero
     kube.apply(job_manifest("docsok", trainer={"nodes": 2, "processesPerNode": 2, "pipelineParallel": 2,
                                                "batch": {"documentsPerStep": 2}}), namespace)  # DP = 2 divides 2
-    assert ("spec.trainer.parallelism.replicate: Invalid value: \"object\": parallelism.replicate must divide the "
-            "data-parallel size") in refused(job_manifest("hsdp3", trainer={"nodes": 2, "processesPerNode": 2,
-                                                                           "parallelism": {"replicate": 3}}))
+    assert ("spec.trainer.parallelism.replicate: Invalid value: \"object\": replicate 3 does not divide the "
+            "data-parallel size 4 = nodes 2 × processesPerNode 2 / (tensorParallel 1 × pipelineParallel 1): each of "
+            "the replicate groups (HSDP) shards the model over the same number of ranks") in refused(job_manifest(
+                "hsdp3", trainer={"nodes": 2, "processesPerNode": 2, "parallelism": {"replicate": 3}}))
     assert ("spec.trainer.parallelism.replicate: Invalid value: \"object\": replicate > 1 (HSDP) requires strategy "
             "fsdp") in refused(job_manifest("ddphsdp", trainer={"nodes": 2, "processesPerNode": 2,
                                                                "parallelism": {"strategy": "ddp", "replicate": 2}}))
@@ -269,14 +283,17 @@ def test_schema_and_cel_rules_are_enforced_with_messages_that_name_the_field(kub
     assert stored["spec"]["trainer"]["processesPerNode"] == 1  # defaults applied by the API server
     assert stored["spec"]["runPolicy"] == {"backoffLimit": 3, "cleanPodPolicy": "All", "suspend": False}
     patch = ["patch", "rljob", "topo", "-n", namespace, "--type=merge", "-p"]
-    result = kube.run(*patch, json.dumps({"spec": {"trainer": {"nodes": 4}}}), check=False)
+    # the topology of a job that is not suspended may change (a gang restart, test_a_topology_edit_...), into one
+    # that divides: the refusal of an edit names the numbers of the spec it would make
+    result = kube.run(*patch, json.dumps({"spec": {"trainer": {"processesPerNode": 3}}}), check=False)
     assert result.returncode != 0 and (
-        "spec.trainer: Forbidden: trainer topology (nodes, processesPerNode, tensorParallel, pipelineParallel) "
-        "is immutable unless the job is suspended: set runPolicy.suspend to true first, then change it and resume"
+        'spec.trainer.batch.documentsPerStep: Invalid value: "object": documentsPerStep 64 is not divisible by the '
+        "data-parallel size 6 = nodes 2 × processesPerNode 3 / (tensorParallel 1 × pipelineParallel 1)"
     ) in result.stderr
-    kube.run(*patch, json.dumps({"spec": {"runPolicy": {"suspend": True}, "trainer": {"nodes": 4}}}))
-    kube.run(*patch, json.dumps({"spec": {"runPolicy": {"suspend": False}, "trainer": {"processesPerNode": 2}}}))
-    assert kube.job(namespace, "topo")["spec"]["trainer"]["processesPerNode"] == 2
+    kube.run(*patch, json.dumps({"spec": {"trainer": {"nodes": 4}}}))
+    kube.run(*patch, json.dumps({"spec": {"trainer": {"processesPerNode": 2}}}))
+    assert (kube.job(namespace, "topo")["spec"]["trainer"]["nodes"],
+            kube.job(namespace, "topo")["spec"]["trainer"]["processesPerNode"]) == (4, 2)
     explained = kube.run("explain", "rljob.spec.trainer.nodes").stdout
     assert "Trainer pods in the gang (torchrun nnodes)." in explained
     assert stored["spec"]["trainer"]["parallelism"] == {"strategy": "fsdp", "replicate": 1}
@@ -612,6 +629,69 @@ def test_rollout_changes_never_restart_the_trainer_gang_and_no_status_write_is_r
     assert (status["attempt"], status["restarts"], status["phase"]) == (0, 0, "Starting")
     assert not [e for e in kube.json("get", "events", "-n", namespace)["items"] if e["reason"] == "ConfigChanged"]
     assert stale_status_writes(operator) == refused_before
+
+
+def test_a_topology_edit_of_a_running_job_restarts_the_gang_with_the_new_world_size(kube, operator, namespace):
+    """Issue 24 item 4: nodes/processesPerNode of a job that is not suspended change as a gang restart (ConfigChanged,
+    uncounted, naming the fields) whose new pods run the new world size and reshard the last checkpoint (DCP,
+    tests/trainer/test_checkpoint_strategies.py); the rollout pods stay. A topology no trainer runs (tensorParallel >
+    1: nothing to reshard into) is refused by the operator's check, naming the value, and the gang keeps its own."""
+    kube.apply(job_manifest("resize"), namespace)
+
+    def live(role):
+        return {p["metadata"]["name"]: p for p in kube.pods(namespace, role)
+                if not p["metadata"].get("deletionTimestamp")}
+
+    def torchrun(pod) -> tuple[str, str, str]:
+        args = " ".join(pod["spec"]["containers"][0]["command"] + pod["spec"]["containers"][0].get("args", []))
+        return (pod["metadata"]["labels"]["rljob.dev/attempt"], re.search(r"--nnodes=(\d+)", args).group(1),
+                re.search(r"--nproc-per-node=(\d+)", args).group(1))
+
+    wait_for(lambda: len(live("trainer")) == 2 and len(live("rollout")) == 1
+             and (kube.job(namespace, "resize").get("status") or {}).get("gangCreated"), "the gang and 1 rollout pod")
+    assert {torchrun(p) for p in live("trainer").values()} == {("0", "2", "1")}
+    assert kube.job(namespace, "resize")["status"]["dataParallelSize"] == 2
+    rollout_uid = live("rollout")["resize-rollout-0"]["metadata"]["uid"]
+    patch = ["patch", "rljob", "resize", "-n", namespace, "--type=merge", "-p"]
+
+    kube.run(*patch, json.dumps({"spec": {"trainer": {"nodes": 1, "processesPerNode": 4}}}))  # 2 ranks -> 4
+    wait_for(lambda: list(live("trainer")) == ["resize-trainer-0"]
+             and torchrun(live("trainer")["resize-trainer-0"]) == ("1", "1", "4"), "attempt 1: 1 pod of 4 ranks")
+    status = wait_for(lambda: (s := kube.job(namespace, "resize")["status"])["gangCreated"] and s, "gang 1 created")
+    assert (status["attempt"], status["restarts"], status["failedAttempts"], status["dataParallelSize"]) == (1, 1, 0, 4)
+    config = json.loads(kube.json("get", "configmap", "resize-config", "-n", namespace)["data"]["config.json"])
+    assert config["dataParallelSize"] == 4
+    changed = [e["message"] for e in kube.json("get", "events", "-n", namespace)["items"]
+               if e["reason"] == "ConfigChanged"]
+    assert any("(dataParallelSize, spec.trainer.nodes, spec.trainer.processesPerNode changed)" in m for m in changed), \
+        changed
+    assert live("rollout")["resize-rollout-0"]["metadata"]["uid"] == rollout_uid  # no rollout pod reads the topology
+
+    # growing past the pods the old gang had: a restart like any edit, not a pod counted as deleted
+    kube.run(*patch, json.dumps({"spec": {"trainer": {"nodes": 3, "processesPerNode": 1, "batch": {
+        "documentsPerStep": 63}}}}))
+    wait_for(lambda: sorted(live("trainer")) == ["resize-trainer-0", "resize-trainer-1", "resize-trainer-2"]
+             and {torchrun(p) for p in live("trainer").values()} == {("2", "3", "1")}, "attempt 2: 3 pods of 1 rank")
+    status = wait_for(lambda: (s := kube.job(namespace, "resize")["status"])["gangCreated"] and s, "gang 2 created")
+    assert (status["attempt"], status["restarts"], status["failedAttempts"], status["dataParallelSize"]) == (2, 2, 0, 3)
+
+    # the API server refuses a topology documentsPerStep does not divide by, naming the numbers
+    result = kube.run(*patch, json.dumps({"spec": {"trainer": {"nodes": 2}}}), check=False)
+    assert result.returncode != 0 and (
+        "documentsPerStep 63 is not divisible by the data-parallel size 2 = nodes 2 × processesPerNode 1 / "
+        "(tensorParallel 1 × pipelineParallel 1)") in result.stderr, result.stderr
+
+    # tensorParallel 3 (3 ranks divide by it): no trainer runs it, so no checkpoint reshards into it
+    kube.run(*patch, json.dumps({"spec": {"trainer": {"tensorParallel": 3}}}))
+    valid = wait_for(lambda: (v := kube.condition(namespace, "resize", "Valid")).get("status") == "False" and v,
+                     "Valid=False")
+    assert (valid["reason"], valid["message"]) == ("NotSupported", (
+        "spec.trainer.tensorParallel: 3: tensor parallelism > 1 is not supported yet (the trainer parallelises over "
+        "data-parallel ranks only): set it to 1; fix the spec (kubectl edit rljob); the job goes on with its last "
+        "valid spec (generation 3) until then; its gang keeps tensorParallel 1"))
+    time.sleep(3)  # three active intervals: a restart would have begun
+    assert {torchrun(p) for p in live("trainer").values()} == {("2", "3", "1")}
+    assert kube.job(namespace, "resize")["status"]["restarts"] == 2
 
 
 def test_a_trainer_only_job_runs_no_rollout_pod_says_where_producers_write_and_scales_without_a_restart(

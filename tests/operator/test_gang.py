@@ -288,6 +288,27 @@ def test_a_config_change_restart_names_the_changed_fields():
     assert restart.create_rollouts == () and not [n for n in restart.delete if "rollout" in n]  # no rollout replaced
 
 
+@pytest.mark.parametrize(("trainer", "pods"), [
+    ({"nodes": 4}, ("demo-trainer-0", "demo-trainer-1", "demo-trainer-2", "demo-trainer-3")),  # pods the gang never had
+    ({"nodes": 1, "processesPerNode": 4}, ("demo-trainer-0",)),
+])
+def test_a_topology_edit_restarts_the_gang_uncounted_with_the_new_pods_and_keeps_the_rollout_pods(trainer, pods):
+    sim = running_sim()
+    rollout_uid = sim.pods["demo-rollout-0"].uid
+    sim.spec = make_spec(trainer=trainer)
+    sim.changed = tuple(f"spec.trainer.{name}" for name in sorted(trainer))
+    restart = sim.step()
+    assert (restart.lifecycle.reason, restart.lifecycle.phase) == (Reason.CONFIG_CHANGED, Phase.RESTARTING)
+    assert (restart.lifecycle.restarts, restart.lifecycle.failed_attempts) == (1, 0)
+    assert f"runs an outdated config ({', '.join(sim.changed)} changed)" in restart.lifecycle.message
+    assert sorted(restart.delete) == ["demo-trainer-0", "demo-trainer-1"]
+    sim.kubelet_removes_deleted()
+    created = sim.step()
+    assert created.create_trainers == tuple(range(len(pods))) and created.lifecycle.attempt == 1
+    assert sorted(n for n, p in sim.pods.items() if p.role == "trainer") == list(pods)
+    assert sim.pods["demo-rollout-0"].uid == rollout_uid and created.create_rollouts == ()
+
+
 def test_a_suspend_after_the_last_step_lets_the_gang_finish_and_the_job_succeed():
     sim = running_sim(trainer={"nodes": 2, "maxSteps": 40})
     sim.spec = make_spec(trainer={"nodes": 2, "maxSteps": 40}, runPolicy={"suspend": True})

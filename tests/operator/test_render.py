@@ -334,11 +334,12 @@ def test_adopt_sets_owner_reference_and_namespace_but_copies_no_labels(owner):
 #: (spec.redis.persistence with its defaults; spec.rollout.rewardFailureDeadlineSeconds with its default); the CPU
 #: example's by issue 13 (its cosine learning-rate schedule over 300 steps, docs/learning-robustness.md); the rollout
 #: hashes by issue 24 (the trainer fields no rollout process reads, render.TRAINER_ONLY_FIELDS, left out of it). The
-#: vLLM example's since issue 23 (which added it).
+#: vLLM example's since issue 23 (which added it). The rollout hashes again by issue 24 item 4 (the data-parallel size
+#: left out of them: a topology edit restarts the gang alone).
 EXAMPLE_HASHES = {
-    "grpo-digits-cpu": ("b586aca0a56f9285", "716c7be73f3772b0", "7468491ddcb74a24"),
-    "grpo-digits-vllm": ("359fc53ae6e17646", "e0de11f1c3f5606c", "59d6e786cf97d33c"),
-    "grpo-qwen-math": ("dfe81c83a9716c45", "e2d974bfb04919ef", "3a1d18b19cd69086"),
+    "grpo-digits-cpu": ("b586aca0a56f9285", "716c7be73f3772b0", "df85cf321229654f"),
+    "grpo-digits-vllm": ("359fc53ae6e17646", "e0de11f1c3f5606c", "9d14f2440fcc217a"),
+    "grpo-qwen-math": ("dfe81c83a9716c45", "e2d974bfb04919ef", "ccd909a865910293"),
 }
 
 

@@ -70,7 +70,8 @@ def test_an_edit_of_a_field_the_trainer_reads_resolves_anew():
     assert render.config_hashes(config) == render.config_hashes(render.job_config(edited))
 
 
-@pytest.mark.parametrize("trainer", [{"optimizer": {"learningRate": 1e-4}}, {"checkpoint": {"everySteps": 3}}])
+@pytest.mark.parametrize("trainer", [{"optimizer": {"learningRate": 1e-4}}, {"checkpoint": {"everySteps": 3}},
+                                     {"processesPerNode": 2}, {"nodes": 4}])  # the topology: a new data-parallel size
 def test_an_edit_of_a_trainer_only_field_restarts_the_gang_and_keeps_the_rollout_pods(trainer):
     """The trainer resolves anew; the rollout pods keep the hash recorded with them (here an earlier version's): no
     rollout pod is replaced for a field none of them reads."""

@@ -10,29 +10,33 @@ import pytest
 from rljob_operator.admission import parse_spec
 from rljob_operator.job_status import valid_condition
 
+NOT_YET = "parallelism > 1 is not supported yet (the trainer parallelises over data-parallel ranks only): set it to 1"
 CASES = {
     "topology": (
         {"trainer": {"nodes": 3, "tensorParallel": 2}},
-        "spec.trainer.nodes: nodes*processesPerNode = 3*1 = 3 is not divisible by "
-        "tensorParallel*pipelineParallel = 2*1 = 2",
-        "spec.trainer.tensorParallel: tensor parallelism > 1 is not supported yet",
+        "spec.trainer.nodes: nodes 3 × processesPerNode 1 = 3 ranks is not divisible by tensorParallel 2 × "
+        "pipelineParallel 1 = 2: each data-parallel rank needs tensorParallel × pipelineParallel processes",
+        f"spec.trainer.tensorParallel: 2: tensor {NOT_YET}",
     ),
     "metrics-pp": (
         {"algorithm": {"metrics": "full"}, "trainer": {"nodes": 2, "pipelineParallel": 2}},
         "spec.algorithm.metrics: metrics=full requires pipelineParallel == 1",
-        "spec.trainer.pipelineParallel: pipeline parallelism > 1 is not supported yet",
+        f"spec.trainer.pipelineParallel: 2: pipeline {NOT_YET}",
     ),
     "tensor-parallel": (
         {"trainer": {"nodes": 2, "tensorParallel": 2}},
-        "spec.trainer.tensorParallel: tensor parallelism > 1 is not supported yet",
+        f"spec.trainer.tensorParallel: 2: tensor {NOT_YET}",
     ),
     "pipeline-parallel": (
         {"trainer": {"nodes": 2, "pipelineParallel": 2}},
-        "spec.trainer.pipelineParallel: pipeline parallelism > 1 is not supported yet",
+        f"spec.trainer.pipelineParallel: 2: pipeline {NOT_YET}",
     ),
     "documents-per-step": (
         {"trainer": {"nodes": 2, "batch": {"documentsPerStep": 3}}},
-        "spec.trainer.batch.documentsPerStep: documentsPerStep = 3 is not divisible by the data-parallel size 2",
+        "spec.trainer.batch.documentsPerStep: documentsPerStep 3 is not divisible by the data-parallel size 2 = nodes "
+        "2 × processesPerNode 1 / (tensorParallel 1 × pipelineParallel 1): every data-parallel rank trains the same "
+        "number of documents per step; set documentsPerStep to a multiple of the data-parallel size, or change the "
+        "topology",
     ),
     "heads": ({"model": {"tiny": {"heads": 3}}}, "spec.model.tiny.heads: heads = 3 does not divide hiddenSize = 64"),
     "model-path": ({"model": {"source": "path"}}, "spec.model.path: required when source is 'path'"),

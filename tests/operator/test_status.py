@@ -76,10 +76,10 @@ def test_last_transition_time_moves_only_when_the_status_flips():
 
 
 def test_invalid_spec_condition_names_the_fields_and_not_supported_is_its_own_reason():
-    problems = [SpecProblem("spec.trainer.tensorParallel", "tensor parallelism > 1 is not supported yet", False)]
+    problems = [SpecProblem("spec.trainer.tensorParallel", "2: tensor parallelism > 1 is not supported yet", False)]
     valid = job_status.valid_condition(problems)
     assert (valid.status, valid.reason) == ("False", Reason.NOT_SUPPORTED)
-    assert valid.message == ("spec.trainer.tensorParallel: tensor parallelism > 1 is not supported yet; "
+    assert valid.message == ("spec.trainer.tensorParallel: 2: tensor parallelism > 1 is not supported yet; "
                              "fix the spec (kubectl edit rljob)")
     mixed = job_status.valid_condition(problems + [SpecProblem("spec.redis.url", "required when mode is 'external'")])
     assert mixed.reason == Reason.INVALID_SPEC

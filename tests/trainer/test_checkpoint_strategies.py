@@ -1,6 +1,8 @@
 """Checkpoints resume across strategies and world sizes (issue 10 item 4, DESIGN §6): a checkpoint written by 4 FSDP2
 ranks is resumed by 2 FSDP2 ranks, by 2 DDP ranks and by 1 rank; one written by DDP ranks is resumed by 2 FSDP2
-ranks. Each resume continues as an uninterrupted run on the same fixed stream, within floating-point tolerance.
+ranks; one written by 4 ranks as HSDP (2 replica groups × 2 shards) by 2 FSDP2 ranks (issue 24 item 4: a topology
+edit of a running job restarts the gang at the new size from its last checkpoint). Each resume continues as an
+uninterrupted run on the same fixed stream, within floating-point tolerance.
 
 Real torchrun gangs of gloo ranks and a real Redis, as in test_checkpoint_reshard.py: the 4-rank FSDP2 writer trains
 5 steps of 4 documents (checkpoints at steps 2 and 4) and is SIGKILLed while blocked reading step 6, so the 4 entries
@@ -58,15 +60,15 @@ class Killed:
     lines: list[dict]
 
 
-def config_for(redis, root: Path, processes: int, strategy: str, max_steps: int = STEPS):
+def config_for(redis, root: Path, processes: int, strategy: str, max_steps: int = STEPS, replicate: int = 1):
     return make_config(redis, root, processes=processes, documents_per_step=PER_STEP, max_steps=max_steps,
-                       every_steps=EVERY, parallelism={"strategy": strategy})
+                       every_steps=EVERY, parallelism={"strategy": strategy, "replicate": replicate})
 
 
-def kill_after(redis, tmp: Path, tag: str, processes: int, strategy: str, step: int) -> Killed:
+def kill_after(redis, tmp: Path, tag: str, processes: int, strategy: str, step: int, replicate: int = 1) -> Killed:
     """Train (from what ``tmp/tag`` and Redis hold) until ``step``, SIGKILL the gang, keep its checkpoints and stream."""
     client = redis.client()
-    config = config_for(redis, tmp / tag, processes, strategy)
+    config = config_for(redis, tmp / tag, processes, strategy, replicate=replicate)
     trainer = run_until_step_then_kill(config, write_config(config, tmp / f"{tag}.json"), processes, step, redis, tmp, tag)
     # The killed ranks' blocked XREADGROUPs end once Redis sees their sockets close; only then is the stream final.
     wait_until(lambda: not any("b" in c["flags"] for c in client.client_list()), 30, "blocked clients gone")
@@ -137,6 +139,19 @@ def fsdp4(module_redis_server, tmp) -> Killed:
 
 
 @pytest.fixture(scope="module")
+def hsdp4(module_redis_server, tmp) -> Killed:
+    """4 ranks as HSDP (2 replica groups × 2 shards), 5 steps (checkpoints at 2 and 4), killed while reading step 6."""
+    client = module_redis_server.client()
+    client.flushall()
+    config = config_for(module_redis_server, tmp / "hsdp4", 4, "fsdp", replicate=2)
+    write_documents(client, config, DOCS[: 5 * PER_STEP])
+    killed = kill_after(module_redis_server, tmp, "hsdp4", 4, "fsdp", 5, replicate=2)
+    assert progress(killed.lines) == [(s, s * PER_STEP, 0) for s in range(1, 6)]
+    assert commits(killed.checkpoints) == [(2, 4), (4, 4)]
+    return killed
+
+
+@pytest.fixture(scope="module")
 def ddp2(module_redis_server, tmp, fsdp4) -> Killed:
     """2 DDP ranks resume the FSDP2 checkpoint of step 4 and train to step 7 (checkpoint at 6), then are killed."""
     resume_from(module_redis_server, fsdp4, tmp / "ddp2", DOCS[5 * PER_STEP : 7 * PER_STEP])
@@ -144,17 +159,21 @@ def ddp2(module_redis_server, tmp, fsdp4) -> Killed:
 
 
 # --- the resumes ----------------------------------------------------------------------------------------------
-def test_fsdp4_checkpoint_resumes_on_two_fsdp_ranks(module_redis_server, tmp, fsdp4, reference):
-    resume_from(module_redis_server, fsdp4, tmp / "fsdp2", DOCS[5 * PER_STEP : 6 * PER_STEP])
-    config = config_for(module_redis_server, tmp / "fsdp2", 2, "fsdp", max_steps=6)
-    trainer = Torchrun(write_config(config, tmp / "fsdp2.json"), 2, free_port(), module_redis_server.password, tmp, "fsdp2")
+@pytest.mark.parametrize("writer", ["fsdp4", "hsdp4"])
+def test_a_four_rank_checkpoint_resumes_on_two_fsdp_ranks(module_redis_server, tmp, writer, reference, request):
+    """FSDP2 over 4 ranks, or HSDP over 2 × 2 (each replica group writes the same shards; DCP saves them once)."""
+    killed, tag = request.getfixturevalue(writer), f"{writer}-to-fsdp2"
+    resume_from(module_redis_server, killed, tmp / tag, DOCS[5 * PER_STEP : 6 * PER_STEP])
+    config = config_for(module_redis_server, tmp / tag, 2, "fsdp", max_steps=6)
+    trainer = Torchrun(write_config(config, tmp / f"{tag}.json"), 2, free_port(), module_redis_server.password, tmp,
+                       tag)
     assert trainer.wait(240) == 0, trainer.logs()
     trainer.kill()
     # Resumed at step 4: the 4 pending entries of step 5 were spread over the 2 ranks and re-read.
     assert progress(json_lines(trainer)) == [(5, 20, 4), (6, 24, 4)]
-    assert commits(tmp / "fsdp2") == [(2, 4), (4, 4), (6, 2)]
+    assert commits(tmp / tag) == [(2, 4), (4, 4), (6, 2)]
     assert module_redis_server.client().xinfo_groups(config.keys.stream)[0]["pending"] == 0
-    assert_close_weights(load_file(tmp / "fsdp2" / "export" / "model.safetensors"), reference[6])
+    assert_close_weights(load_file(tmp / tag / "export" / "model.safetensors"), reference[6])
 
 
 def test_fsdp4_checkpoint_resumes_on_two_ddp_ranks(tmp, ddp2, reference):

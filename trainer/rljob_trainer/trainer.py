@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from rljob_api import protocol, rules
 from rljob_api.config import JobConfig
+from rljob_api.validation import topology_numbers
 from rljob_trainer import loss as losses
 from rljob_trainer.checkpoint import (
     CheckpointManager,
@@ -120,10 +121,9 @@ class Trainer:
         self.documents_per_rank = rules.documents_per_rank(spec.trainer.batch.documents_per_step,
                                                            config.data_parallel_size)
         if self.documents_per_rank is None:
-            raise ValueError(
-                f"spec.trainer.batch.documentsPerStep = {spec.trainer.batch.documents_per_step} is not divisible "
-                f"by the data-parallel size {config.data_parallel_size}"
-            )
+            raise ValueError("spec.trainer.batch." + rules.DOCUMENTS_PER_STEP_MESSAGE.text(
+                documentsPerStep=spec.trainer.batch.documents_per_step, dataParallel=config.data_parallel_size,
+                **topology_numbers(spec)))
         torch.manual_seed(spec.trainer.seed + where.rank)
         self.tokenizer = build_tokenizer(spec.model, spec.rollout.task)
         vocab_size = len(self.tokenizer) if hasattr(self.tokenizer, "__len__") else self.tokenizer.vocab_size
