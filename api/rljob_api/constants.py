@@ -120,6 +120,22 @@ REWARD_SOURCE_MOUNT_DIR = "/etc/rljob-reward"
 """Where rollout pods mount the ConfigMap of ``spec.rollout.task.rewardSource.configMapKeyRef`` (read-only, every key a
 file)."""
 SHM_MOUNT_DIR = "/dev/shm"
+TERMINATION_LOG = "/dev/termination-log"
+"""The container's termination message file (Kubernetes' default ``terminationMessagePath``): where a trainer or rollout
+process that cannot start writes its one line (:mod:`rljob_api.start_failure`), which the kubelet keeps in the pod's
+status whatever the process logged after (torchrun's own error report, on trainer pods)."""
+ENV_TERMINATION_LOG = "RLJOB_TERMINATION_LOG"
+"""Another path for :data:`TERMINATION_LOG` (unset in pods; runs outside Kubernetes and tests point it at a file)."""
+
+# --- Exit codes of the trainer and rollout entry points (sysexits.h) -----------------------------
+EXIT_START_FAILED = 78
+"""EX_CONFIG: the process cannot start because the config names something this image or cluster does not have (a
+model that is not there, a tokenizer missing, a backend the image lacks ...). Retrying cannot help; the operator fails
+the job (reason StartFailed) on the termination message :mod:`rljob_api.start_failure` writes with it (a trainer
+rank's code does not survive torchrun, which exits 1: the message is what the operator reads)."""
+EXIT_START_RETRY = 75
+"""EX_TEMPFAIL: the process cannot start for now (the Hugging Face Hub unreachable after its retries): the pod fails
+like any other (a counted gang restart; a rollout container's restart with the kubelet's back-off)."""
 
 #: The extended resource of an NVIDIA GPU (device plugin), in pod resources and node capacity.
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -224,6 +240,14 @@ class Reason(str, Enum):
     KUEUE_NOT_AVAILABLE = "KueueNotAvailable"
     """Pending: the job asks for a Kueue queue but the cluster serves no Kueue Workload API, or the job's
     WorkloadPriorityClass does not exist."""
+    START_FAILED = "StartFailed"
+    """Failed: a trainer pod of the current attempt or a rollout pod could not start for a reason retrying cannot fix
+    (:data:`EXIT_START_FAILED`, :mod:`rljob_api.start_failure`); the message names the pod, the spec field and its value
+    (e.g. ``spec.model.name``: not in the pod's Hugging Face cache with HF_HUB_OFFLINE set)."""
+    TRAINER_STARTING = "TrainerStarting"
+    """Starting (Running=False): the attempt's trainer pods run, but its rank 0 has not reported the attempt's start yet
+    (the progress hash's ``started_attempt``, written once the model and checkpoint are loaded): no step can be made
+    before."""
     CHECKPOINT_LOST = "CheckpointLost"
     """Running=True, but the attempt started below the last recorded checkpoint because it is gone from the checkpoint
     volume (the progress hash's ``checkpoint_lost``)."""

@@ -91,20 +91,27 @@ PROGRESS_CHECKPOINT_DROPPED_STALE = "checkpoint_dropped_stale"
 trainer rank 0 with :data:`PROGRESS_CHECKPOINT_DOCUMENTS_SEEN`."""
 PROGRESS_RESTORED_FROM_STEP = "restored_from_step"
 """Step of the checkpoint the trainer's current attempt started from (0 from scratch); written at every start."""
+PROGRESS_STARTED_ATTEMPT = "started_attempt"
+"""The gang attempt whose trainer last started (written by rank 0 at every start, once the model and the checkpoint are
+loaded and every rank is about to read the stream): until it names the current attempt, no step of that attempt can
+have been made, and the operator keeps the job in phase Starting (reason TrainerStarting)."""
 PROGRESS_CHECKPOINT_LOST = "checkpoint_lost"
 """Present (:meth:`LostCheckpoint.to_field`) while the trainer's current attempt started below the checkpoint the
 Redis checkpoint hash records, because that checkpoint is gone from the checkpoint volume; deleted by a start that
 loses none. Trainer rank 0 writes it; the operator reports it."""
 
 
-def start_fields(step: int, documents_seen: int) -> dict[str, int]:
+def start_fields(step: int, documents_seen: int, attempt: Optional[int] = None) -> dict[str, int]:
     """The progress fields trainer rank 0 sets at every start: the loaded checkpoint's ``step`` and
     ``documents_seen`` (0 from scratch) as step, documents_seen, model_version (= documents_seen, DESIGN §6),
-    restored_from_step and checkpoint_documents_seen (nothing trained yet is unacked), and the stale-drop counts of
-    this attempt at 0."""
-    return {PROGRESS_STEP: step, PROGRESS_DOCUMENTS_SEEN: documents_seen, PROGRESS_MODEL_VERSION: documents_seen,
-            PROGRESS_RESTORED_FROM_STEP: step, PROGRESS_CHECKPOINT_DOCUMENTS_SEEN: documents_seen,
-            PROGRESS_DROPPED_STALE: 0, PROGRESS_CHECKPOINT_DROPPED_STALE: 0}
+    restored_from_step and checkpoint_documents_seen (nothing trained yet is unacked), the stale-drop counts of
+    this attempt at 0, and the gang ``attempt`` as started_attempt (when known)."""
+    fields = {PROGRESS_STEP: step, PROGRESS_DOCUMENTS_SEEN: documents_seen, PROGRESS_MODEL_VERSION: documents_seen,
+              PROGRESS_RESTORED_FROM_STEP: step, PROGRESS_CHECKPOINT_DOCUMENTS_SEEN: documents_seen,
+              PROGRESS_DROPPED_STALE: 0, PROGRESS_CHECKPOINT_DROPPED_STALE: 0}
+    if attempt is not None:
+        fields[PROGRESS_STARTED_ATTEMPT] = attempt
+    return fields
 
 
 def step_fields(step: int, documents_seen: int, model_version: int, tokens_per_second: float,
@@ -509,7 +516,8 @@ class Progress:
     ``all_rewards_failed`` record (None when absent: rewards score). ``checkpoint_lost``: the progress hash's
     ``checkpoint_lost`` (None when absent). ``checkpoint``: the checkpoint hash (None when absent or unreadable). ``updated_at``: unix seconds of trainer rank 0's
     last write of the progress hash (its own clock). ``stream_id``: the stream identity key (None: absent).
-    ``backlog``: the consumer group's entries (None: no stream or no group).
+    ``backlog``: the consumer group's entries (None: no stream or no group). ``started_attempt``: the gang attempt whose
+    trainer last reported its start (:data:`PROGRESS_STARTED_ATTEMPT`; None: none did, or a trainer older than it).
     """
 
     step: Optional[int] = None
@@ -525,6 +533,15 @@ class Progress:
     updated_at: Optional[float] = None
     stream_id: Optional[str] = None
     backlog: Optional["Backlog"] = None
+    started_attempt: Optional[int] = None
+
+    def started(self, attempt: int) -> bool:
+        """Whether the trainer of gang ``attempt`` reported its start (:data:`PROGRESS_STARTED_ATTEMPT`). A hash
+        without that field but with a step written (``updated_at``) was written by a trainer older than the field:
+        it counts as started, as the operator did before it."""
+        if self.started_attempt is not None:
+            return self.started_attempt == attempt
+        return self.updated_at is not None
 
 
 @dataclass(frozen=True)
@@ -573,6 +590,7 @@ def parse_progress(progress: Mapping[Any, Any], rollout: Mapping[Any, Any],
         checkpoint_lost=LostCheckpoint.from_field(progress.get(PROGRESS_CHECKPOINT_LOST)),
         checkpoint=CheckpointRecord.from_fields(checkpoint or {}),
         updated_at=_number(progress.get(PROGRESS_UPDATED_AT), float),
+        started_attempt=_number(progress.get(PROGRESS_STARTED_ATTEMPT), int),
     )
 
 

@@ -21,6 +21,12 @@ Rules (JobSet's BlockingRecreate, Kubernetes Job's backoffLimit, suspend and dea
   suspend every trainer and rollout pod is deleted, the next gang is a new attempt (not a restart, not counted) and
   ``startTime`` is cleared, but the phase is Pending with the hold's reason, and ``runPolicy.suspend`` is untouched.
 - ``activeDeadlineSeconds`` past ``startTime`` fails the job (DeadlineExceeded).
+- A trainer pod of the current attempt, or a rollout pod running the current config, whose container said it cannot
+  start for good (its termination message, :mod:`rljob_api.start_failure`: a model that cannot be loaded, a backend
+  the image lacks ...) fails the job at once (StartFailed, quoting it): no restart could train, and a rollout pod that
+  cannot start would starve the trainer until its data timeout. A transient start failure is a failure like any other.
+- Running needs the trainer's word: a gang whose pods all run is Starting (TrainerStarting) until trainer rank 0
+  reported the attempt's start in the progress hash (:func:`require_started`, applied by the reconcile pass).
 - Rewards that fail on every sample of every rollout batch for ``spec.rollout.rewardFailureDeadlineSeconds`` (the
   rollout hash's streak, counted from ``startTime`` at the earliest, so a suspension is not failing time) fail the job
   (RewardsFailing) instead of starving the trainer until its ranks time out and burn ``backoffLimit``.
@@ -51,7 +57,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 from rljob_api import constants as c
 from rljob_api import names
 from rljob_api.constants import ConditionType, Phase, Reason
-from rljob_api.protocol import RewardFailures
+from rljob_api.protocol import Progress, RewardFailures
 from rljob_api.spec import RLTrainingJobSpec
 from rljob_api.status import RLTrainingJobStatus
 
@@ -447,6 +453,9 @@ def _active(
     failing = _rewards_failing(spec, lc, rewards)
     if failing is not None:
         return _fail(spec, lc, obs, Reason.REWARDS_FAILING, failing, now)
+    cannot = _start_failed(lc, obs, hashes)
+    if cannot is not None:
+        return _fail(spec, lc, obs, Reason.START_FAILED, cannot, now)
 
     failures = _failures(job, spec, lc, obs.current, hashes)
     if failures and stream_lost:  # the ranks stopped because Redis forgot their stream, not for their own fault
@@ -457,6 +466,37 @@ def _active(
     delete_old = _names(p for p in obs.old if not p.deleting)
     return _gang(spec, lc, obs, dict(delete=delete_old + delete_rollouts, create_rollouts=create_rollouts,
                                      requeue_after=requeue))
+
+
+def _start_failed(lc: Lifecycle, obs: _Observed, hashes: ConfigHashes) -> Optional[str]:
+    """Failed/StartFailed's message when a trainer pod of the attempt, or a rollout pod of the current config, said it
+    cannot start for good (:attr:`PodView.start_failure`); None when none did."""
+    said = [(f"trainer pod {p.name} of attempt {lc.attempt}", p) for _, p in sorted(obs.current.items())]
+    said += [(f"rollout pod {p.name}", p) for p in sorted(obs.rollouts, key=lambda p: p.index)
+             if not p.deleting and not hashes.outdated(p)]
+    for who, pod in said:
+        if pod.start_failure:
+            return (f"{who} cannot start: {pod.start_failure}; retrying cannot help, so the job failed without a "
+                    "restart: fix the spec and create the job again")
+    return None
+
+
+def require_started(lc: Lifecycle, progress: Optional[Progress], saved: Lifecycle) -> Lifecycle:
+    """A gang whose pods all run makes no step before its trainer loaded the model and the checkpoint: phase Running
+    becomes Starting, reason TrainerStarting, until trainer rank 0 reported this attempt's start in the progress hash
+    (:meth:`~rljob_api.protocol.Progress.started`). ``progress`` None (not read this pass): as the ``saved`` lifecycle
+    said of the same attempt."""
+    if lc.phase != Phase.RUNNING:
+        return lc
+    if progress is not None:
+        waiting = not progress.started(lc.attempt)
+    else:
+        waiting = (saved.phase, saved.reason, saved.attempt) == (Phase.STARTING, Reason.TRAINER_STARTING, lc.attempt)
+    if not waiting:
+        return lc
+    return replace(lc, phase=Phase.STARTING, reason=Reason.TRAINER_STARTING,
+                   message=f"{lc.message}; the trainer is loading the model and the newest checkpoint: no step before "
+                   "its rank 0 reports the attempt's start")
 
 
 def _gang(spec: RLTrainingJobSpec, lc: Lifecycle, obs: _Observed, common: dict) -> Plan:

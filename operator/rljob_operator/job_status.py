@@ -30,8 +30,10 @@ RolloutReady            every rollout pod is ready; ExternalProducers (True): sp
 TrainerReady            every trainer pod of the current attempt is running; Unschedulable names pods the
                         scheduler cannot place (scheduled ranks wait in rendezvous; not a failure);
                         ContainerCannotStart and ContainerFailing as for RolloutReady.
-Running                 training steps can be made (phase Running): the whole gang runs and Redis is ready (a gang
-                        whose Redis is down stays in phase Starting, reason RedisUnavailable). CheckpointLost (still
+Running                 training steps can be made (phase Running): the whole gang runs, Redis is ready and trainer
+                        rank 0 reported the attempt's start (the progress hash's ``started_attempt``; until then phase
+                        Starting, reason TrainerStarting; a gang whose Redis is down stays in phase Starting, reason
+                        RedisUnavailable). CheckpointLost (still
                         True): the attempt started below the last recorded checkpoint because the checkpoint volume
                         no longer holds it (the progress hash's ``checkpoint_lost``). The message adds when no new
                         document can reach the trainer because RolloutReady is False.
@@ -39,6 +41,8 @@ Restarting              a gang restart is in progress (reason: what ended the at
                         attempt starts); appears on the first one.
 Suspended               runPolicy.suspend is true and the pods are gone; appears on the first suspend.
 Succeeded / Failed      terminal; appear once. Succeeded's message says where the final weights were exported.
+                        Failed/StartFailed: a trainer pod of the attempt or a rollout pod said it cannot start for
+                        good (rljob_api.start_failure); the message quotes it (the spec field and its value).
 ======================  ==========================================================================================
 """
 

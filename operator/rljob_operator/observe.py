@@ -13,6 +13,7 @@ from datetime import datetime
 from typing import Any, Mapping, Optional
 
 from rljob_api import constants as c
+from rljob_api import start_failure
 
 DISRUPTION_REASONS = frozenset({"Evicted", "Preempting", "NodeLost", "NodeShutdown", "Terminated"})
 """Pod ``status.reason`` values of a pod the platform (not the workload) ended."""
@@ -80,6 +81,9 @@ class PodView:
     """Seconds it tolerates its node being unreachable or not ready (its NoExecute tolerations of
     ``node.kubernetes.io/unreachable`` and ``not-ready``, the shorter; Kubernetes adds 300 s of each by default; -1: a
     toleration without seconds, forever)."""
+    start_failure: str = ""
+    """What a container of it said when it could not start for good (:func:`rljob_api.start_failure.permanent` of its
+    current or last termination message; "" when none did): the operator fails the job with it (StartFailed)."""
 
     @property
     def terminal(self) -> bool:
@@ -136,6 +140,7 @@ def pod_view(pod: Mapping[str, Any]) -> PodView:
         node=(pod.get("spec") or {}).get("nodeName") or "",
         deletion_at=_time(meta.get("deletionTimestamp")),
         lost_node_toleration_s=_lost_node_toleration(pod),
+        start_failure=_start_failure(status),
         **_container_fields(status),
     )
 
@@ -173,6 +178,17 @@ def _container_fields(status: Mapping[str, Any]) -> dict[str, Any]:
         "last_failure": _exit(terminated) if terminated.get("exitCode") else "",
         "running_since": _time((state.get("running") or {}).get("startedAt")),
     }
+
+
+def _start_failure(status: Mapping[str, Any]) -> str:
+    """The first permanent start failure a container's termination message says (its current state's, else its last
+    one's: a rollout container restarted since); "" when none."""
+    for container in status.get("containerStatuses") or []:
+        for state in (container.get("state") or {}, container.get("lastState") or {}):
+            said = start_failure.permanent(((state.get("terminated") or {}).get("message")) or "")
+            if said:
+                return said
+    return ""
 
 
 def _waiting(container_status: Mapping[str, Any]) -> Mapping[str, Any]:

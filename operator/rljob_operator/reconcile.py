@@ -16,7 +16,8 @@ Everything decided here comes from :mod:`.admission` and the pure modules (:mod:
 3. decide the pass's outcome: waiting for an earlier job's children; Invalid (nothing runs, no retry until the spec
    changes, but for a missing PriorityClass, ServiceAccount or RuntimeClass: tried again every 30 s); or the gang's plan (:func:`.gang.plan`) over the observed pods (the kopf index, plus pods this process
    created or deleted that the watch has not reported yet), Redis's health and the progress hashes (planned again
-   with the rollout hash's reward-failure streak when it holds one: past its deadline the job fails) and the reward
+   with the rollout hash's reward-failure streak when it holds one: past its deadline the job fails; a running gang
+   whose trainer has not reported the attempt's start there stays Starting) and the reward
    ConfigMap's content (:mod:`.reward_source`: rollout pods made from other content are outdated) — with the plan's
    pods created first: trainer pods only of the saved attempt, so the status that records the gang as created is
    written once they exist, and a refused pod makes the job Invalid in the same pass;
@@ -324,6 +325,7 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
     elif error is None and plan.after_create is not None:
         lifecycle, pods = plan.after_create, this.pods()
     lifecycle = gang.require_redis(lifecycle, *redis_reads.known(health, this.previous))
+    lifecycle = gang.require_started(lifecycle, fetched, this.before)
     new = this.status(lifecycle, problems=problems, data_parallel_size=data_parallel_size(spec), redis=health,
                       pods=job_status.name_secret_fields(pods, job_status.secret_fields(spec)), nodes=spec.trainer.nodes,
                       replicas=spec.rollout.replicas, progress=fetched, max_steps=spec.trainer.max_steps,

@@ -5,7 +5,12 @@ Reads the resolved config (env ``RLJOB_CONFIG``), the replica index (env ``RLJOB
 ``spec.rollout.task.rewardSource``) and the Redis password (env ``REDIS_PASSWORD``), serves Prometheus metrics
 (:mod:`.metrics`) on ``config.metrics_port`` at env ``POD_IP``, then runs
 :class:`~rljob_rollout.worker.RolloutWorker` until ``training_finished`` (exit 0) or SIGTERM (exit 0).
-Exit 2: bad config or replica index (the message names the field).
+Exit 2: bad config, replica index, task, dataset or reward module (the last log line names the field; a reward module
+from a ConfigMap is fixed by editing the ConfigMap, which replaces the pod). Exit
+:data:`~rljob_api.constants.EXIT_START_FAILED` (78) or :data:`~rljob_api.constants.EXIT_START_RETRY` (75): a
+:class:`~rljob_api.start_failure.StartFailure` (a model that cannot be loaded, a backend the image lacks, a model vLLM's
+CPU attention cannot run, a memory limit too small for its KV cache), its line written to the termination message file
+and logged last; the operator fails the job on a permanent one.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Optional
 
 from rljob_api import constants as c
 from rljob_api.config import JobConfig
+from rljob_api.start_failure import StartFailure
 
 log = logging.getLogger("rljob_rollout")
 
@@ -69,6 +75,10 @@ def main() -> int:
         from rljob_rollout.worker import RolloutWorker
 
         worker = RolloutWorker.from_config(config, index, reward_file(config))
+    except StartFailure as failure:  # what the operator reads back from the pod (rljob_api.start_failure)
+        failure.report()
+        log.error("rollout: %s", failure.line)
+        return failure.exit_code
     except (OSError, ValueError, ImportError) as error:
         log.error("rollout: cannot start: %s", error)
         return 2

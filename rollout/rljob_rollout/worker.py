@@ -180,7 +180,9 @@ class RolloutWorker:
         ``reward_file``: the file of ``spec.rollout.task.rewardSource`` in this container.
 
         Raises:
-            ValueError / FileNotFoundError / OSError: a bad task, dataset, reward function or model (names the field).
+            StartFailure: a model that cannot be loaded or a backend this image cannot run (rljob_wire.model.load_from,
+                rljob_rollout.backends.build_backend; names the field and its value).
+            ValueError / FileNotFoundError / OSError: a bad task, dataset or reward function (names the field).
         """
         from rljob_wire.model import build_tokenizer
         from rljob_rollout.backends import build_backend

@@ -21,6 +21,7 @@ import torch
 
 from rollout_harness import make_config, tiny_model
 from rljob_api.spec import SamplingSpec
+from rljob_api.start_failure import StartFailure
 from rljob_wire.model import DigitTokenizer
 from rljob_rollout.backends.base import UpdateOutcome
 from rljob_api.rules import VLLM_CPU_DEFAULT_KV_CACHE_BYTES, VLLM_CPU_RESERVED_BYTES
@@ -188,8 +189,9 @@ def test_the_vllm_backend_on_an_image_without_vllm_names_the_field_the_value_and
 
     config = make_config(redis_server, rollout={"backend": "vllm", "gpusPerReplica": 1, "image": "example.org/no-vllm:1"})
     assert importlib.util.find_spec("vllm") is None  # the tests' Python never has vLLM (scripts/vllm-venv.sh does)
-    with pytest.raises(ImportError) as raised:
+    with pytest.raises(StartFailure) as raised:
         build_backend(config, DigitTokenizer(), seed=0)
+    assert raised.value.permanent  # the operator fails the job on it (StartFailed)
     assert str(raised.value).startswith(
         "spec.rollout.backend: 'vllm' needs vLLM, which the rollout image 'example.org/no-vllm:1' does not have: "
         "set spec.rollout.image to an image with vLLM")
@@ -308,7 +310,7 @@ def test_the_kv_cache_on_cpu_is_what_the_memory_limit_leaves_and_a_limit_too_sma
 
     assert kv_cache_bytes(None, 10**9, 2**20) == VLLM_CPU_DEFAULT_KV_CACHE_BYTES
     assert kv_cache_bytes(8 * 2**30, 2**30, 2**20) == 8 * 2**30 - VLLM_CPU_RESERVED_BYTES - 2**30
-    with pytest.raises(ValueError) as refused:
+    with pytest.raises(StartFailure) as refused:
         kv_cache_bytes(4 * 2**30, 2**30, 64 * 2**20)
     assert str(refused.value) == (
         "spec.rollout.resources.limits.memory: the rollout container's limit of 4096.0 MiB leaves 0.0 MiB for vLLM's KV "
@@ -347,7 +349,7 @@ def test_vllm_on_cpu_refuses_at_start_a_model_whose_head_size_its_attention_cann
                                              "rollout": {"backend": "vllm", "gpusPerReplica": 0}})
     config = resolve("v", "default", spec, RedisConnection(host="127.0.0.1"))
     fake = make_fake_vllm([])
-    with pytest.raises(ValueError) as refused:
+    with pytest.raises(StartFailure) as refused:
         VllmBackend(config, DigitTokenizer(), seed=0, vllm_module=fake)
     assert str(refused.value) == (
         f"spec.model: {str(tmp_path)!r} has attention heads of size 16, which vLLM's CPU attention (backend 'vllm' with "

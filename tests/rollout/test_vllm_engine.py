@@ -350,9 +350,10 @@ def test_a_rollout_process_on_vllm_streams_documents_and_ends_its_engine_on_sigt
 def test_a_rollout_process_on_a_model_vllms_cpu_attention_cannot_run_stops_at_start_naming_it(vllm_python, redis_server,
                                                                                             tmp_path):
     """``model.source: path`` with attention heads of 16 (hidden 64, 4 heads), ``backend: vllm`` without GPUs: the
-    rollout process as a pod runs it exits 2 before any engine starts, well within the kubelet's first back-off (10 s
-    after a start of about as long), its last log line naming the model and its head size: the termination message
-    that RolloutReady quotes (tests/operator/test_reward_source_pass.py follows such a message into the condition)."""
+    rollout process as a pod runs it exits 78 (permanent, rljob_api.start_failure) before any engine starts, well within
+    the kubelet's first back-off (10 s after a start of about as long), its last log line naming the model and its head
+    size: the termination message on which the operator fails the job (StartFailed, tests/operator/
+    test_start_failure_pass.py follows such a message into the job's conditions)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hf_files import save_tokenizer
@@ -373,11 +374,12 @@ def test_a_rollout_process_on_a_model_vllms_cpu_attention_cannot_run_stops_at_st
     started = time.monotonic()
     result = subprocess.run([vllm_python, "-m", "rljob_rollout"], env=env, capture_output=True, text=True, timeout=120)
     took = time.monotonic() - started
-    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.returncode == 78, result.stderr[-3000:]
     assert took < 60, took
     last = result.stderr.strip().splitlines()[-1]
     assert last.endswith(
-        f"ERROR rljob_rollout: rollout: cannot start: spec.model: {str(model)!r} has attention heads of size 16, "
+        f"ERROR rljob_rollout: rollout: cannot start (permanent, not retried): spec.model: {str(model)!r} has attention "
+        "heads of size 16, "
         "which vLLM's CPU attention (backend 'vllm' with spec.rollout.gpusPerReplica 0) cannot run: it runs head sizes "
         "32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512; run this model on GPUs or with backend 'cpu'"), last
     assert "EngineCore" not in result.stderr

@@ -122,6 +122,7 @@ def test_a_lost_checkpoint_is_reported_and_the_restart_trains_through_without_st
         "step": 5, "path": str(path), "restored_from_step": 0, "message": f"attempt 1 {message}", "attempt": 1,
     }
     assert progress[protocol.PROGRESS_RESTORED_FROM_STEP] == "0"
+    assert progress[protocol.PROGRESS_STARTED_ATTEMPT] == "1"  # the operator's Starting ends on it (Running)
     assert progress[protocol.PROGRESS_CHECKPOINT_DOCUMENTS_SEEN] == "40"  # the final checkpoint's
     assert client.hget(keys.checkpoint, "step") == b"10"
     rewards = {k: v for k, v in client.hgetall(keys.rollout).items() if k.startswith(b"reward_")}

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from rljob_api import constants as c
 from rljob_api.spec import ModelSpec
-from rljob_wire.model import tiny_config
+from rljob_wire.model import load_from, tiny_config
 from rljob_trainer.parallel import DataParallelModel, Distributed, wrap_model
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -207,12 +207,22 @@ def load_model(spec: ModelSpec, vocab_size: int, seed: int, where: Distributed, 
         frozen: see :func:`~rljob_trainer.parallel.wrap_model`.
 
     Raises:
-        FileNotFoundError: see :func:`safetensors_files`.
+        StartFailure: the model's directory, ``config.json`` or safetensors files (:func:`safetensors_files`) cannot be
+            found or read, said by :func:`~rljob_wire.model.load_from` (field, value; permanent, or transient once
+            the Hub was unreachable for :data:`~rljob_wire.model.HUB_RETRY_S`), before any collective.
         ValueError: the safetensors files do not match the model (see :func:`load_pretrained`).
-        OSError: the Hub or ``config.json`` cannot be read.
     """
-    directory = None if spec.source == "tiny" else pretrained_dir(spec, weights=weights)
-    config = model_config(spec, vocab_size, directory)
+    directory: Optional[Path] = None
+    if spec.source == "tiny":
+        config = model_config(spec, vocab_size, None)
+    else:
+        def find() -> tuple[Path, Any]:
+            found = pretrained_dir(spec, weights=weights)
+            if weights:
+                safetensors_files(found)  # refused here, before the collectives, rather than in load_pretrained
+            return found, model_config(spec, vocab_size, found)
+
+        directory, config = load_from(spec, "model", find)
     initialise: Optional[Initialiser] = None
     if weights and directory is None:
         initialise = lambda model: init_tiny_weights(model, config, seed)  # noqa: E731

@@ -4,7 +4,9 @@ Joins the gang (:func:`rljob_trainer.parallel.init_distributed`), waits for Redi
 restarts of up to :data:`~rljob_wire.connection.OUTAGE_SECONDS`), then builds a
 :class:`rljob_trainer.trainer.Trainer` (one step and one start are described there), resumes and trains until
 ``maxSteps``: final checkpoint, safetensors export, ``training_finished``, exit 0. Logs go to stderr, one JSON
-line per step to stdout.
+line per step to stdout. A rank that cannot start (:class:`~rljob_api.start_failure.StartFailure`: a model that cannot
+be loaded, said with its field and value) writes the failure's line to the termination message file, logs it last and
+exits :data:`~rljob_api.constants.EXIT_START_FAILED` (permanent) or :data:`~rljob_api.constants.EXIT_START_RETRY`.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ from typing import Optional, TextIO
 import redis
 
 from rljob_api.config import JobConfig
+from rljob_api.start_failure import StartFailure
 from rljob_trainer.parallel import init_distributed, shutdown_distributed
 from rljob_wire.connection import OUTAGE_SECONDS, connect, retry_with_backoff
 from rljob_trainer.trainer import RunResult, Trainer
 
 __all__ = ["RunResult", "main", "run"]
+
+log = logging.getLogger("rljob_trainer")
 
 
 def run(config: JobConfig, *, client: Optional[redis.Redis] = None, stdout: TextIO = sys.stdout) -> RunResult:
@@ -35,6 +40,7 @@ def run(config: JobConfig, *, client: Optional[redis.Redis] = None, stdout: Text
         rljob_wire.connection.RedisUnavailable: Redis unreachable for ``rendezvousTimeoutSeconds`` at start.
         rljob_trainer.stream.reader.DataTimeout: no document arrived for ``dataTimeoutSeconds``.
         FileNotFoundError: ``initFrom`` names no committed checkpoint.
+        StartFailure: the model's tokenizer, config or weights cannot be loaded (rljob_wire.model.load_from).
     """
     where = init_distributed(config)
     trainer = None
@@ -53,14 +59,22 @@ def run(config: JobConfig, *, client: Optional[redis.Redis] = None, stdout: Text
 
 
 def main() -> int:
-    """Console entry: load ``RLJOB_CONFIG``, train, exit 0 at ``maxSteps``."""
+    """Console entry: load ``RLJOB_CONFIG``, train, exit 0 at ``maxSteps`` (a start failure: see the module
+    docstring)."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(
         stream=sys.stderr, level=logging.INFO, format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s"
     )
-    record(lambda: run(JobConfig.load()))()
+    try:
+        record(lambda: run(JobConfig.load()))()
+    except StartFailure as failure:  # what the operator reads back from the pod (rljob_api.start_failure)
+        failure.report()
+        log.error("trainer: %s", failure.line)
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(failure.exit_code)
     # The run closed and flushed everything it opened. torch 2.13's interpreter teardown after a finished gloo run
     # now and then aborts (SIGABRT, "terminate called without an active exception": a joinable native thread
     # destroyed), turning a finished run into a failed one; ending without that teardown avoids it.

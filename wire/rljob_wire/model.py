@@ -6,15 +6,23 @@ temperature (DESIGN §2 "Token alignment"); :func:`sequence_logprobs` is the one
 
 from __future__ import annotations
 
+import logging
 import os
+import random
+import socket
+import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
 
 from rljob_api import constants as c
 from rljob_api.spec import DIGIT_TASKS, ModelSpec, TaskSpec
+from rljob_api.start_failure import StartFailure
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 DIGITS_ALPHABET = "0123456789"
@@ -85,7 +93,7 @@ def build_tokenizer(spec: ModelSpec, task: Optional[TaskSpec] = None) -> Any:
     ``custom``.
 
     Raises:
-        OSError: the Hugging Face model id or path cannot be loaded.
+        StartFailure: the Hugging Face model id or path has no loadable tokenizer (:func:`load_from`).
     """
     if spec.source == "tiny":
         text = task is not None and task.name not in DIGIT_TASKS
@@ -93,7 +101,8 @@ def build_tokenizer(spec: ModelSpec, task: Optional[TaskSpec] = None) -> Any:
     from transformers import AutoTokenizer
 
     where = spec.path if spec.source == "path" else spec.name
-    tokenizer = AutoTokenizer.from_pretrained(where, revision=spec.revision, token=os.environ.get(c.ENV_HF_TOKEN))
+    tokenizer = load_from(spec, "tokenizer", lambda: AutoTokenizer.from_pretrained(
+        where, revision=spec.revision, token=os.environ.get(c.ENV_HF_TOKEN)))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -128,7 +137,7 @@ def build_model(spec: ModelSpec, vocab_size: int, seed: int = 0) -> torch.nn.Mod
     device and replays this initialisation one tensor at a time: :func:`rljob_trainer.loading.init_tiny_weights`).
 
     Raises:
-        OSError: a Hugging Face id or path cannot be loaded.
+        StartFailure: a Hugging Face id or path cannot be loaded (:func:`load_from`).
     """
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
@@ -139,9 +148,121 @@ def build_model(spec: ModelSpec, vocab_size: int, seed: int = 0) -> torch.nn.Mod
         torch.random.set_rng_state(devices_state)
         return model.float()
     where = spec.path if spec.source == "path" else spec.name
-    return AutoModelForCausalLM.from_pretrained(
-        where, revision=spec.revision, token=os.environ.get(c.ENV_HF_TOKEN), torch_dtype=torch.bfloat16
-    )
+    return load_from(spec, "model", lambda: AutoModelForCausalLM.from_pretrained(
+        where, revision=spec.revision, token=os.environ.get(c.ENV_HF_TOKEN), torch_dtype=torch.bfloat16))
+
+
+# --- loading a huggingface or path model at start ----------------------------------------------------------------
+HUB_RETRY_S = 60.0
+"""How long after its first try a Hugging Face Hub that cannot be reached is tried again at start (jittered exponential
+back-off from :data:`HUB_RETRY_FIRST_S` to :data:`HUB_RETRY_CAP_S`) before :func:`load_from` gives up with a transient
+failure. Each try is huggingface_hub's own: five retries of each request, about 23 s, before it gives up."""
+HUB_RETRY_FIRST_S = 2.0
+HUB_RETRY_CAP_S = 30.0
+
+
+def model_field(spec: ModelSpec) -> str:
+    """The spec field that names where a ``huggingface`` or ``path`` model is, with its value: "spec.model.path:
+    '/models/x'" or "spec.model.name: 'org/model'" (with its revision when set)."""
+    if spec.source == "path":
+        return f"spec.model.path: {spec.path!r}"
+    revision = f" (spec.model.revision {spec.revision!r})" if spec.revision else ""
+    return f"spec.model.name: {spec.name!r}{revision}"
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and its causes and contexts (each once)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def _unreachable(error: BaseException) -> Optional[BaseException]:
+    """The error in ``error``'s chain that says the Hub could not be reached or answered with a server error (a
+    connection refused, a DNS failure, a timeout, HTTP 429 or 5xx); None when nothing does."""
+    transports: tuple[type, ...] = (ConnectionError, TimeoutError, socket.gaierror)
+    try:
+        import httpx
+
+        transports += (httpx.TransportError,)
+    except ImportError:  # pragma: no cover - huggingface_hub depends on httpx
+        pass
+    for link in _chain(error):
+        status = getattr(getattr(link, "response", None), "status_code", None)
+        if isinstance(link, transports) or (isinstance(status, int) and (status == 429 or status >= 500)):
+            return link
+    return None
+
+
+def _said(error: BaseException) -> str:
+    """"ClassName: first line of its message"."""
+    first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
+def start_failure(spec: ModelSpec, error: BaseException, what: str) -> StartFailure:
+    """What ``error``, raised while loading the ``what`` ("tokenizer", "model") of a ``huggingface`` or
+    ``path`` model, means for the pod: permanent (a path that does not hold it; a Hub id that is not in the pod's cache
+    while HF_HUB_OFFLINE is set; a repository, revision or file the Hub does not have; a gated one) or transient (the
+    Hub cannot be reached, or answered 429/5xx). The message names the field, its value and what to do."""
+    from huggingface_hub import constants as hub
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    field = model_field(spec)
+    said = _said(error)
+    if spec.source == "path":
+        return StartFailure(f"{field}: the directory has no loadable {what} ({said}): it must hold a model saved "
+                            "with save_pretrained (config.json, *.safetensors, the tokenizer's files)")
+    cache = hub.HF_HUB_CACHE
+    if hub.HF_HUB_OFFLINE or any(isinstance(link, OfflineModeIsEnabled) for link in _chain(error)):
+        return StartFailure(f"{field}: no {what} in the pod's Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set, "
+                            "so nothing can be downloaded: put the model in that cache (a volume at HF_HOME in the pod "
+                            "templates), or mount it and use spec.model.source: path")
+    unreachable = _unreachable(error)
+    if unreachable is not None:
+        return StartFailure(f"{field}: no {what} in the pod's Hugging Face cache ({cache}) and the Hugging Face Hub "
+                            f"cannot be reached ({_said(unreachable)}): the pod is retried; without network, "
+                            "put the model in that cache and set HF_HUB_OFFLINE=1, or mount it and use "
+                            "spec.model.source: path", permanent=False)
+    return StartFailure(f"{field}: the Hugging Face Hub has no loadable {what} for it ({said}): check the name, "
+                        "spec.model.revision and, for a private or gated model, spec.hfTokenSecretRef")
+
+
+def load_from(spec: ModelSpec, what: str, load: Callable[[], T], *, retry_s: Optional[float] = None,
+              sleep: Callable[[float], None] = time.sleep) -> T:
+    """``load()``, which reads the ``what`` of a ``huggingface`` or ``path`` model, with its failures said as
+    :func:`start_failure` says them; transient ones are tried again for ``retry_s`` seconds (default
+    :data:`HUB_RETRY_S`; jittered exponential back-off), each logged as a warning that names the field and value.
+
+    Raises:
+        StartFailure: ``spec.model.path`` is not a directory; ``load`` failed permanently, or transiently for longer
+            than ``retry_s``.
+    """
+    if spec.source == "path" and not os.path.isdir(spec.path or ""):
+        raise StartFailure(f"{model_field(spec)}: no such directory in this container: mount the model there (a "
+                           "volume, spec.model.volume or the pod templates), or use spec.model.source: huggingface")
+    retry_s = HUB_RETRY_S if retry_s is None else retry_s
+    deadline = time.monotonic() + retry_s
+    delay, tries = HUB_RETRY_FIRST_S, 0
+    while True:
+        tries += 1
+        try:
+            return load()
+        except StartFailure:
+            raise
+        except Exception as error:  # transformers and huggingface_hub raise OSError, ValueError, httpx errors ...
+            failure = start_failure(spec, error, what)
+            wait = delay * random.uniform(0.5, 1.0)
+            if failure.permanent or time.monotonic() + wait > deadline:
+                if not failure.permanent:
+                    failure = StartFailure(f"{failure.message} ({tries} {'try' if tries == 1 else 'tries'} in "
+                                           f"{retry_s:g} s)", permanent=False)
+                raise failure from error
+            log.warning("%s; trying again in %.0f s (try %d)", failure.message, wait, tries)
+            sleep(wait)
+            delay = min(delay * 2, HUB_RETRY_CAP_S)
 
 
 def sequence_logprobs(

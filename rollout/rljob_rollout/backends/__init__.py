@@ -6,6 +6,7 @@ import importlib.util
 from typing import Any
 
 from rljob_api.config import JobConfig
+from rljob_api.start_failure import StartFailure
 from rljob_rollout.backends.base import Completion, GenerationBackend, UpdateOutcome
 
 
@@ -13,12 +14,13 @@ def build_backend(config: JobConfig, tokenizer: Any, seed: int) -> GenerationBac
     """The backend named by ``spec.rollout.backend``, seeded with ``seed``.
 
     Raises:
-        ImportError: ``vllm`` on an image without vLLM (names the field, its value and the image).
+        StartFailure: ``vllm`` on an image without vLLM (permanent; names the field, its value and the image), or
+            what :class:`~rljob_rollout.backends.vllm.VllmBackend` refuses at start.
         ValueError: sampling settings the backend cannot serve exactly (names the field).
     """
     if config.spec.rollout.backend == "vllm":
         if importlib.util.find_spec("vllm") is None:
-            raise ImportError(
+            raise StartFailure(
                 f"spec.rollout.backend: 'vllm' needs vLLM, which the rollout image {config.spec.rollout.image!r} does "
                 "not have: set spec.rollout.image to an image with vLLM (GPUs: trainer_image/Dockerfile.vllm; "
                 "gpusPerReplica 0: rljob/trainer-cpu, trainer_image/Dockerfile.cpu), or backend to 'cpu'")

@@ -56,9 +56,11 @@ import torch
 
 from rljob_api import rules
 from rljob_api.config import JobConfig
-from rljob_api.spec import SamplingSpec
+from rljob_api.spec import ModelSpec, SamplingSpec
+from rljob_api.start_failure import StartFailure
 from rljob_rollout.backends.base import Completion, GenerationBackend, Group, UpdateOutcome
 from rljob_api.protocol import TransferTicket
+from rljob_wire.model import load_from
 from rljob_wire.transfer import StoreAddress
 
 log = logging.getLogger(__name__)
@@ -96,12 +98,12 @@ def kv_cache_bytes(limit: Optional[int], weight_bytes: int, sequence_bytes: int)
     """The KV cache of vLLM on CPU (bytes): :func:`rljob_api.rules.vllm_cpu_kv_cache`.
 
     Raises:
-        ValueError: the limit leaves less than ``sequence_bytes``, the KV entries of one sequence of the model's full
+        StartFailure: (permanent) the limit leaves less than ``sequence_bytes``, the KV entries of one sequence of the model's full
             length (names the field, the limit, what it leaves and what is needed).
     """
     size, problem = rules.vllm_cpu_kv_cache(limit, weight_bytes, sequence_bytes)
     if problem is not None:
-        raise ValueError(f"spec.rollout.resources.limits.memory: {problem}")
+        raise StartFailure(f"spec.rollout.resources.limits.memory: {problem}")
     return size
 
 
@@ -151,8 +153,9 @@ class VllmBackend(GenerationBackend):
 
     Raises:
         ImportError: vLLM is not installed (use trainer_image/Dockerfile.vllm on GPUs, trainer_image/Dockerfile.cpu
-            without).
+            without; :func:`~rljob_rollout.backends.build_backend` says so as a StartFailure first).
         ValueError: unsupported sampling settings (:func:`logprobs_mode`).
+        StartFailure: on CPU, what :meth:`_cpu_kv_cache` refuses.
     """
 
     continuous = True
@@ -188,7 +191,7 @@ class VllmBackend(GenerationBackend):
             parameters, hf_config = None, None
         options = dict(engine_options or {})
         if config.spec.rollout.gpus_per_replica == 0 and "kv_cache_memory_bytes" not in options:
-            options["kv_cache_memory_bytes"] = self._cpu_kv_cache(where, revision, parameters, hf_config,
+            options["kv_cache_memory_bytes"] = self._cpu_kv_cache(model, where, revision, parameters, hf_config,
                                                                   engine_dtype(config))
         arguments = self._vllm.AsyncEngineArgs(
             model=where,
@@ -218,29 +221,30 @@ class VllmBackend(GenerationBackend):
         self._engine_processes = [p for p in multiprocessing.active_children() if p not in before]
 
     @staticmethod
-    def _cpu_kv_cache(where: str, revision: Optional[str], parameters: Optional[int], hf_config: Any,
+    def _cpu_kv_cache(model: ModelSpec, where: str, revision: Optional[str], parameters: Optional[int], hf_config: Any,
                       dtype: str) -> int:
         """The KV cache for vLLM on CPU (:func:`kv_cache_bytes`); a model's shape is read from its config.json and its
         parameter count from its safetensors headers (from the Hub for ``huggingface``, which vLLM downloads next
         anyway).
 
         Raises:
-            ValueError: a head size vLLM's CPU attention cannot run, or a memory limit that cannot hold one sequence
-                (:func:`kv_cache_bytes`).
+            StartFailure: (permanent) a head size vLLM's CPU attention cannot run, or a memory limit that cannot hold
+                one sequence (:func:`kv_cache_bytes`); a config or safetensors header of ``model`` that cannot be read
+                (:func:`~rljob_wire.model.load_from`).
         """
         dtype_bytes = 2 if dtype == "bfloat16" else 4
         if hf_config is None:
             from transformers import AutoConfig
 
-            hf_config = AutoConfig.from_pretrained(where, revision=revision)
+            hf_config = load_from(model, "model", lambda: AutoConfig.from_pretrained(where, revision=revision))
         size = head_size(hf_config)
         if size not in rules.VLLM_CPU_HEAD_SIZES:
-            raise ValueError(
+            raise StartFailure(
                 f"spec.model: {where!r} has attention heads of size {size}, which vLLM's CPU attention (backend "
                 f"'vllm' with spec.rollout.gpusPerReplica 0) cannot run: it runs head sizes "
                 f"{', '.join(map(str, rules.VLLM_CPU_HEAD_SIZES))}; run this model on GPUs or with backend 'cpu'")
         if parameters is None:
-            parameters = _parameters(where, revision)
+            parameters = load_from(model, "model", lambda: _parameters(where, revision))
         limit = memory_limit_bytes()
         size = kv_cache_bytes(limit, parameters * dtype_bytes, sequence_kv_bytes(hf_config, dtype_bytes))
         log.info("vllm backend: KV cache %.2f GiB on CPU (container memory limit %s)", size / 2**30,
