@@ -73,7 +73,10 @@ PROGRESS_TOKENS_PER_SECOND = "tokens_per_second"
 PROGRESS_METRICS = "metrics"
 """JSON object {metric name: number} of the last step (DESIGN §4 names)."""
 PROGRESS_STREAM = "stream"
-"""JSON object {stream reader counter: documents} of the last step, all ranks."""
+"""JSON object {stream reader counter: documents} of the current attempt after its last step, all ranks."""
+STREAM_DEAD_LETTERED_PREFIX = "dead_lettered."
+"""Counters ``dead_lettered.<kind>`` of :data:`PROGRESS_STREAM`: dead-lettered entries by kind
+(rljob_wire.codec.MalformedKind), present once non-zero."""
 PROGRESS_UPDATED_AT = "updated_at"
 """Unix seconds of the last write."""
 PROGRESS_CHECKPOINT_DOCUMENTS_SEEN = "checkpoint_documents_seen"
@@ -91,20 +94,26 @@ PROGRESS_CHECKPOINT_DROPPED_STALE = "checkpoint_dropped_stale"
 trainer rank 0 with :data:`PROGRESS_CHECKPOINT_DOCUMENTS_SEEN`."""
 PROGRESS_RESTORED_FROM_STEP = "restored_from_step"
 """Step of the checkpoint the trainer's current attempt started from (0 from scratch); written at every start."""
+PROGRESS_ATTEMPT = "attempt"
+"""The gang attempt (env ``RLJOB_ATTEMPT``) whose trainer last started: the hash's start fields and ``stream`` counters
+are that attempt's (``stream`` is deleted at every start). Absent when the trainer runs outside the operator."""
 PROGRESS_CHECKPOINT_LOST = "checkpoint_lost"
 """Present (:meth:`LostCheckpoint.to_field`) while the trainer's current attempt started below the checkpoint the
 Redis checkpoint hash records, because that checkpoint is gone from the checkpoint volume; deleted by a start that
 loses none. Trainer rank 0 writes it; the operator reports it."""
 
 
-def start_fields(step: int, documents_seen: int) -> dict[str, int]:
+def start_fields(step: int, documents_seen: int, attempt: Optional[int] = None) -> dict[str, int]:
     """The progress fields trainer rank 0 sets at every start: the loaded checkpoint's ``step`` and
     ``documents_seen`` (0 from scratch) as step, documents_seen, model_version (= documents_seen, DESIGN §6),
-    restored_from_step and checkpoint_documents_seen (nothing trained yet is unacked), and the stale-drop counts of
-    this attempt at 0."""
-    return {PROGRESS_STEP: step, PROGRESS_DOCUMENTS_SEEN: documents_seen, PROGRESS_MODEL_VERSION: documents_seen,
-            PROGRESS_RESTORED_FROM_STEP: step, PROGRESS_CHECKPOINT_DOCUMENTS_SEEN: documents_seen,
-            PROGRESS_DROPPED_STALE: 0, PROGRESS_CHECKPOINT_DROPPED_STALE: 0}
+    restored_from_step and checkpoint_documents_seen (nothing trained yet is unacked), the stale-drop counts of
+    this attempt at 0, and the gang ``attempt`` when known (:data:`PROGRESS_ATTEMPT`)."""
+    fields = {PROGRESS_STEP: step, PROGRESS_DOCUMENTS_SEEN: documents_seen, PROGRESS_MODEL_VERSION: documents_seen,
+              PROGRESS_RESTORED_FROM_STEP: step, PROGRESS_CHECKPOINT_DOCUMENTS_SEEN: documents_seen,
+              PROGRESS_DROPPED_STALE: 0, PROGRESS_CHECKPOINT_DROPPED_STALE: 0}
+    if attempt is not None:
+        fields[PROGRESS_ATTEMPT] = attempt
+    return fields
 
 
 def step_fields(step: int, documents_seen: int, model_version: int, tokens_per_second: float,
@@ -373,8 +382,6 @@ class RewardFailures:
 
     since: Optional[float] = None
     updated_at: Optional[float] = None
-    stream_id: Optional[str] = None
-    backlog: Optional["Backlog"] = None
     batches: int = 0
     samples: int = 0
     errors: dict[str, int] = field(default_factory=dict)
@@ -509,7 +516,9 @@ class Progress:
     ``all_rewards_failed`` record (None when absent: rewards score). ``checkpoint_lost``: the progress hash's
     ``checkpoint_lost`` (None when absent). ``checkpoint``: the checkpoint hash (None when absent or unreadable). ``updated_at``: unix seconds of trainer rank 0's
     last write of the progress hash (its own clock). ``stream_id``: the stream identity key (None: absent).
-    ``backlog``: the consumer group's entries (None: no stream or no group).
+    ``backlog``: the consumer group's entries (None: no stream or no group). ``attempt`` and ``restored_from_step``:
+    the gang attempt whose trainer last started and the checkpoint step it loaded (None: not reported); ``stream``:
+    that attempt's stream reader counters after its last step, all ranks ({} before its first step).
     """
 
     step: Optional[int] = None
@@ -525,6 +534,9 @@ class Progress:
     updated_at: Optional[float] = None
     stream_id: Optional[str] = None
     backlog: Optional["Backlog"] = None
+    attempt: Optional[int] = None
+    restored_from_step: Optional[int] = None
+    stream: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -573,6 +585,10 @@ def parse_progress(progress: Mapping[Any, Any], rollout: Mapping[Any, Any],
         checkpoint_lost=LostCheckpoint.from_field(progress.get(PROGRESS_CHECKPOINT_LOST)),
         checkpoint=CheckpointRecord.from_fields(checkpoint or {}),
         updated_at=_number(progress.get(PROGRESS_UPDATED_AT), float),
+        attempt=_number(progress.get(PROGRESS_ATTEMPT), int),
+        restored_from_step=_number(progress.get(PROGRESS_RESTORED_FROM_STEP), int),
+        stream={str(name): value for name, value in (_json_object(progress.get(PROGRESS_STREAM)) or {}).items()
+                if _integer(value) is not None and value >= 0},
     )
 
 

@@ -155,6 +155,7 @@ def publish_start(
     Sets ``step``, ``documents_seen``, ``model_version`` (= documents_seen), ``restored_from_step`` (= step) and
     ``checkpoint_documents_seen`` (= documents_seen: nothing trained yet is unacked) to the loaded checkpoint's values
     (0 from scratch), ``dropped_stale`` and ``checkpoint_dropped_stale`` to 0 (this attempt dropped nothing yet),
+    sets ``attempt`` (when given) and deletes ``stream`` (the counters are this attempt's from its first step on),
     and sets ``checkpoint_lost`` (JSON {step, path, restored_from_step, message, attempt}) or deletes it. ``attempt``: the gang attempt (env ``RLJOB_ATTEMPT``, :func:`gang_attempt`), so the operator never shows the
     record of an earlier attempt as this one's.
     The rollout's max lag needs this before the first step (:mod:`rljob_rollout.writer`): an earlier attempt's
@@ -174,7 +175,8 @@ def publish_start(
     """
     key, rollout = config.keys.progress, config.keys.rollout
 
-    commands: list[fence.Command] = [("HSET", key, *fence.flat(protocol.start_fields(step, documents_seen)))]
+    commands: list[fence.Command] = [("HSET", key, *fence.flat(protocol.start_fields(step, documents_seen, attempt))),
+                                     ("HDEL", key, protocol.PROGRESS_STREAM)]
     if lost is None:
         commands.append(("HDEL", key, protocol.PROGRESS_CHECKPOINT_LOST))
     else:
