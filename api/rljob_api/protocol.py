@@ -73,7 +73,10 @@ PROGRESS_TOKENS_PER_SECOND = "tokens_per_second"
 PROGRESS_METRICS = "metrics"
 """JSON object {metric name: number} of the last step (DESIGN §4 names)."""
 PROGRESS_STREAM = "stream"
-"""JSON object {stream reader counter: documents} of the last step, all ranks."""
+"""JSON object {stream reader counter: documents} of the current attempt after its last step, all ranks."""
+STREAM_DEAD_LETTERED_PREFIX = "dead_lettered."
+"""Counters ``dead_lettered.<kind>`` of :data:`PROGRESS_STREAM`: dead-lettered entries by kind
+(rljob_wire.codec.MalformedKind), present once non-zero."""
 PROGRESS_UPDATED_AT = "updated_at"
 """Unix seconds of the last write."""
 PROGRESS_CHECKPOINT_DOCUMENTS_SEEN = "checkpoint_documents_seen"
@@ -380,8 +383,6 @@ class RewardFailures:
 
     since: Optional[float] = None
     updated_at: Optional[float] = None
-    stream_id: Optional[str] = None
-    backlog: Optional["Backlog"] = None
     batches: int = 0
     samples: int = 0
     errors: dict[str, int] = field(default_factory=dict)
@@ -517,7 +518,9 @@ class Progress:
     ``checkpoint_lost`` (None when absent). ``checkpoint``: the checkpoint hash (None when absent or unreadable). ``updated_at``: unix seconds of trainer rank 0's
     last write of the progress hash (its own clock). ``stream_id``: the stream identity key (None: absent).
     ``backlog``: the consumer group's entries (None: no stream or no group). ``started_attempt``: the gang attempt whose
-    trainer last reported its start (:data:`PROGRESS_STARTED_ATTEMPT`; None: none did, or a trainer older than it).
+    trainer last reported its start (:data:`PROGRESS_STARTED_ATTEMPT`; None: none did, or a trainer older than it);
+    ``restored_from_step``: the checkpoint step it loaded; ``stream``: that attempt's stream reader counters after its
+    last step, all ranks ({} before its first step).
     """
 
     step: Optional[int] = None
@@ -534,6 +537,8 @@ class Progress:
     stream_id: Optional[str] = None
     backlog: Optional["Backlog"] = None
     started_attempt: Optional[int] = None
+    restored_from_step: Optional[int] = None
+    stream: dict[str, int] = field(default_factory=dict)
 
     def started(self, attempt: int) -> bool:
         """Whether the trainer of gang ``attempt`` reported its start (:data:`PROGRESS_STARTED_ATTEMPT`). A hash
@@ -591,6 +596,9 @@ def parse_progress(progress: Mapping[Any, Any], rollout: Mapping[Any, Any],
         checkpoint=CheckpointRecord.from_fields(checkpoint or {}),
         updated_at=_number(progress.get(PROGRESS_UPDATED_AT), float),
         started_attempt=_number(progress.get(PROGRESS_STARTED_ATTEMPT), int),
+        restored_from_step=_number(progress.get(PROGRESS_RESTORED_FROM_STEP), int),
+        stream={str(name): value for name, value in (_json_object(progress.get(PROGRESS_STREAM)) or {}).items()
+                if _integer(value) is not None and value >= 0},
     )
 
 

@@ -61,7 +61,7 @@ from rljob_api.spec import RedisPersistenceSpec, RLTrainingJobSpec, SecretKeyRef
 from rljob_api.status import CheckpointStatus, Condition, RLTrainingJobStatus, SecretKeyStatus, StreamStatus
 from rljob_api.validation import SpecProblem
 
-from rljob_operator import eta, overrides
+from rljob_operator import account, eta, overrides
 from rljob_operator.gang import Lifecycle, held_message, plural
 from rljob_operator.observe import RESTART_REASONS, PodView
 
@@ -476,7 +476,7 @@ def build_status(
     if max_steps is not None:
         fields.update(_progress_estimate(lifecycle.phase, fields.get("step", previous.step), max_steps,
                                          steps_per_second, read=progress is not None))
-    return previous.model_copy(update=fields)
+    return account.update(previous, previous.model_copy(update=fields), lifecycle, progress, now)
 
 
 def shown_reward(rollout_reward: Optional[float], metrics: Mapping[str, float], replicas: int) -> Optional[float]:
@@ -636,4 +636,4 @@ def transition_events(previous: RLTrainingJobStatus, new: RLTrainingJobStatus) -
         )
         events.append(Event("Warning" if warning else "Normal", cond.reason, f"{cond.type.value}={cond.status}: "
                             f"{cond.message}"))
-    return events
+    return events + [Event(*told) for told in account.events(previous, new)]

@@ -41,11 +41,11 @@ from rljob_api import constants as c
 from rljob_api.constants import Phase, Reason
 from rljob_api.config import JobConfig
 from rljob_api.spec import RLTrainingJobSpec
-from rljob_api.protocol import Progress
+from rljob_api.protocol import Backlog, Progress
 from rljob_api.status import RLTrainingJobStatus, StreamStatus
 from rljob_api.validation import data_parallel_size
 
-from rljob_operator import admission, children, gang, job_status, queueing, render, resolution
+from rljob_operator import account, admission, children, gang, job_status, queueing, render, resolution
 from rljob_operator.redis_io import reads as redis_reads
 from rljob_operator.admission import Decision
 from rljob_operator.kube_api import ApiError
@@ -88,6 +88,7 @@ def _forgotten_stream(this: _Pass, fetched: Progress) -> Optional[str]:
     each read in the job's runtime: the last ones before a loss are what was lost, as far as known."""
     saved, now_held = this.previous.stream_identity, fetched.stream_id
     last_backlog, this.runtime.backlog = this.runtime.backlog, fetched.backlog
+    this.lost_backlog = last_backlog
     if not saved or now_held == saved:
         return None
     return job_status.stream_lost_message(saved, now_held, last_backlog, this.previous.last_checkpoint,
@@ -103,6 +104,7 @@ def _stream_identity(this: _Pass, new: RLTrainingJobStatus, fetched: Progress,
         update["stream_identity"] = fetched.stream_id
     if forgot is not None:
         update["stream_lost_attempt"] = this.before.attempt
+        new = account.stream_lost(new, this.lost_backlog)
     return new.model_copy(update=update) if update else new
 
 
@@ -130,6 +132,8 @@ class _Pass:
     now: datetime
     previous: RLTrainingJobStatus = field(init=False)
     before: gang.Lifecycle = field(init=False)
+    lost_backlog: Optional[Backlog] = field(default=None, init=False)
+    """The group's counts at the last read before Redis forgot the stream (:func:`_forgotten_stream`)."""
 
     def __post_init__(self) -> None:
         self.previous = RLTrainingJobStatus.model_validate(self.body.get("status") or {})

@@ -65,7 +65,52 @@ def render(job: dict[str, Any]) -> Group:
         conditions.add_column(column)
     for cond in status.get("conditions", []):
         conditions.add_row(cond.get("type"), cond.get("status"), cond.get("reason", ""), cond.get("message", ""))
-    return Group(bar, figures, conditions)
+    attempts = Table(show_header=True, header_style="bold")
+    for column in ("attempt", "account"):
+        attempts.add_column(column)
+    for record in (status.get("attempts") or [])[-SHOWN_ATTEMPTS:]:
+        attempts.add_row(_fmt(record.get("attempt")), attempt_line(record).split(": ", 1)[1])
+    totals = totals_line(status)
+    return Group(bar, figures, conditions, attempts, *([totals] if totals else []))
+
+
+SHOWN_ATTEMPTS = 5
+"""Attempts of status.attempts the terminal view shows (the newest)."""
+
+
+def attempt_line(record: dict[str, Any]) -> str:
+    """One record of status.attempts, e.g. ``attempt 1: DP 4, from the checkpoint of step 20, step 31, 64 redelivered;
+    ended PodDeleted: trainer pod demo-trainer-1 of attempt 1 was deleted; ...``."""
+    loaded = record.get("restoredFromStep")
+    parts = [f"DP {_fmt(record.get('dataParallelSize'))}",
+             "start not reported" if loaded is None else "from scratch" if loaded == 0
+             else f"from the checkpoint of step {loaded}", f"step {_fmt(record.get('step'))}"]
+    counts = record.get("documents") or {}
+    parts += [f"{n} {what}" for what, n in (("redelivered", counts.get("redelivered")),
+                                              ("dead-lettered", sum((counts.get("deadLettered") or {}).values())),
+                                              ("dropped too long", counts.get("droppedTooLong"))) if n]
+    ended = (f"ended {record.get('reason')}: {record.get('message', '')}" if record.get("endTime")
+             else "running")
+    return f"attempt {record.get('attempt')}: {', '.join(parts)}; {ended}"
+
+
+def totals_line(status: dict[str, Any]) -> str:
+    """status.documentTotals in words, e.g. ``documents: 64 redelivered, 3 dead-lettered (bad_value 3), 1536 lost with
+    the stream (1 loss)``; "" when all are 0."""
+    totals = status.get("documentTotals") or {}
+    kinds = totals.get("deadLettered") or {}
+    parts = [f"{totals[key]} {what}" for key, what in (("redelivered", "redelivered"),
+                                                       ("droppedTooLong", "dropped too long"),
+                                                       ("droppedStale", "dropped stale"),
+                                                       ("lostPending", "lost pending")) if totals.get(key)]
+    if kinds:
+        parts.append(f"{sum(kinds.values())} dead-lettered ("
+                     + ", ".join(f"{kind} {n}" for kind, n in sorted(kinds.items())) + ")")
+    if totals.get("streamLosses"):
+        losses = totals["streamLosses"]
+        parts.append(f"{totals.get('streamLostEntries', 0)} lost with the stream ({losses} "
+                     f"{'loss' if losses == 1 else 'losses'})")
+    return f"documents: {', '.join(parts)}" if parts else ""
 
 
 def figures_line(job: dict[str, Any]) -> str:
@@ -84,8 +129,9 @@ def figures_line(job: dict[str, Any]) -> str:
 
 def plain_lines(job: dict[str, Any], shown: dict[str, Any], now: str) -> list[str]:
     """What a file or a pipe gets for ``job`` (no live redraw there): the figures line when it changed since the lines
-    in ``shown`` (updated), then one line per condition whose status, reason or message changed, each prefixed with
-    ``now`` (HH:MM:SS)."""
+    in ``shown`` (updated), then one line per condition whose status, reason or message changed, per attempt record
+    that changed (:func:`attempt_line`) and the document totals when they changed (:func:`totals_line`), each
+    prefixed with ``now`` (HH:MM:SS)."""
     lines = []
     figures = figures_line(job)
     if shown.get("figures") != figures:
@@ -96,6 +142,16 @@ def plain_lines(job: dict[str, Any], shown: dict[str, Any], now: str) -> list[st
         if shown.setdefault("conditions", {}).get(cond.get("type")) != told:
             shown["conditions"][cond.get("type")] = told
             lines.append(f"{now} {job['metadata']['name']} {cond.get('type')}={told[0]} {told[1]}: {told[2]}")
+    status = job.get("status") or {}
+    for record in status.get("attempts") or []:
+        line = attempt_line(record)
+        if shown.setdefault("attempts", {}).get(record.get("attempt")) != line:
+            shown["attempts"][record.get("attempt")] = line
+            lines.append(f"{now} {job['metadata']['name']} {line}")
+    totals = totals_line(status)
+    if totals and shown.get("totals") != totals:
+        shown["totals"] = totals
+        lines.append(f"{now} {job['metadata']['name']} {totals}")
     return lines
 
 

@@ -179,6 +179,16 @@ def test_vllm_example_trains_to_succeeded_through_operator_rollout_and_trainer_r
     assert tokens >= MISMATCH_TOKENS, (tokens, [s["metrics"]["sampler_mismatch_tokens"] for s in steps])
     assert 0 <= kl <= MISMATCH_KL, (kl, tokens)
 
+    # The account in status: why attempt 0 ended, and the checkpoint attempt 1 loaded, after both are over.
+    ended, finished = status["attempts"]
+    assert (ended["attempt"], ended["reason"], ended["dataParallelSize"]) == (0, c.Reason.POD_DELETED.value, 2), ended
+    assert ended["message"].startswith(f"trainer pod {name}-trainer-1 of attempt 0 "), ended
+    assert (finished["attempt"], finished["reason"], finished["restoredFromStep"], finished["step"]) == (
+        1, c.Reason.TRAINING_FINISHED.value, resumed_step, max_steps), finished
+    assert ended["endTime"] <= finished["startTime"] <= finished["endTime"], status["attempts"]
+    totals = status["documentTotals"]
+    assert (totals["deadLettered"], totals["droppedTooLong"], totals["streamLosses"]) == ({}, 0, 0), totals
+
     # No duplicate children: the same Redis pod, Secret, ConfigMap, Services and Deployment through all three.
     assert len(pods.lifetimes("redis")) == 1
     for kind in ("services", "secrets", "configmaps", "deployments"):
@@ -251,6 +261,7 @@ def test_vllm_example_trains_to_succeeded_through_operator_rollout_and_trainer_r
     for reason in (c.Reason.SPEC_VALID, c.Reason.REDIS_AVAILABLE, c.Reason.PODS_READY, c.Reason.TRAINING,
                    c.Reason.TRAINING_FINISHED):
         assert reason.value in reasons, (reason, reasons)
+    assert "CheckpointLoaded" in reasons and "WorldSizeChanged" not in reasons, reasons
 
     # Deletion cascades through the garbage collector: nothing of the job is left.
     cluster.kubectl("delete", "rljob", name, "-n", namespace, "--wait=true", "--timeout=120s")

@@ -7,6 +7,7 @@ import asyncio
 import json
 import time
 from collections import Counter
+from pathlib import Path
 from datetime import datetime, timedelta, timezone
 from typing import Optional
 
@@ -16,7 +17,7 @@ from helm_tools import helm_binary
 from rljob_operator.kube_api import KubeApi
 from rljob_operator.reconcile import reconcile
 from rljob_operator.runtime import Context, JobRuntime
-from test_cluster import Kube, job_manifest
+from test_cluster import SERVICE_ACCOUNT, Kube, job_manifest
 
 pytestmark = [
     pytest.mark.cluster,
@@ -458,3 +459,55 @@ def test_a_stream_redis_forgot_is_reported_with_what_it_held_and_its_restart_is_
     next_pass(15)
     assert kube.job(namespace, "forgot")["status"]["streamIdentity"] == "id-b"
     assert len([e for e in events if e.message.startswith("Redis forgot")]) == 1
+
+
+def no_pod_deletes(kube: Kube, kubeconfig, namespace: str) -> Path:
+    """A kubeconfig of a ServiceAccount with the operator's cluster rights except deleting pods: a pass under it writes
+    its status and then fails at its first delete, as an operator stopped right after its status write would."""
+    import yaml
+
+    role = kube.json("get", "clusterrole", f"{SERVICE_ACCOUNT}-cluster")
+    for rule in role["rules"]:
+        if "pods" in rule.get("resources", ()) and "delete" in rule.get("verbs", ()):
+            rule["verbs"] = [verb for verb in rule["verbs"] if verb not in ("delete", "deletecollection", "*")]
+    kube.apply({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+                "metadata": {"name": "rljob-no-pod-deletes"}, "rules": role["rules"]})
+    kube.run("create", "serviceaccount", "no-pod-deletes", "-n", namespace)
+    kube.run("create", "clusterrolebinding", f"no-pod-deletes-{namespace}", "--clusterrole=rljob-no-pod-deletes",
+             f"--serviceaccount={namespace}:no-pod-deletes")
+    token = kube.run("create", "token", "no-pod-deletes", "-n", namespace, "--duration=1h").stdout.strip()
+    config = yaml.safe_load(Path(kubeconfig).read_text())
+    config["users"] = [{"name": "operator", "user": {"token": token}}]
+    path = Path(kubeconfig).with_name(f"no-pod-deletes-{namespace}")
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_a_restart_is_explained_in_status_before_any_pod_goes_and_after_the_next_attempt_runs(kube: Kube, installed,
+                                                                                              namespace):
+    """A trainer pod deleted, and the operator gone right after the status write that restarts the gang (its pod
+    deletes refused): status.attempts already says why attempt 0 ended, and keeps saying it once a restarted operator
+    has torn attempt 0 down and started attempt 1 (the Restarting condition no longer tells it then)."""
+    from rljob_operator.kube_api import ApiError
+
+    kube.apply(job_manifest("acct"), namespace)
+    pass_with_pods(installed, kube, namespace, "acct")
+    kube.run("delete", "pod", "acct-trainer-1", "-n", namespace, "--wait=false")
+    crippled = no_pod_deletes(kube, installed, namespace)
+    with pytest.raises(ApiError) as refused:
+        pass_with_pods(crippled, kube, namespace, "acct")
+    assert refused.value.status == 403
+    status = kube.job(namespace, "acct")["status"]
+    ended = ("PodDeleted", "trainer pod acct-trainer-1 of attempt 0 is gone (deleted); tearing down the gang, ")
+    assert (status["attempt"], status["restarts"], status["phase"]) == (1, 1, "Restarting")
+    assert [(a["attempt"], a["reason"], a["message"][:len(ended[1])], a["dataParallelSize"]) for a in
+            status["attempts"]] == [(0, *ended, 2)]
+    assert live(kube, namespace, "trainer") == ["acct-trainer-0"]  # nothing was deleted yet
+
+    for _ in range(3):  # a restarted operator: tears attempt 0 down, then creates attempt 1
+        pass_with_pods(installed, kube, namespace, "acct")
+    status = kube.job(namespace, "acct")["status"]
+    assert (status["attempt"], status["phase"], status["gangCreated"]) == (1, "Starting", True)
+    assert [(a["attempt"], a.get("reason"), (a.get("message") or "")[:len(ended[1])], "endTime" in a)
+            for a in status["attempts"]] == [(0, *ended, True), (1, None, "", False)]
+    assert status["attempts"][0]["endTime"] <= status["attempts"][1]["startTime"]

@@ -75,3 +75,29 @@ def test_a_terminal_gets_the_live_view():
     watch("demo", "ns", interval_seconds=0, console=Console(file=out, force_terminal=True, width=160),
           fetch=lambda name, namespace: next(states))
     assert "40/40 steps" in out.getvalue() and "12:00:00" not in out.getvalue()
+
+
+def test_the_attempts_and_the_document_totals_are_shown_and_printed_when_they_change():
+    ended = {"attempt": 0, "startTime": "2026-01-01T12:00:00Z", "endTime": "2026-01-01T12:05:00Z",
+             "reason": "PodDeleted", "message": "trainer pod demo-trainer-1 of attempt 0 was deleted",
+             "dataParallelSize": 2, "restoredFromStep": 0, "step": 12,
+             "documents": {"redelivered": 0, "deadLettered": {"bad_value": 3}, "droppedTooLong": 0}}
+    running = {"attempt": 1, "startTime": "2026-01-01T12:06:00Z", "dataParallelSize": 4, "restoredFromStep": 10,
+               "step": 14, "documents": {"redelivered": 64, "deadLettered": {}}}
+    state = job("Running", 14)
+    state["status"]["attempts"] = [ended, running]
+    state["status"]["documentTotals"] = {"redelivered": 64, "deadLettered": {"bad_value": 3}, "streamLosses": 1,
+                                         "streamLostEntries": 1536}
+    shown: dict = {}
+    lines = plain_lines(state, shown, "10:00:00")
+    assert lines[2:] == [
+        "10:00:00 demo attempt 0: DP 2, from scratch, step 12, 3 dead-lettered; ended PodDeleted: trainer pod "
+        "demo-trainer-1 of attempt 0 was deleted",
+        "10:00:00 demo attempt 1: DP 4, from the checkpoint of step 10, step 14, 64 redelivered; running",
+        "10:00:00 demo documents: 64 redelivered, 3 dead-lettered (bad_value 3), 1536 lost with the stream (1 loss)",
+    ]
+    running["step"] = 15
+    assert plain_lines(state, shown, "10:00:02") == [
+        "10:00:02 demo attempt 1: DP 4, from the checkpoint of step 10, step 15, 64 redelivered; running"]
+    out = text_of(render(state))
+    assert "ended PodDeleted" in out and "from the checkpoint of step 10" in out and "1536 lost with the stream" in out

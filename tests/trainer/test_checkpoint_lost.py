@@ -144,7 +144,8 @@ def test_a_start_drops_the_rollout_rewards_of_an_abandoned_timeline(redis_server
     others = {"reward": "0.5", "reward_version": "48", "samples_generated": "80", "reward_errors:KeyError": "2",
               "reward_sum:latest": "1.0", "worker:0": '{"version": 48}'}
     client.hset(keys.rollout, mapping={**rewards, **others})
-    client.hset(keys.progress, mapping={"step": 12, "documents_seen": 48, "model_version": 48, "metrics": "{}"})
+    client.hset(keys.progress, mapping={"step": 12, "documents_seen": 48, "model_version": 48, "metrics": "{}",
+                                        "attempt": 1, "stream": '{"redeliveries": 5}'})  # attempt 1's last step
 
     lost = LostCheckpoint(step=12, path="/ckpt/step-00000012", restored_from_step=4)
     fence.claim(client, keys, attempt=2)  # as rank 0 of attempt 2 does first
@@ -157,6 +158,10 @@ def test_a_start_drops_the_rollout_rewards_of_an_abandoned_timeline(redis_server
     assert (progress["step"], progress["documents_seen"], progress["model_version"]) == ("4", "16", "16")
     assert (progress[protocol.PROGRESS_RESTORED_FROM_STEP], progress[protocol.PROGRESS_CHECKPOINT_DOCUMENTS_SEEN]) == ("4", "16")
     assert json.loads(progress[protocol.PROGRESS_CHECKPOINT_LOST])["attempt"] == 2 and progress["metrics"] == "{}"
+    # the hash names the attempt that started; its reader counters come with its first step, none before
+    assert progress[protocol.PROGRESS_STARTED_ATTEMPT] == "2" and protocol.PROGRESS_STREAM not in progress
+    parsed = protocol.parse_progress(client.hgetall(keys.progress), {})
+    assert (parsed.started_attempt, parsed.restored_from_step, parsed.stream) == (2, 4, {})
 
     publish_start(client, config, 0, 0, None)  # a start over: only version 0 stays; an empty hash is no error
     assert sorted(k.decode() for k in client.hkeys(keys.rollout)) == sorted(["reward_sum:0", "reward_count:0", *others])

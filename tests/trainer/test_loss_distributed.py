@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from rljob_trainer.loss import Corrections, count_labels_and_documents, grpo_loss, gspo_loss, scale_for_gradient_mean
 from rljob_trainer.loss_metrics import MetricsInputError, StepMetrics
+from rljob_trainer.metrics_registry import DEAD_LETTERED_PREFIX, STREAM_COUNTERS
 from train_harness import JOIN_TIMEOUT_S, init_gloo, run_ranks
 
 torch.set_num_threads(1)
@@ -237,8 +238,10 @@ def test_mixed_presence_raises_the_same_error_on_every_rank(tmp_path):
 
 def totals_worker(rank: int, world_size: int, tmp_dir: str) -> None:
     init_gloo(rank, world_size, tmp_dir)
-    totals = {"loss": 0.25 * (rank + 1), "redeliveries": rank, "dropped_too_long": 1, "dead_lettered": 0,
-              "lost_pending": 2 * rank, "dropped_stale": 3 * rank}
+    totals = {"loss": 0.25 * (rank + 1), "redeliveries": rank, "dropped_too_long": 1, "dead_lettered": rank,
+              "lost_pending": 2 * rank, "dropped_stale": 3 * rank,
+              **{name: 0 for name in STREAM_COUNTERS if name.startswith(DEAD_LETTERED_PREFIX)},
+              "dead_lettered.bad_value": rank}
     results = [StepMetrics(level).reduce(totals=totals) for level in ("none", "basic")]
     Path(f"{tmp_dir}/totals_{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -248,8 +251,9 @@ def test_step_totals_are_summed_over_ranks_at_every_level(tmp_path):
     # Level none still reduces the loss and the stream counters: every rank joins the SUM every step.
     run_ranks(totals_worker, 2, tmp_path)
     per_rank = [json.loads((tmp_path / f"totals_{r}.json").read_text()) for r in range(2)]
-    expected = {"loss": 0.75, "redeliveries": 1, "dropped_too_long": 2, "dead_lettered": 0, "lost_pending": 2,
-                "dropped_stale": 3}
+    expected = {"loss": 0.75, "redeliveries": 1, "dropped_too_long": 2, "dead_lettered": 1, "lost_pending": 2,
+                "dropped_stale": 3, **{name: 0 for name in STREAM_COUNTERS if name.startswith(DEAD_LETTERED_PREFIX)},
+                "dead_lettered.bad_value": 1}
     assert per_rank[0] == per_rank[1]
     none, basic = per_rank[0]
     assert none == expected

@@ -10,7 +10,8 @@ from rljob_api.config import RedisConnection, resolve
 from rljob_api.spec import RLTrainingJobSpec
 from rljob_trainer.loss import Corrections
 from rljob_trainer.loss_metrics import MetricsInputError, StepMetrics, token_entropy
-from rljob_trainer.metrics_registry import METRICS, metric_definitions, metrics_level, resolve_metrics_level
+from rljob_trainer.metrics_registry import (DEAD_LETTERED_PREFIX, METRICS, STREAM_COUNTERS, metric_definitions,
+                                            metrics_level, resolve_metrics_level)
 
 torch.set_num_threads(1)
 F64 = torch.float64
@@ -382,7 +383,8 @@ def test_one_pass_metrics_equal_the_formulas_and_segment_once(monkeypatch, loss,
     expected = reference_metrics(batches, loss, *eps, documents_seen=2**40)
     assert 0 < expected["clipped_ratio_fraction"] < 1  # both clipped and unclipped ratios are exercised
     assert 0 < expected["sampler_mismatch_tokens"] < expected["num_tokens"]  # current and older tokens
-    counters = {"redeliveries": 3, "dropped_too_long": 1, "dead_lettered": 0, "lost_pending": 2, "dropped_stale": 5}
+    counters = {"redeliveries": 3, "dropped_too_long": 1, "dead_lettered": 0, "lost_pending": 2, "dropped_stale": 5,
+                **{name: 0 for name in STREAM_COUNTERS if name.startswith(DEAD_LETTERED_PREFIX)}}
     out = metrics.reduce(totals={"loss": torch.tensor(loss_sum, dtype=F64), **counters})
     assert list(out) == BASIC_NAMES + ["loss", *counters]
     assert {k: out[k] for k in BASIC_NAMES} == pytest.approx(expected, rel=1e-12, abs=1e-12)
@@ -391,7 +393,8 @@ def test_one_pass_metrics_equal_the_formulas_and_segment_once(monkeypatch, loss,
 
 def test_step_totals_are_reduced_at_every_level_and_must_be_complete():
     totals = {"loss": 0.5, "redeliveries": 1, "dropped_too_long": 2, "dead_lettered": 3, "lost_pending": 4,
-              "dropped_stale": 5}
+              "dropped_stale": 5, **{name: 0 for name in STREAM_COUNTERS if name.startswith(DEAD_LETTERED_PREFIX)},
+              "dead_lettered.bad_json": 2, "dead_lettered.bad_value": 1}
     assert StepMetrics("none").reduce(totals=totals) == totals
     with pytest.raises(ValueError, match=r"totals must name exactly the step totals .* got \['loss'\]"):
         StepMetrics("none").reduce(totals={"loss": 0.5})

@@ -253,3 +253,50 @@ def test_with_metrics_on_fast_llm_entries_are_dead_lettered_with_a_counted_reaso
         (b"missing_metrics_field", b"no `model_version` field while metrics are on")] * 3
     group = client.xinfo_groups(config.keys.stream)[0]
     assert group["pending"] == 0  # dead-lettered entries are acked: they hold no back-pressure
+
+
+def test_entries_refused_by_kind_reach_the_progress_hash_and_the_operators_account(redis_server, tmp_path,
+                                                                                    monkeypatch):
+    """A producer writes 2 good entries per step and, among them, one with a token beyond the vocabulary and one
+    whose ``data`` is not JSON: the trainer of attempt 3 trains its 2 steps, reports the refused entries by kind in the
+    progress hash's ``stream`` beside its attempt, and the operator's account (rljob_operator.account) turns them into
+    status.attempts[-1].documents and status.documentTotals, with a Warning EntriesRejected (2 of 6 entries read)."""
+    from datetime import datetime, timezone
+
+    from rljob_api.constants import Phase, Reason
+    from rljob_api.status import RLTrainingJobStatus
+    from rljob_operator import account, gang
+    from rljob_operator.job_status import RedisHealth, build_status, transition_events
+
+    monkeypatch.setenv("RLJOB_ATTEMPT", "3")
+    monkeypatch.setenv("RLJOB_JOB_UID", "uid-1")
+    config = make_config(redis_server, tmp_path / "ckpt", processes=1, documents_per_step=2, max_steps=2,
+                         metrics="none", replicas=0)
+    client = redis_server.client()
+    good = fast_llm_messages(4, seed=5)
+    tokens = np.frombuffer(good[0]["tokens"], dtype=np.int64).copy()
+    tokens[-1] = 10_000
+    beyond = dict(good[0], tokens=tokens.tobytes())
+    not_json = dict(good[1], data="{not json")
+    for message in (good[0], beyond, good[1], not_json, good[2], good[3]):
+        client.xadd(config.keys.stream, message)
+    run(config, client=client, stdout=io.StringIO())
+
+    progress = protocol.parse_progress(client.hgetall(config.keys.progress), {})
+    assert (progress.started_attempt, progress.restored_from_step, progress.step) == (3, 0, 2)
+    assert {k: v for k, v in progress.stream.items() if v} == {
+        "dead_lettered": 2, "dead_lettered.bad_value": 1, "dead_lettered.bad_json": 1}
+
+    started = gang.Lifecycle(phase=Phase.RUNNING, attempt=3, restarts=3, gang_created=True, reason=Reason.TRAINING,
+                             message="attempt 3: the trainer pod is running")
+    now = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    common = dict(generation=1, lifecycle=started, problems=(), data_parallel_size=1,
+                  redis=RedisHealth(True, "external Redis reachable"), pods=(), nodes=1, replicas=0, now=now)
+    before = build_status(RLTrainingJobStatus(), progress=None, **common)
+    after = build_status(before, progress=progress, **common)
+    assert after.attempts[-1].documents.dead_lettered == {"bad_value": 1, "bad_json": 1}
+    assert after.document_totals.dead_lettered == {"bad_value": 1, "bad_json": 1}
+    assert [e.message for e in transition_events(before, after) if e.reason == "EntriesRejected"] == [
+        "the trainer could not train 2 of the 6 entries read since the job began (33.3%): 2 dead-lettered "
+        "(bad_json 1, bad_value 1); status.documentTotals keeps the counts"]
+    assert account.rejected(after.document_totals) == 2

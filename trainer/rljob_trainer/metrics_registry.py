@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
-from rljob_api import rules
+from rljob_api import protocol, rules
+from rljob_wire.codec import MalformedKind
 
 if TYPE_CHECKING:
     from rljob_api.config import JobConfig
@@ -78,6 +79,10 @@ METRICS: tuple[MetricDef, ...] = (
 )
 """Every loss metric, in the fixed order of registration and reduction."""
 
+DEAD_LETTERED_PREFIX = protocol.STREAM_DEAD_LETTERED_PREFIX
+"""Step totals ``dead_lettered.<kind>``: the dead-lettered entries by :class:`~rljob_wire.codec.MalformedKind` (a
+step record's ``stream`` keeps only the kinds seen; the operator sums them into status.documentTotals)."""
+
 STEP_TOTALS: tuple[MetricDef, ...] = (
     MetricDef("loss", "sum", "always", "the step's loss: each micro-batch's loss (global normaliser), summed"),
     MetricDef("redeliveries", "sum", "always", "entries re-read from pending lists at start, all ranks (count)"),
@@ -86,6 +91,8 @@ STEP_TOTALS: tuple[MetricDef, ...] = (
     MetricDef("lost_pending", "sum", "always", "pending entries deleted from the stream before re-reading (count)"),
     MetricDef("dropped_stale", "sum", "always", "documents staler than algorithm.maxStaleness dropped before the loss, "
               "all ranks (count; acked with the next checkpoint)"),
+    *(MetricDef(f"{DEAD_LETTERED_PREFIX}{kind.value}", "sum", "always",
+                f"of dead_lettered, the entries of kind {kind.value}, all ranks (count)") for kind in MalformedKind),
 )
 """The totals every step reduces whatever the level, passed to :meth:`StepMetrics.reduce`: the loss (logged with
 the metrics) and the readers' counters since this attempt started (logged as ``stream``)."""

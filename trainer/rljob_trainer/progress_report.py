@@ -155,7 +155,8 @@ def publish_start(
     Sets ``step``, ``documents_seen``, ``model_version`` (= documents_seen), ``restored_from_step`` (= step) and
     ``checkpoint_documents_seen`` (= documents_seen: nothing trained yet is unacked) to the loaded checkpoint's values
     (0 from scratch), ``dropped_stale`` and ``checkpoint_dropped_stale`` to 0 (this attempt dropped nothing yet),
-    ``started_attempt`` to ``attempt`` (the operator's phase goes from Starting to Running on it), and sets ``checkpoint_lost`` (JSON {step, path, restored_from_step, message, attempt}) or deletes it. ``attempt``: the gang attempt (env ``RLJOB_ATTEMPT``, :func:`gang_attempt`), so the operator never shows the
+    ``started_attempt`` to ``attempt`` (the operator's phase goes from Starting to Running on it), deletes ``stream``
+    (the reader counters are this attempt's from its first step on), and sets ``checkpoint_lost`` (JSON {step, path, restored_from_step, message, attempt}) or deletes it. ``attempt``: the gang attempt (env ``RLJOB_ATTEMPT``, :func:`gang_attempt`), so the operator never shows the
     record of an earlier attempt as this one's.
     The rollout's max lag needs this before the first step (:mod:`rljob_rollout.writer`): an earlier attempt's
     documents_seen would otherwise count this attempt's redelivered documents as trained.
@@ -174,7 +175,8 @@ def publish_start(
     """
     key, rollout = config.keys.progress, config.keys.rollout
 
-    commands: list[fence.Command] = [("HSET", key, *fence.flat(protocol.start_fields(step, documents_seen, attempt)))]
+    commands: list[fence.Command] = [("HSET", key, *fence.flat(protocol.start_fields(step, documents_seen, attempt))),
+                                     ("HDEL", key, protocol.PROGRESS_STREAM)]
     if lost is None:
         commands.append(("HDEL", key, protocol.PROGRESS_CHECKPOINT_LOST))
     else:

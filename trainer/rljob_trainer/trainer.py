@@ -63,7 +63,7 @@ from rljob_trainer.checkpoint import (
 from rljob_trainer.loss_metrics import StepMetrics, token_entropy
 from rljob_trainer.loading import load_model
 from rljob_trainer.metrics_registry import (CHECKPOINT_BLOCKING, CHECKPOINT_SAVE, GRAD_NORM, LEARNING_RATE,
-                                            STREAM_COUNTERS, WEIGHT_SYNC)
+                                            STREAM_COUNTERS, WEIGHT_SYNC, DEAD_LETTERED_PREFIX)
 from rljob_wire.model import build_tokenizer, sequence_logprobs
 from rljob_trainer.parallel import DataParallelModel, Distributed
 from rljob_trainer.fence import claim, gang_attempt
@@ -284,6 +284,7 @@ class Trainer:
         totals = {"loss": loss_sum, **{name: self._stream_counter(name) for name in STREAM_COUNTERS}}
         reduced = self.metrics.reduce(totals=totals)
         stream = {name: int(reduced.pop(name)) for name in STREAM_COUNTERS}
+        stream = {name: n for name, n in stream.items() if n or not name.startswith(DEAD_LETTERED_PREFIX)}
         self._dropped_stale = stream["dropped_stale"]
         step_loss = reduced.pop("loss")
         opt = self.config.spec.trainer.optimizer
@@ -357,6 +358,8 @@ class Trainer:
         return output.loss
 
     def _stream_counter(self, name: str) -> float:
+        if name.startswith(DEAD_LETTERED_PREFIX):
+            return float(self.reader.counters.dead_lettered[name.removeprefix(DEAD_LETTERED_PREFIX)])
         value = getattr(self.reader.counters, name)
         return float(sum(value.values()) if isinstance(value, dict) else value)
 
