@@ -83,47 +83,34 @@ class StreamStatus(StatusModel):
 class DocumentCounts(StatusModel):
     """What the trainer's stream readers did besides training, all ranks (entries = documents)."""
 
-    redelivered: int = Field(0, ge=0, description="Entries re-read at a start: trained since the last checkpoint by "
-                             "an attempt that ended, trained again.")
-    dead_lettered: dict[str, int] = Field(
-        default_factory=dict, description="Malformed entries moved to the dead-letter stream (status.stream."
-        "deadLetterKey, each with its reason), by kind (DESIGN §3: missing_field, bad_value, ...).")
-    dropped_too_long: int = Field(0, ge=0, description="Documents longer than trainer.microBatchTokens, dropped.")
-    dropped_stale: int = Field(0, ge=0, description="Documents staler than algorithm.maxStaleness, dropped before "
-                               "the loss.")
-    lost_pending: int = Field(0, ge=0, description="Entries pending at a start whose data had been deleted from the "
-                              "stream (trimmed or deleted outside rljob): nothing to train.")
+    redelivered: int = Field(0, ge=0, description="Re-read at a start (trained by an attempt that ended).")
+    dead_lettered: dict[str, int] = Field(default_factory=dict, description="Malformed, by kind (DESIGN §3).")
+    dropped_too_long: int = Field(0, ge=0, description="Over trainer.microBatchTokens.")
+    dropped_stale: int = Field(0, ge=0, description="Staler than algorithm.maxStaleness.")
+    lost_pending: int = Field(0, ge=0, description="Pending, but deleted from the stream before a re-read.")
 
 
 class DocumentTotals(DocumentCounts):
     """Of the whole job: every attempt's :class:`DocumentCounts` summed, and what Redis forgot."""
 
-    stream_losses: int = Field(0, ge=0, description="Times Redis forgot the job's stream (Events StreamLost).")
-    stream_lost_entries: int = Field(
-        0, ge=0, description="Entries those losses took, as the operator last counted them before each loss: pending "
-        "(trained since the last checkpoint) plus not delivered yet. An upper bound: a checkpoint committed after that "
-        "count covered some pending ones; a loss whose counts were unknown adds none.")
+    stream_losses: int = Field(0, ge=0, description="Times Redis forgot the stream (StreamLost).")
+    stream_lost_entries: int = Field(0, ge=0, description="Pending + undelivered at the last read before each loss "
+                                     "(an upper bound).")
 
 
 class AttemptStatus(StatusModel):
     """One trainer gang attempt as the operator saw it; kept after its pods, Events and Redis records are gone."""
 
-    attempt: int = Field(..., ge=0, description="The attempt's number (status.attempt while it ran).")
-    start_time: Optional[datetime] = Field(None, description="When every trainer pod of the attempt was created.")
-    end_time: Optional[datetime] = Field(None, description="When the operator ended it or saw it end (none: running).")
-    reason: Optional[str] = Field(
-        None, description="Why it ended: the reason of the phase it ended in (PodDeleted, PodFailed, ConfigChanged, "
-        "StreamLost, Suspended, Succeeded, BackoffLimitExceeded, ...); written in the same status update that "
-        "decides it, before any pod is deleted.")
-    message: str = Field("", max_length=4096, description="What ended it, in words.")
-    data_parallel_size: Optional[int] = Field(None, ge=1, description="Its data-parallel world size.")
-    restored_from_step: Optional[int] = Field(
-        None, ge=0, description="The step of the checkpoint its trainer loaded (0: started from scratch; none: the "
-        "trainer had not reported its start).")
-    checkpoint_path: Optional[str] = Field(None, description="That checkpoint's directory, when the operator knew it.")
-    step: Optional[int] = Field(None, ge=0, description="The last step the operator saw it reach.")
-    documents: DocumentCounts = Field(default_factory=DocumentCounts,
-                                      description="Its stream readers' counts, as of its last step the operator saw.")
+    attempt: int = Field(..., ge=0, description="Its number.")
+    start_time: Optional[datetime] = Field(None, description="Its gang created.")
+    end_time: Optional[datetime] = Field(None, description="Ended (none: running).")
+    reason: Optional[str] = Field(None, description="Why it ended (the phase's reason, saved before any pod went).")
+    message: str = Field("", max_length=4096, description="Why, in words.")
+    data_parallel_size: Optional[int] = Field(None, ge=1, description="Its DP size.")
+    restored_from_step: Optional[int] = Field(None, ge=0, description="Checkpoint step its trainer loaded (0: none).")
+    checkpoint_path: Optional[str] = Field(None, description="That checkpoint's directory, when known.")
+    step: Optional[int] = Field(None, ge=0, description="Last step seen.")
+    documents: DocumentCounts = Field(default_factory=DocumentCounts, description="Its readers' counts.")
 
 
 class RLTrainingJobStatus(StatusModel):
@@ -229,12 +216,9 @@ class RLTrainingJobStatus(StatusModel):
         description="The stream, events and weight-transfer addresses of the job, for producers outside rljob "
         "(spec.rollout.replicas 0, or beside rljob's own rollout pods).",
     )
-    attempts: list[AttemptStatus] = Field(
-        default_factory=list, description="The last 20 trainer gang attempts, oldest first: when each ran, why it "
-        "ended, the checkpoint it loaded, its data-parallel size and its readers' counts.")
-    document_totals: DocumentTotals = Field(
-        default_factory=DocumentTotals, description="Documents redelivered, dead-lettered, dropped or lost over the "
-        "whole job (every attempt, also those no longer in attempts).")
+    attempts: list[AttemptStatus] = Field(default_factory=list, description="The last 20 gang attempts, oldest first.")
+    document_totals: DocumentTotals = Field(default_factory=DocumentTotals,
+                                            description="Documents not trained as written, over the whole job.")
     conditions: list[Condition] = Field(default_factory=list, description="The latest observations.")
 
     def condition(self, type_: c.ConditionType) -> Optional[Condition]:
