@@ -53,6 +53,18 @@ VLLM_CPU_RESERVED_BYTES = 3 * 2**30
 VLLM_CPU_DEFAULT_KV_CACHE_BYTES = 2**30
 
 
+def vllm_logprobs_problem(top_p: float, temperature: float) -> Optional[str]:
+    """Why the ``vllm`` backend cannot sample with ``top_p`` and ``temperature`` and still return the log-probabilities
+    the trainer recomputes (those of the temperature-scaled, untruncated distribution), or None when it can: vLLM
+    returns them before its processors (``raw_logprobs``, right at temperature 1) or after all of them
+    (``processed_logprobs``, right without top-p), never between."""
+    if top_p >= 1.0 or temperature == 1.0:
+        return None
+    return (f"topP = {top_p} < 1 with temperature = {temperature} != 1 is not supported by the vllm backend: vLLM "
+            "cannot return log-probabilities of the temperature-scaled, untruncated distribution the trainer "
+            "recomputes. Use topP = 1, or temperature = 1")
+
+
 def kv_bytes_per_sequence(layers: int, kv_heads: int, head_size: int, dtype_bytes: int, positions: int) -> int:
     """KV-cache bytes of one sequence of ``positions`` tokens: 2 (keys, values) × layers × key-value heads × head size ×
     ``dtype_bytes`` per token."""

@@ -308,6 +308,9 @@ def _rollout_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
             f"hiddenSize = {tiny.hidden_size} / heads = {tiny.heads} gives a head size of "
             f"{tiny.hidden_size // tiny.heads}, which vLLM's CPU attention (backend 'vllm' with gpusPerReplica 0) "
             f"cannot run: it runs head sizes {sizes}; {_heads_for(tiny.hidden_size)}")))
+    sampling = rules.vllm_logprobs_problem(r.sampling.top_p, r.sampling.temperature)
+    if r.backend == "vllm" and sampling is not None:
+        problems.append(SpecProblem("spec.rollout.sampling", sampling))
     if r.backend == "cpu" and r.gpus_per_replica > 0:
         problems.append(SpecProblem(
             "spec.rollout.gpusPerReplica",

@@ -88,6 +88,12 @@ CASES = {
         "spec.model.tiny: hiddenSize = 64 / heads = 4 gives a head size of 16, which vLLM's CPU attention (backend "
         "'vllm' with gpusPerReplica 0) cannot run: it runs head sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, "
         "512; e.g. heads = 2")),
+    "vllm-top-p": (
+        {"rollout": {"backend": "vllm", "gpusPerReplica": 1, "sampling": {"topP": 0.9, "temperature": 0.7}}},
+        "spec.rollout.sampling: topP = 0.9 < 1 with temperature = 0.7 != 1 is not supported by the vllm backend: vLLM "
+        "cannot return log-probabilities of the temperature-scaled, untruncated distribution the trainer recomputes. "
+        "Use topP = 1, or temperature = 1",
+    ),
     "cpu-gpus": (
         {"rollout": {"backend": "cpu", "gpusPerReplica": 2}},
         "spec.rollout.gpusPerReplica: must be 0 with backend 'cpu' (it generates on CPU; 2 would hold 2 GPUs per "

