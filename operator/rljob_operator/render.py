@@ -540,6 +540,9 @@ def rollout_pod(job: Job, config: JobConfig, index: int, reward_source_hash: Opt
         "command": list(ROLLOUT_COMMAND),
         "env": env,
         "ports": [{"name": "metrics", "containerPort": c.PORT_METRICS, "protocol": "TCP"}],
+        # Ready once the worker serves its metrics, which it does after its backend started (a vLLM engine takes
+        # tens of seconds): RolloutReady then means rollouts can be generated.
+        "readinessProbe": {"httpGet": {"path": "/metrics", "port": c.PORT_METRICS}, "periodSeconds": 5},
         "resources": resources,
         "volumeMounts": mounts,
         "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,

@@ -138,6 +138,8 @@ def test_rollout_pod_command_env_gpus_and_restart_policy():
     assert c.ENV_ATTEMPT not in _env(container) and c.ENV_JOB_UID not in _env(container)
     assert container["resources"] == {"requests": {"cpu": "4"}, "limits": {"nvidia.com/gpu": 2}}
     assert pod["spec"]["restartPolicy"] == "OnFailure"
+    # ready once the worker serves its metrics: after its backend (a vLLM engine) started
+    assert container["readinessProbe"] == {"httpGet": {"path": "/metrics", "port": 9400}, "periodSeconds": 5}
     assert c.LABEL_ATTEMPT not in pod["metadata"]["labels"]
     assert job.spec.rollout.resources == {"requests": {"cpu": "4"}}  # rendering did not mutate the spec
 
