@@ -402,6 +402,8 @@ class Recorder:
                     # session ends (CPython 3.11.7 can fail compiling in one thread while another compiles too).
                     for event in self._watch.stream(list_fn, resource_version=version, timeout_seconds=5,
                                                     allow_watch_bookmarks=True):
+                        if event is None:  # the client yields None for a line it cannot decode (a cut stream)
+                            continue
                         obj = api_client.sanitize_for_serialization(event.get("object")) or {}
                         if event["type"] == "ERROR" or not (obj.get("metadata") or {}).get("resourceVersion"):
                             # A Status in the stream (e.g. its resourceVersion expired): list again and go on.
