@@ -559,13 +559,23 @@ class Backlog:
     undelivered: Optional[int]
 
     @classmethod
-    def from_groups(cls, groups: Any, group: str) -> Optional[Backlog]:
-        """The entry of ``group`` in XINFO GROUPS' reply (a list of dicts, bytes or str); None when absent."""
+    def from_groups(cls, groups: Any, group: str, length: Optional[int] = None) -> Optional[Backlog]:
+        """The entry of ``group`` in XINFO GROUPS' reply (a list of dicts, bytes or str); None when absent.
+
+        ``length``: the stream's XLEN read with it. Undelivered and pending entries are never trimmed (the trainer trims
+        acked ones only), so there are at most ``length − pending`` undelivered ones: the lag is capped there, since
+        Redis reports one too large after a restart that reloads the stream from its append-only file, and after
+        deletions (redis/redis#13338, valkey-io/valkey#1952; the chaos soak saw 41984 on an empty stream, which held
+        every rollout worker at maxPending for good), and the cap stands for a lag Redis cannot tell (None)."""
         for info in groups or []:
             fields = {text(k): v for k, v in info.items()}
             if text(fields.get("name")) == group:
-                pending = _number(fields.get("pending"), int)
-                return cls(pending=pending or 0, undelivered=_number(fields.get("lag"), int))
+                pending = _number(fields.get("pending"), int) or 0
+                lag = _number(fields.get("lag"), int)
+                if length is not None:
+                    room = max(0, length - pending)
+                    lag = room if lag is None else min(lag, room)
+                return cls(pending=pending, undelivered=lag)
         return None
 
 

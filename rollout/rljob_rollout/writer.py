@@ -2,8 +2,8 @@
 
 Both bounds read one snapshot of the stream's consumer group (:class:`StreamBacklog`, one MULTI/EXEC):
 
-* ``undelivered``: entries no trainer rank has been handed yet (XINFO GROUPS ``lag``; the stream length before the
-  trainer has created the group);
+* ``undelivered``: entries no trainer rank has been handed yet (XINFO GROUPS ``lag``, at most the stream length:
+  :meth:`rljob_api.protocol.Backlog.from_groups`; the stream length before the trainer has created the group);
 * ``pending``: entries delivered and not yet acknowledged (XINFO GROUPS ``pending``), i.e. not yet covered by a
   committed checkpoint. Some of them the trainer's current attempt has already trained and only waits to ack
   (``trained_unacked``); the rest are being trained, read ahead, or were delivered to an earlier attempt and are
@@ -228,14 +228,10 @@ class DocumentWriter:
             return StreamBacklog(undelivered=0, pending=0, trained_unacked=trained, dropped_unacked=dropped)
         if isinstance(groups, Exception):
             raise groups
-        for group in groups:
-            name = group.get("name")
-            if protocol.text(name) == self._keys.group:
-                lag = group.get("lag")
-                if lag is None:  # Redis cannot tell after deletions: assume every entry is undelivered
-                    lag = length
-                return StreamBacklog(int(lag), int(group.get("pending") or 0), trained, dropped)
-        return StreamBacklog(undelivered=int(length), pending=0, trained_unacked=trained, dropped_unacked=dropped)
+        backlog = protocol.Backlog.from_groups(groups, self._keys.group, length=int(length))
+        if backlog is None:  # the trainer has not created its group yet
+            return StreamBacklog(undelivered=int(length), pending=0, trained_unacked=trained, dropped_unacked=dropped)
+        return StreamBacklog(int(backlog.undelivered), backlog.pending, trained, dropped)
 
     def backlog(self) -> int:
         """Undelivered + pending entries (documents): :attr:`StreamBacklog.backlog`. Raises RedisError."""

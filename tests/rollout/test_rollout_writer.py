@@ -55,6 +55,33 @@ def test_backpressure_counts_undelivered_and_unacked_entries(redis_server):
     assert client.xlen(config.keys.stream) == 8
 
 
+def test_a_lag_larger_than_the_stream_holds_no_worker_back(redis_server):
+    """Redis reports a lag larger than the stream after a restart that reloads it from the append-only file, and after
+    deletions (redis/redis#13338): the chaos soak saw lag 60416 with 2048 entries in the stream, all of them pending,
+    and every worker waited at maxPending for good. Undelivered and pending entries are never trimmed, so the stream's
+    length less the pending entries caps the undelivered ones. The lag is set here from outside (XGROUP SETID ...
+    ENTRIESREAD)."""
+    config = make_config(redis_server, rollout={"maxLag": 100_000}, redis={"maxPending": 8})
+    client = redis_server.client()
+    writer = DocumentWriter(client, config, 0)
+    writer.write(_docs(12))
+    client.xgroup_create(config.keys.stream, config.keys.group, id="0")
+    delivered = client.xreadgroup(config.keys.group, "fast_llm_consumer_0", {config.keys.stream: ">"}, count=10)
+    ids = [entry_id for entry_id, _ in delivered[0][1]]
+    client.xack(config.keys.stream, config.keys.group, *ids[:7])
+    client.xdel(config.keys.stream, *ids[:7])  # as the trainer trims acked entries: 3 pending and 2 undelivered left
+    client.execute_command("XGROUP", "SETID", config.keys.stream, config.keys.group, ids[-1], "ENTRIESREAD", 1)
+    (group,) = client.xinfo_groups(config.keys.stream)
+    assert (group["lag"], group["pending"], client.xlen(config.keys.stream)) == (11, 3, 5)  # what Redis says
+    assert writer.snapshot().undelivered == 2 and writer.backlog() == 5 and writer.wait_reason() is None
+    groups = client.xinfo_groups(config.keys.stream)
+    assert protocol.Backlog.from_groups(groups, config.keys.group) == protocol.Backlog(pending=3, undelivered=11)
+    assert protocol.Backlog.from_groups(groups, config.keys.group, length=5) == protocol.Backlog(3, 2)
+    unknown = [{**groups[0], "lag": None}]
+    assert protocol.Backlog.from_groups(unknown, config.keys.group, length=5) == protocol.Backlog(3, 2)
+    assert protocol.Backlog.from_groups(unknown, config.keys.group) == protocol.Backlog(3, None)
+
+
 def _reader(client, config):
     """The trainer side: data-parallel rank 0 of 1 reading the job's stream (a real consumer-group consumer)."""
     return StreamReader(client, config.keys, 0, 1, micro_batch_tokens=64, require_metrics_fields=True,

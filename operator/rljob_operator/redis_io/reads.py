@@ -188,10 +188,12 @@ async def fetch(client: aioredis.Redis, keys: RedisKeys) -> Progress:
         pipe.hgetall(keys.checkpoint)
         pipe.get(keys.prefix + protocol.KEY_STREAM_ID)
         pipe.xinfo_groups(keys.stream)
-        progress, rollout, checkpoint, stream_id, groups = await pipe.execute(raise_on_error=False)
+        pipe.xlen(keys.stream)
+        progress, rollout, checkpoint, stream_id, groups, length = await pipe.execute(raise_on_error=False)
     for reply in (progress, rollout, checkpoint, stream_id):
         if isinstance(reply, Exception):
             raise reply
     parsed = parse_progress(progress, rollout, checkpoint)
-    backlog = None if isinstance(groups, Exception) else protocol.Backlog.from_groups(groups, keys.group)  # no stream
+    backlog = None if isinstance(groups, Exception) else protocol.Backlog.from_groups(  # no stream
+        groups, keys.group, None if isinstance(length, Exception) else int(length))
     return dataclasses.replace(parsed, stream_id=protocol.text(stream_id), backlog=backlog)
