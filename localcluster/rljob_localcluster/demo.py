@@ -22,7 +22,7 @@ import subprocess
 import sys
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 
@@ -101,8 +101,10 @@ def reuse(d: Path, state: dict) -> list[str]:
     return sorted(imported)
 
 
-def install_operator(env: dict[str, str], bin_dir: Path) -> None:
-    """Install or upgrade the chart and wait for the operator pod; on failure the message carries its pod and logs."""
+def install_operator(env: dict[str, str], bin_dir: Path, imported: Sequence[str] = ()) -> None:
+    """Install or upgrade the chart and wait for the operator pod; on failure the message carries its pod and logs.
+    When ``imported`` (:func:`ensure_cluster`'s) names an operator image, the running operator is restarted onto it
+    (same tag, new image)."""
     _say(f"helm upgrade --install {RELEASE} {CHART.relative_to(REPO)} -n {OPERATOR_NAMESPACE}")
     try:
         _run([str(bin_dir / "helm"), "upgrade", "--install", RELEASE, str(CHART), "-n", OPERATOR_NAMESPACE,
@@ -114,6 +116,12 @@ def install_operator(env: dict[str, str], bin_dir: Path) -> None:
         logs = subprocess.run([*kubectl, "logs", f"deploy/{RELEASE}", "--tail=40"], env=env, capture_output=True,
                               text=True, check=False)
         raise DemoError(f"{err}\noperator pods:\n{pods}\noperator logs:\n{logs.stdout}{logs.stderr}") from err
+    if any("/operator:" in name for name in imported):
+        _say("restarting the operator on its newly imported image")
+        _run([str(bin_dir / "kubectl"), "-n", OPERATOR_NAMESPACE, "rollout", "restart", f"deploy/{RELEASE}"], env,
+             "restarting the operator")
+        _run([str(bin_dir / "kubectl"), "-n", OPERATOR_NAMESPACE, "rollout", "status", f"deploy/{RELEASE}",
+              "--timeout=180s"], env, "waiting for the restarted operator")
 
 
 def apply_example(env: dict[str, str], bin_dir: Path, namespace: str) -> str:
@@ -247,13 +255,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         kubeconfig, bin_dir, imported = ensure_cluster(d)
         env = {**os.environ, "KUBECONFIG": kubeconfig}
-        install_operator(env, bin_dir)
-        if any("/operator:" in name for name in imported):  # same tag, new image: the running pod is the old one
-            _say("restarting the operator on its newly imported image")
-            _run([str(bin_dir / "kubectl"), "-n", OPERATOR_NAMESPACE, "rollout", "restart", f"deploy/{RELEASE}"], env,
-                 "restarting the operator")
-            _run([str(bin_dir / "kubectl"), "-n", OPERATOR_NAMESPACE, "rollout", "status", f"deploy/{RELEASE}",
-                  "--timeout=180s"], env, "waiting for the restarted operator")
+        install_operator(env, bin_dir, imported)
         name = apply_example(env, bin_dir, args.namespace)
         _say(f"watching {args.namespace}/{name} (Ctrl-C stops watching; the job goes on)")
         from kubernetes import config
