@@ -16,7 +16,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 
 def text(value: Any) -> Optional[str]:
@@ -677,6 +677,9 @@ class TransferTicket:
         backend: ``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors).
         join_timeout_s: seconds the publisher waits for invited members to be ready.
         timeout_s: collective timeout of the update's group, seconds.
+        layout: the layout the publisher plans, ``packed`` (every invited member's heartbeat says it reads it) or
+            ``per-tensor``; the one the update uses is in the transfer store (``rljob_wire.transfer.LAYOUT_KEY``),
+            per-tensor when a member that joined does not read the planned one.
     """
 
     id: str
@@ -684,6 +687,7 @@ class TransferTicket:
     backend: str = "gloo"
     join_timeout_s: float = 10.0
     timeout_s: float = 120.0
+    layout: str = "per-tensor"
 
     def to_json(self) -> dict[str, Any]:
         """The ticket as a JSON object."""
@@ -701,6 +705,7 @@ class TransferTicket:
                 backend=str(value.get("backend", "gloo")),
                 join_timeout_s=float(value.get("join_timeout_s", 10.0)),
                 timeout_s=float(value.get("timeout_s", 120.0)),
+                layout=str(value.get("layout", "per-tensor")),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"transfer: malformed ticket {value!r}: {error!r}") from None
@@ -780,17 +785,19 @@ MEMBER_TTL_S = 15.0
 
 @dataclass(frozen=True)
 class MemberInfo:
-    """One heartbeat of the members hash: Redis time (s), loaded version (None: no weights), process id."""
+    """One heartbeat of the members hash: Redis time (s), loaded version (None: no weights), process id, the weight
+    transfer layouts it reads beyond per-tensor (none: an older receiver)."""
 
     time: float
     version: Optional[int]
     instance: str
+    layouts: tuple[str, ...] = ()
 
 
-def encode_member(time_s: float, version: Optional[int], instance: str) -> str:
+def encode_member(time_s: float, version: Optional[int], instance: str, layouts: Sequence[str] = ()) -> str:
     """A members-hash value: JSON {"time": Redis TIME in seconds, "version": loaded model_version or null,
-    "instance": random id of the worker process}."""
-    return json.dumps({"time": time_s, "version": version, "instance": instance})
+    "instance": random id of the worker process, "layouts": the weight-transfer layouts it reads}."""
+    return json.dumps({"time": time_s, "version": version, "instance": instance, "layouts": list(layouts)})
 
 
 def parse_member(value: bytes | str) -> MemberInfo:
@@ -805,4 +812,6 @@ def parse_member(value: bytes | str) -> MemberInfo:
     if not isinstance(body, dict) or not isinstance(body.get("time"), (int, float)):
         raise ValueError(f"members: malformed heartbeat {value!r}")
     version = body.get("version")
-    return MemberInfo(float(body["time"]), int(version) if version is not None else None, str(body.get("instance", "")))
+    layouts = body.get("layouts")
+    return MemberInfo(float(body["time"]), int(version) if version is not None else None, str(body.get("instance", "")),
+                      tuple(x for x in layouts if isinstance(x, str)) if isinstance(layouts, list) else ())

@@ -14,6 +14,7 @@ import redis
 
 from rljob_api.config import JobConfig
 from rljob_api.protocol import HEARTBEAT_INTERVAL_S, Event, encode_member, parse_event, text
+from rljob_wire.packed import LAYOUTS
 from rljob_wire.transfer import StoreAddress, redis_time
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class WeightSubscriber:
         address: the trainer's transfer store.
         instance: random id of this process, so the publisher can tell a restarted worker from an old one.
         version: the loaded weights' version (documents), None before the first update; heartbeats report it.
+        layouts: the weight-transfer layouts the backend reads (heartbeats report them; () as an older receiver).
     """
 
     config: JobConfig
@@ -41,6 +43,7 @@ class WeightSubscriber:
     replica_index: int
     instance: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     version: Optional[int] = None
+    layouts: tuple[str, ...] = LAYOUTS
 
     def __post_init__(self) -> None:
         per_replica = max(1, self.config.spec.rollout.gpus_per_replica)
@@ -52,7 +55,7 @@ class WeightSubscriber:
 
     def heartbeat(self) -> None:
         """One heartbeat for every transfer rank of this pod. Raises redis.RedisError when Redis is down."""
-        value = encode_member(redis_time(self.client), self.version, self.instance)
+        value = encode_member(redis_time(self.client), self.version, self.instance, self.layouts)
         self.client.hset(self.config.keys.members, mapping={str(rank): value for rank in self.transfer_ranks})
 
     def start_heartbeats(self, interval_s: float = HEARTBEAT_INTERVAL_S) -> None:

@@ -167,6 +167,9 @@ def test_vllm_example_trains_to_succeeded_through_operator_rollout_and_trainer_r
     steps = [json.loads(line) for line in resumed.split("checkpoint: loaded")[-1].splitlines()
              if line.startswith('{"event": "step"')]
     assert steps and steps[0]["step"] == resumed_step + 1 and steps[-1]["step"] == max_steps, steps[:1]
+    # The weights went packed to vLLM's worker, which announces the layout (issue 25).
+    layouts = [s.get("weight_sync_layout") for s in steps]
+    assert layouts.count("packed") >= len(steps) - 2 and set(layouts) <= {"packed", None}, layouts  # None: no member
 
     # vLLM and the trainer agree on the tokens vLLM sampled with the trainer's current weights. Left out: attempt 1's
     # first steps, which may train on documents attempt 0 sampled at a version attempt 1 then reaches again with

@@ -36,6 +36,14 @@ SAMPLING = {"temperature": 1.0, "topP": 1.0, "maxNewTokens": 6}
 VENV_PYTHONPATH = os.pathsep.join(str(REPO / folder) for folder in ("api", "wire", "rollout"))
 """What the venv's python imports of this checkout (rljob's packages are not installed there)."""
 PROMPTS = [[1, 5, 6, 7, 8, 3], [1, 9, 9, 4, 5, 3], [1, 4, 4, 4, 4, 3]]
+SMALL_BUCKETS = 16384
+"""Bytes per bucket of the packed updates that must span several buckets (an MLP weight of the model, 32 KiB, goes
+alone)."""
+
+
+def named_parameters(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """What a publication of ``model.named_parameters()`` announces for the packed layout's manifest."""
+    return [(name, tuple(p.shape), p.dtype) for name, p in model.named_parameters()]
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +134,7 @@ def test_generation_follows_the_initial_weights_then_an_update_published_by_the_
         driver.ask(op="follow")
         sent = {}
         sender = threading.Thread(target=lambda: sent.setdefault("n", publisher.publish(
-            published.named_parameters(), step=1, documents_seen=64)))
+            published.named_parameters(), step=1, documents_seen=64, tensors=named_parameters(published))))
         sender.start()
         update = driver.ask(op="receive")
         sender.join(60)
@@ -134,6 +142,7 @@ def test_generation_follows_the_initial_weights_then_an_update_published_by_the_
         publisher.close()
         client.close()
     assert update == {"outcome": "loaded", "version": 64} and sent["n"] == 1
+    assert publisher.last_layout == "packed"  # one bucket: the model is 0.1 MB
 
     after = driver.ask(op="generate", prompts=PROMPTS, n=4, sampling=SAMPLING)["groups"]
     pairs = [(prompt, c) for prompt, group in zip(PROMPTS, after) for c in group]
@@ -159,14 +168,16 @@ def start_long_groups(driver: Driver) -> None:
 
 
 def _publish(config, client, driver, model, documents_seen: int, *, before_receive: bool = False) -> dict:
-    """Publish ``model`` as version ``documents_seen`` to the driver's backend (after :func:`start_long_groups`, once
-    the update is announced, with ``before_receive``); returns the driver's answer to ``receive``."""
-    publisher = WeightPublisher(config, client, join_timeout_s=10, transfer_timeout_s=30, serve_late_joiners=False)
+    """Publish ``model`` as version ``documents_seen`` to the driver's backend, packed in buckets of
+    :data:`SMALL_BUCKETS` (after :func:`start_long_groups`, once the update is announced, with ``before_receive``);
+    returns the driver's answer to ``receive``."""
+    publisher = WeightPublisher(config, client, join_timeout_s=10, transfer_timeout_s=30, serve_late_joiners=False,
+                                bucket_bytes=SMALL_BUCKETS)
     try:
         driver.ask(op="follow")
         sent = {}
         sender = threading.Thread(target=lambda: sent.setdefault("n", publisher.publish(
-            model.named_parameters(), step=1, documents_seen=documents_seen)))
+            model.named_parameters(), step=1, documents_seen=documents_seen, tensors=named_parameters(model))))
         sender.start()
         if before_receive:
             start_long_groups(driver)
@@ -174,7 +185,7 @@ def _publish(config, client, driver, model, documents_seen: int, *, before_recei
         sender.join(60)
     finally:
         publisher.close()
-    assert sent["n"] == 1
+    assert sent["n"] == 1 and publisher.last_layout == "packed"
     return update
 
 
@@ -223,7 +234,7 @@ def test_a_trainer_killed_mid_update_aborts_the_kept_requests_and_the_next_updat
     driver.ask(op="follow")
     publisher = subprocess.Popen(
         [sys.executable, str(Path(__file__).with_name("stalling_publisher.py")), str(tmp_path / "config.json"), "384",
-         "3001", "12"], stdout=subprocess.PIPE, text=True,
+         "3001", "12", str(SMALL_BUCKETS)], stdout=subprocess.PIPE, text=True,
         env={**os.environ, "REDIS_PASSWORD": module_redis_server.password,
              "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(REPO / "tests"), pythonpath(os.environ)])})
     try:

@@ -1,10 +1,12 @@
 """A weight-transfer receiver process for the tests: heartbeats, follows events, saves every update it gets.
 
-``python transfer_receiver.py CONFIG REPLICA OUT_DIR [--die-after K] [--fresh-groups]``: each complete update with
+``python transfer_receiver.py CONFIG REPLICA OUT_DIR [--die-after K] [--fresh-groups] [--per-tensor-only]``: each complete update with
 documents_seen v is saved as ``OUT_DIR/<replica>-<v>.pt`` (a dict name -> tensor). With ``--die-after K`` the process
 exits at once (``os._exit``) after receiving K tensors of its second update: a pod lost in the middle of a transfer.
 It keeps its transfer group between updates as the rollout backends do (a ``GroupKeeper``), or with
-``--fresh-groups`` keeps none, as an older receiver did. Exits 0 on training_finished.
+``--fresh-groups`` keeps none, as an older receiver did; with ``--per-tensor-only`` it announces no layout (heartbeats
+and ready records), as a receiver before the packed layout. Each update's layout (the transfer store's) is appended to
+``OUT_DIR/<replica>.layouts``. Exits 0 on training_finished.
 """
 
 from __future__ import annotations
@@ -15,11 +17,19 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.distributed import PrefixStore
 
 from rljob_api.config import JobConfig
 from rljob_wire.connection import connect
 from rljob_rollout.weight_subscriber import WeightSubscriber
-from rljob_wire.transfer import GroupKeeper, TransferFailed, receive_update
+from rljob_wire.packed import LAYOUTS
+from rljob_wire.transfer import LAYOUT_KEY, STORE_PREFIX, GroupKeeper, TransferFailed, connect_store, receive_update
+
+
+def layout_of(subscriber: WeightSubscriber, ticket) -> str:
+    """The layout the publisher wrote for ``ticket``'s update (none written: per-tensor)."""
+    store = PrefixStore(f"{STORE_PREFIX}{ticket.id}/", connect_store(subscriber.address, 10))
+    return store.get(LAYOUT_KEY).decode() if store.check([LAYOUT_KEY]) else "per-tensor"
 
 
 def main() -> int:
@@ -29,10 +39,12 @@ def main() -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--die-after", type=int)
     parser.add_argument("--fresh-groups", action="store_true")
+    parser.add_argument("--per-tensor-only", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     config = JobConfig.load(args.config)
-    subscriber = WeightSubscriber(config, connect(config), args.replica)
+    layouts = () if args.per_tensor_only else LAYOUTS
+    subscriber = WeightSubscriber(config, connect(config), args.replica, layouts=layouts)
     subscriber.follow_from_now()
     subscriber.start_heartbeats(interval_s=0.5)
     groups = None if args.fresh_groups else GroupKeeper()
@@ -53,7 +65,9 @@ def main() -> int:
 
             try:
                 if receive_update(subscriber.address, event.ticket, subscriber.transfer_ranks[0], device=torch.device("cpu"),
-                                  sink=sink, groups=groups):
+                                  sink=sink, groups=groups, layouts=layouts):
+                    with (args.out / f"{args.replica}.layouts").open("a") as log:
+                        log.write(f"{event.documents_seen} {layout_of(subscriber, event.ticket)}\n")
                     final = args.out / f"{args.replica}-{event.documents_seen}.pt"
                     partial = final.with_suffix(".partial")
                     torch.save(received, partial)

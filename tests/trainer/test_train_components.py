@@ -110,22 +110,25 @@ def test_rank_zero_progress_writes_hash_json_line_and_prometheus(redis_server, t
         before = time.time()
         record = StepRecord(
             step=7, documents_seen=56, model_version=56, tokens_per_second=1234.5,
-            metrics={"loss": 0.25, "staleness": 8.0}, stream={"redeliveries": 3},
+            metrics={"loss": 0.25, "staleness": 8.0, "weight_sync_time_ms": 12.5}, stream={"redeliveries": 3},
+            weight_sync_layout="packed",
         )
         progress.report(record)
         stored = {k.decode(): v.decode() for k, v in client.hgetall(config.keys.progress).items()}
         assert stored["step"] == "7" and stored["documents_seen"] == "56" and stored["model_version"] == "56"
         assert float(stored["tokens_per_second"]) == 1234.5
-        assert json.loads(stored["metrics"]) == {"loss": 0.25, "staleness": 8.0}
+        assert json.loads(stored["metrics"]) == {"loss": 0.25, "staleness": 8.0, "weight_sync_time_ms": 12.5}
         assert json.loads(stored["stream"]) == {"redeliveries": 3}
         assert before <= float(stored["updated_at"]) <= time.time()
         line = json.loads(out.getvalue())
         assert line["event"] == "step" and line["step"] == 7 and line["metrics"]["loss"] == 0.25
+        assert line["weight_sync_layout"] == "packed"
 
         scrape = urllib.request.urlopen(f"http://127.0.0.1:{progress.port}/metrics", timeout=10).read().decode()
         assert "rljob_trainer_documents_seen 56.0" in scrape
         assert 'rljob_trainer_metric{name="staleness"} 8.0' in scrape
         assert 'rljob_trainer_stream{counter="redeliveries"} 3.0' in scrape
+        assert 'rljob_trainer_weight_sync_time_ms{layout="packed"} 12.5' in scrape
 
         redis_server.stop()  # a Redis outage costs one progress write, never the training step
         progress.report(StepRecord(step=8, documents_seen=64, model_version=64, tokens_per_second=1.0))

@@ -37,9 +37,10 @@ def test_dry_run_publishes_to_a_rollout_process_and_prints_every_figure():
     out = result.stdout
     assert re.search(r"model: 63\.3M parameters, 21 tensors, published as float32: 253\.2 MB over gloo on loopback", out), out
     for figure in ("raw broadcast, one flat tensor", "raw, the per-tensor layout, all started at once",
-                   "publication, DDP trainer (weight_sync_time_ms)"):
+                   "publication, DDP trainer, packed", "publication, DDP trainer, per-tensor"):
         assert re.search(re.escape(figure) + r"\s+\d+\.\d{3}\s+\d+\.\d{3}", out), figure
-    assert "rollout's received tensors bit-identical to the published ones (DDP): yes" in out
+    assert "rollout's received tensors bit-identical to the published ones (DDP, packed and per-tensor): yes" in out
+    assert "buckets of 64 MiB; rank 0 keeps" in out
     assert "late-joiner copy on rank 0: 253.2 MB (the published bytes: yes)" in out
     phases = re.search(r"median ms \(Publication.phases_ms; other = bookkeeping\): (.*)", out).group(1)
     assert [part.split()[0] for part in phases.split(", ")] == ["announce", "join", "group", "tensors", "end", "other"]

@@ -25,6 +25,7 @@ from rljob_api import constants as c
 from rljob_api import protocol
 from rljob_api.config import JobConfig
 from rljob_trainer import fence
+from rljob_trainer.metrics_registry import WEIGHT_SYNC
 from rljob_trainer.step_record import StepRecord
 from rljob_trainer.trackers import Trackers, build_trackers
 
@@ -93,6 +94,10 @@ class RankZeroProgress:
             "rljob_trainer_metric", "Metrics of the last step: loss metrics (DESIGN §4), loss, grad_norm, "
             "learning_rate, the timings (weight_sync_time_ms, checkpoint_*_time_ms).", ["name"], registry=self.registry
         )
+        self._weight_sync = Gauge(
+            "rljob_trainer_weight_sync_time_ms", "Milliseconds of the last step's weight publication on global rank 0, "
+            "by the layout its update went in (packed or per-tensor).", ["layout"], registry=self.registry
+        )
         self._stream = Gauge(
             "rljob_trainer_stream", "Stream reader counters, all ranks (documents).", ["counter"], registry=self.registry
         )
@@ -112,6 +117,8 @@ class RankZeroProgress:
             self._metric.labels(name=name).set(value)
         for name, value in record.stream.items():
             self._stream.labels(counter=name).set(value)
+        if record.weight_sync_layout is not None and WEIGHT_SYNC in record.metrics:
+            self._weight_sync.labels(layout=record.weight_sync_layout).set(record.metrics[WEIGHT_SYNC])
         if self._trackers is not None:
             self._trackers.log(record)
         line = {"event": "step", **asdict(record)}

@@ -4,6 +4,7 @@ experiment trackers (:mod:`.trackers`) both take it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,9 @@ class StepRecord:
     ``metrics``: the reduced loss metrics (DESIGN §4) plus ``loss``, ``grad_norm``, ``learning_rate`` and rank 0's
     wall-clock timings (milliseconds, :data:`~rljob_trainer.metrics_registry.TIMINGS`: ``weight_sync_time_ms`` every
     step, the checkpoint timings in some records);
-    ``stream``: the stream reader's counters summed over ranks (documents: redelivered, dead-lettered...).
+    ``stream``: the stream reader's counters summed over ranks (documents: redelivered, dead-lettered...);
+    ``weight_sync_layout``: the layout the step's weight update went in (``packed`` or ``per-tensor``; None when it
+    reached no receiver), the ``layout`` label of ``rljob_trainer_weight_sync_time_ms``.
     """
 
     step: int
@@ -25,3 +28,4 @@ class StepRecord:
     tokens_per_second: float
     metrics: dict[str, float] = field(default_factory=dict)
     stream: dict[str, int] = field(default_factory=dict)
+    weight_sync_layout: Optional[str] = None

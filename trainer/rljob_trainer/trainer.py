@@ -309,6 +309,7 @@ class Trainer:
             metrics={"loss": step_loss, GRAD_NORM: float(grad_norm), LEARNING_RATE: lr, **reduced,
                      WEIGHT_SYNC: publication.duration_ms},
             stream=stream,
+            weight_sync_layout=publication.layout,
         )
         return record
 

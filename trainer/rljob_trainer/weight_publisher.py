@@ -69,6 +69,7 @@ from rljob_api import protocol
 from rljob_api.config import JobConfig, RedisKeys
 from rljob_api.protocol import MEMBER_TTL_S, MemberInfo, TransferTicket, parse_member
 from rljob_trainer import fence
+from rljob_wire.packed import DEFAULT_BUCKET_BYTES, LAYOUT_PACKED, LAYOUT_PER_TENSOR, BucketBuffers, Manifest, plan
 from rljob_wire.transfer import (GroupKeeper, TransferCancelled, UpdateSender, open_update, redis_time, send_update,
                                     unwrapped_name)
 
@@ -89,6 +90,9 @@ class WeightPublisher:
         serve_late_joiners: keep a host copy of the last published weights and a thread that serves members that
             missed them (module docstring). Costs one model's worth of host memory in the published dtype.
         poll_interval_s: how often that thread looks at the members hash.
+        bucket_bytes: bucket size of the packed layout (bytes; :mod:`rljob_wire.packed`), used when every receiver of
+            an update reads it and the publication names its tensors upfront (``tensors`` of :meth:`publish`); None:
+            per-tensor always. Rank 0 keeps two buckets between updates.
 
     Attributes:
         last_phases: where the last :meth:`publish` spent its time on this rank (milliseconds): ``announce`` (the
@@ -97,6 +101,8 @@ class WeightPublisher:
             (every tensor made and queued on the wire; the gathers under FSDP), ``end`` (the closing ``None`` and the
             wait for the tensors still in flight). What the duration holds beyond them is bookkeeping (and a failed
             group's teardown).
+        last_layout: the layout of the last publication's update (``packed`` or ``per-tensor``; None when it had no
+            receiver).
 
     Raises:
         ValueError: ``join_timeout_s + transfer_timeout_s`` >= the DP collective timeout (names all three).
@@ -113,6 +119,7 @@ class WeightPublisher:
         transfer_timeout_s: Optional[float] = None,
         serve_late_joiners: bool = True,
         poll_interval_s: float = 1.0,
+        bucket_bytes: Optional[int] = DEFAULT_BUCKET_BYTES,
     ) -> None:
         collective = float(config.spec.trainer.collective_timeout_seconds)
         self.join_timeout_s = join_timeout_s if join_timeout_s is not None else min(30.0, collective / 4)
@@ -138,6 +145,10 @@ class WeightPublisher:
         self._retry_s = 2 * self.join_timeout_s + 1.0
         self._copier: Optional[threading.Thread] = None  # the late-joiner copy of the last publication
         self.last_phases: dict[str, float] = {}
+        self.last_layout: Optional[str] = None
+        self.bucket_bytes = bucket_bytes
+        self._staging = BucketBuffers()  # the packed layout's two buckets, kept between updates
+        self._manifests: dict[tuple, Manifest] = {}  # the last plan, by the tensors it was made for
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         if serve_late_joiners:
@@ -187,6 +198,7 @@ class WeightPublisher:
         documents_seen: int,
         dtype: Optional[torch.dtype] = None,
         transient: bool = False,
+        tensors: Optional[Iterable[tuple[str, tuple[int, ...], torch.dtype]]] = None,
     ) -> int:
         """Announce (weights_ready on the events stream) and broadcast one update to the live members.
 
@@ -212,6 +224,8 @@ class WeightPublisher:
                 for float32 master weights.
             transient: the tensors were made for this publication (gathered from shards) rather than being the
                 model's own.
+            tensors: (name, shape, dtype) of every tensor of ``named_tensors``, in the same order, before any is
+                made (the packed layout's manifest); None: the update goes per-tensor.
 
         Returns:
             The number of rollout processes that received the whole update (0 without members, or when the
@@ -228,19 +242,22 @@ class WeightPublisher:
             self._preempt.clear()
             clock = [time.perf_counter()]
             members = self._live_or_none()
+            manifest = self._manifest(tensors, dtype)
             iterator = iter(named_tensors)
             first = next(iterator, None)
             device = first[1].device if first is not None and first[1].is_cuda else torch.device("cpu")
-            ticket = self._ticket(sorted(members), "nccl" if device.type == "cuda" else "gloo")
+            ticket = self._ticket(members, sorted(members), "nccl" if device.type == "cuda" else "gloo", manifest)
             announced = self._announce(step, documents_seen, ticket)
             clock.append(time.perf_counter())
             sender: Optional[UpdateSender] = None
             if announced and ticket.members:
                 try:
-                    sender = open_update(self._store, ticket, device=device, groups=self._groups)
+                    sender = open_update(self._store, ticket, device=device, groups=self._groups, manifest=manifest,
+                                         staging=self._staging)
                 except Exception as error:  # noqa: BLE001 - any transfer failure must not stop training
                     log.warning("weights: update %s (step %d) failed: %s", ticket.id, step, error)
             join_s, reused = (sender.join_s, sender.reused) if sender is not None else (0.0, False)
+            self.last_layout = sender.layout if sender is not None else None
             clock.append(time.perf_counter())
             pairs = iterator if first is None else _chain_first(first, iterator)
             del first
@@ -277,8 +294,8 @@ class WeightPublisher:
                 ("announce", clock[1] - clock[0]), ("join", join_s), ("group", clock[2] - clock[1] - join_s),
                 ("tensors", clock[3] - clock[2]), ("end", clock[4] - clock[3]))}
             self._record(ticket, members, received, documents_seen)
-            log.info("weights: step %d (version %d) sent to %d of %d members (%s group)", step, documents_seen, len(received),
-                     len(ticket.members), "kept" if reused else "new")
+            log.info("weights: step %d (version %d) sent to %d of %d members (%s group, %s)", step, documents_seen,
+                     len(received), len(ticket.members), "kept" if reused else "new", self.last_layout or "no layout")
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()  # the late-joiner copies from the GPU have landed
             if self._snapshot is None or not later:
@@ -311,7 +328,8 @@ class WeightPublisher:
         sender.send(name, outgoing)
         if self._snapshot is not None:
             self._snapshot.store(name, outgoing)  # while it is on the wire
-        sender.wait()  # one tensor in flight: it may be freed before the next is made
+        if sender.layout == LAYOUT_PER_TENSOR:
+            sender.wait()  # one tensor in flight: it may be freed before the next is made (packed: it was copied)
 
     def _copy_later(self, pairs: list[tuple[str, torch.Tensor]], step: int, documents_seen: int) -> None:
         """The late-joiner copy of the tensors :meth:`publish` sent as they are (a background thread)."""
@@ -358,12 +376,15 @@ class WeightPublisher:
                 needy.append(rank)
             if not needy:
                 return 0
-            ticket = self._ticket(sorted(needy), "gloo")  # the snapshot lives on CPU
+            items = self._snapshot.items()
+            manifest = self._manifest([(name, tuple(t.shape), t.dtype) for name, t in items], None)
+            ticket = self._ticket(members, sorted(needy), "gloo", manifest)  # the snapshot lives on CPU
             received: list[int] = []
             if self._announce(step, seen, ticket):
                 try:
-                    received = send_update(self._store, ticket, self._snapshot.items(), device=torch.device("cpu"),
-                                           cancelled=self._preempt.is_set, groups=self._groups)
+                    received = send_update(self._store, ticket, items, device=torch.device("cpu"),
+                                           cancelled=self._preempt.is_set, groups=self._groups, manifest=manifest,
+                                           staging=self._staging)
                 except TransferCancelled:
                     log.info("weights: late-joiner update %s gave way to a publication", ticket.id)
                 except Exception as error:  # noqa: BLE001
@@ -402,8 +423,24 @@ class WeightPublisher:
             log.warning("weights: cannot read members (%s); no receiver this time", error)
             return {}
 
-    def _ticket(self, members: list[int], backend: str) -> TransferTicket:
-        return TransferTicket(uuid.uuid4().hex, tuple(members), backend, self.join_timeout_s, self.transfer_timeout_s)
+    def _manifest(self, tensors: Optional[Iterable[tuple[str, tuple[int, ...], torch.dtype]]],
+                  dtype: Optional[torch.dtype]) -> Optional[Manifest]:
+        """The packed plan of a publication of ``tensors`` sent in ``dtype`` (None: without ``tensors`` or
+        ``bucket_bytes``); the last one is kept, since the model's tensors stay the same from step to step."""
+        if tensors is None or self.bucket_bytes is None:
+            return None
+        key = tuple((unwrapped_name(name), tuple(shape), dtype if dtype is not None and d.is_floating_point else d)
+                    for name, shape, d in tensors)
+        if key not in self._manifests:
+            self._manifests = {key: plan(key, self.bucket_bytes)}
+        return self._manifests[key]
+
+    def _ticket(self, infos: Mapping[int, MemberInfo], members: list[int], backend: str,
+                manifest: Optional[Manifest] = None) -> TransferTicket:
+        """A ticket for ``members``: packed when there is a ``manifest`` and each member's heartbeat reads it."""
+        packed = manifest is not None and all(LAYOUT_PACKED in infos[rank].layouts for rank in members if rank in infos)
+        return TransferTicket(uuid.uuid4().hex, tuple(members), backend, self.join_timeout_s, self.transfer_timeout_s,
+                              LAYOUT_PACKED if packed else LAYOUT_PER_TENSOR)
 
     def _announce(self, step: int, documents_seen: int, ticket: TransferTicket) -> bool:
         try:
@@ -515,12 +552,14 @@ class Publication:
         receivers: rollout processes that received the whole update (global rank 0), None on other ranks.
         phases_ms: on global rank 0, where the publication's time went (:attr:`WeightPublisher.last_phases`);
             empty on other ranks.
+        layout: on global rank 0, the update's layout (:attr:`WeightPublisher.last_layout`); None elsewhere.
     """
 
     duration_ms: float
     gather_ms: float
     receivers: Optional[int]
     phases_ms: Mapping[str, float] = field(default_factory=dict)
+    layout: Optional[str] = None
 
 
 def full_tensors(
@@ -591,11 +630,15 @@ def publish_weights(
     pairs = full_tensors(model, dtype=dtype, gather_seconds=gather_seconds)
     receivers: Optional[int] = None
     phases: dict[str, float] = {}
+    layout: Optional[str] = None
     if publisher is not None:
         sharded = any(isinstance(p, DTensor) for p in model.parameters())
-        receivers = publisher.publish(pairs, step=step, documents_seen=documents_seen, dtype=dtype, transient=sharded)
+        tensors = [(name, tuple(value.shape), value.dtype) for name, value in model.state_dict().items()]
+        receivers = publisher.publish(pairs, step=step, documents_seen=documents_seen, dtype=dtype, transient=sharded,
+                                      tensors=tensors)
         phases = dict(publisher.last_phases)
+        layout = publisher.last_layout
     else:
         for item in pairs:
             del item
-    return Publication((time.perf_counter() - started) * 1e3, gather_seconds[0] * 1e3, receivers, phases)
+    return Publication((time.perf_counter() - started) * 1e3, gather_seconds[0] * 1e3, receivers, phases, layout)

@@ -65,12 +65,15 @@ import torch
 from torch.distributed import BroadcastOptions, PrefixStore, ProcessGroupGloo, Store, TCPStore
 
 from rljob_api.protocol import TransferTicket
+from rljob_wire.packed import LAYOUT_PACKED, LAYOUT_PER_TENSOR, LAYOUTS, BucketBuffers, Manifest, view
 
 SHARD_NAME = "weights"
 """Shard name sent with every tensor (Fast-LLM's name for the model weights shard)."""
 STORE_PREFIX = "rljob/weights/"
 GROUP_KEY = "group"
 """The key under an update's prefix naming the group it goes over (step 2 of the module docstring)."""
+LAYOUT_KEY = "layout"
+"""The key under an update's prefix naming its layout (step 2; none: per-tensor)."""
 FINAL_MARGIN_S = 10.0
 """A receiver waits join_timeout_s + this for the publisher's `final` list (seconds)."""
 READY_POLL_S = 0.05
@@ -199,19 +202,29 @@ class GroupKeeper:
         self._kept.clear()
 
 
-def _ready_value(kept: Optional[KeptGroup]) -> str:
-    return json.dumps({GROUP_KEY: kept.id if kept is not None else None})
+def _ready_value(kept: Optional[KeptGroup], layouts: Sequence[str]) -> str:
+    return json.dumps({GROUP_KEY: kept.id if kept is not None else None, "layouts": list(layouts)})
+
+
+def _ready_body(value: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(value)
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
 
 
 def _reported_group(value: bytes) -> Optional[str]:
     """The group id a ``ready/<rank>`` value reports; None for none or for a value of another form (an older
     receiver's ``1``)."""
-    try:
-        body = json.loads(value)
-    except ValueError:
-        return None
-    group = body.get(GROUP_KEY) if isinstance(body, dict) else None
+    group = _ready_body(value).get(GROUP_KEY)
     return group if isinstance(group, str) else None
+
+
+def _reported_layouts(value: bytes) -> set[str]:
+    """The layouts a ``ready/<rank>`` value says its receiver reads beyond per-tensor (none: an older receiver)."""
+    layouts = _ready_body(value).get("layouts")
+    return {x for x in layouts if isinstance(x, str)} if isinstance(layouts, list) else set()
 
 
 def _await_ready(
@@ -234,27 +247,36 @@ def _await_ready(
 
 
 class UpdateSender:
-    """Rank 0's end of one update: sends (name, tensor) pairs in the per-tensor layout of the module
-    docstring. Made by :func:`open_update`.
+    """Rank 0's end of one update: sends (name, tensor) pairs in the update's layout (:attr:`layout`). Made by
+    :func:`open_update`.
 
-    :meth:`send` starts a tensor's three broadcasts (size, pickled ``(shard, name, shape, dtype)``, the tensor)
-    and returns once at most :data:`IN_FLIGHT` tensors are still on the wire: the next tensor's broadcasts are
-    queued before the previous one has arrived, so the receiver never waits for rank 0's main thread (on a busy
-    machine each such wait costs a scheduling delay). The tensors in flight must stay alive and unchanged until
-    :meth:`send` has returned :data:`IN_FLIGHT` more times, or :meth:`wait` or :meth:`finish` has returned: send
-    tensors that cost no extra memory (the model's own, or late-joiner buffers), or call :meth:`wait` after
-    each.
+    Per-tensor (module docstring, step 3): :meth:`send` starts a tensor's three broadcasts (size, pickled ``(shard,
+    name, shape, dtype)``, the tensor) and returns once at most :data:`IN_FLIGHT` tensors are still on the wire: the
+    next tensor's broadcasts are queued before the previous one has arrived, so the receiver never waits for rank 0's
+    main thread (on a busy machine each such wait costs a scheduling delay). The tensors in flight must stay alive and
+    unchanged until :meth:`send` has returned :data:`IN_FLIGHT` more times, or :meth:`wait` or :meth:`finish` has
+    returned: send tensors that cost no extra memory (the model's own, or late-joiner buffers), or call :meth:`wait`
+    after each.
+
+    Packed (:mod:`rljob_wire.packed`): the manifest goes out when the sender is made; :meth:`send` takes the tensors
+    in the manifest's order and copies (casts) each into its bucket, kept in two :class:`~rljob_wire.packed.BucketBuffers`
+    slots, and starts a bucket's broadcast once its last tensor is in; before a slot is written again the bucket it
+    held has arrived, so at most two buckets are in flight and the sent tensors may change as soon as :meth:`send`
+    returns. A tensor larger than a bucket is sent as it is (after a cast, if any) and must stay alive and unchanged
+    like a per-tensor one.
 
     Attributes:
         joined: the transfer ranks in the group (ascending; group ranks 1, 2, ...).
         reused: whether the update goes over a group kept from an earlier update (False: formed for it).
+        layout: ``packed`` or ``per-tensor``.
         join_s: seconds :func:`open_update` waited for the invited members (step 1 of the module docstring).
         deadline: ``time.monotonic()`` value past which every wait raises TimeoutError: ``ticket.timeout_s`` after
             the group began to form. Broadcasts are started with the time left as their timeout, so none outlives
             it (dropping the group after a failure waits for what is in flight).
 
     Raises (every method): TimeoutError past the deadline; RuntimeError / DistError when a broadcast failed (a
-    receiver died). After an error the update is lost: drop the sender.
+    receiver died); ValueError (packed) when a tensor is not the manifest's next one, or :meth:`finish` comes before
+    the last. After an error the update is lost: drop the sender.
     """
 
     def __init__(
@@ -266,10 +288,13 @@ class UpdateSender:
         reused: bool = False,
         keeper: Optional[GroupKeeper] = None,
         backend: str = "gloo",
+        manifest: Optional[Manifest] = None,
+        staging: Optional[BucketBuffers] = None,
     ) -> None:
         self.joined = list(kept.members)
         self.deadline = deadline
         self.reused = reused
+        self.layout = LAYOUT_PACKED if manifest is not None else LAYOUT_PER_TENSOR
         self.join_s = 0.0
         self._kept = kept
         self._group = kept.group
@@ -277,15 +302,22 @@ class UpdateSender:
         self._keeper = keeper
         self._backend = backend
         self._in_flight: collections.deque[list[tuple[Any, torch.Tensor]]] = collections.deque()
+        self._manifest = manifest
+        self._staging = staging if staging is not None else BucketBuffers()
+        self._next = 0  # the manifest's entry to send next
+        self._bucket: Optional[torch.Tensor] = None  # the staged bucket being filled
+        if manifest is not None:
+            self._in_flight.append(self._start_object(manifest.to_wire()))
 
     def send(self, name: str, tensor: torch.Tensor) -> None:
         """Send one tensor (contiguous, on the sender's device; [shape] of any dtype) under ``name``."""
+        if self._manifest is not None:
+            self._pack(name, tensor)
+            return
         started = self._start_object((SHARD_NAME, name, tuple(tensor.shape), tensor.dtype))
         if tensor.numel():
             started.append(self._start(tensor))
-        self._in_flight.append(started)
-        while len(self._in_flight) > IN_FLIGHT:
-            self._wait_oldest()
+        self._push(started)
 
     def wait(self) -> None:
         """Return once every broadcast started so far is complete."""
@@ -295,12 +327,47 @@ class UpdateSender:
             torch.cuda.current_stream(self._device).synchronize()  # NCCL's wait only orders the streams
 
     def finish(self) -> None:
-        """End the update: the ``None`` object, then wait for everything; the group is then kept for the next update
-        (with a ``keeper``)."""
-        self._in_flight.append(self._start_object(None))
+        """End the update (per-tensor: the ``None`` object), then wait for everything; the group is then kept for the
+        next update (with a ``keeper``)."""
+        if self._manifest is None:
+            self._in_flight.append(self._start_object(None))
+        elif self._next < len(self._manifest.entries):
+            raise ValueError(f"packed weight transfer: finished after {self._next} of "
+                             f"{len(self._manifest.entries)} tensors (next: {self._manifest.entries[self._next].name})")
         self.wait()
         if self._keeper is not None:
             self._keeper.keep(self._backend, self._kept)
+
+    def _pack(self, name: str, tensor: torch.Tensor) -> None:
+        manifest = self._manifest
+        assert manifest is not None
+        if self._next >= len(manifest.entries) or manifest.entries[self._next].name != name:
+            expected = manifest.entries[self._next].name if self._next < len(manifest.entries) else "none"
+            raise ValueError(f"packed weight transfer: got tensor {name!r}, the manifest's next is {expected}")
+        entry = manifest.entries[self._next]
+        if tuple(tensor.shape) != entry.shape:
+            raise ValueError(f"packed weight transfer: {name} has shape {tuple(tensor.shape)}, the manifest "
+                             f"{entry.shape}")
+        self._next += 1
+        if manifest.alone(entry.bucket) is not None:
+            outgoing = tensor.to(device=self._device, dtype=entry.dtype).contiguous()
+            self._push([self._start(outgoing)])
+            return
+        entries = manifest.in_bucket(entry.bucket)
+        if entry is entries[0]:
+            while len(self._in_flight) > 1:  # the bucket that last used this slot has arrived
+                self._wait_oldest()
+            self._bucket = self._staging.get(entry.bucket, manifest.bucket_sizes[entry.bucket], self._device)
+        assert self._bucket is not None
+        view(self._bucket, entry).copy_(tensor)
+        if entry is entries[-1]:
+            bucket, self._bucket = self._bucket, None
+            self._push([self._start(bucket)] if bucket.numel() else [])
+
+    def _push(self, started: list[tuple[Any, torch.Tensor]]) -> None:
+        self._in_flight.append(started)
+        while len(self._in_flight) > IN_FLIGHT:
+            self._wait_oldest()
 
     def _wait_oldest(self) -> None:
         for work, _tensor in self._in_flight.popleft():
@@ -323,9 +390,11 @@ def open_update(
     device: torch.device,
     cancelled: Optional[Callable[[], bool]] = None,
     groups: Optional[GroupKeeper] = None,
+    manifest: Optional[Manifest] = None,
+    staging: Optional[BucketBuffers] = None,
 ) -> Optional[UpdateSender]:
-    """Rank 0's start of one update: wait for the invited members, write ``group`` and ``final``, reuse the kept group
-    or form a new one (module docstring, steps 1-2).
+    """Rank 0's start of one update: wait for the invited members, write ``group``, ``layout`` and ``final``, reuse the
+    kept group or form a new one (module docstring, steps 1-2).
 
     Args:
         store: the trainer's transfer store (the master ``TCPStore``).
@@ -334,6 +403,10 @@ def open_update(
         cancelled: polled while waiting for members; once true, nobody more is waited for.
         groups: where rank 0 keeps its groups between updates (None: a new group for every update, dropped after).
             The group is taken out here and kept again by :meth:`UpdateSender.finish`.
+        manifest: the update's packed manifest (:func:`rljob_wire.packed.plan` of the tensors to be sent): the update
+            is packed when the ticket plans it (``ticket.layout``) and every member that joined says it reads packed
+            in its ready record; per-tensor otherwise (an older receiver says nothing).
+        staging: rank 0's bucket buffers, kept across updates (None: new ones for this update).
 
     Returns:
         The sender, or None when no member joined (or ``cancelled`` came first): ``final`` is then empty and a kept
@@ -355,16 +428,21 @@ def open_update(
         return None
     ready_at = time.monotonic()
     deadline = ready_at + ticket.timeout_s
-    reported = {_reported_group(value) for value in scoped.multi_get([f"ready/{rank}" for rank in joined])}
+    values = scoped.multi_get([f"ready/{rank}" for rank in joined])
+    reported = {_reported_group(value) for value in values}
     reused = kept is not None and kept.members == tuple(joined) and reported == {kept.id}
     if not reused:
         kept = None  # the members changed: drop the old group before the new one forms
+    packed = (manifest is not None and ticket.layout == LAYOUT_PACKED
+              and all(LAYOUT_PACKED in _reported_layouts(value) for value in values))
     scoped.set(GROUP_KEY, kept.id if kept is not None else ticket.id)
+    scoped.set(LAYOUT_KEY, LAYOUT_PACKED if packed else LAYOUT_PER_TENSOR)
     scoped.set("final", json.dumps(joined))
     if kept is None:
         timeout = datetime.timedelta(seconds=ticket.timeout_s)
         kept = KeptGroup(ticket.id, tuple(joined), _new_group(ticket.backend, PrefixStore("pg/", scoped), 0, 1 + len(joined), timeout))
-    sender = UpdateSender(kept, device, deadline, reused=reused, keeper=groups, backend=ticket.backend)
+    sender = UpdateSender(kept, device, deadline, reused=reused, keeper=groups, backend=ticket.backend,
+                          manifest=manifest if packed else None, staging=staging)
     sender.join_s = ready_at - started
     return sender
 
@@ -377,11 +455,13 @@ def send_update(
     device: torch.device,
     cancelled: Optional[Callable[[], bool]] = None,
     groups: Optional[GroupKeeper] = None,
+    manifest: Optional[Manifest] = None,
+    staging: Optional[BucketBuffers] = None,
 ) -> list[int]:
     """Rank 0's side of one whole update (:func:`open_update`, then every tensor, then the end).
 
     Args:
-        store, ticket, device, groups: as :func:`open_update`.
+        store, ticket, device, groups, manifest, staging: as :func:`open_update`.
         named_tensors: (parameter name, tensor) pairs; consumed only when at least one member joined; each is
             moved to ``device`` (at most two exist at once: the one in flight and the next).
         cancelled: checked while waiting for members and before each tensor; once true the update is abandoned.
@@ -394,7 +474,8 @@ def send_update(
         TimeoutError: the update took longer than ``ticket.timeout_s``.
         RuntimeError / DistError: the group could not form or a broadcast failed (a receiver died mid-update).
     """
-    sender = open_update(store, ticket, device=device, cancelled=cancelled, groups=groups)
+    sender = open_update(store, ticket, device=device, cancelled=cancelled, groups=groups, manifest=manifest,
+                         staging=staging)
     if sender is None:
         return []
     for name, tensor in named_tensors:
@@ -464,25 +545,29 @@ def receive_update(
     sink: Callable[[str, torch.Tensor], None],
     buffers: Optional[ReceiveBuffers] = None,
     groups: Optional[GroupKeeper] = None,
+    staging: Optional[BucketBuffers] = None,
+    layouts: Sequence[str] = LAYOUTS,
 ) -> bool:
     """A rollout process's side of one update: join, receive every tensor, hand each to ``sink``.
 
     ``sink(name, tensor)`` gets each tensor once it has arrived, in the order sent ([shape] of the sent dtype, on
-    ``device``): a new tensor, or with ``buffers`` that name's buffer (overwritten by the next update, see
-    :class:`ReceiveBuffers`). The next tensor's metadata is read and its broadcast posted before the previous one is
-    waited for (gloo sends a tensor only once its receiver has posted it), so without ``buffers`` two received
-    tensors exist at once. If ``sink`` raises, the rest of the update is still received (so the other receivers are
-    not disturbed) and the first error is raised at the end. Each broadcast may take ``ticket.timeout_s``
-    (seconds). With ``groups``, the group is kept after an update whose every broadcast arrived (a ``sink`` error
-    included) and reused when the publisher says so (module docstring, steps 2 and 4); without, every update forms
-    its own group.
+    ``device``): with ``buffers`` that name's buffer (overwritten by the next update, see :class:`ReceiveBuffers`);
+    else, in a packed update received with ``staging``, a view into a kept bucket buffer that is valid only until
+    ``sink`` returns; else a tensor of its own. The receive of the next tensor (per-tensor: after reading its
+    metadata) or bucket (packed) is posted before the current one is waited for (gloo sends a tensor only once its
+    receiver has posted it), so without ``buffers`` two received tensors or buckets exist at once. If ``sink`` raises,
+    the rest of the update is still received (so the other receivers are not disturbed) and the first error is raised
+    at the end. Each broadcast may take ``ticket.timeout_s`` (seconds). With ``groups``, the group is kept after an
+    update whose every broadcast arrived (a ``sink`` error included) and reused when the publisher says so (module
+    docstring, steps 2 and 4); without, every update forms its own group. ``layouts``: what the ready record says
+    this receiver reads (:data:`rljob_wire.packed.LAYOUTS`; () as an older receiver: per-tensor only).
 
     Returns:
         True when the whole update arrived; False when this rank was not invited or was left out of the group
         (joined too late): nothing was received.
 
     Raises:
-        TransferFailed: the store was unreachable, the group failed, or ``sink`` raised.
+        TransferFailed: the store was unreachable, the group failed, the manifest was malformed, or ``sink`` raised.
     """
     if transfer_rank not in ticket.members:
         return False
@@ -490,10 +575,20 @@ def receive_update(
     loaded = 0
     sink_error: Optional[BaseException] = None
     seconds = ticket.timeout_s
+
+    def deliver(name: str, tensor: torch.Tensor) -> None:
+        nonlocal loaded, sink_error
+        if sink_error is None:
+            try:
+                sink(name, tensor)
+                loaded += 1
+            except Exception as error:  # noqa: BLE001 - reported after the update is drained
+                sink_error = error
+
     try:
         # The publisher writes `final` at most join_timeout_s after announcing, and it is there for good after.
         scoped = _ticket_store(connect_store(address, ticket.join_timeout_s), ticket)
-        scoped.set(f"ready/{transfer_rank}", _ready_value(kept))
+        scoped.set(f"ready/{transfer_rank}", _ready_value(kept, layouts))
         scoped.wait(["final"], datetime.timedelta(seconds=ticket.join_timeout_s + FINAL_MARGIN_S))
         final = json.loads(scoped.get("final"))
         if transfer_rank not in final:
@@ -501,6 +596,9 @@ def receive_update(
                 groups.keep(ticket.backend, kept)  # nobody joined: rank 0 kept its group too
             return False
         group_id = scoped.get(GROUP_KEY).decode() if scoped.check([GROUP_KEY]) else ticket.id  # none: an older publisher
+        layout = scoped.get(LAYOUT_KEY).decode() if scoped.check([LAYOUT_KEY]) else LAYOUT_PER_TENSOR
+        if layout not in layouts and layout != LAYOUT_PER_TENSOR:
+            raise RuntimeError(f"the publisher sends layout {layout!r}, which this receiver did not announce")
         if kept is not None and kept.id == group_id and kept.members == tuple(final):
             kept.group.set_timeout(datetime.timedelta(seconds=seconds))
         elif group_id != ticket.id:
@@ -510,37 +608,10 @@ def receive_update(
             timeout = datetime.timedelta(seconds=seconds)
             rank = 1 + final.index(transfer_rank)
             kept = KeptGroup(ticket.id, tuple(final), _new_group(ticket.backend, PrefixStore("pg/", scoped), rank, 1 + len(final), timeout))
-        group = kept.group
-        size = torch.zeros(1, dtype=torch.int64, device=device)
-        size_work = _start_broadcast(group, size)
-        arriving: Optional[tuple[str, torch.Tensor, Any]] = None  # (name, tensor, its Work) still on the wire
-        while True:
-            # The next object's metadata is read while the previous tensor may still arrive, so its tensor's
-            # broadcast is posted as soon as the sender can send it.
-            meta = _receive_object(group, size, size_work, device=device, seconds=seconds)
-            incoming = None
-            if meta is not None:
-                _shard, name, shape, dtype = meta
-                if buffers is not None:
-                    tensor = buffers.get(name, shape, dtype, device)
-                else:
-                    tensor = torch.empty(tuple(shape), dtype=dtype, device=device)
-                incoming = (name, tensor, _start_broadcast(group, tensor) if tensor.numel() else None)
-                size = torch.zeros(1, dtype=torch.int64, device=device)  # the next object's size
-                size_work = _start_broadcast(group, size)
-            if arriving is not None:
-                arrived_name, arrived, work = arriving
-                if work is not None:
-                    _wait(work, seconds)
-                if sink_error is None:
-                    try:
-                        sink(arrived_name, arrived)
-                        loaded += 1
-                    except Exception as error:  # noqa: BLE001 - reported after the update is drained
-                        sink_error = error
-            if incoming is None:
-                break
-            arriving = incoming
+        if layout == LAYOUT_PACKED:
+            _receive_packed(kept.group, device, seconds, deliver, buffers, staging)
+        else:
+            _receive_per_tensor(kept.group, device, seconds, deliver, buffers)
     except Exception as error:  # noqa: BLE001 - store/gloo/NCCL errors come in many classes
         raise TransferFailed(f"weight update {ticket.id} as transfer rank {transfer_rank} failed: {error}", loaded) from error
     if groups is not None:
@@ -548,6 +619,79 @@ def receive_update(
     if sink_error is not None:
         raise TransferFailed(f"weight update {ticket.id}: loading failed: {sink_error}", loaded) from sink_error
     return True
+
+
+def _receive_per_tensor(group: Any, device: torch.device, seconds: float, deliver: Callable[[str, torch.Tensor], None],
+                        buffers: Optional[ReceiveBuffers]) -> None:
+    """The broadcasts of a per-tensor update (module docstring, step 3), each tensor handed to ``deliver``."""
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    size_work = _start_broadcast(group, size)
+    arriving: Optional[tuple[str, torch.Tensor, Any]] = None  # (name, tensor, its Work) still on the wire
+    while True:
+        # The next object's metadata is read while the previous tensor may still arrive, so its tensor's
+        # broadcast is posted as soon as the sender can send it.
+        meta = _receive_object(group, size, size_work, device=device, seconds=seconds)
+        incoming = None
+        if meta is not None:
+            _shard, name, shape, dtype = meta
+            if buffers is not None:
+                tensor = buffers.get(name, shape, dtype, device)
+            else:
+                tensor = torch.empty(tuple(shape), dtype=dtype, device=device)
+            incoming = (name, tensor, _start_broadcast(group, tensor) if tensor.numel() else None)
+            size = torch.zeros(1, dtype=torch.int64, device=device)  # the next object's size
+            size_work = _start_broadcast(group, size)
+        if arriving is not None:
+            arrived_name, arrived, work = arriving
+            if work is not None:
+                _wait(work, seconds)
+            deliver(arrived_name, arrived)
+        if incoming is None:
+            return
+        arriving = incoming
+
+
+def _receive_packed(group: Any, device: torch.device, seconds: float, deliver: Callable[[str, torch.Tensor], None],
+                    buffers: Optional[ReceiveBuffers], staging: Optional[BucketBuffers]) -> None:
+    """The broadcasts of a packed update (:mod:`rljob_wire.packed`): the manifest, then every bucket, the next two
+    posted ahead; each tensor handed to ``deliver`` (see :func:`receive_update` for which memory)."""
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    try:
+        manifest = Manifest.from_wire(_receive_object(group, size, _start_broadcast(group, size), device=device,
+                                                      seconds=seconds))
+    except pickle.UnpicklingError as error:
+        raise ValueError(f"packed weight transfer: malformed manifest ({error})") from None
+    posted: dict[int, tuple[torch.Tensor, Any]] = {}
+
+    def post(bucket: int) -> None:
+        alone = manifest.alone(bucket)
+        nbytes = manifest.bucket_sizes[bucket]
+        if alone is not None:
+            target = (buffers.get(alone.name, alone.shape, alone.dtype, device) if buffers is not None
+                      else torch.empty(alone.shape, dtype=alone.dtype, device=device))
+        elif staging is not None:
+            target = staging.get(bucket, nbytes, device)
+        else:
+            target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        posted[bucket] = (target, _start_broadcast(group, target) if nbytes else None)
+
+    buckets = len(manifest.bucket_sizes)
+    for bucket in range(min(2, buckets)):
+        post(bucket)
+    for bucket in range(buckets):
+        target, work = posted.pop(bucket)
+        if work is not None:
+            _wait(work, seconds)
+        if manifest.alone(bucket) is not None:
+            deliver(manifest.alone(bucket).name, target)
+        else:
+            for entry in manifest.in_bucket(bucket):
+                tensor = view(target, entry)
+                if buffers is not None:
+                    tensor = buffers.get(entry.name, entry.shape, entry.dtype, device).copy_(tensor)
+                deliver(entry.name, tensor)
+        if bucket + 2 < buckets:
+            post(bucket + 2)  # into the slot just read
 
 
 def unwrapped_name(name: str) -> str:

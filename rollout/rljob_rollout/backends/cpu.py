@@ -28,6 +28,7 @@ from rljob_api.spec import SamplingSpec
 from rljob_wire.model import build_model
 from rljob_rollout.backends.base import Completion, GenerationBackend, UpdateOutcome
 from rljob_api.protocol import TransferTicket
+from rljob_wire.packed import BucketBuffers
 from rljob_wire.transfer import GroupKeeper, ReceiveBuffers, StoreAddress, TransferFailed, receive_update
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class CpuBackend(GenerationBackend):
         self.eos_token_id = eos_token_id
         self.max_rows = max_rows
         self.staging = ReceiveBuffers()
+        self.buckets = BucketBuffers()  # a packed update's two buckets, unpacked into ``staging``
         self.groups = GroupKeeper()
 
     @classmethod
@@ -143,7 +145,7 @@ class CpuBackend(GenerationBackend):
         staged: dict[str, torch.Tensor] = {}
         try:
             if not receive_update(address, ticket, transfer_ranks[0], device=torch.device("cpu"), sink=staged.__setitem__,
-                                  buffers=self.staging, groups=self.groups):
+                                  buffers=self.staging, groups=self.groups, staging=self.buckets):
                 return UpdateOutcome.NOT_SELECTED
             self.load_weights(staged.items())
         except (TransferFailed, ValueError) as error:

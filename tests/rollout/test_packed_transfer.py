@@ -1,0 +1,137 @@
+"""The packed weight-transfer layout across real processes over gloo, with real Redis membership: negotiated from
+what each receiver announces, bit-identical to the per-tensor layout, and as safe when a receiver dies mid-update."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import torch
+from torch.distributed import PrefixStore
+
+from rollout_harness import make_config, tiny_model, wait_until
+from test_rollout_weights import JOIN_S, TRANSFER_S, _live_ranks, _next_update, _receiver, _stop, _tickets
+from rljob_rollout.backends.base import UpdateOutcome
+from rljob_rollout.backends.cpu import CpuBackend
+from rljob_rollout.weight_subscriber import WeightSubscriber
+from rljob_trainer.weight_publisher import WeightPublisher, publish_weights
+from rljob_wire.packed import plan
+from rljob_wire.transfer import LAYOUT_KEY, STORE_PREFIX, StoreAddress, connect_store
+
+BUCKET = 1024
+"""Bytes per bucket in these tests: the tiny model's tensors fill several buckets, and the embedding goes alone."""
+
+
+def _layout(config, ticket) -> str:
+    store = connect_store(StoreAddress("127.0.0.1", config.weights_port), 10)
+    return PrefixStore(f"{STORE_PREFIX}{ticket.id}/", store).get(LAYOUT_KEY).decode()
+
+
+def _layouts(out: Path, replica: int) -> dict[int, str]:
+    path = out / f"{replica}.layouts"
+    lines = path.read_text().split() if path.exists() else []
+    return {int(v): layout for v, layout in zip(lines[::2], lines[1::2])}
+
+
+def _received(out: Path, replica: int, version: int) -> dict[str, torch.Tensor]:
+    path = out / f"{replica}-{version}.pt"
+    wait_until(path.exists, 15, f"receiver {replica} saving update {version}")
+    return torch.load(path)
+
+
+def _publish(publisher: WeightPublisher, model: torch.nn.Module, version: int, dtype=None) -> int:
+    return publish_weights(model, publisher, step=version // 10, documents_seen=version, dtype=dtype).receivers
+
+
+def test_packed_only_when_every_receiver_reads_it_and_bit_identical_to_per_tensor(redis_server, tmp_path):
+    config = make_config(redis_server)
+    path = tmp_path / "config.json"
+    path.write_text(config.to_json())
+    client = redis_server.client()
+    publisher = WeightPublisher(config, client, join_timeout_s=JOIN_S, transfer_timeout_s=TRANSFER_S,
+                                serve_late_joiners=False, bucket_bytes=BUCKET)
+    model = tiny_model(config, seed=1)
+    manifest = plan([(n, tuple(t.shape), t.dtype) for n, t in model.state_dict().items()], BUCKET)
+    assert len(manifest.bucket_sizes) >= 3 and any(manifest.alone(b) for b in range(len(manifest.bucket_sizes)))
+    receivers = [_receiver(path, 0, tmp_path, redis_server.password),
+                 _receiver(path, 1, tmp_path, redis_server.password, per_tensor_only=True)]
+    try:
+        wait_until(lambda: _live_ranks(publisher, {1, 2}), 60, "both receivers heartbeating")
+        # An older receiver among the members: the update goes per-tensor, to both.
+        assert _publish(publisher, model, 10) == 2 and publisher.last_layout == "per-tensor"
+        per_tensor = [_received(tmp_path, r, 10) for r in (0, 1)]
+        receivers[1].kill()
+        receivers[1].wait(10)
+        client.hdel(config.keys.members, "2")  # gone: no longer invited
+        # Only receivers that read packed: packed, float32 and then cast to bfloat16 on the way.
+        assert _publish(publisher, model, 20) == 1 and publisher.last_layout == "packed"
+        assert _publish(publisher, model, 30, dtype=torch.bfloat16) == 1 and publisher.last_layout == "packed"
+        packed, packed_bf16 = _received(tmp_path, 0, 20), _received(tmp_path, 0, 30)
+        tickets = _tickets(client, config)
+        assert [(t.members, t.layout, _layout(config, t)) for t in tickets] == [
+            ((1, 2), "per-tensor", "per-tensor"), ((1,), "packed", "packed"), ((1,), "packed", "packed")]
+        assert _layouts(tmp_path, 0) == {10: "per-tensor", 20: "packed", 30: "packed"}
+        assert _layouts(tmp_path, 1) == {10: "per-tensor"}
+        expected = model.state_dict()
+        for name, tensor in expected.items():
+            for received in (*per_tensor, packed):
+                assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
+            assert packed_bf16[name].dtype == torch.bfloat16 and torch.equal(packed_bf16[name], tensor.bfloat16()), name
+        assert list(packed) == list(expected)  # in the order sent
+    finally:
+        _stop(receivers)
+        publisher.close()
+
+
+def test_a_receiver_killed_mid_packed_update_holds_rank_0_no_longer_than_the_transfer_timeout(redis_server, tmp_path):
+    config = make_config(redis_server)
+    path = tmp_path / "config.json"
+    path.write_text(config.to_json())
+    publisher = WeightPublisher(config, redis_server.client(), join_timeout_s=JOIN_S, transfer_timeout_s=TRANSFER_S,
+                                poll_interval_s=0.5, bucket_bytes=BUCKET)
+    receivers = [_receiver(path, 0, tmp_path, redis_server.password),
+                 _receiver(path, 1, tmp_path, redis_server.password, die_after=2)]
+    try:
+        wait_until(lambda: _live_ranks(publisher, {1, 2}), 60, "both receivers heartbeating")
+        assert _publish(publisher, tiny_model(config, seed=1), 10) == 2 and publisher.last_layout == "packed"
+        second = tiny_model(config, seed=2)
+        started = time.monotonic()
+        received = _publish(publisher, second, 20)
+        elapsed = time.monotonic() - started
+        assert receivers[1].wait(10) == 17  # died after 2 tensors of update 20, in its first bucket
+        assert received < 2 and elapsed < JOIN_S + 2 * TRANSFER_S, (received, elapsed)
+        # The survivor's update failed with the group; the late-joiner service sends version 20 again, packed.
+        survivor = _received(tmp_path, 0, 20)
+        assert all(torch.equal(survivor[n], t) for n, t in second.state_dict().items())
+        assert _layouts(tmp_path, 0)[20] == "packed"
+    finally:
+        _stop(receivers)
+        publisher.close()
+
+
+def test_the_cpu_backend_unpacks_every_update_into_the_same_buffers(redis_server):
+    config = make_config(redis_server)
+    client = redis_server.client()
+    publisher = WeightPublisher(config, client, join_timeout_s=JOIN_S, transfer_timeout_s=TRANSFER_S,
+                                serve_late_joiners=False, bucket_bytes=BUCKET)
+    backend = CpuBackend(tiny_model(config, seed=0), pad_token_id=0, eos_token_id=None)
+    subscriber = WeightSubscriber(config, client, replica_index=0)
+    subscriber.follow_from_now()
+    subscriber.heartbeat()
+    pointers = []
+    try:
+        for version, seed in ((10, 1), (20, 2)):
+            model = tiny_model(config, seed=seed)
+            sending = threading.Thread(target=_publish, args=(publisher, model, version))
+            sending.start()
+            event = _next_update(subscriber, version)
+            assert event.ticket.layout == "packed"
+            assert backend.receive_weights(event.ticket, subscriber.address, subscriber.transfer_ranks) == UpdateOutcome.LOADED
+            sending.join(30)
+            for name, tensor in model.state_dict().items():
+                assert torch.equal(backend.model.state_dict()[name], tensor), name
+            pointers.append(({n: t.data_ptr() for n, t in backend.staging.items()}, backend.buckets.nbytes))
+    finally:
+        publisher.close()
+    assert pointers[0] == pointers[1] and 0 < pointers[0][1] <= 2 * BUCKET
