@@ -56,5 +56,5 @@ def test_the_front_page_is_short_and_links_every_topic_page():
     linked = {Path(t.partition("#")[0]).name for t in links(REPO / "README.md")}
     topics = {p.name for p in (REPO / "docs").glob("*.md")} - {"README.md"}
     benchmarks = {"operator-scale.md", "trainer-memory.md", "learning-robustness.md", "weight-sync.md",
-                  "time-to-reward.md", "rollout-throughput.md"}  # write-ups, reached from docs/README.md and testing.md
+                  "time-to-reward.md", "rollout-throughput.md", "chaos-soak.md"}  # write-ups, reached from docs/README.md and testing.md
     assert topics - linked <= benchmarks, topics - linked
