@@ -2,8 +2,8 @@
 
 Both bounds read one snapshot of the stream's consumer group (:class:`StreamBacklog`, one MULTI/EXEC):
 
-* ``undelivered``: entries no trainer rank has been handed yet (XINFO GROUPS ``lag``, at most the stream length:
-  :meth:`rljob_api.protocol.Backlog.from_groups`; the stream length before the trainer has created the group);
+* ``undelivered``: entries no trainer rank has been handed yet (XINFO GROUPS ``lag``, at most the stream length
+  less the pending entries: :meth:`rljob_api.protocol.Backlog.from_groups`; the stream length before the trainer has created the group);
 * ``pending``: entries delivered and not yet acknowledged (XINFO GROUPS ``pending``), i.e. not yet covered by a
   committed checkpoint. Some of them the trainer's current attempt has already trained and only waits to ack
   (``trained_unacked``); the rest are being trained, read ahead, or were delivered to an earlier attempt and are
