@@ -3,10 +3,16 @@ what each receiver announces, bit-identical to the per-tensor layout, and as saf
 
 from __future__ import annotations
 
+import io
+import os
+import subprocess
+import sys
+import tarfile
 import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from torch.distributed import PrefixStore
 
@@ -18,6 +24,7 @@ from rljob_rollout.weight_subscriber import WeightSubscriber
 from rljob_trainer.weight_publisher import WeightPublisher, publish_weights
 from rljob_wire.packed import plan
 from rljob_wire.transfer import LAYOUT_KEY, STORE_PREFIX, StoreAddress, connect_store
+from source_tree import REPO
 
 BUCKET = 1024
 """Bytes per bucket in these tests: the tiny model's tensors fill several buckets, and the embedding goes alone."""
@@ -135,3 +142,63 @@ def test_the_cpu_backend_unpacks_every_update_into_the_same_buffers(redis_server
     finally:
         publisher.close()
     assert pointers[0] == pointers[1] and 0 < pointers[0][1] <= 2 * BUCKET
+
+
+PREVIOUS_RELEASE = "bcac57ca8b94bd0ace791e37a78c185319d7e859"
+"""The last commit before the packed layout (f00252c added it): its receivers announce no layout."""
+
+
+def _previous_receiver(tree: Path, config_path: Path, replica: int, out: Path, password: str) -> subprocess.Popen:
+    """transfer_receiver.py of :data:`PREVIOUS_RELEASE`, on that commit's own api, wire and rollout packages only."""
+    env = dict(os.environ, REDIS_PASSWORD=password, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(str(tree / folder) for folder in ("api", "wire", "rollout")))
+    script = tree / "tests" / "rollout" / "transfer_receiver.py"
+    return subprocess.Popen([sys.executable, str(script), str(config_path), str(replica),
+                             str(out)], env=env, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+@pytest.fixture(scope="module")
+def previous_tree(tmp_path_factory) -> Path:
+    """The previous release's receiving code, from ``git archive`` of this repository."""
+    tree = tmp_path_factory.mktemp("previous")
+    paths = ["api", "wire", "rollout", "tests/rollout/transfer_receiver.py"]
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", PREVIOUS_RELEASE, *paths], check=True,
+                             capture_output=True).stdout
+    tarfile.open(fileobj=io.BytesIO(archive)).extractall(tree, filter="data")
+    return tree
+
+
+def test_a_receiver_of_the_previous_release_gets_per_tensor_updates(redis_server, tmp_path, previous_tree):
+    """An upgrade mid-run: the trainer is this version, a running rollout process the previous one. Every update it
+    is a member of goes per-tensor and arrives whole; once it has left, updates go packed again."""
+    config = make_config(redis_server)
+    path = tmp_path / "config.json"
+    path.write_text(config.to_json())
+    client = redis_server.client()
+    publisher = WeightPublisher(config, client, join_timeout_s=JOIN_S, transfer_timeout_s=TRANSFER_S,
+                                serve_late_joiners=False, bucket_bytes=BUCKET)
+    model = tiny_model(config, seed=3)
+    receivers = [_previous_receiver(previous_tree, path, 0, tmp_path, redis_server.password),
+                 _receiver(path, 1, tmp_path, redis_server.password)]
+    try:
+        wait_until(lambda: _live_ranks(publisher, {1, 2}), 60, "both receivers heartbeating")
+        assert publisher.live_members()[1].layouts == ()
+        assert _publish(publisher, model, 10) == 2 and publisher.last_layout == "per-tensor"
+        assert _publish(publisher, model, 20, dtype=torch.bfloat16) == 2 and publisher.last_layout == "per-tensor"
+        expected = model.state_dict()
+        for version, cast in ((10, lambda t: t), (20, lambda t: t.bfloat16() if t.is_floating_point() else t)):
+            for replica in (0, 1):
+                received = _received(tmp_path, replica, version)
+                assert list(received) == list(expected)
+                for name, tensor in expected.items():
+                    assert torch.equal(received[name], cast(tensor)) and received[name].dtype == cast(tensor).dtype
+        _stop(receivers[:1])
+        client.hdel(config.keys.members, "1")  # gone: no longer invited
+        assert _publish(publisher, model, 30) == 1 and publisher.last_layout == "packed"
+        assert all(torch.equal(t, expected[n]) for n, t in _received(tmp_path, 1, 30).items())  # saved after its layout
+        assert _layouts(tmp_path, 1) == {10: "per-tensor", 20: "per-tensor", 30: "packed"}
+        assert not (tmp_path / "0.layouts").exists()  # the previous receiver knows no layouts
+    finally:
+        _stop(receivers)
+        publisher.close()
