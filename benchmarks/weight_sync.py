@@ -40,6 +40,7 @@ publications.
     python benchmarks/weight_sync.py --bucket-mb 16       # smaller buckets
     python benchmarks/weight_sync.py --receivers 2        # two rollout processes receive each update
     python benchmarks/weight_sync.py --device cuda --params 6740 --dtype bfloat16   # NCCL, GPU 0 -> GPU 1 (no FSDP)
+    python benchmarks/weight_sync.py --device cuda-receiver --no-fsdp              # gloo, CPU -> GPU 0 (one GPU)
 
 Exit status: 0 when every target is met, 1 when one is missed, 2 on an error.
 """
@@ -144,9 +145,12 @@ def free_port() -> int:
 
 # --- the raw baseline (both ends) ------------------------------------------------------------------------------
 def devices(args: argparse.Namespace) -> tuple[torch.device, torch.device]:
-    """(the driver's device, rollout process ``--index``'s): CPU and CPU, or GPU 0 and GPU 1 + index."""
+    """(the driver's device, rollout process ``--index``'s): CPU and CPU; GPU 0 and GPU 1 + index (``cuda``); CPU and
+    GPU index (``cuda-receiver``: gloo from the CPU into a GPU, the one-GPU check)."""
     if args.device == "cuda":
         return torch.device("cuda", 0), torch.device("cuda", 1 + args.index)
+    if args.device == "cuda-receiver":
+        return torch.device("cpu"), torch.device("cuda", args.index)
     return torch.device("cpu"), torch.device("cpu")
 
 
@@ -239,14 +243,17 @@ def raw_round(group: Any, flat: torch.Tensor, tensors: list[torch.Tensor], mode:
 
 # --- the rollout process -----------------------------------------------------------------------------------------
 class GpuReceiver:
-    """The rollout end with ``--device cuda``: what vLLM's worker extension does to receive (``receive_update`` onto
-    its GPU, the group kept), into buffers kept across updates; nothing is loaded into a model."""
+    """The rollout end on a GPU (``--device cuda`` or ``cuda-receiver``): ``receive_update`` onto its GPU with the
+    group kept, as vLLM's worker extension receives an NCCL update, each tensor unpacked (a packed update: copied out
+    of its bucket) into a buffer of its own kept across updates; no vLLM, so nothing is loaded into a model."""
 
     def __init__(self, device: torch.device) -> None:
+        from rljob_wire.packed import BucketBuffers
         from rljob_wire.transfer import GroupKeeper, ReceiveBuffers
 
         self.device = device
         self.staging = ReceiveBuffers()
+        self.buckets = BucketBuffers()
         self.groups = GroupKeeper()
 
     def receive_weights(self, ticket: Any, address: Any, transfer_ranks: Any) -> Any:
@@ -255,7 +262,8 @@ class GpuReceiver:
 
         try:
             selected = receive_update(address, ticket, transfer_ranks[0], device=self.device, sink=lambda *_: None,
-                                      buffers=self.staging, groups=self.groups)
+                                      buffers=self.staging, groups=self.groups, staging=self.buckets)
+            torch.cuda.synchronize(self.device)
         except TransferFailed as error:
             print(f"weight_sync: the GPU receiver's update failed: {error}", file=sys.stderr)
             return UpdateOutcome.FAILED_INTACT
@@ -511,8 +519,9 @@ def report(args: argparse.Namespace, f: dict[str, Any]) -> tuple[str, bool]:
     met = ratio >= TARGET
     identical = f["rollout_digest_ddp"] == f["expected_digest"] == f["published_digest"] == f["rollout_digest_per_tensor"]
     best_per_tensor_layout = min(f["per_tensor"])
-    transport = (f"NCCL, GPU 0 to GPUs 1-{args.receivers}" if args.receivers > 1 else "NCCL, GPU 0 to GPU 1") \
-        if args.device == "cuda" else "gloo on loopback"
+    transport = {"cuda": f"NCCL, GPU 0 to GPU{f's 1-{args.receivers}' if args.receivers > 1 else ' 1'}",
+                 "cuda-receiver": f"gloo from the CPU to GPU{f's 0-{args.receivers - 1}' if args.receivers > 1 else ' 0'}",
+                 }.get(args.device, "gloo on loopback")
     receivers = f"{args.receivers} rollout processes" if args.receivers > 1 else "1 rollout process"
     lines = [
         f"model: {f['parameters'] / 1e6:.1f}M parameters, {f['tensors']} tensors, published as {args.dtype}: "
@@ -571,8 +580,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="published dtype")
     parser.add_argument("--repeats", type=int, default=5, help="timed publications (and raw rounds) of each kind")
     parser.add_argument("--no-fsdp", dest="fsdp", action="store_false", help="skip the FSDP figure")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cpu: gloo on loopback; cuda: NCCL from GPU 0 to GPU 1 (needs 2 GPUs; no FSDP figure)")
+    parser.add_argument("--device", choices=("cpu", "cuda", "cuda-receiver"), default="cpu",
+                        help="cpu: gloo on loopback; cuda: NCCL from GPU 0 to GPU 1 (needs 2 GPUs; no FSDP figure); "
+                             "cuda-receiver: gloo from this CPU into GPU 0 (the receive and unpack on one GPU)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--receivers", type=int, default=1,
                         help="rollout processes receiving each update (and the raw broadcasts); cuda: one GPU each")
@@ -593,6 +603,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"device); {torch.cuda.device_count()} visible", file=sys.stderr)
             return 2
         args.fsdp = False  # the FSDP figure is gloo only
+    if args.device == "cuda-receiver" and torch.cuda.device_count() < args.receivers:
+        print(f"weight_sync: --device cuda-receiver needs a GPU per receiver; {torch.cuda.device_count()} visible",
+              file=sys.stderr)
+        return 2
     try:
         figures = run(args)
     except SystemExit as error:
