@@ -4,7 +4,9 @@ what each receiver announces, bit-identical to the per-tensor layout, and as saf
 from __future__ import annotations
 
 import io
+import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
@@ -113,6 +115,60 @@ def test_a_receiver_killed_mid_packed_update_holds_rank_0_no_longer_than_the_tra
         assert all(torch.equal(survivor[n], t) for n, t in second.state_dict().items())
         assert _layouts(tmp_path, 0)[20] == "packed"
     finally:
+        _stop(receivers)
+        publisher.close()
+
+
+def test_a_receiver_sigkilled_from_outside_after_the_final_record_holds_rank_0_no_longer_than_the_transfer_timeout(
+        redis_server, tmp_path):
+    """Faults from outside only: receiver 0 is stopped (SIGSTOP) before the update so that the group cannot form
+    before receiver 1 has joined; once receiver 1's ready record is in the store it is stopped too and receiver 0
+    continued; once the publisher has written ``final`` (the group's members), receiver 1 is SIGKILLed with the
+    packed update in flight."""
+    config = make_config(redis_server)
+    path = tmp_path / "config.json"
+    path.write_text(config.to_json())
+    client = redis_server.client()
+    publisher = WeightPublisher(config, client, join_timeout_s=JOIN_S, transfer_timeout_s=TRANSFER_S,
+                                poll_interval_s=0.5, bucket_bytes=BUCKET)
+    receivers = [_receiver(path, 0, tmp_path, redis_server.password),
+                 _receiver(path, 1, tmp_path, redis_server.password)]
+    store = connect_store(StoreAddress("127.0.0.1", config.weights_port), 10)
+    try:
+        wait_until(lambda: _live_ranks(publisher, {1, 2}), 60, "both receivers heartbeating")
+        assert _publish(publisher, tiny_model(config, seed=1), 10) == 2 and publisher.last_layout == "packed"
+        _received(tmp_path, 0, 10), _received(tmp_path, 1, 10)
+        second = tiny_model(config, seed=2)
+        os.kill(receivers[0].pid, signal.SIGSTOP)
+        outcome: dict[str, float] = {}
+
+        def publish() -> None:
+            started = time.monotonic()
+            outcome["received"] = _publish(publisher, second, 20)
+            outcome["elapsed"] = time.monotonic() - started
+
+        thread = threading.Thread(target=publish)
+        thread.start()
+        wait_until(lambda: len(_tickets(client, config)) == 2, 10, "the update announced")
+        scoped = PrefixStore(f"{STORE_PREFIX}{_tickets(client, config)[-1].id}/", store)
+        wait_until(lambda: scoped.check(["ready/2"]), JOIN_S, "receiver 1 joined")
+        os.kill(receivers[1].pid, signal.SIGSTOP)
+        os.kill(receivers[0].pid, signal.SIGCONT)
+        wait_until(lambda: scoped.check(["final"]), JOIN_S + 5, "the publisher's final record")
+        assert json.loads(scoped.get("final")) == [1, 2]
+        os.kill(receivers[1].pid, signal.SIGKILL)
+        thread.join(JOIN_S + 2 * TRANSFER_S + 10)
+        assert not thread.is_alive() and receivers[1].wait(10) == -signal.SIGKILL
+        assert outcome["received"] < 2 and outcome["elapsed"] < JOIN_S + 2 * TRANSFER_S, outcome
+        assert not (tmp_path / "1-20.pt").exists()
+        # The survivor's update failed with the group; the late-joiner service sends version 20 again, packed.
+        survivor = _received(tmp_path, 0, 20)
+        assert all(torch.equal(survivor[n], t) for n, t in second.state_dict().items())
+        assert _layouts(tmp_path, 0)[20] == "packed"
+    finally:
+        for process in receivers:
+            if process.poll() is None:
+                os.kill(process.pid, signal.SIGCONT)
         _stop(receivers)
         publisher.close()
 
