@@ -32,6 +32,18 @@ BUCKET = 1024
 """Bytes per bucket in these tests: the tiny model's tensors fill several buckets, and the embedding goes alone."""
 
 
+def _job(redis_server, tmp_path: Path, **publisher_options):
+    """A job's config (also written to ``tmp_path/config.json`` for the receivers), a client and a publisher that
+    packs in buckets of :data:`BUCKET`."""
+    config = make_config(redis_server)
+    path = tmp_path / "config.json"
+    path.write_text(config.to_json())
+    client = redis_server.client()
+    publisher = WeightPublisher(config, client, join_timeout_s=JOIN_S, transfer_timeout_s=TRANSFER_S,
+                                bucket_bytes=BUCKET, **publisher_options)
+    return config, path, client, publisher
+
+
 def _layout(config, ticket) -> str:
     store = connect_store(StoreAddress("127.0.0.1", config.weights_port), 10)
     return PrefixStore(f"{STORE_PREFIX}{ticket.id}/", store).get(LAYOUT_KEY).decode()
@@ -54,12 +66,7 @@ def _publish(publisher: WeightPublisher, model: torch.nn.Module, version: int, d
 
 
 def test_packed_only_when_every_receiver_reads_it_and_bit_identical_to_per_tensor(redis_server, tmp_path):
-    config = make_config(redis_server)
-    path = tmp_path / "config.json"
-    path.write_text(config.to_json())
-    client = redis_server.client()
-    publisher = WeightPublisher(config, client, join_timeout_s=JOIN_S, transfer_timeout_s=TRANSFER_S,
-                                serve_late_joiners=False, bucket_bytes=BUCKET)
+    config, path, client, publisher = _job(redis_server, tmp_path, serve_late_joiners=False)
     model = tiny_model(config, seed=1)
     manifest = plan([(n, tuple(t.shape), t.dtype) for n, t in model.state_dict().items()], BUCKET)
     assert len(manifest.bucket_sizes) >= 3 and any(manifest.alone(b) for b in range(len(manifest.bucket_sizes)))
@@ -94,11 +101,7 @@ def test_packed_only_when_every_receiver_reads_it_and_bit_identical_to_per_tenso
 
 
 def test_a_receiver_killed_mid_packed_update_holds_rank_0_no_longer_than_the_transfer_timeout(redis_server, tmp_path):
-    config = make_config(redis_server)
-    path = tmp_path / "config.json"
-    path.write_text(config.to_json())
-    publisher = WeightPublisher(config, redis_server.client(), join_timeout_s=JOIN_S, transfer_timeout_s=TRANSFER_S,
-                                poll_interval_s=0.5, bucket_bytes=BUCKET)
+    config, path, client, publisher = _job(redis_server, tmp_path, poll_interval_s=0.5)
     receivers = [_receiver(path, 0, tmp_path, redis_server.password),
                  _receiver(path, 1, tmp_path, redis_server.password, die_after=2)]
     try:
@@ -125,12 +128,7 @@ def test_a_receiver_sigkilled_from_outside_after_the_final_record_holds_rank_0_n
     before receiver 1 has joined; once receiver 1's ready record is in the store it is stopped too and receiver 0
     continued; once the publisher has written ``final`` (the group's members), receiver 1 is SIGKILLed with the
     packed update in flight."""
-    config = make_config(redis_server)
-    path = tmp_path / "config.json"
-    path.write_text(config.to_json())
-    client = redis_server.client()
-    publisher = WeightPublisher(config, client, join_timeout_s=JOIN_S, transfer_timeout_s=TRANSFER_S,
-                                poll_interval_s=0.5, bucket_bytes=BUCKET)
+    config, path, client, publisher = _job(redis_server, tmp_path, poll_interval_s=0.5)
     receivers = [_receiver(path, 0, tmp_path, redis_server.password),
                  _receiver(path, 1, tmp_path, redis_server.password)]
     store = connect_store(StoreAddress("127.0.0.1", config.weights_port), 10)
@@ -228,12 +226,7 @@ def previous_tree(tmp_path_factory) -> Path:
 def test_a_receiver_of_the_previous_release_gets_per_tensor_updates(redis_server, tmp_path, previous_tree):
     """An upgrade mid-run: the trainer is this version, a running rollout process the previous one. Every update it
     is a member of goes per-tensor and arrives whole; once it has left, updates go packed again."""
-    config = make_config(redis_server)
-    path = tmp_path / "config.json"
-    path.write_text(config.to_json())
-    client = redis_server.client()
-    publisher = WeightPublisher(config, client, join_timeout_s=JOIN_S, transfer_timeout_s=TRANSFER_S,
-                                serve_late_joiners=False, bucket_bytes=BUCKET)
+    config, path, client, publisher = _job(redis_server, tmp_path, serve_late_joiners=False)
     model = tiny_model(config, seed=3)
     receivers = [_previous_receiver(previous_tree, path, 0, tmp_path, redis_server.password),
                  _receiver(path, 1, tmp_path, redis_server.password)]
