@@ -11,7 +11,7 @@ Processes (real ones, gloo on loopback or NCCL between two GPUs, a real redis-se
   the layout of DESIGN §3 the receiver announced: packed in buckets of ``--bucket-mb``, the packing copy included,
   and per-tensor with packing switched off on the publisher, the two alternating; the late-joiner copy); the packed
   publication's phases (``Publication.phases_ms``) are printed too;
-- one rollout process: the real subscriber (:class:`~rljob_rollout.weight_subscriber.WeightSubscriber`: heartbeats, events) and
+- one rollout process (``--receivers`` of them, replicas 0, 1, ...): the real subscriber (:class:`~rljob_rollout.weight_subscriber.WeightSubscriber`: heartbeats, events) and
   the CPU backend's real receive path (:meth:`CpuBackend.receive_weights`: staging buffers, then loading into its
   own model of the same architecture); with ``--device cuda`` the receive path of vLLM's worker extension instead
   (:func:`~rljob_wire.transfer.receive_update` onto the second GPU, into buffers kept across updates, with the
@@ -38,7 +38,9 @@ publications.
     python benchmarks/weight_sync.py --params 500 --repeats 3
     python benchmarks/weight_sync.py --dtype bfloat16     # publish bf16 (cast on rank 0 / on the shards)
     python benchmarks/weight_sync.py --bucket-mb 16       # smaller buckets
+    python benchmarks/weight_sync.py --receivers 2        # two rollout processes receive each update
     python benchmarks/weight_sync.py --device cuda --params 6740 --dtype bfloat16   # NCCL, GPU 0 -> GPU 1 (no FSDP)
+    python benchmarks/weight_sync.py --device cuda-receiver --no-fsdp              # gloo, CPU -> GPU 0 (one GPU)
 
 Exit status: 0 when every target is met, 1 when one is missed, 2 on an error.
 """
@@ -143,25 +145,29 @@ def free_port() -> int:
 
 # --- the raw baseline (both ends) ------------------------------------------------------------------------------
 def devices(args: argparse.Namespace) -> tuple[torch.device, torch.device]:
-    """(the driver's device, the rollout process's): CPU and CPU, or the first two GPUs."""
+    """(the driver's device, rollout process ``--index``'s): CPU and CPU; GPU 0 and GPU 1 + index (``cuda``); CPU and
+    GPU index (``cuda-receiver``: gloo from the CPU into a GPU, the one-GPU check)."""
     if args.device == "cuda":
-        return torch.device("cuda", 0), torch.device("cuda", 1)
+        return torch.device("cuda", 0), torch.device("cuda", 1 + args.index)
+    if args.device == "cuda-receiver":
+        return torch.device("cpu"), torch.device("cuda", args.index)
     return torch.device("cpu"), torch.device("cpu")
 
 
-def raw_group(rank: int, port: int, device: torch.device) -> Any:
-    """The raw baseline's group of 2 (driver, rollout process): gloo on CPU, NCCL on a GPU; and its store."""
+def raw_group(rank: int, port: int, device: torch.device, world_size: int) -> Any:
+    """The raw baseline's group (the driver as rank 0, rollout process i as rank 1 + i): gloo on CPU, NCCL on a
+    GPU; and its store."""
     from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
     timeout = datetime.timedelta(seconds=300)
-    store = TCPStore("127.0.0.1", port, 2, rank == 0, timeout)
+    store = TCPStore("127.0.0.1", port, world_size, rank == 0, timeout)
     if device.type == "cpu":
-        return ProcessGroupGloo(PrefixStore("raw/", store), rank, 2, timeout), store
+        return ProcessGroupGloo(PrefixStore("raw/", store), rank, world_size, timeout), store
     from torch.distributed import ProcessGroupNCCL
 
     options = ProcessGroupNCCL.Options()
     options._timeout = timeout
-    return ProcessGroupNCCL(PrefixStore("raw/", store), rank, 2, options), store
+    return ProcessGroupNCCL(PrefixStore("raw/", store), rank, world_size, options), store
 
 
 def start_broadcast(group: Any, tensor: torch.Tensor) -> Any:
@@ -237,14 +243,17 @@ def raw_round(group: Any, flat: torch.Tensor, tensors: list[torch.Tensor], mode:
 
 # --- the rollout process -----------------------------------------------------------------------------------------
 class GpuReceiver:
-    """The rollout end with ``--device cuda``: what vLLM's worker extension does to receive (``receive_update`` onto
-    its GPU, the group kept), into buffers kept across updates; nothing is loaded into a model."""
+    """The rollout end on a GPU (``--device cuda`` or ``cuda-receiver``): ``receive_update`` onto its GPU with the
+    group kept, as vLLM's worker extension receives an NCCL update, each tensor unpacked (a packed update: copied out
+    of its bucket) into a buffer of its own kept across updates; no vLLM, so nothing is loaded into a model."""
 
     def __init__(self, device: torch.device) -> None:
+        from rljob_wire.packed import BucketBuffers
         from rljob_wire.transfer import GroupKeeper, ReceiveBuffers
 
         self.device = device
         self.staging = ReceiveBuffers()
+        self.buckets = BucketBuffers()
         self.groups = GroupKeeper()
 
     def receive_weights(self, ticket: Any, address: Any, transfer_ranks: Any) -> Any:
@@ -253,7 +262,8 @@ class GpuReceiver:
 
         try:
             selected = receive_update(address, ticket, transfer_ranks[0], device=self.device, sink=lambda *_: None,
-                                      buffers=self.staging, groups=self.groups)
+                                      buffers=self.staging, groups=self.groups, staging=self.buckets)
+            torch.cuda.synchronize(self.device)
         except TransferFailed as error:
             print(f"weight_sync: the GPU receiver's update failed: {error}", file=sys.stderr)
             return UpdateOutcome.FAILED_INTACT
@@ -261,8 +271,8 @@ class GpuReceiver:
 
 
 def rollout_main(args: argparse.Namespace) -> int:
-    """The rollout process: subscriber + CPU backend (or :class:`GpuReceiver`); raw rounds on command; replies on
-    REPLIES."""
+    """Rollout process ``--index``: subscriber (replica ``--index``) + CPU backend (or :class:`GpuReceiver`); raw
+    rounds on command (its own list of COMMANDS); replies on REPLIES, which all rollout processes share."""
     from rljob_rollout.backends.cpu import CpuBackend
     from rljob_rollout.backends.base import UpdateOutcome
     from rljob_rollout.weight_subscriber import WeightSubscriber
@@ -279,15 +289,15 @@ def rollout_main(args: argparse.Namespace) -> int:
     else:
         backend = CpuBackend(build_model(args.params, seed=12345), pad_token_id=0, eos_token_id=None)
         shapes = backend.model
-    subscriber = WeightSubscriber(config, client, replica_index=0)
+    subscriber = WeightSubscriber(config, client, replica_index=args.index)
     subscriber.follow_from_now()
     subscriber.start_heartbeats(interval_s=0.5)
-    group, _store = raw_group(1, args.raw_port, device)
+    group, _store = raw_group(1 + args.index, args.raw_port, device, 1 + args.receivers)
     flat, tensors = raw_buffers(shapes, DTYPES[args.dtype], device)
     layout = layout_tensors(list(shapes.state_dict()), tensors)
     client.rpush(REPLIES, "ready")
     while True:
-        command = client.lpop(COMMANDS)
+        command = client.lpop(f"{COMMANDS}:{args.index}")
         if command is not None:
             command = command.decode()
             if command == "exit":
@@ -353,11 +363,24 @@ def wait_reply(client: redis.Redis, key: str = REPLIES, timeout_s: float = WAIT_
     return reply[1].decode()
 
 
-def child(role: str, args: argparse.Namespace, config_path: Path, raw_port: int, extra_env: Optional[dict] = None) -> subprocess.Popen:
+def ask_rollouts(client: redis.Redis, receivers: int, command: str) -> list[str]:
+    """Send ``command`` to every rollout process; their replies, one each (in the order they came)."""
+    for index in range(receivers):
+        client.rpush(f"{COMMANDS}:{index}", command)
+    return [wait_reply(client) for _ in range(receivers)]
+
+
+def wait_loaded(client: redis.Redis, receivers: int) -> list[dict]:
+    """The update replies of every rollout process."""
+    return [json.loads(wait_reply(client)) for _ in range(receivers)]
+
+
+def child(role: str, args: argparse.Namespace, config_path: Path, raw_port: int, extra_env: Optional[dict] = None,
+          index: int = 0) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", **(extra_env or {}))
     command = [sys.executable, str(HERE), "--role", role, "--config", str(config_path), "--params", str(args.params),
                "--dtype", args.dtype, "--repeats", str(args.repeats), "--raw-port", str(raw_port), "--seed", str(args.seed),
-               "--device", args.device]
+               "--device", args.device, "--receivers", str(args.receivers), "--index", str(index)]
     return subprocess.Popen(command, env=env)
 
 
@@ -376,31 +399,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     children: list[subprocess.Popen] = []
     figures: dict[str, Any] = {"load_start": os.getloadavg()[0]}
     try:
-        children.append(child("rollout", args, config_path, raw_port))
+        children += [child("rollout", args, config_path, raw_port, index=i) for i in range(args.receivers)]
         device, _ = devices(args)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        group, _store = raw_group(0, raw_port, device)
+        group, _store = raw_group(0, raw_port, device, 1 + args.receivers)
         model = build_model(args.params, seed=args.seed, device=device)
         dtype = DTYPES[args.dtype] if args.dtype != "float32" else None
         state = model.state_dict()
         sent = [t.to(dtype) if dtype is not None and t.is_floating_point() else t for t in state.values()]
         flat = torch.zeros(sum(t.numel() * t.element_size() for t in sent), dtype=torch.uint8, device=device)
         figures.update(parameters=sum(p.numel() for p in model.parameters()), tensors=len(state), bytes=flat.numel())
-        if wait_reply(client) != "ready":
-            raise SystemExit("the rollout process did not start")
+        if any(wait_reply(client) != "ready" for _ in range(args.receivers)):
+            raise SystemExit("a rollout process did not start")
         bucket_bytes = int(args.bucket_mb * 2**20)
         publisher = WeightPublisher(config, client, poll_interval_s=3600,  # no late joiner here: keep the thread idle
                                     bucket_bytes=bucket_bytes)
         deadline = time.monotonic() + 60
-        while 1 not in publisher.live_members():
+        while len(publisher.live_members()) < args.receivers:
             if time.monotonic() > deadline:
-                raise SystemExit("the rollout process never heartbeated")
+                raise SystemExit("a rollout process never heartbeated")
             time.sleep(0.1)
         # A first publication allocates the late-joiner copy and the rollout's staging buffers: not timed.
         publish_weights(model, publisher, step=0, documents_seen=0, dtype=dtype)
         publisher.settle()
-        assert json.loads(wait_reply(client))["outcome"] == "loaded"
+        assert all(reply["outcome"] == "loaded" for reply in wait_loaded(client, args.receivers))
         layout = layout_tensors(list(state), sent)
         raw, raw_per_tensor, raw_layout, ours, per_tensor, copies, phases = [], [], [], [], [], [], []
 
@@ -409,37 +432,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             publication = publish_weights(model, publisher, step=step, documents_seen=10 * step, dtype=dtype)
             started = time.perf_counter()
             publisher.settle()  # a trainer calls it before its next optimizer step; here before the next round
-            reply = json.loads(wait_reply(client))
-            if reply["outcome"] != "loaded" or publication.receivers != 1 or publisher.last_layout != (
-                    "packed" if packed else "per-tensor"):
-                raise SystemExit(f"publication {step} did not reach the rollout as expected: {reply}, {publication}, "
-                                 f"{publisher.last_layout}")
+            replies = wait_loaded(client, args.receivers)
+            if any(reply["outcome"] != "loaded" for reply in replies) or publication.receivers != args.receivers \
+                    or publisher.last_layout != ("packed" if packed else "per-tensor"):
+                raise SystemExit(f"publication {step} did not reach the rollouts as expected: {replies}, "
+                                 f"{publication}, {publisher.last_layout}")
             if packed:
                 copies.append(time.perf_counter() - started)
                 phases.append({**publication.phases_ms,
                                "other": publication.duration_ms - sum(publication.phases_ms.values())})
             return publication.duration_ms / 1e3
 
+        def raw_figure(command: str, tensors: list[torch.Tensor], mode: str) -> float:
+            for index in range(args.receivers):
+                client.rpush(f"{COMMANDS}:{index}", command)
+            seconds = raw_round(group, flat, tensors, mode)
+            for _ in range(args.receivers):
+                wait_reply(client)
+            return seconds
+
         for repeat in range(args.repeats):
-            client.rpush(COMMANDS, "raw")
-            raw.append(raw_round(group, flat, sent, "flat"))
-            wait_reply(client)
-            client.rpush(COMMANDS, "raw-per-tensor")
-            raw_per_tensor.append(raw_round(group, flat, sent, "per-tensor"))
-            wait_reply(client)
-            client.rpush(COMMANDS, "raw-layout")
-            raw_layout.append(raw_round(group, flat, layout, "layout"))
-            wait_reply(client)
+            raw.append(raw_figure("raw", sent, "flat"))
+            raw_per_tensor.append(raw_figure("raw-per-tensor", sent, "per-tensor"))
+            raw_layout.append(raw_figure("raw-layout", layout, "layout"))
             per_tensor.append(publish(2 + 2 * repeat, packed=False))
             ours.append(publish(3 + 2 * repeat, packed=True))
         figures.update(raw=raw, raw_per_tensor=raw_per_tensor, raw_layout=raw_layout, ours=ours, per_tensor=per_tensor,
                        copies=copies, phases=phases, late_joiner_copy=publisher.late_joiner_copy.nbytes,
                        bucket_bytes=bucket_bytes, staging=publisher._staging.nbytes)
-        client.rpush(COMMANDS, "digest")
-        figures["rollout_digest_ddp"] = wait_reply(client)  # after a packed publication
+        figures["rollout_digest_ddp"] = same_digest(ask_rollouts(client, args.receivers, "digest"))  # after packed
         publish(3 + 2 * args.repeats, packed=False)
-        client.rpush(COMMANDS, "digest")
-        figures["rollout_digest_per_tensor"] = wait_reply(client)
+        figures["rollout_digest_per_tensor"] = same_digest(ask_rollouts(client, args.receivers, "digest"))
         figures["published_digest"] = digest(publisher.late_joiner_copy.items())
         expected = [(name, t) for name, t in zip(state, sent)]
         figures["expected_digest"] = digest(expected)
@@ -455,18 +478,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for _ in range(1 + args.repeats):
                 client.rpush(COMMANDS + ":fsdp", "go")
                 result = json.loads(wait_reply(client, REPLIES + ":fsdp"))
-                reply = json.loads(wait_reply(client))
-                if reply["outcome"] != "loaded" or result["receivers"] != 1:
-                    raise SystemExit(f"FSDP publication did not reach the rollout: {reply}, {result}")
+                replies = wait_loaded(client, args.receivers)
+                if any(reply["outcome"] != "loaded" for reply in replies) or result["receivers"] != args.receivers:
+                    raise SystemExit(f"FSDP publication did not reach the rollouts: {replies}, {result}")
                 fsdp.append(result)
             figures["fsdp"] = fsdp[1:]
             for rank_process in ranks:
                 if rank_process.wait(120) != 0:
                     raise SystemExit(f"an FSDP rank exited with {rank_process.returncode}")
-            client.rpush(COMMANDS, "digest")
-            figures["rollout_digest_fsdp"] = wait_reply(client)
-        client.rpush(COMMANDS, "exit")
-        children[0].wait(60)
+            figures["rollout_digest_fsdp"] = same_digest(ask_rollouts(client, args.receivers, "digest"))
+        for index in range(args.receivers):
+            client.rpush(f"{COMMANDS}:{index}", "exit")
+        for rollout in children[:args.receivers]:
+            rollout.wait(60)
     finally:
         for proc in children:
             if proc.poll() is None:
@@ -481,6 +505,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return figures
 
 
+def same_digest(digests: list[str]) -> str:
+    """The digest every rollout process reported, or a marker that cannot equal any digest when they differ."""
+    return digests[0] if len(set(digests)) == 1 else f"rollouts disagree: {digests}"
+
+
 def report(args: argparse.Namespace, f: dict[str, Any]) -> tuple[str, bool]:
     """The table and whether every target is met."""
     megabytes = f["bytes"] / 1e6
@@ -490,10 +519,13 @@ def report(args: argparse.Namespace, f: dict[str, Any]) -> tuple[str, bool]:
     met = ratio >= TARGET
     identical = f["rollout_digest_ddp"] == f["expected_digest"] == f["published_digest"] == f["rollout_digest_per_tensor"]
     best_per_tensor_layout = min(f["per_tensor"])
-    transport = "NCCL, GPU 0 to GPU 1" if args.device == "cuda" else "gloo on loopback"
+    transport = {"cuda": f"NCCL, GPU 0 to GPU{f's 1-{args.receivers}' if args.receivers > 1 else ' 1'}",
+                 "cuda-receiver": f"gloo from the CPU to GPU{f's 0-{args.receivers - 1}' if args.receivers > 1 else ' 0'}",
+                 }.get(args.device, "gloo on loopback")
+    receivers = f"{args.receivers} rollout processes" if args.receivers > 1 else "1 rollout process"
     lines = [
         f"model: {f['parameters'] / 1e6:.1f}M parameters, {f['tensors']} tensors, published as {args.dtype}: "
-        f"{megabytes:.1f} MB over {transport}; load average {f['load_start']:.2f} at the start, {f['load_end']:.2f} at the end",
+        f"{megabytes:.1f} MB to {receivers} over {transport}; load average {f['load_start']:.2f} at the start, {f['load_end']:.2f} at the end",
         f"{'figure':<46} {'best s':>7} {'median s':>9} {'MB/s':>6} {'vs raw':>7}  target",
         f"{'raw broadcast, one flat tensor':<46} {best_raw:>7.3f} {statistics.median(f['raw']):>9.3f} "
         f"{megabytes / best_raw:>6.0f} {fastest / best_raw:>7.0%}",
@@ -548,9 +580,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="published dtype")
     parser.add_argument("--repeats", type=int, default=5, help="timed publications (and raw rounds) of each kind")
     parser.add_argument("--no-fsdp", dest="fsdp", action="store_false", help="skip the FSDP figure")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cpu: gloo on loopback; cuda: NCCL from GPU 0 to GPU 1 (needs 2 GPUs; no FSDP figure)")
+    parser.add_argument("--device", choices=("cpu", "cuda", "cuda-receiver"), default="cpu",
+                        help="cpu: gloo on loopback; cuda: NCCL from GPU 0 to GPU 1 (needs 2 GPUs; no FSDP figure); "
+                             "cuda-receiver: gloo from this CPU into GPU 0 (the receive and unpack on one GPU)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--receivers", type=int, default=1,
+                        help="rollout processes receiving each update (and the raw broadcasts); cuda: one GPU each")
+    parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 2**20,
                         help="bucket size of the packed layout, MiB (default %(default)g)")
     parser.add_argument("--role", default="driver", help=argparse.SUPPRESS)
@@ -562,11 +598,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.role == "fsdp":
         return fsdp_main(args)
     if args.device == "cuda":
-        if torch.cuda.device_count() < 2:
-            print(f"weight_sync: --device cuda needs 2 GPUs (NCCL refuses two ranks on one device); "
-                  f"{torch.cuda.device_count()} visible", file=sys.stderr)
+        if torch.cuda.device_count() < 1 + args.receivers:
+            print(f"weight_sync: --device cuda needs {1 + args.receivers} GPUs (NCCL refuses two ranks on one "
+                  f"device); {torch.cuda.device_count()} visible", file=sys.stderr)
             return 2
         args.fsdp = False  # the FSDP figure is gloo only
+    if args.device == "cuda-receiver" and torch.cuda.device_count() < args.receivers:
+        print(f"weight_sync: --device cuda-receiver needs a GPU per receiver; {torch.cuda.device_count()} visible",
+              file=sys.stderr)
+        return 2
     try:
         figures = run(args)
     except SystemExit as error:

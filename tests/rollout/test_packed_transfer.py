@@ -3,10 +3,18 @@ what each receiver announces, bit-identical to the per-tensor layout, and as saf
 
 from __future__ import annotations
 
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
 import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from torch.distributed import PrefixStore
 
@@ -18,9 +26,22 @@ from rljob_rollout.weight_subscriber import WeightSubscriber
 from rljob_trainer.weight_publisher import WeightPublisher, publish_weights
 from rljob_wire.packed import plan
 from rljob_wire.transfer import LAYOUT_KEY, STORE_PREFIX, StoreAddress, connect_store
+from source_tree import REPO
 
 BUCKET = 1024
 """Bytes per bucket in these tests: the tiny model's tensors fill several buckets, and the embedding goes alone."""
+
+
+def _job(redis_server, tmp_path: Path, **publisher_options):
+    """A job's config (also written to ``tmp_path/config.json`` for the receivers), a client and a publisher that
+    packs in buckets of :data:`BUCKET`."""
+    config = make_config(redis_server)
+    path = tmp_path / "config.json"
+    path.write_text(config.to_json())
+    client = redis_server.client()
+    publisher = WeightPublisher(config, client, join_timeout_s=JOIN_S, transfer_timeout_s=TRANSFER_S,
+                                bucket_bytes=BUCKET, **publisher_options)
+    return config, path, client, publisher
 
 
 def _layout(config, ticket) -> str:
@@ -45,12 +66,7 @@ def _publish(publisher: WeightPublisher, model: torch.nn.Module, version: int, d
 
 
 def test_packed_only_when_every_receiver_reads_it_and_bit_identical_to_per_tensor(redis_server, tmp_path):
-    config = make_config(redis_server)
-    path = tmp_path / "config.json"
-    path.write_text(config.to_json())
-    client = redis_server.client()
-    publisher = WeightPublisher(config, client, join_timeout_s=JOIN_S, transfer_timeout_s=TRANSFER_S,
-                                serve_late_joiners=False, bucket_bytes=BUCKET)
+    config, path, client, publisher = _job(redis_server, tmp_path, serve_late_joiners=False)
     model = tiny_model(config, seed=1)
     manifest = plan([(n, tuple(t.shape), t.dtype) for n, t in model.state_dict().items()], BUCKET)
     assert len(manifest.bucket_sizes) >= 3 and any(manifest.alone(b) for b in range(len(manifest.bucket_sizes)))
@@ -85,11 +101,7 @@ def test_packed_only_when_every_receiver_reads_it_and_bit_identical_to_per_tenso
 
 
 def test_a_receiver_killed_mid_packed_update_holds_rank_0_no_longer_than_the_transfer_timeout(redis_server, tmp_path):
-    config = make_config(redis_server)
-    path = tmp_path / "config.json"
-    path.write_text(config.to_json())
-    publisher = WeightPublisher(config, redis_server.client(), join_timeout_s=JOIN_S, transfer_timeout_s=TRANSFER_S,
-                                poll_interval_s=0.5, bucket_bytes=BUCKET)
+    config, path, client, publisher = _job(redis_server, tmp_path, poll_interval_s=0.5)
     receivers = [_receiver(path, 0, tmp_path, redis_server.password),
                  _receiver(path, 1, tmp_path, redis_server.password, die_after=2)]
     try:
@@ -106,6 +118,55 @@ def test_a_receiver_killed_mid_packed_update_holds_rank_0_no_longer_than_the_tra
         assert all(torch.equal(survivor[n], t) for n, t in second.state_dict().items())
         assert _layouts(tmp_path, 0)[20] == "packed"
     finally:
+        _stop(receivers)
+        publisher.close()
+
+
+def test_a_receiver_sigkilled_from_outside_after_the_final_record_holds_rank_0_no_longer_than_the_transfer_timeout(
+        redis_server, tmp_path):
+    """Faults from outside only: receiver 0 is stopped (SIGSTOP) before the update so that the group cannot form
+    before receiver 1 has joined; once receiver 1's ready record is in the store it is stopped too and receiver 0
+    continued; once the publisher has written ``final`` (the group's members), receiver 1 is SIGKILLed with the
+    packed update in flight."""
+    config, path, client, publisher = _job(redis_server, tmp_path, poll_interval_s=0.5)
+    receivers = [_receiver(path, 0, tmp_path, redis_server.password),
+                 _receiver(path, 1, tmp_path, redis_server.password)]
+    store = connect_store(StoreAddress("127.0.0.1", config.weights_port), 10)
+    try:
+        wait_until(lambda: _live_ranks(publisher, {1, 2}), 60, "both receivers heartbeating")
+        assert _publish(publisher, tiny_model(config, seed=1), 10) == 2 and publisher.last_layout == "packed"
+        _received(tmp_path, 0, 10), _received(tmp_path, 1, 10)
+        second = tiny_model(config, seed=2)
+        os.kill(receivers[0].pid, signal.SIGSTOP)
+        outcome: dict[str, float] = {}
+
+        def publish() -> None:
+            started = time.monotonic()
+            outcome["received"] = _publish(publisher, second, 20)
+            outcome["elapsed"] = time.monotonic() - started
+
+        thread = threading.Thread(target=publish)
+        thread.start()
+        wait_until(lambda: len(_tickets(client, config)) == 2, 10, "the update announced")
+        scoped = PrefixStore(f"{STORE_PREFIX}{_tickets(client, config)[-1].id}/", store)
+        wait_until(lambda: scoped.check(["ready/2"]), JOIN_S, "receiver 1 joined")
+        os.kill(receivers[1].pid, signal.SIGSTOP)
+        os.kill(receivers[0].pid, signal.SIGCONT)
+        wait_until(lambda: scoped.check(["final"]), JOIN_S + 5, "the publisher's final record")
+        assert json.loads(scoped.get("final")) == [1, 2]
+        os.kill(receivers[1].pid, signal.SIGKILL)
+        thread.join(JOIN_S + 2 * TRANSFER_S + 10)
+        assert not thread.is_alive() and receivers[1].wait(10) == -signal.SIGKILL
+        assert outcome["received"] < 2 and outcome["elapsed"] < JOIN_S + 2 * TRANSFER_S, outcome
+        assert not (tmp_path / "1-20.pt").exists()
+        # The survivor's update failed with the group; the late-joiner service sends version 20 again, packed.
+        survivor = _received(tmp_path, 0, 20)
+        assert all(torch.equal(survivor[n], t) for n, t in second.state_dict().items())
+        assert _layouts(tmp_path, 0)[20] == "packed"
+    finally:
+        for process in receivers:
+            if process.poll() is None:
+                os.kill(process.pid, signal.SIGCONT)
         _stop(receivers)
         publisher.close()
 
@@ -135,3 +196,58 @@ def test_the_cpu_backend_unpacks_every_update_into_the_same_buffers(redis_server
     finally:
         publisher.close()
     assert pointers[0] == pointers[1] and 0 < pointers[0][1] <= 2 * BUCKET
+
+
+PREVIOUS_RELEASE = "bcac57ca8b94bd0ace791e37a78c185319d7e859"
+"""The last commit before the packed layout (f00252c added it): its receivers announce no layout."""
+
+
+def _previous_receiver(tree: Path, config_path: Path, replica: int, out: Path, password: str) -> subprocess.Popen:
+    """transfer_receiver.py of :data:`PREVIOUS_RELEASE`, on that commit's own api, wire and rollout packages only."""
+    env = dict(os.environ, REDIS_PASSWORD=password, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(str(tree / folder) for folder in ("api", "wire", "rollout")))
+    script = tree / "tests" / "rollout" / "transfer_receiver.py"
+    return subprocess.Popen([sys.executable, str(script), str(config_path), str(replica),
+                             str(out)], env=env, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+@pytest.fixture(scope="module")
+def previous_tree(tmp_path_factory) -> Path:
+    """The previous release's receiving code, from ``git archive`` of this repository."""
+    tree = tmp_path_factory.mktemp("previous")
+    paths = ["api", "wire", "rollout", "tests/rollout/transfer_receiver.py"]
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", PREVIOUS_RELEASE, *paths], check=True,
+                             capture_output=True).stdout
+    tarfile.open(fileobj=io.BytesIO(archive)).extractall(tree, filter="data")
+    return tree
+
+
+def test_a_receiver_of_the_previous_release_gets_per_tensor_updates(redis_server, tmp_path, previous_tree):
+    """An upgrade mid-run: the trainer is this version, a running rollout process the previous one. Every update it
+    is a member of goes per-tensor and arrives whole; once it has left, updates go packed again."""
+    config, path, client, publisher = _job(redis_server, tmp_path, serve_late_joiners=False)
+    model = tiny_model(config, seed=3)
+    receivers = [_previous_receiver(previous_tree, path, 0, tmp_path, redis_server.password),
+                 _receiver(path, 1, tmp_path, redis_server.password)]
+    try:
+        wait_until(lambda: _live_ranks(publisher, {1, 2}), 60, "both receivers heartbeating")
+        assert publisher.live_members()[1].layouts == ()
+        assert _publish(publisher, model, 10) == 2 and publisher.last_layout == "per-tensor"
+        assert _publish(publisher, model, 20, dtype=torch.bfloat16) == 2 and publisher.last_layout == "per-tensor"
+        expected = model.state_dict()
+        for version, cast in ((10, lambda t: t), (20, lambda t: t.bfloat16() if t.is_floating_point() else t)):
+            for replica in (0, 1):
+                received = _received(tmp_path, replica, version)
+                assert list(received) == list(expected)
+                for name, tensor in expected.items():
+                    assert torch.equal(received[name], cast(tensor)) and received[name].dtype == cast(tensor).dtype
+        _stop(receivers[:1])
+        client.hdel(config.keys.members, "1")  # gone: no longer invited
+        assert _publish(publisher, model, 30) == 1 and publisher.last_layout == "packed"
+        assert all(torch.equal(t, expected[n]) for n, t in _received(tmp_path, 1, 30).items())  # saved after its layout
+        assert _layouts(tmp_path, 1) == {10: "per-tensor", 20: "per-tensor", 30: "packed"}
+        assert not (tmp_path / "0.layouts").exists()  # the previous receiver knows no layouts
+    finally:
+        _stop(receivers)
+        publisher.close()

@@ -16,10 +16,11 @@ check = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(check)
 
 
-def test_arguments_pick_a_7b_bf16_publication_over_nccl_or_a_small_fp32_one_on_gloo():
+def test_arguments_pick_a_7b_bf16_publication_over_nccl_into_one_gpu_or_a_small_fp32_one_on_gloo():
     args = check.parse_args([])
     assert check.weight_sync_argv(args) == ["--params", "6740", "--dtype", "bfloat16", "--repeats", "5", "--no-fsdp",
                                             "--device", "cuda"]
+    assert check.weight_sync_argv(args, gpus=1)[-2:] == ["--device", "cuda-receiver"]
     dry = check.parse_args(["--dry-run-cpu", "--repeats", "2"])
     assert check.weight_sync_argv(dry) == ["--params", "60", "--dtype", "float32", "--repeats", "2", "--no-fsdp"]
 
@@ -35,7 +36,7 @@ def test_dry_run_publishes_to_a_rollout_process_and_prints_every_figure():
     result = _run("--dry-run-cpu", "--repeats", "2")
     assert result.returncode in (0, 1), f"{result.stdout}\n{result.stderr[-6000:]}"  # 1: a target missed on a busy machine
     out = result.stdout
-    assert re.search(r"model: 63\.3M parameters, 21 tensors, published as float32: 253\.2 MB over gloo on loopback", out), out
+    assert re.search(r"model: 63\.3M parameters, 21 tensors, published as float32: 253\.2 MB to 1 rollout process over gloo on loopback", out), out
     for figure in ("raw broadcast, one flat tensor", "raw, the per-tensor layout, all started at once",
                    "publication, DDP trainer, packed", "publication, DDP trainer, per-tensor"):
         assert re.search(re.escape(figure) + r"\s+\d+\.\d{3}\s+\d+\.\d{3}", out), figure

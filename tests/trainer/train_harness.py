@@ -346,10 +346,23 @@ def covered_by_checkpoint(root):
     return out
 
 
+def _rank_main(rank: int, worker, world_size: int, tmp_dir: str, *args) -> None:
+    """One spawned rank: its stacks go to stderr shortly before :func:`run_ranks` gives up on it, and a rank that
+    finished its work leaves at once (``os._exit``), as train.main does: torch 2.13's gloo teardown at interpreter
+    exit has hung or aborted a finished rank under load."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(JOIN_TIMEOUT_S - 10, exit=False)
+    worker(rank, world_size, tmp_dir, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def run_ranks(worker, world_size: int, tmp_path: Path, *args) -> None:
     """Run ``worker(rank, world_size, tmp_dir, *args)`` in spawned processes; fail on an error or a timeout."""
     context = mp.start_processes(
-        worker, args=(world_size, str(tmp_path), *args), nprocs=world_size, join=False, start_method="spawn"
+        _rank_main, args=(worker, world_size, str(tmp_path), *args), nprocs=world_size, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     try:

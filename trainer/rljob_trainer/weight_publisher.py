@@ -249,13 +249,7 @@ class WeightPublisher:
             ticket = self._ticket(members, sorted(members), "nccl" if device.type == "cuda" else "gloo", manifest)
             announced = self._announce(step, documents_seen, ticket)
             clock.append(time.perf_counter())
-            sender: Optional[UpdateSender] = None
-            if announced and ticket.members:
-                try:
-                    sender = open_update(self._store, ticket, device=device, groups=self._groups, manifest=manifest,
-                                         staging=self._staging)
-                except Exception as error:  # noqa: BLE001 - any transfer failure must not stop training
-                    log.warning("weights: update %s (step %d) failed: %s", ticket.id, step, error)
+            sender = self._open(ticket, device, manifest, step) if announced and ticket.members else None
             join_s, reused = (sender.join_s, sender.reused) if sender is not None else (0.0, False)
             self.last_layout = sender.layout if sender is not None else None
             clock.append(time.perf_counter())
@@ -264,30 +258,9 @@ class WeightPublisher:
             self._current = None
             if self._snapshot is not None:
                 self._snapshot.begin()
-            later: list[tuple[str, torch.Tensor]] = []  # the model's own tensors, copied after the broadcast
-            received: list[int] = []
-            for name, tensor in pairs:
-                name, tensor = unwrapped_name(name), tensor.detach()
-                out_dtype = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
-                stable = not transient and tensor.dtype == out_dtype and tensor.device == device
-                if stable:
-                    later.append((name, tensor))
-                if sender is not None:
-                    try:
-                        self._send(sender, name, tensor, device, out_dtype, stable)
-                    except Exception as error:  # noqa: BLE001
-                        log.warning("weights: update %s (step %d) failed at %s: %s", ticket.id, step, name, error)
-                        sender = None
-                if not stable and self._snapshot is not None and not self._snapshot.holds(name):
-                    self._snapshot.store(name, tensor, out_dtype)
-                del tensor  # before the next one is gathered
+            later, sender = self._send_all(pairs, sender, ticket, step, device, dtype, transient)
             clock.append(time.perf_counter())
-            if sender is not None:
-                try:
-                    sender.finish()
-                    received = sender.joined
-                except Exception as error:  # noqa: BLE001
-                    log.warning("weights: update %s (step %d) failed at its end: %s", ticket.id, step, error)
+            received = self._end(sender, ticket, step)
             sender = None  # a group that failed is torn down here
             clock.append(time.perf_counter())
             self.last_phases = {name: seconds * 1e3 for name, seconds in (
@@ -312,6 +285,56 @@ class WeightPublisher:
         if self._copier is not None:
             self._copier.join()
             self._copier = None
+
+    def _open(self, ticket: TransferTicket, device: torch.device, manifest: Optional[Manifest],
+              step: int) -> Optional[UpdateSender]:
+        """The sender of an announced update (its group joined), or None when that failed (logged)."""
+        try:
+            return open_update(self._store, ticket, device=device, groups=self._groups, manifest=manifest,
+                               staging=self._staging)
+        except Exception as error:  # noqa: BLE001 - any transfer failure must not stop training
+            log.warning("weights: update %s (step %d) failed: %s", ticket.id, step, error)
+            return None
+
+    def _send_all(
+        self, pairs: Iterator[tuple[str, torch.Tensor]], sender: Optional[UpdateSender], ticket: TransferTicket,
+        step: int, device: torch.device, dtype: Optional[torch.dtype], transient: bool,
+    ) -> tuple[list[tuple[str, torch.Tensor]], Optional[UpdateSender]]:
+        """Consume ``pairs`` completely, sending each tensor while ``sender`` works and keeping the late-joiner
+        copy (see :meth:`publish`).
+
+        Returns:
+            The model's own tensors to copy after the broadcast, and the sender (None once it failed).
+        """
+        later: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in pairs:
+            name, tensor = unwrapped_name(name), tensor.detach()
+            out_dtype = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+            stable = not transient and tensor.dtype == out_dtype and tensor.device == device
+            if stable:
+                later.append((name, tensor))
+            if sender is not None:
+                try:
+                    self._send(sender, name, tensor, device, out_dtype, stable)
+                except Exception as error:  # noqa: BLE001
+                    log.warning("weights: update %s (step %d) failed at %s: %s", ticket.id, step, name, error)
+                    sender = None
+            if not stable and self._snapshot is not None and not self._snapshot.holds(name):
+                self._snapshot.store(name, tensor, out_dtype)
+            del tensor  # before the next one is gathered
+        return later, sender
+
+    @staticmethod
+    def _end(sender: Optional[UpdateSender], ticket: TransferTicket, step: int) -> list[int]:
+        """Finish the update; the transfer ranks that received all of it ([] when it failed, logged)."""
+        if sender is None:
+            return []
+        try:
+            sender.finish()
+            return sender.joined
+        except Exception as error:  # noqa: BLE001
+            log.warning("weights: update %s (step %d) failed at its end: %s", ticket.id, step, error)
+            return []
 
     def _send(
         self, sender: UpdateSender, name: str, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype, stable: bool
