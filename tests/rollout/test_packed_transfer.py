@@ -172,26 +172,37 @@ def test_a_receiver_sigkilled_from_outside_after_the_final_record_holds_rank_0_n
 
 
 def test_the_cpu_backend_unpacks_every_update_into_the_same_buffers(redis_server):
+    """Two float32 updates into the same buffers, then one cast to bf16 on the way: into the buckets, or (the MLP's
+    weights, larger than a bucket) into the late-joiner copy and sent from there; that copy holds the published bytes
+    in the model's order once the publisher has settled."""
     config = make_config(redis_server)
     client = redis_server.client()
     publisher = WeightPublisher(config, client, join_timeout_s=JOIN_S, transfer_timeout_s=TRANSFER_S,
-                                serve_late_joiners=False, bucket_bytes=BUCKET)
+                                poll_interval_s=3600, bucket_bytes=BUCKET)
     backend = CpuBackend(tiny_model(config, seed=0), pad_token_id=0, eos_token_id=None)
     subscriber = WeightSubscriber(config, client, replica_index=0)
     subscriber.follow_from_now()
     subscriber.heartbeat()
     pointers = []
     try:
-        for version, seed in ((10, 1), (20, 2)):
+        for version, seed, dtype in ((10, 1, None), (20, 2, None), (30, 3, torch.bfloat16)):
             model = tiny_model(config, seed=seed)
-            sending = threading.Thread(target=_publish, args=(publisher, model, version))
+            publisher.bucket_bytes = BUCKET if dtype is None else BUCKET // 2  # bf16: the MLP's weights go alone
+            sending = threading.Thread(target=_publish, args=(publisher, model, version, dtype))
             sending.start()
             event = _next_update(subscriber, version)
             assert event.ticket.layout == "packed"
             assert backend.receive_weights(event.ticket, subscriber.address, subscriber.transfer_ranks) == UpdateOutcome.LOADED
             sending.join(30)
-            for name, tensor in model.state_dict().items():
-                assert torch.equal(backend.model.state_dict()[name], tensor), name
+            expected = {n: t.to(dtype) if dtype is not None and t.is_floating_point() else t
+                        for n, t in model.state_dict().items()}
+            for name, tensor in expected.items():
+                assert torch.equal(dict(backend.staging.items())[name],
+                                   tensor), name
+                assert torch.equal(backend.model.state_dict()[name], tensor.to(backend.model.state_dict()[name].dtype))
+            copy = publisher.late_joiner_copy.items()
+            assert [n for n, _ in copy] == list(expected)
+            assert all(t.dtype == expected[n].dtype and torch.equal(t, expected[n]) for n, t in copy)
             pointers.append(({n: t.data_ptr() for n, t in backend.staging.items()}, backend.buckets.nbytes))
     finally:
         publisher.close()

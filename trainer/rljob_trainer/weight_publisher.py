@@ -207,13 +207,14 @@ class WeightPublisher:
         (:func:`unwrapped_name`); floating-point tensors are sent in ``dtype``, from CPU (gloo) or from the first
         tensor's CUDA device (nccl). The late-joiner copy is made without delaying the broadcast where possible:
 
-        - the model's own tensors that need no conversion (DDP) are sent as they are, without waiting for one before
-          the next one's metadata goes out, and copied after the broadcast on a background thread: call
-          :meth:`settle` before the weights change (the next optimizer step);
-        - ``transient`` tensors (gathered from shards), and on CPU tensors that need a cast, are copied (cast) into
-          the late-joiner copy and sent from there, each dropped before the next is asked for, so the next one is
-          gathered while this one is on the wire;
-        - otherwise (a GPU tensor to cast) the converted tensor is sent and copied at the same time.
+        - the model's own tensors (DDP) that need no conversion, or that the packed layout casts on its way into
+          a bucket, are sent as they are, without waiting for one before the next one's metadata goes out, and
+          copied (cast) after the broadcast on a background thread: call :meth:`settle` before the weights change
+          (the next optimizer step);
+        - ``transient`` tensors (gathered from shards), and on CPU per-tensor tensors that need a cast, are copied
+          (cast) into the late-joiner copy and sent from there, each dropped before the next is asked for, so the
+          next one is gathered while this one is on the wire;
+        - otherwise (a GPU tensor to cast, per-tensor) the converted tensor is sent and copied at the same time.
 
         Args:
             named_tensors: (Hugging Face parameter name, full tensor) pairs, e.g. ``model.state_dict().items()``
@@ -258,7 +259,8 @@ class WeightPublisher:
             self._current = None
             if self._snapshot is not None:
                 self._snapshot.begin()
-            later, sender = self._send_all(pairs, sender, ticket, step, device, dtype, transient)
+            alone = frozenset(e.name for e in manifest.entries if manifest.alone(e.bucket)) if manifest else frozenset()
+            later, sender = self._send_all(pairs, sender, ticket, step, device, dtype, transient, alone)
             clock.append(time.perf_counter())
             received = self._end(sender, ticket, step)
             sender = None  # a group that failed is torn down here
@@ -274,7 +276,7 @@ class WeightPublisher:
             if self._snapshot is None or not later:
                 self._complete(step, documents_seen)
         if self._snapshot is not None and later:
-            self._copier = threading.Thread(target=self._copy_later, args=(later, step, documents_seen),
+            self._copier = threading.Thread(target=self._copy_later, args=(later, step, documents_seen, dtype),
                                             name="rljob-weights-copy", daemon=True)
             self._copier.start()
         return len(received)
@@ -298,21 +300,26 @@ class WeightPublisher:
 
     def _send_all(
         self, pairs: Iterator[tuple[str, torch.Tensor]], sender: Optional[UpdateSender], ticket: TransferTicket,
-        step: int, device: torch.device, dtype: Optional[torch.dtype], transient: bool,
+        step: int, device: torch.device, dtype: Optional[torch.dtype], transient: bool, alone: frozenset[str],
     ) -> tuple[list[tuple[str, torch.Tensor]], Optional[UpdateSender]]:
         """Consume ``pairs`` completely, sending each tensor while ``sender`` works and keeping the late-joiner
-        copy (see :meth:`publish`).
+        copy (see :meth:`publish`). ``alone``: the names a packed update sends alone (larger than a bucket): cast
+        on CPU, those go through the late-joiner copy rather than fresh memory.
 
         Returns:
             The model's own tensors to copy after the broadcast, and the sender (None once it failed).
         """
         later: list[tuple[str, torch.Tensor]] = []
+        packed = sender is not None and sender.layout == LAYOUT_PACKED
         for name, tensor in pairs:
             name, tensor = unwrapped_name(name), tensor.detach()
             out_dtype = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
-            stable = not transient and tensor.dtype == out_dtype and tensor.device == device
+            cast_later = sender is None or (packed and (device.type == "cuda" or name not in alone))  # into a bucket
+            stable = not transient and tensor.device == device and (tensor.dtype == out_dtype or cast_later)
             if stable:
                 later.append((name, tensor))
+                if self._snapshot is not None:
+                    self._snapshot.place(name)
             if sender is not None:
                 try:
                     self._send(sender, name, tensor, device, out_dtype, stable)
@@ -354,8 +361,10 @@ class WeightPublisher:
         if sender.layout == LAYOUT_PER_TENSOR:
             sender.wait()  # one tensor in flight: it may be freed before the next is made (packed: it was copied)
 
-    def _copy_later(self, pairs: list[tuple[str, torch.Tensor]], step: int, documents_seen: int) -> None:
-        """The late-joiner copy of the tensors :meth:`publish` sent as they are (a background thread)."""
+    def _copy_later(self, pairs: list[tuple[str, torch.Tensor]], step: int, documents_seen: int,
+                    dtype: Optional[torch.dtype]) -> None:
+        """The late-joiner copy of the model's own tensors :meth:`publish` sent without a copy of their own (a
+        background thread), floating-point ones cast to ``dtype`` (None: their own)."""
         with self._lock:
             try:
                 assert self._snapshot is not None
@@ -364,7 +373,7 @@ class WeightPublisher:
                     stream.wait_stream(torch.cuda.default_stream(pairs[0][1].device))
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     for name, tensor in pairs:
-                        self._snapshot.store(name, tensor)
+                        self._snapshot.store(name, tensor, dtype if tensor.is_floating_point() else None)
                 if stream is not None:
                     stream.synchronize()
                 self._complete(step, documents_seen)
@@ -454,9 +463,9 @@ class WeightPublisher:
             return None
         key = tuple((unwrapped_name(name), tuple(shape), dtype if dtype is not None and d.is_floating_point else d)
                     for name, shape, d in tensors)
-        if key not in self._manifests:
-            self._manifests = {key: plan(key, self.bucket_bytes)}
-        return self._manifests[key]
+        if (self.bucket_bytes, key) not in self._manifests:
+            self._manifests = {(self.bucket_bytes, key): plan(key, self.bucket_bytes)}
+        return self._manifests[(self.bucket_bytes, key)]
 
     def _ticket(self, infos: Mapping[int, MemberInfo], members: list[int], backend: str,
                 manifest: Optional[Manifest] = None) -> TransferTicket:
@@ -526,6 +535,11 @@ class LateJoinerCopy:
         self._order = []
         self._stored = set()
 
+    def place(self, name: str) -> None:
+        """Give ``name`` its place in :meth:`items` now, for a tensor stored later (the publication's order)."""
+        if name not in self._order:
+            self._order.append(name)
+
     def holds(self, name: str) -> bool:
         """Whether ``name`` was stored since :meth:`begin`."""
         return name in self._stored
@@ -542,7 +556,7 @@ class LateJoinerCopy:
             buffer = self._buffers[name] = torch.empty(tensor.shape, dtype=dtype, pin_memory=tensor.is_cuda)
         buffer.copy_(tensor, non_blocking=tensor.is_cuda)
         if name not in self._stored:
-            self._order.append(name)
+            self.place(name)
             self._stored.add(name)
         return buffer
 
@@ -554,7 +568,7 @@ class LateJoinerCopy:
 
     def items(self) -> list[tuple[str, torch.Tensor]]:
         """(name, buffer) in the last publication's order."""
-        return [(name, self._buffers[name]) for name in self._order]
+        return [(name, self._buffers[name]) for name in self._order if name in self._buffers]
 
     @property
     def nbytes(self) -> int:
