@@ -199,9 +199,9 @@ class Trainer:
         self._dropped_stale = 0
         """The step's reduced ``dropped_stale`` (all ranks, this attempt): the drops the next checkpoint covers."""
         self._dropped_at_checkpoint: dict[int, int] = {}
+        """{step: dropped_stale} of the checkpoints saved and not yet committed (read by the commit thread)."""
         self._metrics_ms = 0.0
         """Milliseconds of this step's metrics updates so far (:meth:`_micro_batch_loss`), for ``metrics_time_ms``."""
-        """{step: dropped_stale} of the checkpoints saved and not yet committed (read by the commit thread)."""
         self.progress: Progress = build_progress(config, client, where.rank, stdout=stdout)
 
     # --- start and end ----------------------------------------------------------------------------
