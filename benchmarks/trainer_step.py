@@ -319,7 +319,12 @@ class StampedProgress:
 
 def run_trainer(mode: str, config: Any, where: Any, documents: list[Any]) -> dict[str, Any]:
     """rljob's Trainer on ``documents`` written to the stream first (rank 0): ``resume`` and ``fit``; publication off
-    in (b). Returns rank 0's report stamps and records' metrics."""
+    in (b). Returns rank 0's report stamps (perf_counter seconds) and records' metrics.
+
+    Raises:
+        RuntimeError: (c) the receiver did not heartbeat within 60 s.
+        Whatever the trainer raises (``DataTimeout``, a failed collective).
+    """
     import torch.distributed as dist
 
     from rljob_trainer.trainer import Trainer
