@@ -156,8 +156,8 @@ def case_config(case: dict[str, Any], mode: str, redis_port: int, root: Path) ->
                     "export": {"safetensors": False}, "collectiveTimeoutSeconds": 600},
         "redis": {"maxPending": case["documents"] * (max_steps + 2)},
     }
-    if case["model_dir"]:
-        overrides["model"] = {"source": "path", "path": case["model_dir"], "name": "bench-150m", "tiny": None}
+    if case["model_dir"]:  # replaces the example's tiny model
+        example["model"] = {"source": "path", "path": case["model_dir"], "name": "bench-150m"}
     spec = RLTrainingJobSpec.model_validate(rp.local_spec(example, seed=0, max_steps=max_steps, overrides=overrides))
     config = resolve(f"step-{mode}", "bench", spec, RedisConnection(host="127.0.0.1", port=redis_port))
     return config.model_copy(update={"checkpoint_dir": str(root / f"checkpoints-{mode}"), "metrics_port": 0,
@@ -725,17 +725,20 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(f"{name}: done in {time.monotonic() - started:.0f} s; "
                       + ", ".join(f"({m}) {ms:.1f} ms" for m, ms in results[-1].ms.items()), flush=True)
     except (RuntimeError, SystemExit) as error:
-        print(f"trainer_step: ERROR {error}", flush=True)
-        return 2
+        failed = f"trainer_step: ERROR {error}"
     except Exception:  # noqa: BLE001 - printed; exit 2
-        traceback.print_exc()
-        return 2
+        failed = f"trainer_step: ERROR\n{traceback.format_exc()}"
+    else:
+        failed = ""
     finally:
         redis_process.kill()
         redis_process.wait()
-    text, met = report(results)
+    text, met = report(results)  # the cases that finished, also after a failed one
     print(text)
     print(f"load average {rp.load_average()} at the end")
+    if failed:
+        print(failed, flush=True)
+        return 2
     if load_start[0] / cores > args.busy_load:
         print(f"trainer_step: not judged: load {load_start[0]:.2f} at the start > {args.busy_load} x {cores} cores")
         return 2
