@@ -42,7 +42,7 @@ documents of 10 tokens per step, microBatchTokens 1024) at 1 and 2 ranks, DDP an
 32000, untied; ``benchmarks/trainer_memory.py``'s model, saved once and loaded by ``model.source: path``) with DDP at
 1 rank, 4 documents of 64 tokens per step. Every rank runs with one thread (``OMP_NUM_THREADS=1``).
 
-    python benchmarks/trainer_step.py                       # the grid (about 10 minutes on 2 idle cores)
+    python benchmarks/trainer_step.py                       # the grid (about 5 minutes on 2 cores)
     python benchmarks/trainer_step.py --cases example-fsdp-2
     python benchmarks/trainer_step.py --quick               # one small case, few steps: to check the script
     python benchmarks/device/trainer_step_gpu.py            # (a) and (b) in bf16 on one GPU
