@@ -274,7 +274,6 @@ def rollout_main(args: argparse.Namespace) -> int:
     """Rollout process ``--index``: subscriber (replica ``--index``) + CPU backend (or :class:`GpuReceiver`); raw
     rounds on command (its own list of COMMANDS); replies on REPLIES, which all rollout processes share."""
     from rljob_rollout.backends.cpu import CpuBackend
-    from rljob_rollout.backends.base import UpdateOutcome
     from rljob_rollout.weight_subscriber import WeightSubscriber
     from rljob_wire.connection import connect
 
@@ -310,13 +309,25 @@ def rollout_main(args: argparse.Namespace) -> int:
             elif command == "digest":  # of the last update as received (staged), in the published dtype
                 client.rpush(REPLIES, digest(backend.staging.items()))
             continue
-        for event in subscriber.poll(block_ms=20):
-            if event.type == "weights_ready" and event.ticket is not None:
-                outcome = backend.receive_weights(event.ticket, subscriber.address, subscriber.transfer_ranks)
-                if outcome == UpdateOutcome.LOADED:
-                    subscriber.version = event.documents_seen
-                    subscriber.heartbeat()
-                client.rpush(REPLIES, json.dumps({"outcome": outcome.value, "version": event.documents_seen}))
+        for event, outcome in receive_updates(subscriber, backend):
+            client.rpush(REPLIES, json.dumps({"outcome": outcome.value, "version": event.documents_seen}))
+
+
+def receive_updates(subscriber: Any, backend: Any, block_ms: int = 20) -> list[tuple[Any, Any]]:
+    """One poll of ``subscriber``'s events (waiting at most ``block_ms``): each ``weights_ready`` update received with
+    ``backend.receive_weights``, the subscriber's version moved and a heartbeat sent when it loaded. Returns (event,
+    :class:`~rljob_rollout.backends.base.UpdateOutcome`) of each update."""
+    from rljob_rollout.backends.base import UpdateOutcome
+
+    updates = []
+    for event in subscriber.poll(block_ms=block_ms):
+        if event.type == "weights_ready" and event.ticket is not None:
+            outcome = backend.receive_weights(event.ticket, subscriber.address, subscriber.transfer_ranks)
+            if outcome == UpdateOutcome.LOADED:
+                subscriber.version = event.documents_seen
+                subscriber.heartbeat()
+            updates.append((event, outcome))
+    return updates
 
 
 # --- the FSDP trainer ranks --------------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 from portutil import free_port
 from rljob_trainer.checkpoint import COMMIT_FILE, committed_checkpoints
-from rljob_trainer.metrics_registry import CHECKPOINT_BLOCKING, CHECKPOINT_SAVE, WEIGHT_SYNC
+from rljob_trainer.metrics_registry import (CHECKPOINT_BLOCKING, CHECKPOINT_SAVE, FORWARD_BACKWARD, STEP_OTHER,
+                                            STEP_PHASES, STEP_TIME, WEIGHT_SYNC)
 from rljob_wire.model import DigitTokenizer, build_model
 from rljob_trainer.stream.reader import DataTimeout
 from rljob_trainer.train import run
@@ -100,6 +101,9 @@ def test_two_rank_run_trains_checkpoints_reports_and_matches_one_rank(redis_serv
         assert m["advantage"] == pytest.approx(sum(d.advantage for d in step_docs) / 4, rel=1e-5, abs=1e-6)
         assert line["stream"]["redeliveries"] == 0 and line["tokens_per_second"] > 0
         assert m[WEIGHT_SYNC] > 0  # each step's publication (rank 0, ms)
+        # The step's phases (rank 0, ms) partition its wall time; the forward/backward always takes some.
+        assert m[FORWARD_BACKWARD] > 0 and all(m[name] >= 0 for name in STEP_PHASES if name != STEP_OTHER)
+        assert sum(m[name] for name in STEP_PHASES) == pytest.approx(m[STEP_TIME], rel=1e-9)
     # Checkpoint timings (rank 0, ms): the saving steps 2 and 3 stood still for their snapshots; the final checkpoint
     # is waited for, so step 3's record also has its whole save time.
     assert not {CHECKPOINT_BLOCKING, CHECKPOINT_SAVE} & lines[0]["metrics"].keys()

@@ -113,12 +113,62 @@ class TimingDef(NamedTuple):
 CHECKPOINT_BLOCKING = "checkpoint_blocking_time_ms"
 CHECKPOINT_SAVE = "checkpoint_save_time_ms"
 WEIGHT_SYNC = "weight_sync_time_ms"
+STEP_TIME = "step_time_ms"
+DATA_WAIT = "data_wait_time_ms"
+DECODE = "decode_time_ms"
+PACK = "pack_time_ms"
+FORWARD_BACKWARD = "forward_backward_time_ms"
+METRICS_UPDATE = "metrics_time_ms"
+COLLECTIVES = "collectives_time_ms"
+OPTIMIZER = "optimizer_time_ms"
+WEIGHT_SYNC_WAIT = "weight_sync_wait_time_ms"
+STEP_OTHER = "step_other_time_ms"
+_HOST_CLOCK = ("; global rank 0's time.perf_counter, no device synchronisation added: on a GPU a phase ends when the "
+               "host has queued its work, and device work still queued is counted in the next phase that waits for it")
 TIMINGS: tuple[TimingDef, ...] = (
     TimingDef(WEIGHT_SYNC, "every step",
               "milliseconds of the step's weight publication on global rank 0, named as Fast-LLM logs it: the "
               "weights_ready event, the join, the gathers of sharded parameters, the sends to the rollout and the "
               "late-joiner copy of gathered or cast tensors (rljob_trainer.weight_publisher.publish_weights; a DDP model's "
               "own tensors are copied afterwards on a thread, waited for before the next optimizer step)"),
+    TimingDef(STEP_TIME, "every step",
+              "milliseconds of Trainer.train_step on global rank 0, from the start of the read to the end of the weight "
+              "publication; the step phases (STEP_PHASES) partition it. The checkpoint of the step and its report "
+              "come after it"),
+    TimingDef(DATA_WAIT, "every step",
+              "milliseconds in StreamReader.next_documents less its decoding: the XREADGROUP replies awaited, "
+              "staleness drops, dead letters" + _HOST_CLOCK),
+    TimingDef(DECODE, "every step",
+              "milliseconds of decoding the step's stream entries into documents (rljob_wire.codec.decode_entries, "
+              "inside the reader)" + _HOST_CLOCK),
+    TimingDef(PACK, "every step",
+              "milliseconds of packing the documents into micro-batches (pack_documents), their copy to the device and "
+              "the segmentation of each (segment_documents, which waits for the device once per micro-batch)"
+              + _HOST_CLOCK),
+    TimingDef(FORWARD_BACKWARD, "every step",
+              "milliseconds of the micro-batch loop less the metrics updates: the reference policy's forward (KL), the "
+              "forward, log-probabilities, the loss, the backward with the gradient collectives it runs (DDP's "
+              "all-reduce in the last backward, FSDP's all-gathers and reduce-scatters: not separable without "
+              "synchronising the device)" + _HOST_CLOCK),
+    TimingDef(METRICS_UPDATE, "every step",
+              "milliseconds of StepMetrics.update in every micro-batch (with the entropy at level full); 0 at level "
+              "none. Their cross-rank reduction is in collectives_time_ms" + _HOST_CLOCK),
+    TimingDef(COLLECTIVES, "every step",
+              "milliseconds of the step's collectives outside the backward, each with the read of its result: the "
+              "count all-reduce that gives the loss its global normaliser, and StepMetrics.reduce (one SUM, and one "
+              "MAX with metrics on). On a GPU this is where the host first waits for the backward" + _HOST_CLOCK),
+    TimingDef(OPTIMIZER, "every step",
+              "milliseconds of the gradient clip (its norm: an all-reduce under FSDP, read on the host), the learning "
+              "rate, AdamW's step and zero_grad" + _HOST_CLOCK),
+    TimingDef(WEIGHT_SYNC_WAIT, "every step",
+              "milliseconds the optimizer step waited for the previous publication's late-joiner copy (a background "
+              "thread still reading the weights: WeightPublisher.settle)"),
+    TimingDef(STEP_OTHER, "every step",
+              "step_time_ms less every step phase: the loop's own bookkeeping (stream counters, the record)"),
+    TimingDef(CHECKPOINT_BLOCKING, "the steps that checkpoint",
+              "milliseconds the training loop stood still for the step's checkpoint: waiting for the previous save, a "
+              "barrier, the snapshot of model and optimizer state to host memory, the RNG files, the gather of covered "
+              "entry ids and the start of the background write"),
     TimingDef(CHECKPOINT_BLOCKING, "the steps that checkpoint",
               "milliseconds the training loop stood still for the step's checkpoint: waiting for the previous save, a "
               "barrier, the snapshot of model and optimizer state to host memory, the RNG files, the gather of covered "
@@ -128,6 +178,10 @@ TIMINGS: tuple[TimingDef, ...] = (
               "durable, commit file written, checkpoint_documents_seen published, covered entries acked"),
 )
 """Every timing a step record may carry, by name."""
+
+STEP_PHASES: tuple[str, ...] = (DATA_WAIT, DECODE, PACK, FORWARD_BACKWARD, METRICS_UPDATE, COLLECTIVES, OPTIMIZER,
+                                WEIGHT_SYNC_WAIT, WEIGHT_SYNC, STEP_OTHER)
+"""The timings that partition :data:`STEP_TIME` (milliseconds, in the order of the step; they add up to it)."""
 
 GRAD_NORM = "grad_norm"
 LEARNING_RATE = "learning_rate"

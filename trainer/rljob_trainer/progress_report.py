@@ -92,7 +92,7 @@ class RankZeroProgress:
         }
         self._metric = Gauge(
             "rljob_trainer_metric", "Metrics of the last step: loss metrics (DESIGN §4), loss, grad_norm, "
-            "learning_rate, the timings (weight_sync_time_ms, checkpoint_*_time_ms).", ["name"], registry=self.registry
+            "learning_rate, the timings (weight_sync_time_ms, the step phases, checkpoint_*_time_ms).", ["name"], registry=self.registry
         )
         self._weight_sync = Gauge(
             "rljob_trainer_weight_sync_time_ms", "Milliseconds of the last step's weight publication on global rank 0, "

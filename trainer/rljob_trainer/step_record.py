@@ -15,8 +15,8 @@ class StepRecord:
     ``model_version``: the version of the weights after this step (= documents_seen, DESIGN §6);
     ``tokens_per_second``: real (non-padding) tokens of the step over all ranks / its wall time;
     ``metrics``: the reduced loss metrics (DESIGN §4) plus ``loss``, ``grad_norm``, ``learning_rate`` and rank 0's
-    wall-clock timings (milliseconds, :data:`~rljob_trainer.metrics_registry.TIMINGS`: ``weight_sync_time_ms`` every
-    step, the checkpoint timings in some records);
+    wall-clock timings (milliseconds, :data:`~rljob_trainer.metrics_registry.TIMINGS`: ``weight_sync_time_ms``,
+    ``step_time_ms`` and the step phases that partition it every step, the checkpoint timings in some records);
     ``stream``: the stream reader's counters summed over ranks (documents: redelivered, dead-lettered...);
     ``weight_sync_layout``: the layout the step's weight update went in (``packed`` or ``per-tensor``; None when it
     reached no receiver), the ``layout`` label of ``rljob_trainer_weight_sync_time_ms``.

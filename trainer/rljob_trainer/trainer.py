@@ -24,8 +24,10 @@ One optimizer step on every data-parallel rank (DESIGN §4, §6):
    lag) and the stale drops it covers (``checkpoint_dropped_stale``), XACKs the entries it covers (every rank's) and
    trims acked entries. The final checkpoint is waited for;
 7. rank 0 reports the step (progress hash, JSON line, gauges), with the timings of
-   :data:`~rljob_trainer.metrics_registry.TIMINGS`: ``weight_sync_time_ms`` every step, the checkpoint timings when
-   the step saved or a save finished.
+   :data:`~rljob_trainer.metrics_registry.TIMINGS`: ``weight_sync_time_ms`` and the step's phases
+   (:data:`~rljob_trainer.metrics_registry.STEP_PHASES`, which partition ``step_time_ms``: read, decode, pack,
+   forward/backward, metrics, collectives, optimizer, ...; :class:`PhaseClock`) every step, the checkpoint timings
+   when the step saved or a save finished.
 
 At every start (resumes included) the latest checkpoint (or ``initFrom``) is loaded; rank 0 warns when the
 checkpoint Redis records is gone from the volume (``checkpoint_lost``), writes the start's step and documents_seen
@@ -62,8 +64,10 @@ from rljob_trainer.checkpoint import (
 )
 from rljob_trainer.loss_metrics import StepMetrics, token_entropy
 from rljob_trainer.loading import load_model
-from rljob_trainer.metrics_registry import (CHECKPOINT_BLOCKING, CHECKPOINT_SAVE, GRAD_NORM, LEARNING_RATE,
-                                            STREAM_COUNTERS, WEIGHT_SYNC, DEAD_LETTERED_PREFIX)
+from rljob_trainer.metrics_registry import (CHECKPOINT_BLOCKING, CHECKPOINT_SAVE, COLLECTIVES, DATA_WAIT, DECODE,
+                                            FORWARD_BACKWARD, GRAD_NORM, LEARNING_RATE, METRICS_UPDATE, OPTIMIZER,
+                                            PACK, STEP_OTHER, STEP_PHASES, STEP_TIME, STREAM_COUNTERS, WEIGHT_SYNC,
+                                            WEIGHT_SYNC_WAIT, DEAD_LETTERED_PREFIX)
 from rljob_wire.model import build_tokenizer, sequence_logprobs
 from rljob_trainer.parallel import DataParallelModel, Distributed
 from rljob_trainer.fence import claim, gang_attempt
@@ -86,6 +90,38 @@ class RunResult:
     step: int
     documents_seen: int
     export_dir: Optional[Path]
+
+
+class PhaseClock:
+    """The wall-clock split of one step into named phases (milliseconds), by ``time.perf_counter`` on the host: no
+    device synchronisation and no collective is added, so on a GPU a phase ends when the host has queued its work
+    (metrics_registry's TIMINGS say where the device is waited for).
+
+    :meth:`lap` charges the time since the previous lap (or the start) to a phase; :meth:`move` re-charges a part
+    measured inside a lap (decoding inside the read, the metrics inside the micro-batch loop) to another phase.
+    """
+
+    def __init__(self) -> None:
+        self.start = self._last = time.perf_counter()
+        self.ms: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.ms[phase] = self.ms.get(phase, 0.0) + (now - self._last) * 1e3
+        self._last = now
+
+    def move(self, ms: float, source: str, target: str) -> None:
+        self.ms[source] -= ms
+        self.ms[target] = self.ms.get(target, 0.0) + ms
+
+    def timings(self, **measured: float) -> dict[str, float]:
+        """{phase: ms} of every :data:`STEP_PHASES` name (0 for a phase not lapped), ``measured`` phases (timed
+        elsewhere, e.g. the publication's own duration) included, ``step_other_time_ms`` the rest of
+        ``step_time_ms`` (the time since the start)."""
+        total = (time.perf_counter() - self.start) * 1e3
+        out = {**self.ms, **measured}
+        out = {name: out.get(name, 0.0) for name in STEP_PHASES if name != STEP_OTHER}
+        return {STEP_TIME: total, **out, STEP_OTHER: total - sum(out.values())}
 
 
 class _LogitsTap:
@@ -164,6 +200,8 @@ class Trainer:
         """The step's reduced ``dropped_stale`` (all ranks, this attempt): the drops the next checkpoint covers."""
         self._dropped_at_checkpoint: dict[int, int] = {}
         """{step: dropped_stale} of the checkpoints saved and not yet committed (read by the commit thread)."""
+        self._metrics_ms = 0.0
+        """Milliseconds of this step's metrics updates so far (:meth:`_micro_batch_loss`), for ``metrics_time_ms``."""
         self.progress: Progress = build_progress(config, client, where.rank, stdout=stdout)
 
     # --- start and end ----------------------------------------------------------------------------
@@ -254,9 +292,13 @@ class Trainer:
     def train_step(self) -> StepRecord:
         """Read and train one optimizer step and publish the weights (collective); return its record, which
         :meth:`fit` reports after the step's checkpoint. See the module docstring."""
+        clock = PhaseClock()
+        decoded = self.reader.decode_seconds
         # Exactly documents_per_rank (>= 1) valid documents: every rank has at least one micro-batch, so every
         # rank joins the gradient reduction of each backward.
         entries = self.reader.next_documents(self.documents_per_rank, documents_seen=self.documents_seen)
+        clock.lap(DATA_WAIT)
+        clock.move((self.reader.decode_seconds - decoded) * 1e3, DATA_WAIT, DECODE)
         started = time.monotonic()
         micro_batches = [
             mb.to(self.where.device)
@@ -268,21 +310,27 @@ class Trainer:
         for mb, seg in zip(micro_batches, segments):
             sizes = counts.new_tensor([mb.num_documents, mb.num_tokens])
             counts += torch.cat([torch.stack([seg.num_labels, seg.num_documents]), sizes])
+        clock.lap(PACK)
         dist.all_reduce(counts)  # the normalisers: the step's only all-reduce outside the metrics
         global_labels, global_documents, step_documents, step_tokens = counts.tolist()
+        clock.lap(COLLECTIVES)
 
         self.parallel.module.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.where.device)
+        self._metrics_ms = 0.0
         for index, (mb, seg) in enumerate(zip(micro_batches, segments)):
             with self.parallel.micro_batch(last=index == len(micro_batches) - 1):
                 loss = self._micro_batch_loss(mb, seg, global_labels, global_documents)
                 losses.scale_for_gradient_mean(loss, self.where.world_size).backward()
             loss_sum += loss.detach().double()
+        clock.lap(FORWARD_BACKWARD)
+        clock.move(self._metrics_ms, FORWARD_BACKWARD, METRICS_UPDATE)
 
         # Every rank, every step, whatever the level; before the optimizer step: a mixed-presence error raised here
         # (on every rank) leaves the weights untouched.
         totals = {"loss": loss_sum, **{name: self._stream_counter(name) for name in STREAM_COUNTERS}}
         reduced = self.metrics.reduce(totals=totals)
+        clock.lap(COLLECTIVES)
         stream = {name: int(reduced.pop(name)) for name in STREAM_COUNTERS}
         stream = {name: n for name, n in stream.items() if n or not name.startswith(DEAD_LETTERED_PREFIX)}
         self._dropped_stale = stream["dropped_stale"]
@@ -292,10 +340,13 @@ class Trainer:
         lr = step_learning_rate(self.step, opt, self.config.spec.trainer.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        clock.lap(OPTIMIZER)
         if self.publisher is not None:
             self.publisher.settle()  # the last publication's late-joiner copy may still be reading the weights
+        clock.lap(WEIGHT_SYNC_WAIT)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        clock.lap(OPTIMIZER)
         elapsed = max(time.monotonic() - started, 1e-9)
 
         self.step += 1
@@ -307,7 +358,7 @@ class Trainer:
             model_version=self.documents_seen,
             tokens_per_second=step_tokens / elapsed,
             metrics={"loss": step_loss, GRAD_NORM: float(grad_norm), LEARNING_RATE: lr, **reduced,
-                     WEIGHT_SYNC: publication.duration_ms},
+                     **clock.timings(**{WEIGHT_SYNC: publication.duration_ms})},
             stream=stream,
             weight_sync_layout=publication.layout,
         )
@@ -341,6 +392,7 @@ class Trainer:
                 num_documents_in_batch=max(global_documents, 1), **common,
             )
         if self.metrics.enabled:
+            metrics_started = time.perf_counter()
             entropy = None
             if full:
                 per_row = token_entropy(model.logits[:, :-1], temperature=self.temperature)  # [B*(L-1)]
@@ -356,6 +408,7 @@ class Trainer:
                 model_version=mb.model_version,
                 entropy=entropy,
             )
+            self._metrics_ms += (time.perf_counter() - metrics_started) * 1e3
         return output.loss
 
     def _stream_counter(self, name: str) -> float:

@@ -203,6 +203,9 @@ class StreamReader:
         self._unacked: dict[str, None] = {}
         self._newest_id = "0"
         """Highest id this reader has received from Redis: entries of a lost reply lie above it."""
+        self.decode_seconds = 0.0
+        """Seconds spent decoding entries (:func:`~rljob_wire.codec.decode_entries`) since the reader was made, by
+        ``time.perf_counter``; the trainer reports each step's difference (``decode_time_ms``)."""
 
     # --- start-up ----------------------------------------------------------------------------
     def start(self, committed_ids: Iterable[str] = ()) -> None:
@@ -423,6 +426,7 @@ class StreamReader:
         If Redis fails while handling a bad entry, the valid entries decoded so far and every entry not yet
         handled go back to the front of the queue, so nothing this consumer holds pending is forgotten.
         """
+        started = time.perf_counter()
         results = decode_entries(
             [fields for _, fields in entries],
             require_metrics_fields=self.require_metrics_fields,
@@ -430,6 +434,7 @@ class StreamReader:
             require_advantage=self.require_advantage,
             vocab_size=self.vocab_size,
         )
+        self.decode_seconds += time.perf_counter() - started
         accepted = []
         for index, ((entry_id, fields), result) in enumerate(zip(entries, results, strict=True)):
             if isinstance(result, Document) and result.model_version is None and self.max_staleness is not None:
