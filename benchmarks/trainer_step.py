@@ -247,7 +247,7 @@ class RawBaseline:
         self.directory = directory
         self.group = self.flat = self.views = None
         if loop.where.is_rank_zero:
-            self.group = weight_sync.raw_group(0, raw_port, loop.where.device)[0]
+            self.group = weight_sync.raw_group(0, raw_port, loop.where.device, 2)[0]
             self.flat, self.views = weight_sync.raw_buffers(loop.parallel.model, dtype, loop.where.device)
         self._broadcast = weight_sync.broadcast
 
@@ -455,7 +455,7 @@ def receiver_main(args: argparse.Namespace) -> int:
             return 0
         if command is not None and command.startswith("raw "):
             if group is None:
-                group = weight_sync.raw_group(1, case["raw_port"], device)[0]
+                group = weight_sync.raw_group(1, case["raw_port"], device, 2)[0]
                 flat = weight_sync.raw_buffers(shapes, torch.float32, device)[0]
             for _ in range(int(command.split()[1])):
                 weight_sync.broadcast(group, flat)

@@ -263,7 +263,8 @@ class GpuReceiver:
         try:
             selected = receive_update(address, ticket, transfer_ranks[0], device=self.device, sink=lambda *_: None,
                                       buffers=self.staging, groups=self.groups, staging=self.buckets)
-            torch.cuda.synchronize(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
         except TransferFailed as error:
             print(f"weight_sync: the GPU receiver's update failed: {error}", file=sys.stderr)
             return UpdateOutcome.FAILED_INTACT
@@ -462,13 +463,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 wait_reply(client)
             return seconds
 
+        casts = []
+
+        def cast_round() -> float:
+            """Seconds to cast every floating-point tensor of the model into ``sent`` (kept buffers): the work a
+            publication in another dtype than the model's does on top of a raw broadcast of the cast bytes."""
+            started = time.perf_counter()
+            for source, target in zip(state.values(), sent):
+                if source.dtype != target.dtype:
+                    target.copy_(source)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return time.perf_counter() - started
+
         for repeat in range(args.repeats):
+            if dtype is not None:
+                casts.append(cast_round())
             raw.append(raw_figure("raw", sent, "flat"))
             raw_per_tensor.append(raw_figure("raw-per-tensor", sent, "per-tensor"))
             raw_layout.append(raw_figure("raw-layout", layout, "layout"))
             per_tensor.append(publish(2 + 2 * repeat, packed=False))
             ours.append(publish(3 + 2 * repeat, packed=True))
-        figures.update(raw=raw, raw_per_tensor=raw_per_tensor, raw_layout=raw_layout, ours=ours, per_tensor=per_tensor,
+        figures.update(raw=raw, raw_per_tensor=raw_per_tensor, raw_layout=raw_layout, ours=ours, per_tensor=per_tensor, casts=casts,
                        copies=copies, phases=phases, late_joiner_copy=publisher.late_joiner_copy.nbytes,
                        bucket_bytes=bucket_bytes, staging=publisher._staging.nbytes)
         figures["rollout_digest_ddp"] = same_digest(ask_rollouts(client, args.receivers, "digest"))  # after packed
@@ -554,6 +570,10 @@ def report(args: argparse.Namespace, f: dict[str, Any]) -> tuple[str, bool]:
         f"{fastest / best_per_tensor_layout:>7.0%}  info: the layout upstream readers get",
         f"{'late-joiner copy after the broadcast (settle)':<46} {min(f['copies']):>7.3f} {statistics.median(f['copies']):>9.3f} "
         f"{'':>6} {'':>7}  info: a background thread; the trainer waits for it only before its next optimizer step",
+        *([f"{'cast of the float32 weights (kept buffers)':<46} {min(f['casts']):>7.3f} "
+           f"{statistics.median(f['casts']):>9.3f} {'':>6} {'':>7}  info: with the faster raw way "
+           f"{min(f['casts']) + fastest:.3f} s, {(min(f['casts']) + fastest) / best_ours:.0%} of it by the packed "
+           f"publication (the cast and the wire share this machine's cores)"] if f["casts"] else []),
         f"rollout's received tensors bit-identical to the published ones (DDP, packed and per-tensor): "
         f"{'yes' if identical else 'NO'}",
         f"buckets of {f['bucket_bytes'] / 2**20:g} MiB; rank 0 keeps {f['staging'] / 1e6:.1f} MB of them between updates",
