@@ -19,7 +19,7 @@ import torch.distributed as dist
 from rljob_trainer.loss import Corrections, count_labels_and_documents, grpo_loss, gspo_loss, scale_for_gradient_mean
 from rljob_trainer.loss_metrics import MetricsInputError, StepMetrics
 from rljob_trainer.metrics_registry import DEAD_LETTERED_PREFIX, STREAM_COUNTERS
-from train_harness import JOIN_TIMEOUT_S, init_gloo, run_ranks
+from train_harness import JOIN_TIMEOUT_S, init_gloo, leave_rank, run_ranks
 
 torch.set_num_threads(1)
 VOCAB, WIDTH = 11, 8
@@ -115,7 +115,7 @@ def ddp_worker(rank: int, world_size: int, tmp_dir: str) -> None:
         grads = step_gradient(model, micro_batches, loss_name, counts[0], counts[1], world_size)
         result[loss_name] = {name.removeprefix("module."): g for name, g in grads.items()}
     torch.save(result, f"{tmp_dir}/grads_{rank}.pt")
-    dist.destroy_process_group()
+    leave_rank()
 
 
 def test_two_ddp_ranks_give_the_single_process_gradient(tmp_path):

@@ -346,6 +346,15 @@ def covered_by_checkpoint(root):
     return out
 
 
+def leave_rank() -> None:
+    """End a spawned rank at once (``os._exit(0)``) after its last collective and its results are written: no
+    destructor runs. Under load a DDP rank once hung in the teardown of its worker's frame (its model's reducer,
+    after ``destroy_process_group``), the stack dump of :func:`_rank_main` showed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _rank_main(rank: int, worker, world_size: int, tmp_dir: str, *args) -> None:
     """One spawned rank: its stacks go to stderr shortly before :func:`run_ranks` gives up on it, and a rank that
     finished its work leaves at once (``os._exit``), as train.main does: torch 2.13's gloo teardown at interpreter
@@ -354,9 +363,7 @@ def _rank_main(rank: int, worker, world_size: int, tmp_dir: str, *args) -> None:
 
     faulthandler.dump_traceback_later(JOIN_TIMEOUT_S - 10, exit=False)
     worker(rank, world_size, tmp_dir, *args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_rank()
 
 
 def run_ranks(worker, world_size: int, tmp_path: Path, *args) -> None:
