@@ -218,9 +218,8 @@ def _previous_receiver(tree: Path, config_path: Path, replica: int, out: Path, p
     env = dict(os.environ, REDIS_PASSWORD=password, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(str(tree / folder) for folder in ("api", "wire", "rollout")))
     script = tree / "tests" / "rollout" / "transfer_receiver.py"
-    return subprocess.Popen([sys.executable, str(script), str(config_path), str(replica),
-                             str(out)], env=env, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen([sys.executable, str(script), str(config_path), str(replica), str(out)], env=env, cwd=tree,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 @pytest.fixture(scope="module")
