@@ -30,8 +30,8 @@ within 10% of the best fixed count.
     python benchmarks/autoscale.py                 # 4 scenarios × 3 seeds (a few seconds)
     python benchmarks/autoscale.py --seeds 10 --scenarios short,drift
 
-Exit status 0 when every target holds, 1 when one is missed. The ``--cluster`` half of item 6 (the CPU example made
-rollout-bound on the local cluster, ≥ 3 seeds: balance reached and no reversals) is a later step and not here.
+Exit status 0 when every target holds, 1 when one is missed. The cluster half of item 6 (the CPU example made
+rollout-bound on the local cluster, ≥ 3 seeds: balance reached and no reversals) is benchmarks/autoscale_cluster.py.
 """
 
 from __future__ import annotations

@@ -544,6 +544,21 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+def established(cp: ControlPlane, crd: str) -> None:
+    """Wait until the CRD ``crd`` is Established, polled: ``kubectl wait --for=condition=Established`` fails at once on
+    a CRD that has no conditions yet (as a large one right after its apply).
+
+    Raises:
+        TimeoutError: not Established within 60 s.
+    """
+    def conditions() -> list[dict]:
+        found = cp.kubectl("get", "crd", crd, "-o", "json", check=False)
+        return ((json.loads(found.stdout).get("status") or {}).get("conditions") or []) if found.returncode == 0 else []
+
+    wait_for(lambda: any(cond["type"] == "Established" and cond["status"] == "True" for cond in conditions()),
+             f"CRD {crd} Established", timeout_s=60.0, every_s=0.3)
+
+
 def run(opts: Options, workdir: Path, figures: list[Figure]) -> None:
     """Every phase of the module docstring, appending to ``figures`` as they are measured (so a failed run
     still reports what it got). Everything started is stopped on exit."""
@@ -554,7 +569,7 @@ def run(opts: Options, workdir: Path, figures: list[Figure]) -> None:
         cp = stack.enter_context(ControlPlane(extra_args={"kube-apiserver": audit.apiserver_args()},
                                               start_timeout=300))
         cp.kubectl("apply", "--server-side", "-f", "-", input=crd_yaml())
-        cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{c.CRD_NAME}")
+        established(cp, c.CRD_NAME)
         for namespace in (IDLE_NS, ACTIVE_NS):
             cp.kubectl("create", "namespace", namespace)
         cp.kubectl("create", "secret", "generic", REDIS_SECRET, "-n", IDLE_NS,

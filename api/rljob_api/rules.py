@@ -18,7 +18,9 @@ it the CEL rule that states the same over the CRD's camelCase fields.
 - a role's ``podTemplate.spec.containers`` name only rljob's own container of that role (no extra regular container),
   and add to it only env, envFrom, volumeMounts and securityContext.
 - the reward source: ``task.rewardSource`` only with task ``custom``, and exactly one of its ``configMapKeyRef`` and
-  ``path`` (``volume`` only with ``path``).
+  ``path`` (``volume`` only with ``path``); the same for ``environment.python.source``.
+- the environment: task ``environment`` exactly when ``rollout.environment`` is set, which names exactly one of
+  ``server``, ``url`` and ``python``.
 
 The refusals of the divisibility rules name the numbers, the API server's too: each is one :class:`NumberedMessage`,
 rendered by the operator's check and, digit by digit, by the CEL rule's ``messageExpression``.
@@ -99,22 +101,22 @@ _MAX_WORLD = TRAINER_COUNT_BOUNDS["nodes"][1] * TRAINER_COUNT_BOUNDS["processesP
 _MAX_MODEL_PARALLEL = TRAINER_COUNT_BOUNDS["tensorParallel"][1] * TRAINER_COUNT_BOUNDS["pipelineParallel"][1]
 _MAX_INT64 = 2**63 - 1
 
-_DIGITS = "'0123456789'"
+_DIGITS = '"0123456789"'  # in double quotes: the YAML of the CRD would double single ones
 
 
 def cel_decimal(expr: str, maximum: int) -> str:
     """A CEL expression for the decimal digits of the int expression ``expr`` (0 <= ``expr`` <= ``maximum``), for a
-    ``messageExpression``: one ``'0123456789'.substring(d, d + 1)`` per place, the leading ones only where ``expr``
-    reaches them. The API server cannot bound the size of ``string(int)`` (so a message concatenating one exceeds the
-    CRD's cost budget), but it bounds a substring of a constant string by that string's length (Kubernetes 1.30 and
-    later)."""
+    ``messageExpression``: one ``"0123456789".substring(d).substring(0,1)`` per place (``d`` written once), the leading
+    ones only where ``expr`` reaches them. The API server cannot bound the size of ``string(int)`` (so a message
+    concatenating one exceeds the CRD's cost budget), but it bounds a substring of a constant string by that string's
+    length (Kubernetes 1.30 and later)."""
     expr = expr.replace(" ", "")
     term = expr if expr.replace(".", "").isalnum() or _parenthesised(expr) else f"({expr})"
     digits = []  # written without spaces: the CRD's size is bounded (crd.MAX_CRD_BYTES)
     for place in reversed(range(len(str(maximum)))):
         digit = f"{term}/{10**place}%10" if place else f"{term}%10"
-        text = f"{_DIGITS}.substring({digit},{digit}+1)"
-        digits.append(f"({term}>={10**place}?{text}:'')" if place else text)
+        text = f"{_DIGITS}.substring({digit}).substring(0,1)"
+        digits.append(f'({term}>={10**place}?{text}:"")' if place else text)
     return "+".join(digits)
 
 
@@ -174,6 +176,23 @@ REPLICATE_MESSAGE = NumberedMessage(
     {**_TOPOLOGY_VALUES, "replicate": ("self.parallelism.replicate", REPLICATE_BOUNDS[1]),
      "dataParallel": (_DATA_PARALLEL, _MAX_WORLD)})
 """Why a ``parallelism.replicate`` that does not divide DP is refused (``spec.trainer.parallelism.replicate``)."""
+
+ROLLOUT_REPLICA_BOUNDS = (0, 4096)
+"""``spec.rollout.replicas`` and the autoscaling bounds (``minReplicas`` from 1)."""
+AUTOSCALING_BOUNDS_MESSAGE = NumberedMessage(
+    "autoscaling.minReplicas {minReplicas} is above autoscaling.maxReplicas {maxReplicas}: the autoscaler keeps the "
+    "rollout replicas between the two",
+    {"minReplicas": ("self.minReplicas", ROLLOUT_REPLICA_BOUNDS[1]),
+     "maxReplicas": ("self.maxReplicas", ROLLOUT_REPLICA_BOUNDS[1])})
+"""Why autoscaling bounds the wrong way round are refused (``spec.rollout.autoscaling.minReplicas``)."""
+#: CEL rule on ``spec.rollout.autoscaling``: minReplicas <= maxReplicas (message :data:`AUTOSCALING_BOUNDS_MESSAGE`).
+CEL_AUTOSCALING_BOUNDS = {
+    "rule": "self.minReplicas <= self.maxReplicas",
+    "messageExpression": AUTOSCALING_BOUNDS_MESSAGE.cel(),
+    "message": "autoscaling.minReplicas must be at most autoscaling.maxReplicas",
+    "fieldPath": ".minReplicas",
+    "reason": "FieldValueInvalid",
+}
 
 #: CEL rule on ``spec.trainer``: the topology divides (:func:`data_parallel`); the message names the numbers
 #: (:data:`TOPOLOGY_MESSAGE`), ``message`` is the API server's fallback.
@@ -329,18 +348,45 @@ CEL_REWARD_SOURCE_NEEDS_CUSTOM = {
     "fieldPath": ".rewardSource",
     "reason": "FieldValueInvalid",
 }
+def cel_one_source(field: str) -> dict[str, str]:
+    """CEL rule on a code source (``task.rewardSource``, ``environment.python.source``; ``field`` is its name in the
+    message): one source (:func:`one_reward_source`)."""
+    return {"rule": "has(self.configMapKeyRef) != has(self.path)",
+            "message": f"{field} needs exactly one of configMapKeyRef or path", "reason": "FieldValueInvalid"}
+
+
+def cel_volume_needs_path(field: str) -> dict[str, str]:
+    """CEL rule on a code source (see :func:`cel_one_source`): a volume holds the file ``path`` names."""
+    return {"rule": "!has(self.volume) || has(self.path)",
+            "message": f"{field}.volume needs path, the module's file on that volume", "fieldPath": ".volume",
+            "reason": "FieldValueInvalid"}
+
+
 #: CEL rule on ``spec.rollout.task.rewardSource``: one source (:func:`one_reward_source`).
-CEL_ONE_REWARD_SOURCE = {
-    "rule": "has(self.configMapKeyRef) != has(self.path)",
-    "message": "rewardSource needs exactly one of configMapKeyRef or path",
-    "reason": "FieldValueInvalid",
-}
+CEL_ONE_REWARD_SOURCE = cel_one_source("rewardSource")
 #: CEL rule on ``spec.rollout.task.rewardSource``: a volume holds the file ``path`` names.
-CEL_REWARD_VOLUME_NEEDS_PATH = {
-    "rule": "!has(self.volume) || has(self.path)",
-    "message": "rewardSource.volume needs path, the module's file on that volume",
-    "fieldPath": ".volume",
-    "reason": "FieldValueInvalid",
+CEL_REWARD_VOLUME_NEEDS_PATH = cel_volume_needs_path("rewardSource")
+
+ENVIRONMENT_TASK = "environment"
+"""``spec.rollout.task.name`` of multi-turn episodes: valid iff ``spec.rollout.environment`` is set
+(:func:`environment_task_matches`)."""
+ENVIRONMENT_NEEDS_TASK = "environment needs task.name environment (the other tasks have no episodes)"
+TASK_NEEDS_ENVIRONMENT = "task.name environment needs environment (server, url or python)"
+ONE_ENVIRONMENT = "environment needs exactly one of server, url or python"
+#: CEL rules on ``spec.rollout``: the environment task and the environment block come together
+#: (:func:`environment_task_matches`), each direction with its own message.
+CEL_ENVIRONMENT_NEEDS_TASK = {
+    "rule": "!has(self.environment) || self.task.name == 'environment'",
+    "message": ENVIRONMENT_NEEDS_TASK, "fieldPath": ".environment", "reason": "FieldValueInvalid",
+}
+CEL_TASK_NEEDS_ENVIRONMENT = {
+    "rule": "has(self.environment) || self.task.name != 'environment'",
+    "message": TASK_NEEDS_ENVIRONMENT, "fieldPath": ".task.name", "reason": "FieldValueRequired",
+}
+#: CEL rule on ``spec.rollout.environment``: one kind of environment (:func:`one_environment`).
+CEL_ONE_ENVIRONMENT = {
+    "rule": "(has(self.server) ? 1 : 0) + (has(self.url) ? 1 : 0) + (has(self.python) ? 1 : 0) == 1",
+    "message": ONE_ENVIRONMENT, "reason": "FieldValueInvalid",
 }
 
 
@@ -372,7 +418,16 @@ def cel_own_container_only(container: str) -> dict[str, str]:
     the API server can bound the cost of that message."""
     why = extra_container_message(container)
     return {"rule": f"self.name == '{container}'", "messageExpression": f"\"'\" + self.name + \"' {why}\"",
-            "message": f"the entry {why}", "fieldPath": ".name", "reason": "FieldValueInvalid"}
+            "message": _fallback(f"the entry is not rljob's {container} container: a sidecar goes to "
+                                 "podTemplate.spec.initContainers with restartPolicy: Always"),
+            "fieldPath": ".name", "reason": "FieldValueInvalid"}
+
+
+def _fallback(message: str) -> str:
+    """The ``message`` of a rule whose ``messageExpression`` (which cannot fail) says the whole reason: the API
+    server shows it only if that expression could not be evaluated, so it is short, and points at the docs (the CRD's
+    size is bounded)."""
+    return f"{message} (docs/pod-templates.md)"
 
 
 def cel_own_container_fields(container: str, fields: list[str]) -> dict[str, str]:
@@ -381,10 +436,11 @@ def cel_own_container_fields(container: str, fields: list[str]) -> dict[str, str
     only so that this rule, not an "unknown field" error, says why). Its message lists those set (a concatenation of
     constant strings: ``filter``/``join`` over a list exceed the API server's cost budget)."""
     why = own_container_fields_message(container)
-    set_ones = " + ".join(f"(has(self.{f}) ? ', {f}' : '')" for f in fields)
+    set_ones = "+".join(f'(has(self.{f})?", {f}":"")' for f in fields)  # without spaces: the CRD's size is bounded
     return {"rule": f"self.name != '{container}' || !({' || '.join(f'has(self.{f})' for f in fields)})",
             "messageExpression": f"({set_ones}).substring(2) + \": {why}\"",
-            "message": f"fields other than name, {', '.join(CONTAINER_ADDITIONS)}: {why}",
+            "message": _fallback(f"rljob's {container} container takes only name, {', '.join(CONTAINER_ADDITIONS)} "
+                                 "from podTemplate.spec.containers"),
             "reason": "FieldValueForbidden"}
 
 
@@ -477,3 +533,14 @@ def reward_source_allowed(task_name: str, has_source: bool) -> bool:
 def one_reward_source(has_config_map_key_ref: bool, has_path: bool) -> bool:
     """Whether a ``rewardSource`` names exactly one source: a ConfigMap key or a path."""
     return has_config_map_key_ref != has_path
+
+
+def environment_task_matches(task_name: str, has_environment: bool) -> bool:
+    """Whether task ``task_name`` and the presence of ``spec.rollout.environment`` agree: the task ``environment``
+    exactly when an environment is set."""
+    return (task_name == ENVIRONMENT_TASK) == has_environment
+
+
+def one_environment(has_server: bool, has_url: bool, has_python: bool) -> bool:
+    """Whether ``spec.rollout.environment`` names exactly one environment: a server, a URL or a Python class."""
+    return has_server + has_url + has_python == 1

@@ -7,13 +7,13 @@ bounds become the CRD's schema. Rules that only code can check live in :mod:`rlj
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import Field
 
 from rljob_api import protocol, rules
 from rljob_api.api_model import ApiModel, omitted_at_default
-from rljob_api.pod_template import PodTemplateOverride, pod_template_field
+from rljob_api.pod_template import PodTemplateOverride, kube_list, pod_template_field
 
 _COUNTS = rules.TRAINER_COUNT_BOUNDS
 
@@ -63,12 +63,9 @@ class ImportanceSamplingSpec(ApiModel):
 
     enabled: bool = Field(
         False,
-        description="Off by default. On: each labelled token's (gspo: each document's) clipped objective is "
-        "weighted by min(pi_prox / pi_behaviour, cap), where pi_behaviour is the sampler's probability (the stream's "
-        "old log-probabilities) and the proximal policy pi_prox is the trainer's weights at the start of the step, "
-        "and the PPO ratio is taken against pi_prox instead of pi_behaviour. With one optimizer step per batch that "
-        "ratio is 1 and its clip never binds: the objective is the truncated-IS policy gradient, with no trust "
-        "region beyond the cap (DESIGN section 4).",
+        description="Off by default. On: each labelled token's (gspo: each document's) clipped objective is weighted "
+        "by min(pi_prox / pi_behaviour, cap), the PPO ratio taken against pi_prox, the trainer's weights at the "
+        "start of the step (DESIGN §4, docs/field-reference.md).",
     )
     cap: float = Field(
         rules.DEFAULT_IS_CAP,
@@ -112,10 +109,9 @@ class AlgorithmSpec(ApiModel):
         gt=1,
         le=100,
         exclude_if=omitted_at_default(None),
-        description="Dual clip for negative advantages (Ye et al. 2020, arXiv:1912.09729): where A < 0 the clipped "
-        "surrogate min(r A, clip(r) A) is bounded below by dualClip x A, so a token (gspo: a document) whose ratio r "
-        "has grown far above 1 no longer gives an unbounded loss. Unset (the default): off. Must exceed 1; 3 is usual. "
-        "Refused with importanceSampling enabled, where the ratio is 1 and the dual clip never binds.",
+        description="Dual clip for negative advantages (Ye et al. 2020): where A < 0 the clipped surrogate is bounded "
+        "below by dualClip x A. Unset (the default): off; 3 is usual. Refused with importanceSampling enabled "
+        "(docs/field-reference.md).",
     )
     importance_sampling: ImportanceSamplingSpec = Field(
         default_factory=ImportanceSamplingSpec,
@@ -127,11 +123,9 @@ class AlgorithmSpec(ApiModel):
         None,
         ge=0,
         exclude_if=omitted_at_default(None),
-        description="Documents sampled more than this many documents behind the trainer are dropped before the "
-        "loss: a document's staleness is documents_seen at the start of the step minus the smallest model_version "
-        "of its labelled tokens. Dropped documents are counted (stream counter dropped_stale) and acknowledged with "
-        "the next checkpoint, each rank reads more to fill its step, and documents_seen counts only documents that "
-        "entered the loss. Unset (the default): nothing is dropped.",
+        description="Documents sampled more than this many documents behind the trainer are dropped before the loss "
+        "(counted as dropped_stale, acknowledged with the next checkpoint). Unset (the default): nothing is dropped "
+        "(docs/field-reference.md).",
     )
     kl_coef: float = Field(
         0.0,
@@ -185,11 +179,8 @@ class OptimizerSpec(ApiModel):
     schedule: Literal["constant", "linear", "cosine"] = Field(
         "constant",
         exclude_if=omitted_at_default("constant"),
-        description="Learning rate after the warm-up, over the steps up to maxSteps: constant (the default) keeps "
-        "learningRate; linear and cosine decay from learningRate towards minLearningRate, with progress "
-        "p = (step - warmupSteps) / (maxSteps - warmupSteps) of the steps done: rate = min + (base - min) x (1 - p), "
-        "or min + (base - min) x (1 + cos(pi p)) / 2. A decay needs maxSteps >= warmupSteps + 2 (the first step after "
-        "the warm-up runs at learningRate).",
+        description="Learning rate after the warm-up: constant (the default) keeps learningRate; linear and cosine "
+        "decay it to minLearningRate at maxSteps, which needs maxSteps >= warmupSteps + 2 (docs/field-reference.md).",
     )
     min_learning_rate: float = Field(
         0.0,
@@ -227,13 +218,9 @@ class TensorBoardSpec(ApiModel):
         ...,
         pattern=r"^/",
         max_length=4096,
-        description="Required. Absolute directory in the trainer container, on a volume that outlives the pods (a path "
-        "under the checkpoint volume's /var/lib/rljob/checkpoints, or a volume mounted through the pod template): "
-        "global rank 0 writes the event files there, one scalar per step metric (train/<metric>, stream/<counter>, "
-        "progress/tokens_per_second, progress/documents_seen, progress/model_version) at global step = the optimizer "
-        "step. An attempt that resumes from a checkpoint hides the steps an earlier attempt logged past it "
-        "(TensorBoard's purge_step). Give every job its own directory. Refused: / and a directory at or under one "
-        "rljob mounts itself (/etc/rljob, /dev/shm, /etc/rljob-redis-ca, model.volume's read-only mount).",
+        description="Required. Absolute directory in the trainer container, on a volume that outlives the pods, one "
+        "per job: global rank 0 writes the event files there, one scalar per step metric. Refused: / and rljob's own "
+        "mounts (docs/field-reference.md).",
     )
 
 
@@ -243,11 +230,8 @@ class ParallelismSpec(ApiModel):
     strategy: Literal["fsdp", "ddp"] = Field(
         "fsdp",
         description="fsdp (the default): parameters, gradients and optimizer state are sharded over the data-parallel "
-        "ranks (FSDP2 fully_shard per decoder block, then the root), so memory per rank falls with the data-parallel "
-        "size and 7B-70B models fit; on one rank it holds what ddp holds. ddp: every rank holds the whole model, its "
-        "gradients and both AdamW moments (16 bytes per parameter in float32) and gradients are all-reduced once per "
-        "step; a little faster for models that fit whole on one GPU. The default cannot depend on model.source, and "
-        "fsdp is right for every model size, so it is the one a user gets without asking.",
+        "ranks (FSDP2), for every model size; ddp: every rank holds the whole model and optimizer state, a little "
+        "faster for models that fit on one GPU (docs/field-reference.md, docs/trainer-memory.md).",
     )
     replicate: int = Field(
         1,
@@ -365,11 +349,8 @@ class RewardSourceSpec(ApiModel):
 
     config_map_key_ref: Optional[ConfigMapKeyRef] = Field(
         None,
-        description="A key of a ConfigMap in the job's namespace. Rollout pods mount the whole ConfigMap read-only at "
-        "/etc/rljob-reward, every key a file, so the module can import the keys beside it and datasetPath can name "
-        "one (a ConfigMap holds at most 1 MiB). When the ConfigMap's content changes the operator replaces the "
-        "rollout pods at its next pass (seconds); the trainer gang keeps running. A missing ConfigMap or key makes "
-        "RolloutReady False (RewardSourceMissing) naming it.",
+        description="A key of a ConfigMap in the job's namespace, mounted whole read-only at /etc/rljob-reward in the "
+        "rollout pods, which are replaced when its content changes (docs/rewards.md).",
     )
     path: Optional[str] = Field(
         None,
@@ -377,11 +358,7 @@ class RewardSourceSpec(ApiModel):
         max_length=4096,
         pattern=r"^/",
         description="Absolute path of the module's file in the rollout container, on `volume` (or on model.volume); "
-        "not a directory, and with `volume` neither directly under / nor in a directory rljob mounts (/etc/rljob, "
-        "/dev/shm, /etc/rljob-redis-ca). "
-        "Rollout pods keep the code they loaded at start: after changing the file, delete them "
-        "(kubectl delete pods -l rljob.dev/role=rollout,rljob.dev/job-name=<job>); they are recreated and the gang "
-        "keeps running.",
+        "rollout pods keep the code they loaded at start (docs/rewards.md).",
     )
     volume: Optional[str] = Field(
         None,
@@ -396,11 +373,12 @@ DIGIT_TASKS = ("digits-copy", "digits-reverse", "digits-sort")
 
 
 class TaskSpec(ApiModel):
-    name: Literal["digits-copy", "digits-reverse", "digits-sort", "math", "custom"] = Field(
+    name: Literal["digits-copy", "digits-reverse", "digits-sort", "math", "custom", rules.ENVIRONMENT_TASK] = Field(
         "digits-copy",
         description="`digits-copy`/`digits-reverse`/`digits-sort` (built-in toy tasks, DESIGN §10: the completion is "
         "the prompt's digits as they are, reversed, or in ascending order); `math` (JSONL question/answer, numeric "
-        "answer); `custom` (prompts from `datasetPath`, reward from `rewardFunction`).",
+        "answer); `custom` (prompts from `datasetPath`, reward from `rewardFunction`); `environment` (multi-turn "
+        "episodes against spec.rollout.environment).",
     )
     dataset_path: Optional[str] = Field(None, description="JSONL file of prompts (math, custom).")
     reward_function: Optional[str] = Field(
@@ -410,12 +388,71 @@ class TaskSpec(ApiModel):
     reward_source: Optional[RewardSourceSpec] = Field(
         None,
         exclude_if=omitted_at_default(None),
-        description="Where the code of rewardFunction's module comes from when the rollout image does not hold it "
-        "(task custom): exactly one of configMapKeyRef or path. The file is loaded as the module rewardFunction "
-        "names, with its directory first on sys.path; a syntax or import error makes RolloutReady False "
-        "(ContainerFailing) with the file and line. A rollout-only field: changing it replaces the rollout pods, "
-        "never the trainer gang. Unset (the default): the module is imported from the image.",
+        description="Where rewardFunction's module comes from when the rollout image does not hold it (task custom): "
+        "exactly one of configMapKeyRef or path; changing it replaces the rollout pods only. Unset (the default): "
+        "the image (docs/rewards.md).",
     )
+
+
+DEFAULT_ENVIRONMENT_PORT = 8000
+"""Port of an environment server: OpenEnv's (its servers listen on 8000)."""
+
+
+class EnvironmentServerSpec(ApiModel):
+    """An environment server the operator runs for the job: a Deployment and Service `<job>-environment`."""
+
+    image: str = Field(..., min_length=1, description="Required. Image of the environment server.")
+    command: list[Annotated[str, Field(description="A word.")]] = Field(
+        default_factory=list, description="Entrypoint; unset: the image's.")
+    args: list[Annotated[str, Field(description="A word.")]] = Field(
+        default_factory=list, description="Arguments; unset: the image's.")
+    port: int = Field(DEFAULT_ENVIRONMENT_PORT, ge=1, le=65535,
+                      description="Port the server listens on (HTTP and WebSocket); OpenEnv's is 8000.")
+    replicas: int = Field(1, ge=1, le=1024, description="Server pods behind the Service.")
+    resources: dict[str, Any] = Field(default_factory=dict, description="Server container resources.")
+    env: list[dict[str, Any]] = kube_list("Container.env", "Server container environment variables.")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Server pod node selector.")
+    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Server pod tolerations.")
+
+
+class EnvironmentPythonSpec(ApiModel):
+    """An environment class run inside each rollout worker (no server)."""
+
+    entrypoint: str = Field(
+        ..., min_length=3, max_length=512, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$",
+        description="Required. `module:Class`; the class is built without arguments and has reset(seed) and "
+        "step(action) (docs/environments.md).")
+    source: Optional[RewardSourceSpec] = Field(
+        None, description="The module's code when the image lacks it, as task.rewardSource: a ConfigMap key or a "
+        "file on a volume, loaded as the module entrypoint names.")
+
+
+class EnvironmentSpec(ApiModel):
+    """Multi-turn episodes (task name environment): reset, then generate and step until done (docs/environments.md).
+    Exactly one of server, url or python."""
+
+    server: Optional[EnvironmentServerSpec] = Field(None, description="An OpenEnv server the operator runs.")
+    url: Optional[str] = Field(None, max_length=2048, pattern=r"^https?://[^\s/]+",
+                               description="Base URL of an OpenEnv server outside the job (http or https).")
+    python: Optional[EnvironmentPythonSpec] = Field(None, description="An in-process Python environment.")
+    max_turns: int = Field(8, ge=1, le=1024, description="Steps per episode at most; then it ends (counted).")
+    turn_timeout_seconds: int = Field(
+        60, ge=1, le=86400, description="Longest reset or step call; past it the episode is dropped (counted).")
+    episode_timeout_seconds: int = Field(
+        600, ge=1, le=86400, description="Longest episode, generation included; past it it is dropped (counted).")
+    reward: Literal["sum", "last"] = Field(
+        "sum", description="Episode reward: `sum` of the step rewards (the return), or the `last` step's.")
+    action_field: str = Field(
+        "message", min_length=1, max_length=256,
+        description="The generated text is sent as the action {actionField: text}; OpenEnv's text environments "
+        "read `message`.")
+    observation_field: Optional[str] = Field(
+        None, min_length=1, max_length=256,
+        description="Observation field whose text is appended to the context; unset: the observation's only "
+        "string field, else its JSON.")
+    episodes_in_flight: Optional[int] = Field(
+        None, ge=1, le=65536,
+        description="Episodes a rollout worker runs at once; unset: promptsPerBatch x samplesPerPrompt.")
 
 
 class AdvantageSpec(ApiModel):
@@ -423,6 +460,20 @@ class AdvantageSpec(ApiModel):
         True, description="Divide (reward - group mean) by the group standard deviation."
     )
     epsilon: float = Field(1e-6, gt=0, description="Added to the group std before dividing.")
+
+
+class AutoscalingSpec(ApiModel):
+    """The rollout replicas sized from measured waits (DESIGN §6 "Capacity signals"; the law: docs/autoscaling.md)."""
+
+    min_replicas: int = Field(1, ge=1, le=rules.ROLLOUT_REPLICA_BOUNDS[1], description="The fewest rollout replicas.")
+    max_replicas: int = Field(..., ge=1, le=rules.ROLLOUT_REPLICA_BOUNDS[1], description="Required. The most rollout "
+                              "replicas; with Kueue, the count the job's quota covers.")
+    target_data_wait_share: float = Field(
+        0.05, ge=0, lt=0.9, description="The share of the trainer's time waiting for documents to aim at (0.05: 5%); "
+        "replicas are added while it waits more than this plus 5 points and the rollouts are not held.")
+    cooldown_seconds: int = Field(
+        300, ge=0, le=86400, description="Seconds after a change before the next; longer than a new replica's start "
+        "plus the 30 s measurement window.")
 
 
 class RolloutSpec(ApiModel):
@@ -437,11 +488,8 @@ class RolloutSpec(ApiModel):
         1,
         ge=0,
         le=4096,
-        description="Rollout pods. 0 runs a trainer-only job: the trainer gang and Redis alone, fed by producers outside "
-        "rljob (a PipelineRL actor, any writer of the Fast-LLM stream format) that write to the stream and read "
-        "the events that status.stream names, and that receive weights by heartbeating in its membersKey with "
-        "transfer ranks from status.stream.firstTransferRank up; RolloutReady is then True with reason "
-        "ExternalProducers. Changing it (0 included) scales rollout pods only and never restarts the gang.",
+        description="Rollout pods. 0 runs a trainer-only job, fed by producers outside rljob through the stream "
+        "status.stream names (docs/trainer-only.md). Changing it (0 included) never restarts the gang.",
     )
     gpus_per_replica: int = Field(
         0, ge=0, le=64, description="nvidia.com/gpu per rollout pod (tensor parallel of vLLM); 0 runs vLLM on CPU.")
@@ -461,14 +509,19 @@ class RolloutSpec(ApiModel):
     max_lag: int = Field(
         1024,
         ge=0,
-        description="Documents a worker may run ahead of the trainer's documents_seen. Binds rljob's own rollout "
-        "workers only (they check it before each batch); the trainer does not enforce it, so producers outside rljob "
-        "are bounded by redis.maxPending alone unless they read the progress hash themselves. 0 with one replica and a "
-        "batch (promptsPerBatch × samplesPerPrompt) that divides documentsPerStep is strictly synchronous: every batch "
-        "is generated with the latest weights while the trainer waits (DESIGN §6).",
+        description="Documents a worker may run ahead of the trainer's documents_seen; binds rljob's own rollout "
+        "workers only (DESIGN §6, docs/field-reference.md).",
     )
     sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="Generation parameters.")
     task: TaskSpec = Field(default_factory=TaskSpec, description="Prompts and verifiable reward.")
+    autoscaling: Optional[AutoscalingSpec] = Field(
+        None, exclude_if=omitted_at_default(None),
+        description="Size the rollout replicas from the trainer's data wait and the rollouts' back-pressure, between "
+        "minReplicas and maxReplicas; the operator keeps the count in status.autoscaling and leaves replicas (the "
+        "starting count) as written. Unset (the default): replicas, as written or scaled.")
+    environment: Optional[EnvironmentSpec] = Field(
+        None, exclude_if=omitted_at_default(None),
+        description="The environment of task environment (docs/environments.md). Unset (the default): none.")
     advantage: AdvantageSpec = Field(default_factory=AdvantageSpec, description="Group normalisation.")
     filter_zero_variance: bool = Field(
         False, description="Drop groups whose rewards are all equal (counted)."
@@ -477,13 +530,9 @@ class RolloutSpec(ApiModel):
     reward_failure_deadline_seconds: int = Field(
         600,
         ge=1,
-        description="Ends the job Failed (reason RewardsFailing, the exceptions counted by class and message in the "
-        "message) once the reward function has failed on every sample of every rollout batch for this long, from "
-        "the first such batch (a suspended job counts from its resume). Meanwhile RolloutReady is False "
-        "(AllRewardsFailed) and the workers back off between batches (1 s doubling to 60 s). Default 600 s, as a "
-        "Deployment's progressDeadlineSeconds: long enough for a reward service that is down for a few minutes, "
-        "and well below trainer.dataTimeoutSeconds (30 min by default), after which the starved trainer ranks would "
-        "exit and burn a gang restart of backoffLimit. Read by the operator only: changing it replaces no pod.",
+        description="Ends the job Failed (reason RewardsFailing) once the reward function has failed on every sample "
+        "of every rollout batch for this long; meanwhile RolloutReady is False (AllRewardsFailed). Changing it "
+        "replaces no pod (docs/field-reference.md).",
     )
 
 
@@ -502,16 +551,9 @@ class RedisPersistenceSpec(ApiModel):
 
     enabled: bool = Field(
         True,
-        description="Keeps the managed Redis's data on a PersistentVolumeClaim `<job>-redis-data` (owned by the job, "
-        "deleted with it), so that a restart of the Redis pod (node drain, OOM kill, eviction) keeps the stream, its "
-        "consumer group and pending entries and the progress and checkpoint hashes. Redis writes an append-only file "
-        "there with appendfsync everysec: a crash of its node can lose the last second or two of writes, a SIGKILL "
-        "of Redis alone as a rule none (docs/DESIGN.md §6). false keeps them in "
-        "an emptyDir that goes with the pod: for clusters without a StorageClass. Switching it on a job whose managed "
-        "Redis exists replaces the Redis pod, whose data then starts empty (Warning Event RedisReplaced), and restarts "
-        "a running gang from its newest checkpoint; switching it off deletes the claim. A Redis made by an operator "
-        "before this field existed stays on its emptyDir until spec.redis.persistence, image or mode is edited. "
-        "Ignored with mode=external.",
+        description="Keeps the managed Redis's data (stream, consumer group, progress and checkpoint hashes) on the "
+        "PersistentVolumeClaim `<job>-redis-data` (an append-only file), so that it outlives the Redis pod; false: an "
+        "emptyDir. Switching it replaces the Redis pod, whose data starts empty (DESIGN §6, docs/field-reference.md).",
     )
     storage_class_name: Optional[str] = Field(
         None,
@@ -536,20 +578,17 @@ class RedisSpec(ApiModel):
     )
     image: str = Field("redis:7.2", description="Managed Redis image.")
     pod_template: Optional[PodTemplateOverride] = pod_template_field(
-        "managed Redis", "Only with mode managed. A change replaces the Redis pod (the gang keeps running): refused "
-        "while the Redis keeps its data in an emptyDir (persistence.enabled false, or a Redis made before persistence "
-        "existed), which the new pod would start without, unless the job carries the annotation "
-        "rljob.dev/allow-redis-data-loss: \"true\".")
+        "managed Redis", "Only with mode managed. A change replaces the Redis pod: refused for an emptyDir Redis "
+        "unless the job has the annotation rljob.dev/allow-redis-data-loss: \"true\".")
     url: Optional[str] = Field(None, description="A redis:// or rediss:// URL of an external Redis (mode=external).")
     password_secret_ref: Optional[SecretKeyRef] = Field(
         None, description="Secret key holding the external Redis password."
     )
     ca_secret_ref: Optional[SecretKeyRef] = Field(
         None,
-        description="Secret key holding the PEM bundle of the CAs that signed the external Redis "
-        "server's TLS certificate (a private CA; needs mode=external and a rediss:// url). Mounted read-only into "
-        "trainer and rollout pods (env REDIS_TLS_CA_FILE) and used by the operator to verify the server, host name "
-        "included. Unset: the system CAs.",
+        description="Secret key holding the PEM bundle of the CAs of the external Redis server's TLS certificate "
+        "(mode=external, a rediss:// url), mounted into trainer and rollout pods (docs/install.md). Unset: the system "
+        "CAs.",
     )
     stream_key: str = Field(protocol.DEFAULT_STREAM_KEY, min_length=1, description="Data stream key.")
     group_name: str = Field(protocol.DEFAULT_GROUP_NAME, min_length=1, description="Consumer group of trainer ranks.")
@@ -560,10 +599,8 @@ class RedisSpec(ApiModel):
     max_pending: int = Field(
         4096,
         ge=1,
-        description="Back-pressure: rollout workers start a batch only while the consumer group's backlog (its lag, "
-        "entries no trainer rank was handed yet, plus its pending entries, not yet covered by a committed "
-        "checkpoint) is below this (documents). Producers outside rljob are expected to do the same (XINFO GROUPS "
-        "on status.stream.streamKey); nothing is ever trimmed that the trainer has not acknowledged.",
+        description="Back-pressure: rollout workers start a batch only while the consumer group's backlog (lag plus "
+        "pending entries) is below this (documents); nothing unacknowledged is ever trimmed (docs/field-reference.md).",
     )
     persistence: RedisPersistenceSpec = Field(
         default_factory=RedisPersistenceSpec,

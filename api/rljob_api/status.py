@@ -25,8 +25,9 @@ class StatusModel(ApiModel):
 class Condition(StatusModel):
     """One observation of the job, metav1.Condition shaped."""
 
-    type: c.ConditionType = Field(..., description="Valid, RedisReady, RolloutReady, TrainerReady, Running, "
-                                  "Restarting, Suspended, Succeeded or Failed.")
+    type: c.ConditionType = Field(..., description="Valid, RedisReady, RolloutReady, EnvironmentReady (only with an "
+                                  "environment server or url), TrainerReady, Running, Restarting, Suspended, "
+                                  "Succeeded or Failed.")
     status: Literal["True", "False", "Unknown"] = Field(..., description="True, False or Unknown.")
     reason: str = Field(
         ..., min_length=1, max_length=1024, description="CamelCase reason of the last transition."
@@ -113,6 +114,33 @@ class AttemptStatus(StatusModel):
     documents: DocumentCounts = Field(default_factory=DocumentCounts, description="Its readers' counts.")
 
 
+class AutoscalingStatus(StatusModel):
+    """What the rollout autoscaler runs (spec.rollout.autoscaling; the spec is never written)."""
+
+    replicas: int = Field(..., ge=0, description="Rollout replicas the job runs.")
+    last_change_time: Optional[datetime] = Field(None, description="When the count last changed.")
+    last_decision: Optional[str] = Field(None, max_length=4096, description="Why, with the numbers the law used.")
+
+
+class CapacityStatus(StatusModel):
+    """What the trainer and the rollout replicas measured of their waiting over their last 30 s windows (DESIGN §6
+    "Capacity signals"), as the operator last read them; absent fields: not reported. Rounded (shares to 0.01, rates
+    and counts to 2 significant figures), so that noise writes nothing."""
+
+    data_wait_share: Optional[float] = Field(None, ge=0, le=1, description="Share of its time the trainer waited for "
+                                             "documents (its last step record, while fresh).")
+    held_share: Optional[float] = Field(None, ge=0, le=1, description="Rollout replicas' mean share of time held by "
+                                        "back-pressure (maxPending, maxLag).")
+    tokens_per_second: Optional[float] = Field(None, ge=0, description="Tokens sampled per second, replicas reporting "
+                                               "summed.")
+    tokens_per_second_per_replica: Optional[float] = Field(None, ge=0, description="Their mean per reporting replica.")
+    pending: Optional[int] = Field(None, ge=0, description="Stream entries delivered, not acked (documents).")
+    undelivered: Optional[int] = Field(None, ge=0, description="Stream entries written, not read yet (documents).")
+    replicas_reporting: int = Field(0, ge=0, description="Rollout replicas below spec.rollout.replicas with a report "
+                                    "of the last 60 s.")
+    observed_at: datetime = Field(..., description="When the operator read these values (within their dead bands since).")
+
+
 class RLTrainingJobStatus(StatusModel):
     """What the operator observed of an RLTrainingJob: phase, gang attempt, progress and conditions."""
 
@@ -133,11 +161,8 @@ class RLTrainingJobStatus(StatusModel):
     restarts: int = Field(
         0,
         ge=0,
-        description="Gang restarts after a trainer pod failure, eviction or deletion, or after a change of "
-        "a spec field the trainer reads (model, algorithm, trainer, redis, hfTokenSecretRef, "
-        "rollout.sampling.temperature, rollout.task.name; reason ConfigChanged). runPolicy and every other "
-        "spec.rollout field (replicas, image, resources, samplesPerPrompt, ...) never restart the gang: they scale "
-        "or replace rollout pods only.",
+        description="Gang restarts after a trainer pod failure, eviction or deletion, or a change of a spec field the "
+        "trainer reads (reason ConfigChanged; docs/field-reference.md).",
     )
     failed_attempts: int = Field(
         0,
@@ -216,6 +241,14 @@ class RLTrainingJobStatus(StatusModel):
         description="The stream, events and weight-transfer addresses of the job, for producers outside rljob "
         "(spec.rollout.replicas 0, or beside rljob's own rollout pods).",
     )
+    autoscaling: Optional[AutoscalingStatus] = Field(None, description="The autoscaler's count (with "
+                                                     "spec.rollout.autoscaling).")
+    capacity: Optional[CapacityStatus] = Field(
+        None, description="Whether the trainer or the rollouts wait, while the job runs pods (docs/dashboards.md).")
+    rollout_replicas: int = Field(
+        0, ge=0, description="Rollout pods that exist and are not being deleted (/scale status.replicas).")
+    rollout_selector: Optional[str] = Field(
+        None, description="Label selector of the rollout pods (/scale status.selector, for an HPA).")
     attempts: list[AttemptStatus] = Field(default_factory=list, description="The last 20 gang attempts, oldest first.")
     document_totals: DocumentTotals = Field(default_factory=DocumentTotals,
                                             description="Documents not trained as written, over the whole job.")

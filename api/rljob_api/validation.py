@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from rljob_api import constants as c, rules
-from rljob_api.spec import RLTrainingJobSpec
+from rljob_api.spec import RewardSourceSpec, RLTrainingJobSpec
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,8 @@ def _image_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
     images = {"spec.trainer.image": spec.trainer.image, "spec.rollout.image": spec.rollout.image}
     if spec.redis.mode == "managed":
         images["spec.redis.image"] = spec.redis.image
+    if spec.rollout.environment is not None and spec.rollout.environment.server is not None:
+        images["spec.rollout.environment.server.image"] = spec.rollout.environment.server.image
     return [SpecProblem(path, f"{value!r} is not a container image reference ([registry[:port]/]name[:tag][@digest], "
                               "lower-case name)")
             for path, value in images.items() if not IMAGE_REFERENCE.fullmatch(value)]
@@ -298,7 +300,10 @@ def _rollout_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
         problems.append(
             SpecProblem("spec.rollout.task.rewardFunction", f"must be 'module:function', got {r.task.reward_function!r}")
         )
-    problems += _reward_source_problems(spec)
+    problems += _reward_source_problems(spec) + _environment_problems(spec)
+    if r.autoscaling is not None and r.autoscaling.min_replicas > r.autoscaling.max_replicas:
+        problems.append(SpecProblem("spec.rollout.autoscaling.minReplicas", rules.AUTOSCALING_BOUNDS_MESSAGE.text(
+            minReplicas=r.autoscaling.min_replicas, maxReplicas=r.autoscaling.max_replicas)))
     tiny = spec.model.tiny
     if (r.backend == "vllm" and r.gpus_per_replica == 0 and spec.model.source == "tiny"
             and not tiny.hidden_size % tiny.heads
@@ -308,6 +313,11 @@ def _rollout_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
             f"hiddenSize = {tiny.hidden_size} / heads = {tiny.heads} gives a head size of "
             f"{tiny.hidden_size // tiny.heads}, which vLLM's CPU attention (backend 'vllm' with gpusPerReplica 0) "
             f"cannot run: it runs head sizes {sizes}; {_heads_for(tiny.hidden_size)}")))
+    if spec.model.source == "tiny" and r.sampling.max_new_tokens > tiny.max_position_embeddings:
+        problems.append(SpecProblem("spec.rollout.sampling.maxNewTokens", (
+            f"{r.sampling.max_new_tokens} is more than the model's {tiny.max_position_embeddings} positions "
+            f"(spec.model.tiny.maxPositionEmbeddings), which hold the prompt and the completion: set maxNewTokens "
+            f"below {tiny.max_position_embeddings}, or raise maxPositionEmbeddings")))
     sampling = rules.vllm_logprobs_problem(r.sampling.top_p, r.sampling.temperature)
     if r.backend == "vllm" and sampling is not None:
         problems.append(SpecProblem("spec.rollout.sampling", sampling))
@@ -342,40 +352,47 @@ def at_or_under(path: str, directory: str) -> bool:
 
 
 def _reward_source_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
-    """spec.rollout.task.rewardSource: the custom task only, one source, a volume with a path, and no second volume at
-    the directory where model.volume is mounted (the pod would mount two volumes at one path)."""
+    """spec.rollout.task.rewardSource: the custom task only, and a well-formed source (:func:`_code_source_problems`).
+    """
     task, field = spec.rollout.task, "spec.rollout.task.rewardSource"
-    source = task.reward_source
-    if source is None:
+    if task.reward_source is None:
         return []
     problems: list[SpecProblem] = []
     if not rules.reward_source_allowed(task.name, True):
         problems.append(SpecProblem(field, f"needs task name 'custom', got {task.name!r}: the built-in tasks score "
                                            "with their own rewards"))
+    return problems + _code_source_problems(spec, task.reward_source, field)
+
+
+def _code_source_problems(spec: RLTrainingJobSpec, source: RewardSourceSpec, field: str) -> list[SpecProblem]:
+    """A code source at ``field`` (task.rewardSource, environment.python.source): one source, a volume with a path,
+    and no second volume at the directory where model.volume is mounted (the pod would mount two volumes at one
+    path)."""
+    problems: list[SpecProblem] = []
     if not rules.one_reward_source(source.config_map_key_ref is not None, source.path is not None):
         problems.append(SpecProblem(field, "needs exactly one of configMapKeyRef or path"))
     if source.volume and not source.path:
         problems.append(SpecProblem(f"{field}.volume", "needs path, the module's file on that volume"))
-    problems += _reward_source_path_problems(spec)
+    problems += _source_path_problems(spec, source, field)
     model = spec.model
     if source.volume and source.path and model.volume and model.path:
         here, there = posixpath.dirname(source.path), posixpath.dirname(model.path.rstrip("/"))
         if here == there:
+            name = field.rsplit(".", 1)[-1]
             problems.append(SpecProblem(f"{field}.volume", (
                 f"{source.volume!r} would be mounted at {here}, where spec.model.volume {model.volume!r} is mounted "
-                "already: put the file on that volume and remove rewardSource.volume, or use another directory")))
+                f"already: put the file on that volume and remove {name}.volume, or use another directory")))
     return problems
 
 
-def _reward_source_path_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
-    """spec.rollout.task.rewardSource.path: a file, not a directory; with ``volume``, whose claim is mounted at the
+def _source_path_problems(spec: RLTrainingJobSpec, source: RewardSourceSpec, field: str) -> list[SpecProblem]:
+    """``<field>.path`` of a code source: a file, not a directory; with ``volume``, whose claim is mounted at the
     file's directory, not a directory at ``/`` (the claim would hide the image's whole filesystem) nor at or under a
     directory rljob mounts in the rollout container (the API server would refuse the pod, or the mount would hide
     rljob's)."""
-    source = spec.rollout.task.reward_source
-    if source is None or source.path is None:
+    if source.path is None:
         return []
-    field = "spec.rollout.task.rewardSource.path"
+    name, field = field.rsplit(".", 1)[-1], f"{field}.path"
     if source.path.endswith("/"):
         return [SpecProblem(field, f"{source.path!r} names a directory: give the file of the module, e.g. "
                                    f"{source.path}reward.py")]
@@ -384,15 +401,43 @@ def _reward_source_path_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
     directory = posixpath.dirname(normalized_path(source.path))
     if directory == "/":
         return [SpecProblem(field, (
-            f"{source.path!r}: rewardSource.volume {source.volume!r} would be mounted at its directory, /, over the "
+            f"{source.path!r}: {name}.volume {source.volume!r} would be mounted at its directory, /, over the "
             "container's whole filesystem: give a path in a directory of its own, e.g. /reward/"
             f"{posixpath.basename(source.path)} mounts the claim at /reward"))]
     collision = mount_collision(directory, rljob_mounts(spec), "rollout")
     if collision:
         return [SpecProblem(field, (
-            f"{source.path!r}: rewardSource.volume {source.volume!r} would be mounted at {directory}, {collision}: "
+            f"{source.path!r}: {name}.volume {source.volume!r} would be mounted at {directory}, {collision}: "
             "choose another directory"))]
     return []
+
+
+def _environment_problems(spec: RLTrainingJobSpec) -> list[SpecProblem]:
+    """spec.rollout.environment and task name environment: together or not at all, exactly one kind of environment,
+    its code source, and a turn no longer than the episode (the image is :func:`_image_problems`')."""
+    r, field = spec.rollout, "spec.rollout.environment"
+    env = r.environment
+    if not rules.environment_task_matches(r.task.name, env is not None):
+        if env is None:
+            return [SpecProblem("spec.rollout.task.name", f"{r.task.name!r} needs spec.rollout.environment (server, "
+                                                          "url or python): set one, or choose another task")]
+        return [SpecProblem(field, f"is set but spec.rollout.task.name is {r.task.name!r}: environments run only "
+                                   f"with task name {rules.ENVIRONMENT_TASK!r}; set it, or remove environment")]
+    if env is None:
+        return []
+    problems: list[SpecProblem] = []
+    kinds = {"server": env.server is not None, "url": env.url is not None, "python": env.python is not None}
+    if not rules.one_environment(**{f"has_{k}": v for k, v in kinds.items()}):
+        given = [k for k, v in kinds.items() if v]
+        problems.append(SpecProblem(field, f"needs exactly one of server, url or python, got "
+                                           f"{' and '.join(given) if given else 'none'}"))
+    if env.python is not None and env.python.source is not None:
+        problems += _code_source_problems(spec, env.python.source, f"{field}.python.source")
+    if env.turn_timeout_seconds > env.episode_timeout_seconds:
+        problems.append(SpecProblem(f"{field}.turnTimeoutSeconds", (
+            f"{env.turn_timeout_seconds} exceeds episodeTimeoutSeconds = {env.episode_timeout_seconds}: a turn is part "
+            "of its episode; lower turnTimeoutSeconds or raise episodeTimeoutSeconds")))
+    return problems
 
 
 def rljob_mounts(spec: RLTrainingJobSpec) -> list[str]:

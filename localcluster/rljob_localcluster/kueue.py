@@ -12,7 +12,8 @@ version):
 2. writes a serving certificate for 127.0.0.1 signed by the cluster CA and a Kueue ``Configuration``: webhooks,
    health probe and metrics on free loopback ports, no leader election, no internal cert management, no visibility
    API server, ``integrations.externalFrameworks`` (RLTrainingJob by default: rljob creates the jobs' Workloads);
-3. starts ``kueue --config`` as admin (a client cert in ``system:masters``) and waits for its readiness probe.
+3. starts ``kueue --config`` as admin (a client cert in ``system:masters``) with :data:`FEATURE_GATES` and
+   waits for its readiness probe.
    Kueue reads its metrics serving certificate from the fixed path ``/etc/kueue/metrics/certs`` when it does not
    manage certificates itself, so the process runs in a private mount namespace (``unshare --mount``) where an
    overlay adds that directory, holding a certificate from the cluster CA, to ``/etc``: nothing is written to the
@@ -57,6 +58,9 @@ RLJOB_FRAMEWORK = "RLTrainingJob.v1alpha1.rljob.dev"
 KUEUE_NAMESPACE = "kueue-system"
 WEBHOOK_PREFIX = "rljob-local-kueue-"
 """Name prefix of the webhook configurations a LocalKueue registers (deleted by stop)."""
+FEATURE_GATES = "VisibilityOnDemand=false,ElasticJobsViaWorkloadSlices=true"
+"""Kueue's feature gates here: no visibility API server, and elastic Workloads (alpha in v0.17), which rljob uses to
+scale a queued job's rollout pods without a restart (docs/kueue.md)."""
 CONVERTED_CRDS = ("clusterqueues", "cohorts", "localqueues", "workloads", "multikueueclusters")
 """The CRDs whose conversion Kueue's kustomization hands to its webhook (config/components/crd/kustomization.yaml)."""
 KUEUE_WEBHOOK_PATHS = ("-kueue-x-k8s-io-",)
@@ -76,12 +80,14 @@ class LocalKueue:
         external_frameworks: ``integrations.externalFrameworks`` (``Kind.version.group``).
         data_dir: certificates, config and log; a fresh temp dir if None (removed by stop).
         start_timeout: seconds for the whole start.
+        feature_gates: Kueue's ``--feature-gates`` (:data:`FEATURE_GATES`).
     """
 
     def __init__(self, cp: ControlPlane, *, frameworks: Iterable[str] = ("batch/job",),
                  external_frameworks: Iterable[str] = (RLJOB_FRAMEWORK,), data_dir: str | os.PathLike | None = None,
-                 start_timeout: float = 180.0) -> None:
+                 start_timeout: float = 180.0, feature_gates: str = FEATURE_GATES) -> None:
         self.cp = cp
+        self.feature_gates = feature_gates
         self.frameworks = list(frameworks)
         self.external_frameworks = list(external_frameworks)
         unknown = [f for f in self.frameworks if f not in FRAMEWORK_WEBHOOK_PATHS]
@@ -185,7 +191,7 @@ class LocalKueue:
         overlay = f"mount -t overlay rljob-local-kueue -o lowerdir={self.data_dir / 'etc'}:/etc /etc"
         self.proc = subprocess.Popen(
             ["unshare", "--mount", "--propagation", "private", "sh", "-c", f'{overlay} && exec "$0" "$@"',
-             str(self.binary), f"--config={config}", "--feature-gates=VisibilityOnDemand=false",
+             str(self.binary), f"--config={config}", f"--feature-gates={self.feature_gates}",
              "--zap-log-level=info"],
             env={**os.environ, "KUBECONFIG": kubeconfig}, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, cwd=self.data_dir,
             start_new_session=True, preexec_fn=set_pdeathsig if use_pdeathsig else None,  # noqa: PLW1509

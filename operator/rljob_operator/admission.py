@@ -32,7 +32,7 @@ from rljob_api.pod_template import PodTemplateOverride
 from rljob_api.spec import RLTrainingJobSpec, RunPolicySpec
 from rljob_api.validation import SpecProblem, check_spec, topology_numbers
 
-from rljob_operator import gang, render, resolution, workload
+from rljob_operator import environment as environment_server, gang, render, resolution, workload
 from rljob_operator.observe import DeploymentView, PodView
 from rljob_operator.runtime import JobRuntime, Recorded
 
@@ -162,12 +162,14 @@ def live_workers(pods: Iterable[PodView]) -> list[PodView]:
     return [p for p in pods if p.role in (c.Role.TRAINER, c.Role.ROLLOUT) and not p.deleting]
 
 
-def foreign_children(uid: Optional[str], pods: Iterable[PodView], redis: Optional[DeploymentView]) -> list[str]:
-    """Names of pods and of the Redis Deployment that carry the job's labels but belong to another owner: a
-    deleted job of the same name whose children the garbage collector has not removed yet."""
+def foreign_children(uid: Optional[str], pods: Iterable[PodView], redis: Optional[DeploymentView],
+                     environment: Optional[DeploymentView] = None) -> list[str]:
+    """Names of pods and of the Redis and environment server Deployments that carry the job's labels but belong to
+    another owner: a deleted job of the same name whose children the garbage collector has not removed yet."""
     found = [p.name for p in pods if p.owner_uid and p.owner_uid != uid]
-    if redis is not None and redis.owner_uid and redis.owner_uid != uid:
-        found.append(redis.name)
+    for deployment in (redis, environment):
+        if deployment is not None and deployment.owner_uid and deployment.owner_uid != uid:
+            found.append(deployment.name)
     return found
 
 
@@ -193,7 +195,8 @@ def kept_spec(raw: Mapping[str, Any], runtime: JobRuntime,
 
 
 _REFUSED_ROLE = re.compile(
-    r'(?:Pod|pods|Deployment(?:\.apps)?) "[^"]*-(trainer|rollout|redis)(?:-[0-9]+)?" is (?:invalid|forbidden)')
+    r'(?:Pod|pods|Deployment(?:\.apps)?) "[^"]*-(trainer|rollout|redis|environment)(?:-[0-9]+)?" is '
+    r'(?:invalid|forbidden)')
 MISSING_REFERENCES = {
     "priorityClassName": re.compile(r"no PriorityClass with name \S+ was found"),
     "serviceAccountName": re.compile(r'serviceaccount "[^"]*" not found'),
@@ -220,6 +223,8 @@ _REFUSED_TEMPLATE_PART = re.compile(
     r"topologySpreadConstraints|imagePullSecrets|securityContext|serviceAccountName|priorityClassName|"
     r"runtimeClassName|schedulerName)|\.(?:env|envFrom|volumeMounts|securityContext))\b")
 """Parts of a pod only a ``podTemplate`` sets or adds to."""
+_REFUSED_SERVER_PART = re.compile(r"\.(image|command|args|resources|env|nodeSelector|tolerations)\b")
+"""Parts of the environment server's pods that ``spec.rollout.environment.server`` sets (its field of the same name)."""
 
 
 def refused_field(message: str) -> str:
@@ -229,6 +234,9 @@ def refused_field(message: str) -> str:
     role = _REFUSED_ROLE.search(message)
     if role is None:
         return "spec"
+    if role.group(1) == c.Role.ENVIRONMENT.value:  # the server has no podTemplate: its fields are the server's own
+        part = _REFUSED_SERVER_PART.search(message[role.end():])
+        return environment_server.FIELD + (f".{part.group(1)}" if part else "")
     if (missing := missing_reference(message)) is not None:
         return f"spec.{role.group(1)}.podTemplate.spec.{missing}"
     rest = message[role.end():]
@@ -239,10 +247,11 @@ def refused_field(message: str) -> str:
 
 
 def decide(body: Mapping[str, Any], before: gang.Lifecycle, pods: Iterable[PodView], redis: Optional[DeploymentView],
-           runtime: JobRuntime, recorded: Optional[Recorded]) -> Decision:
-    """Decide what the pass over the job ``body`` (saved lifecycle ``before``, observed ``pods`` and managed ``redis``
-    Deployment, the ``recorded`` config: :func:`.resolution.known_record`) runs; see the module docstring. Forgets a
-    refused child of an older generation."""
+           runtime: JobRuntime, recorded: Optional[Recorded], *, environment: Optional[DeploymentView] = None
+           ) -> Decision:
+    """Decide what the pass over the job ``body`` (saved lifecycle ``before``, observed ``pods``, managed ``redis``
+    and ``environment`` server Deployments, the ``recorded`` config: :func:`.resolution.known_record`) runs; see the
+    module docstring. Forgets a refused child of an older generation."""
     meta = body["metadata"]
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
     labels, uid = meta.get("labels") or {}, meta.get("uid") or ""
@@ -258,7 +267,7 @@ def decide(body: Mapping[str, Any], before: gang.Lifecycle, pods: Iterable[PodVi
         job = render.Job(name, namespace, spec, dict(labels), uid)
         problems += redis_template_problems(job, config, recorded, meta.get("annotations") or {})
     if spec is not None and not problems:
-        leftovers = tuple(foreign_children(meta.get("uid"), pods, redis))
+        leftovers = tuple(foreign_children(meta.get("uid"), pods, redis, environment))
         return Decision(spec, run=spec, leftovers=leftovers, config=config)
     pods = list(pods)
     kept = None

@@ -1,6 +1,7 @@
 """What a pass writes besides the job's status: the static children (applied only when their rendering changed,
 :mod:`.applied`), the create-only children of the managed Redis (its password Secret, and with persistence its data
-claim, which is deleted when persistence is switched off) and pods (create-only; an existing pod must be of the same
+claim, which is deleted when persistence is switched off), the environment server's Deployment (:mod:`.environment`,
+after the pass's plan: its replicas follow the job's phase) and pods (create-only; an existing pod must be of the same
 attempt and job). Calls of one kind run concurrently (:func:`gather`).
 """
 
@@ -9,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from typing import Any, Awaitable, Iterable, Mapping, Optional
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Optional
 
 from rljob_api import constants as c, names
 from rljob_api.canonical import canonical_hash
 from rljob_api.config import JobConfig
 
-from rljob_operator import applied_hash, render
+from rljob_operator import applied_hash, environment, render
 from rljob_operator.kube_api import ApiError, adopt
 from rljob_operator.observe import controller_uid, pod_view
 from rljob_operator.runtime import Context, JobRuntime
@@ -37,7 +38,7 @@ async def apply_static(job: render.Job, config: JobConfig, generation: Optional[
     Raises:
         ApiError: a refused call; 409 when the Secret or claim exists but belongs to an earlier job of the same name.
     """
-    children = render.static_children(job, config, generation)
+    children = render.static_children(job, config, generation) + environment.static_children(job, config)
     adopt(children, body)
     children = [applied_hash.stamp(child) for child in children]
     claim = render.redis_claim(job, config)
@@ -49,7 +50,7 @@ async def apply_static(job: render.Job, config: JobConfig, generation: Optional[
     secret = render.redis_secret(job, secrets.token_urlsafe(32)) if managed else None
     existing: dict[str, Optional[Mapping[str, Any]]] = {}
     if known:
-        reads = [ctx.api.get(ch["apiVersion"], ch["kind"], job.namespace, ch["metadata"]["name"]) for ch in children]
+        reads = [_read(child, ctx) for child in children]
         if managed:
             reads.append(ctx.api.get("v1", "Secret", job.namespace, names.redis_secret(job.name)))
             reads.append(ctx.api.get("v1", "PersistentVolumeClaim", job.namespace, names.redis_claim(job.name)))
@@ -69,6 +70,51 @@ async def apply_static(job: render.Job, config: JobConfig, generation: Optional[
                                      uid=old["metadata"].get("uid")))
     await gather(writes)
     runtime.applied = digest
+
+
+def _read(child: Mapping[str, Any], ctx: Context) -> Awaitable[Optional[dict[str, Any]]]:
+    """The GET of ``child`` as the API server holds it (None when missing)."""
+    meta = child["metadata"]
+    return ctx.api.get(child["apiVersion"], child["kind"], meta["namespace"], meta["name"])
+
+
+async def apply_environment(job: render.Job, config: JobConfig, replicas: int,
+                            place: Optional[Callable[[dict[str, Any]], dict[str, Any]]], present: bool,
+                            body: Mapping[str, Any], runtime: JobRuntime, ctx: Context) -> Optional[ApiError]:
+    """Apply the environment server's Deployment of ``config`` with ``replicas`` pods (:func:`.environment.replicas`),
+    its pod template passed through ``place`` (a queued job's Kueue admission: node labels and tolerations of the
+    assigned flavor; None: as rendered), when it is not as rendered (:attr:`JobRuntime.environment_applied`; a job
+    reconciled before is read first, as :func:`apply_static` does). Without a server in ``config``, delete the
+    environment's children when the job had them (``present``: its Deployment is observed). Returns the refused
+    call's error (the pass reports it after the status write, as a refused pod), None otherwise."""
+    server = environment.server_of(config)
+    try:
+        if server is None:
+            if present:
+                await gather(ctx.api.delete(api_version, kind, job.namespace, names.environment(job.name))
+                             for api_version, kind in environment.KINDS)
+            runtime.environment_applied = None
+            return None
+        template = environment.pod_template(job, server)
+        manifest = environment.deployment(job, server, replicas, template if place is None else place(template))
+        adopt([manifest], body)
+        digest = applied_hash.stamp(manifest)["metadata"]["annotations"][c.ANNOTATION_APPLIED_HASH]
+        if runtime.environment_applied == digest:
+            return None
+        if runtime.environment_applied is not None or not body.get("status") or applied_hash.outdated(
+                await _read(manifest, ctx), manifest):
+            await ctx.api.apply(manifest)
+    except ApiError as err:
+        return err
+    runtime.environment_applied = digest
+    return None
+
+
+async def stop_environment(job_name: str, namespace: str, runtime: JobRuntime, ctx: Context) -> None:
+    """Scale the environment server's Deployment to 0 (a job with no valid spec to render it from: nothing of it
+    runs); the next pass that renders it applies it again."""
+    await ctx.api.patch("apps/v1", "Deployment", namespace, names.environment(job_name), {"spec": {"replicas": 0}})
+    runtime.environment_applied = None
 
 
 async def _ensure_created(obj: dict[str, Any], existing: Optional[Mapping[str, Any]], owner: Mapping[str, Any],

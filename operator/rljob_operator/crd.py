@@ -10,8 +10,10 @@ user must give: ``spec`` and ``spec.model``), and the rules only CEL can express
 
 The one exception to "from the pydantic models": a field marked with :data:`~rljob_api.pod_template.KUBE_FIELD` (the
 Kubernetes-typed fields of ``spec.<role>.podTemplate``) gets the schema Kubernetes gives it, vendored from the pinned
-version's OpenAPI spec without nested descriptions (:mod:`.kube_schemas`, DESIGN §9). It is written in YAML's flow
-style (one line per field), which keeps the file under :data:`MAX_CRD_BYTES`.
+version's OpenAPI spec without nested descriptions (:mod:`.kube_schemas`, DESIGN §9); the Container properties a role's
+``containers`` entry may not set keep only their type (:func:`refused_shape`). The vendored fields, and every field of
+the models without nested objects, are written in YAML's flow style (one line per field, :class:`Flow`), which keeps
+the file under :data:`MAX_CRD_BYTES`.
 """
 
 from __future__ import annotations
@@ -36,7 +38,12 @@ POD_TEMPLATE_ROLES = {"trainer": c.Role.TRAINER.value, "rollout": c.Role.ROLLOUT
 """``spec.<field>.podTemplate`` → the name of rljob's container in that role's pods."""
 
 
-class Vendored(dict):
+class Flow(dict):
+    """A node written in YAML's flow style, on one line: a pod-template field typed by Kubernetes (the model's
+    description, then Kubernetes' schema), a field without nested objects, an object's default."""
+
+
+class Vendored(Flow):
     """A schema node vendored from Kubernetes (:mod:`.kube_schemas`): no description of its own, written in flow
     style."""
 
@@ -208,11 +215,11 @@ def _convert_plain(node: dict[str, Any], defs: dict[str, Any], path: str, with_d
     return out
 
 
-def _kubernetes(field: str, description: str | None) -> dict[str, Any]:
+def _kubernetes(field: str, description: str | None) -> Flow:
     """The vendored schema of Kubernetes ``field`` (e.g. ``PodSpec.affinity``) with the model's ``description``; its
     nested nodes :class:`Vendored`."""
     schema = kube_schemas.inline(field)
-    out: dict[str, Any] = {"description": description} if description else {}
+    out = Flow({"description": description} if description else {})
     for key, value in schema.items():
         if key == "properties":
             value = {name: _vendored(sub) for name, sub in value.items()}
@@ -238,9 +245,41 @@ def _own_container_only(item: dict[str, Any], container: str) -> None:
     kubernetes = kube_schemas.inline_type("Container")["properties"]
     others = [name for name in kubernetes if name not in item["properties"]]
     for name in others:
-        item["properties"][name] = _vendored(kubernetes[name])
+        item["properties"][name] = _vendored(refused_shape(kubernetes[name]))
     item["x-kubernetes-validations"] = [rules.cel_own_container_only(container),
                                         rules.cel_own_container_fields(container, others)]
+
+
+def refused_shape(node: dict[str, Any]) -> dict[str, Any]:
+    """Kubernetes' schema ``node`` of a Container property that rljob's ``containers`` entry may not set, reduced to
+    what the CEL rule that refuses it needs: its type (CEL declares only typed properties; a wrong type is refused
+    before CEL runs, as before), an object's content kept whole (``x-kubernetes-preserve-unknown-fields``), so that
+    strict field validation reports no "unknown field" inside it before CEL can say why. Any value of it is refused,
+    so nothing it lets through is ever stored."""
+    out = {"type": node["type"]}
+    if node["type"] == "object":
+        out["x-kubernetes-preserve-unknown-fields"] = True
+    elif node["type"] == "array":
+        out["items"] = refused_shape(node["items"])
+    return out
+
+
+def _leaves_in_flow(node: dict[str, Any]) -> None:
+    """Make every property of ``node``'s tree that holds no object schema (a scalar, a list of scalars, a map to
+    scalars) a :class:`Flow` node: one line per field, rather than a line per keyword."""
+    if isinstance(node.get("default"), dict):
+        node["default"] = Flow(node["default"])
+    for name, sub in (node.get("properties") or {}).items():
+        if isinstance(sub, Flow):
+            continue
+        nested = [sub.get("items"), sub.get("additionalProperties")]
+        if "properties" not in sub and not any(isinstance(n, dict) and "properties" in n for n in nested):
+            node["properties"][name] = Flow(sub)
+        else:
+            _leaves_in_flow(sub)
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict) and not isinstance(node[key], Flow):
+            _leaves_in_flow(node[key])
 
 
 def object_default(schema: dict[str, Any]) -> dict[str, Any]:
@@ -263,6 +302,13 @@ def model_schema(model: type[BaseModel], path: str, *, with_defaults: bool) -> d
     """
     schema = model.model_json_schema(by_alias=True, mode="validation")
     return _convert(schema, schema.get("$defs", {}), path, with_defaults)
+
+
+SCALE = {"specReplicasPath": ".spec.rollout.replicas", "statusReplicasPath": ".status.rolloutReplicas",
+         "labelSelectorPath": ".status.rolloutSelector"}
+"""The /scale subresource scales the rollout replicas (``kubectl scale rljob``, an HPA, KEDA): never the trainer gang,
+whose size is a topology (DESIGN §5 rule 4). status.replicas counts the rollout pods that exist and are not being
+deleted; status.selector selects them (status.rolloutSelector, written by the operator)."""
 
 
 def crd() -> dict[str, Any]:
@@ -288,10 +334,19 @@ def crd() -> dict[str, Any]:
     task["x-kubernetes-validations"] = [rules.CEL_REWARD_SOURCE_NEEDS_CUSTOM]
     task["properties"]["rewardSource"]["x-kubernetes-validations"] = [rules.CEL_ONE_REWARD_SOURCE,
                                                                       rules.CEL_REWARD_VOLUME_NEEDS_PATH]
+    rollout = spec["properties"]["rollout"]
+    rollout["x-kubernetes-validations"] = [rules.CEL_ENVIRONMENT_NEEDS_TASK, rules.CEL_TASK_NEEDS_ENVIRONMENT]
+    rollout["properties"]["autoscaling"]["x-kubernetes-validations"] = [rules.CEL_AUTOSCALING_BOUNDS]
+    environment = rollout["properties"]["environment"]
+    environment["x-kubernetes-validations"] = [rules.CEL_ONE_ENVIRONMENT]
+    environment["properties"]["python"]["properties"]["source"]["x-kubernetes-validations"] = [
+        rules.cel_one_source("source"), rules.cel_volume_needs_path("source")]
     status = model_schema(RLTrainingJobStatus, "status", with_defaults=False)
     status["properties"]["conditions"].update(
         {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
     )
+    _leaves_in_flow(spec)
+    _leaves_in_flow(status)
     root = {
         "type": "object",
         "description": "RLTrainingJob runs streaming RL post-training (GRPO/GSPO) of an LLM: a managed or external "
@@ -328,7 +383,7 @@ def crd() -> dict[str, Any]:
                     "name": c.VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
+                    "subresources": {"status": {}, "scale": SCALE},
                     "additionalPrinterColumns": PRINTER_COLUMNS,
                     "schema": {"openAPIV3Schema": root},
                 }
@@ -345,11 +400,11 @@ def crd_yaml() -> str:
 
 
 class _Dumper(yaml.SafeDumper):
-    """SafeDumper writing :class:`Vendored` nodes in flow style."""
+    """SafeDumper writing :class:`Flow` nodes in flow style."""
 
 
-_Dumper.add_representer(
-    Vendored, lambda dumper, data: dumper.represent_mapping("tag:yaml.org,2002:map", data, flow_style=True))
+_Dumper.add_multi_representer(
+    Flow, lambda dumper, data: dumper.represent_mapping("tag:yaml.org,2002:map", data, flow_style=True))
 
 
 def main() -> None:

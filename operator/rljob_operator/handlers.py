@@ -1,7 +1,8 @@
 """kopf handlers: tiny, each one parse → reconcile (:mod:`.reconcile`) → report.
 
-- indices ``pods_by_job`` and ``redis_by_job``: child pods and the managed Redis Deployment, keyed by
-  (namespace, job-name label), kept current by kopf's watch streams (no API calls per pass);
+- indices ``pods_by_job``, ``redis_by_job`` and ``environment_by_job``: child pods (the environment server's among
+  them), the managed Redis Deployment and the environment server's Deployment, keyed by (namespace, job-name label),
+  kept current by kopf's watch streams (no API calls per pass);
 - a daemon per job, the only place passes run (so one writer per job): a pass every few seconds
   (``--active-interval``; ``--idle-interval`` for suspended, finished or invalid jobs, or sooner when a deadline
   or TTL fires), or at once when woken. On a new job it applies the static children (ConfigMap, Services, Redis)
@@ -10,7 +11,8 @@
 - ``on.event`` of a job wakes its daemon when the spec (generation), the labels or kopf's finalizer changed — not
   on the daemon's own status writes. No ``on.create``/``on.update`` handler: kopf would patch its own
   bookkeeping annotations after each, racing the daemon's status write;
-- ``on.event`` of a child pod, of the Redis Deployment or of a queued job's Kueue Workload wakes the job's daemon;
+- ``on.event`` of a child pod, of the Redis or environment server Deployment or of a queued job's Kueue Workload wakes
+  the job's daemon;
 - deletion needs no handler: every child has an owner reference, so the garbage collector removes them.
 """
 
@@ -34,6 +36,7 @@ from rljob_operator.settings import FINALIZER
 JOBS = (c.GROUP, c.VERSION, c.PLURAL)
 CHILDREN = {c.LABEL_JOB_NAME: kopf.PRESENT}
 REDIS = {c.LABEL_JOB_NAME: kopf.PRESENT, c.LABEL_ROLE: c.Role.REDIS.value}
+ENVIRONMENT = {c.LABEL_JOB_NAME: kopf.PRESENT, c.LABEL_ROLE: c.Role.ENVIRONMENT.value}
 WORKLOADS = (c.KUEUE_GROUP, c.KUEUE_API_VERSION.split("/")[1], "workloads")
 """Kueue's Workloads: a queued job's own wakes it when Kueue admits or evicts it (not watched where Kueue's API is
 absent: kopf serves a resource once it exists)."""
@@ -58,8 +61,15 @@ def redis_by_job(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any)
     return {(namespace, labels[c.LABEL_JOB_NAME]): observe.deployment_view(body)}
 
 
+@kopf.index("apps", "v1", "deployments", labels=ENVIRONMENT)
+def environment_by_job(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any):
+    """(namespace, job-name label) → the environment server's Deployment as a DeploymentView."""
+    return {(namespace, labels[c.LABEL_JOB_NAME]): observe.deployment_view(body)}
+
+
 @kopf.on.event("v1", "pods", labels=CHILDREN)
 @kopf.on.event("apps", "v1", "deployments", labels=REDIS)
+@kopf.on.event("apps", "v1", "deployments", labels=ENVIRONMENT)
 @kopf.on.event(*WORKLOADS, labels=CHILDREN)
 def wake_job(namespace: str, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
     """A child changed: wake its job's daemon (the pass itself runs there)."""
@@ -81,15 +91,18 @@ async def _sleep(runtime: JobRuntime, stopped: kopf.DaemonStopped, closing: asyn
     runtime.wake.clear()
 
 
-async def _pass(body: kopf.Body, memo: kopf.Memo, pods_by_job: kopf.Index, redis_by_job: kopf.Index,
+async def _pass(body: kopf.Body, memo: kopf.Memo, indices: tuple[kopf.Index, kopf.Index, kopf.Index],
                 children_only: bool = False) -> float:
+    """One pass over ``body`` with what ``indices`` (pods_by_job, redis_by_job, environment_by_job) hold for it."""
+    pods_by_job, redis_by_job, environment_by_job = indices
     key = _key(body["metadata"]["namespace"], body["metadata"]["name"])
     runtime: JobRuntime = memo["jobs"].setdefault(key, JobRuntime())
     redis: Optional[observe.DeploymentView] = next(iter(redis_by_job.get(key, [])), None)
+    environment: Optional[observe.DeploymentView] = next(iter(environment_by_job.get(key, [])), None)
     async with runtime.lock:
         with memo["metrics"].reconcile_duration.time():
             return await reconcile(body, list(pods_by_job.get(key, [])), redis, runtime, memo["context"],
-                                   children_only=children_only)
+                                   children_only=children_only, environment_deployment=environment)
 
 
 def pass_inputs(body: kopf.Body) -> tuple:
@@ -114,10 +127,12 @@ def job_changed(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **_
 
 @kopf.daemon(*JOBS, cancellation_backoff=10.0, cancellation_timeout=5.0)
 async def gang_loop(body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Memo, logger: kopf.Logger,
-                    pods_by_job: kopf.Index, redis_by_job: kopf.Index, **_: Any) -> None:
+                    pods_by_job: kopf.Index, redis_by_job: kopf.Index, environment_by_job: kopf.Index,
+                    **_: Any) -> None:
     """The job's heartbeat: reconcile, sleep until woken or the interval passes, repeat until deleted."""
     key = _key(body["metadata"]["namespace"], body["metadata"]["name"])
     runtime: JobRuntime = memo["jobs"].setdefault(key, JobRuntime())
+    indices = (pods_by_job, redis_by_job, environment_by_job)
     failures = 0
     runtime.looping = True
     waiting_since, prepared = asyncio.get_running_loop().time(), False
@@ -129,14 +144,14 @@ async def gang_loop(body: kopf.Body, stopped: kopf.DaemonStopped, memo: kopf.Mem
                 if not prepared:
                     prepared = True
                     try:
-                        await _pass(body, memo, pods_by_job, redis_by_job, children_only=True)
+                        await _pass(body, memo, indices, children_only=True)
                     except Exception as err:  # the full pass applies them again and reports the error
                         logger.debug("applying the children early failed: %s", err)
                 await _sleep(runtime, stopped, memo["closing"], FINALIZER_WAIT_S - waited)
                 continue
             runtime.wake.clear()  # what woke it so far is seen by this pass
             try:
-                delay = await _pass(body, memo, pods_by_job, redis_by_job)
+                delay = await _pass(body, memo, indices)
                 failures = 0
             except StaleStatus:  # refused with 409: the job changed meanwhile; the next pass reads it fresh
                 memo["metrics"].reconcile_errors.labels(kind="StaleStatus").inc()

@@ -27,6 +27,13 @@ RolloutReady            every rollout pod is ready; ExternalProducers (True): sp
                         rollout hash's ``all_rewards_failed``), so nothing
                         reaches the trainer; the message says since when and when the job fails for it
                         (rewardFailureDeadlineSeconds, then Failed/RewardsFailing); cleared when a batch scores again.
+EnvironmentReady        only on a job with spec.rollout.environment.server or url. server: every replica of the
+                        environment server's Deployment is available (EnvironmentAvailable); False while it runs no
+                        pod (the phase's reason: suspended, held by Kueue, finished, invalid), or naming the field at
+                        fault: ContainerCannotStart (an image that cannot be pulled names server.image), ContainerFailing
+                        (a crash loop, with its last termination message), ReadinessFailing (nothing answers on
+                        server.port), Unschedulable, PodsNotReady while they start. url: Unknown, ExternalEnvironment
+                        (the operator does not probe it). Running does not wait for it (see Running).
 TrainerReady            every trainer pod of the current attempt is running; Unschedulable names pods the
                         scheduler cannot place (scheduled ranks wait in rendezvous; not a failure);
                         ContainerCannotStart and ContainerFailing as for RolloutReady.
@@ -36,7 +43,8 @@ Running                 training steps can be made (phase Running): the whole ga
                         RedisUnavailable). CheckpointLost (still
                         True): the attempt started below the last recorded checkpoint because the checkpoint volume
                         no longer holds it (the progress hash's ``checkpoint_lost``). The message adds when no new
-                        document can reach the trainer because RolloutReady is False.
+                        document can reach the trainer because RolloutReady or EnvironmentReady is False with none of
+                        their pods serving; Running waits for neither (the trainer steps on what the stream holds).
 Restarting              a gang restart is in progress (reason: what ended the attempt; the message: where the next
                         attempt starts); appears on the first one.
 Suspended               runPolicy.suspend is true and the pods are gone; appears on the first suspend.
@@ -57,13 +65,13 @@ from rljob_api import names, protocol
 from rljob_api.config import JobConfig
 from rljob_api.constants import ConditionType, Phase, Reason, Role
 from rljob_api.protocol import LostCheckpoint, Progress
-from rljob_api.spec import RedisPersistenceSpec, RLTrainingJobSpec, SecretKeyRef
+from rljob_api.spec import EnvironmentServerSpec, RedisPersistenceSpec, RLTrainingJobSpec, SecretKeyRef
 from rljob_api.status import CheckpointStatus, Condition, RLTrainingJobStatus, SecretKeyStatus, StreamStatus
 from rljob_api.validation import SpecProblem
 
-from rljob_operator import account, eta, overrides
+from rljob_operator import account, capacity, eta, overrides
 from rljob_operator.gang import Lifecycle, held_message, plural
-from rljob_operator.observe import RESTART_REASONS, PodView
+from rljob_operator.observe import RESTART_REASONS, DeploymentView, PodView
 
 def lost_checkpoint_message(lost: LostCheckpoint, attempt: int, volume: Optional[str]) -> str:
     """What Running=True/CheckpointLost says about gang ``attempt`` (:func:`rljob_api.protocol.lost_checkpoint_message`);
@@ -118,7 +126,8 @@ def status_fields(progress: Progress) -> dict[str, Any]:
 #: Conditions set from the first pass on; the others appear when they first become True.
 ALWAYS = (ConditionType.VALID, ConditionType.REDIS_READY, ConditionType.ROLLOUT_READY, ConditionType.TRAINER_READY,
           ConditionType.RUNNING)
-ORDER = (*ALWAYS, ConditionType.RESTARTING, ConditionType.SUSPENDED, ConditionType.SUCCEEDED, ConditionType.FAILED)
+ORDER = (ConditionType.VALID, ConditionType.REDIS_READY, ConditionType.ROLLOUT_READY, ConditionType.ENVIRONMENT_READY,
+         ConditionType.TRAINER_READY, ConditionType.RUNNING, ConditionType.RESTARTING, ConditionType.SUSPENDED, ConditionType.SUCCEEDED, ConditionType.FAILED)
 IDLE_PHASES = (Phase.SUSPENDED, Phase.SUCCEEDED, Phase.FAILED, Phase.INVALID)
 _NOT_NEWS = (Reason.PODS_NOT_READY, Reason.WAITING_FOR_GANG, Reason.GANG_CREATED, Reason.REDIS_UNAVAILABLE)
 """Reasons of a new job's first conditions that are not news: "not ready yet" (a new job's first status is written
@@ -134,12 +143,14 @@ checkpoint, and a queued job that Kueue evicted or cannot queue (after WaitingFo
 _PHASE_CONDITIONS = (ConditionType.RESTARTING, ConditionType.SUSPENDED, ConditionType.SUCCEEDED, ConditionType.FAILED)
 """Conditions that describe a phase: of conditions that say the same, they give the Event."""
 _WARNINGS = (Reason.UNSCHEDULABLE, Reason.ALL_REWARDS_FAILED, Reason.CONTAINER_CANNOT_START, Reason.CONTAINER_FAILING,
+             Reason.READINESS_FAILING,
              Reason.CHECKPOINT_LOST, Reason.REDIS_UNAVAILABLE, Reason.CLAIM_PENDING, Reason.REWARD_SOURCE_MISSING,
              Reason.KUEUE_NOT_AVAILABLE, Reason.KUEUE_INADMISSIBLE)
 """Reasons whose Events are Warnings (besides Failed, Restarting and Valid=False)."""
 _STARVED = (Reason.UNSCHEDULABLE, Reason.CONTAINER_CANNOT_START, Reason.CONTAINER_FAILING,
-            Reason.REWARD_SOURCE_MISSING)
-"""RolloutReady reasons that, with no rollout pod ready, mean that no new document reaches the trainer."""
+            Reason.REWARD_SOURCE_MISSING, Reason.READINESS_FAILING)
+"""RolloutReady and EnvironmentReady reasons that, with none of their pods serving, mean that no new document reaches
+the trainer."""
 
 FAILING_WINDOW_PER_RESTART_S = 60.0
 FAILING_WINDOW_MAX_S = 600.0
@@ -236,7 +247,12 @@ def _grouped(details: Iterable[tuple[str, str]]) -> str:
 
 
 _LABELS = {Reason.UNSCHEDULABLE: "cannot be scheduled", Reason.CONTAINER_CANNOT_START: "cannot start",
-           Reason.CONTAINER_FAILING: "failing"}
+           Reason.CONTAINER_FAILING: "failing", Reason.READINESS_FAILING: "not ready"}
+
+
+_POD_TROUBLES = (Reason.UNSCHEDULABLE, Reason.CONTAINER_CANNOT_START, Reason.CONTAINER_FAILING,
+                 Reason.READINESS_FAILING)
+"""What keeps a pod from being ready, by precedence (the reason of a pods condition that names several)."""
 
 
 def secret_fields(spec: RLTrainingJobSpec) -> dict[str, str]:
@@ -264,6 +280,31 @@ def name_secret_fields(pods: Iterable[PodView], fields: Mapping[str, str]) -> li
     return named
 
 
+_NO_RLJOB = re.compile(r"No module named '?rljob_")
+"""Python's words when an image lacks rljob's packages (``python -m rljob_rollout`` in a plain image)."""
+
+
+def name_images_without_rljob(pods: Iterable[PodView], spec: RLTrainingJobSpec) -> list[PodView]:
+    """``pods`` with the image field added to a trainer or rollout container's last failure that says Python found no
+    rljob module, e.g. "... No module named rljob_rollout (spec.rollout.image 'python:3.11' has no rljob: build it
+    FROM rljob's trainer image, or install rljob's packages in it)"."""
+    images = {Role.TRAINER.value: spec.trainer.image, Role.ROLLOUT.value: spec.rollout.image}
+    named = []
+    for pod in pods:
+        image = images.get(pod.role)
+        if image and _NO_RLJOB.search(pod.last_failure) and "has no rljob" not in pod.last_failure:
+            pod = replace(pod, last_failure=f"{pod.last_failure} (spec.{pod.role}.image {image!r} has no rljob: build "
+                                            "it FROM rljob's trainer image, or install rljob's packages in it)")
+        named.append(pod)
+    return named
+
+
+def name_spec_fields(pods: Iterable[PodView], spec: RLTrainingJobSpec) -> list[PodView]:
+    """``pods`` with the spec fields behind their kubelet messages named: :func:`name_secret_fields` and
+    :func:`name_images_without_rljob`."""
+    return name_images_without_rljob(name_secret_fields(pods, secret_fields(spec)), spec)
+
+
 def pod_trouble(pod: PodView, now: datetime) -> Optional[tuple[Reason, str]]:
     """Why ``pod`` is not ready when it is not merely on its way: (Unschedulable, the scheduler's message),
     (ContainerFailing, e.g. "container rollout CrashLoopBackOff, 3 restarts; last run: exit code 2 (Error): ..."),
@@ -284,12 +325,14 @@ def describe_troubles(pods: Iterable[PodView], now: datetime) -> str:
     return "; ".join(f"{name}: {_LABELS[trouble[0]]}: {trouble[1]}" for name, trouble in found if trouble)
 
 
-def _pods_condition(role: Role, pods: Sequence[PodView], wanted: int, ready_when, now: datetime) -> _Cond:
+def _pods_condition(role: Role, pods: Sequence[PodView], wanted: int, ready_when, now: datetime,
+                    trouble=pod_trouble) -> _Cond:
     """The readiness of one role's pods. Reason by precedence: Unschedulable, ContainerCannotStart, ContainerFailing,
-    PodsNotReady; the message names every pod that is not ready and why (:func:`pod_trouble`). A pod that Succeeded
-    did its part (its container exited 0: training finished) and counts as ready, noted as finished, so the last
-    seconds of a job, when some pods have exited and others not yet, are not told as pods that stopped being ready."""
-    troubles = {p.name: pod_trouble(p, now) for p in pods}
+    ReadinessFailing, PodsNotReady; the message names every pod that is not ready and why (``trouble``, by default
+    :func:`pod_trouble`). A pod that Succeeded did its part (its container exited 0: training finished) and counts as
+    ready, noted as finished, so the last seconds of a job, when some pods have exited and others not yet, are not told
+    as pods that stopped being ready."""
+    troubles = {p.name: trouble(p, now) for p in pods}
     ready = [p for p in pods if (ready_when(p) or p.phase == "Succeeded") and troubles[p.name] is None]
     finished = sum(p.phase == "Succeeded" for p in ready)
     message = f"{len(ready)}/{wanted} {role.value} pods ready" + (f" ({finished} finished)" if finished else "")
@@ -303,15 +346,14 @@ def _pods_condition(role: Role, pods: Sequence[PodView], wanted: int, ready_when
     if unschedulable:
         hint = " (the scheduled ranks wait in rendezvous; this is not counted as a failure)" if role == Role.TRAINER else ""
         message += "; cannot be scheduled: " + ", ".join(f"{name}: {detail}" for name, detail in unschedulable) + hint
-    for reason in (Reason.CONTAINER_CANNOT_START, Reason.CONTAINER_FAILING):
+    for reason in _POD_TROUBLES[1:]:
         if reason in by_reason:
             message += f"; {_LABELS[reason]}: {_grouped(by_reason[reason])}"
     ready_names = {p.name for p in ready}
     waiting = [f"{p.name} ({p.phase})" for p in pods if p.name not in ready_names and troubles[p.name] is None]
     if waiting:
         message += "; waiting for " + ", ".join(waiting)
-    reason = next((r for r in (Reason.UNSCHEDULABLE, Reason.CONTAINER_CANNOT_START, Reason.CONTAINER_FAILING)
-                   if r in by_reason), Reason.PODS_NOT_READY)
+    reason = next((r for r in _POD_TROUBLES if r in by_reason), Reason.PODS_NOT_READY)
     return _Cond("False", reason, message)
 
 
@@ -345,10 +387,81 @@ def external_producers(stream: Optional[StreamStatus]) -> _Cond:
         f"{stream.members_key} as transfer rank {stream.first_transfer_rank} or above (status.stream)"))
 
 
+IMAGE_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
+"""The kubelet's waiting reasons of a container whose image it cannot pull (or whose name is not an image's)."""
+READINESS_GRACE_S = 30.0
+"""How long an environment server container may run without passing its readiness probe before EnvironmentReady says
+so (ReadinessFailing, naming the port): a server takes a few seconds to start listening."""
+
+
+@dataclass(frozen=True)
+class EnvironmentReport:
+    """What EnvironmentReady is made of, on a job whose rollouts step an environment server: ``url``, where the rollout
+    workers reach it; ``server``, the one the operator runs (None: ``spec.rollout.environment.url``, outside the job);
+    ``name``, its Deployment's; ``deployment``, that Deployment as observed (None: not made yet); ``replicas``, the
+    pods it should run in this pass (0: stopped with the job: suspended, held by Kueue, finished or invalid)."""
+
+    url: str
+    server: Optional[EnvironmentServerSpec] = None
+    name: str = ""
+    deployment: Optional[DeploymentView] = None
+    replicas: int = 0
+
+
+def _environment_trouble(server: EnvironmentServerSpec, pod: PodView, now: datetime) -> Optional[tuple[Reason, str]]:
+    """:func:`pod_trouble` of an environment server pod, naming the field at fault: an image that cannot be pulled
+    names ``spec.rollout.environment.server.image``; a container that has run :data:`READINESS_GRACE_S` without being
+    ready (ReadinessFailing) names ``spec.rollout.environment.server.port``."""
+    found = pod_trouble(pod, now)
+    if found is not None:
+        reason, detail = found
+        if reason == Reason.CONTAINER_CANNOT_START and pod.waiting_reason in IMAGE_PULL_REASONS:
+            detail = f"spec.rollout.environment.server.image {server.image!r} cannot be pulled: {detail}"
+        return reason, detail
+    if pod.phase != "Running" or pod.ready or pod.running_since is None:
+        return None
+    ran = int((now - pod.running_since).total_seconds())
+    if ran < READINESS_GRACE_S:
+        return None
+    return Reason.READINESS_FAILING, (
+        f"spec.rollout.environment.server.port {server.port}: container {pod.container} has run for {ran} s but "
+        f"nothing answers its readiness probe (a TCP connection to port {server.port}); the server must listen on "
+        f"0.0.0.0:{server.port}")
+
+
+def environment_condition(report: EnvironmentReport, lc: Lifecycle, pods: Sequence[PodView], now: datetime) -> _Cond:
+    """EnvironmentReady: Unknown (ExternalEnvironment) for an external ``url``, which the operator does not probe;
+    False with the phase's reason while the server runs no pod (the job is suspended, held by Kueue, finished or
+    invalid); True (EnvironmentAvailable) once its Deployment has every replica available; else False naming why, as
+    the rollout pods' condition does (Unschedulable, ContainerCannotStart, ContainerFailing with the last termination
+    message), with the field at fault (:func:`_environment_trouble`), or ReadinessFailing, or PodsNotReady while they
+    start. ``pods``: the job's environment server pods."""
+    if report.server is None:
+        return _Cond("Unknown", Reason.EXTERNAL_ENVIRONMENT, (
+            f"spec.rollout.environment.url {report.url} is a server outside the job, which the operator does not probe "
+            "(from the operator's network a probe would not tell whether the rollout pods reach it); the rollout "
+            "workers count the episodes it fails, and RolloutReady is AllRewardsFailed while every episode of their "
+            "batches fails"))
+    if report.replicas == 0:
+        return _Cond("False", lc.reason, lc.message)
+    where = f"environment server {report.name} ({report.url})"
+    if report.deployment is None:
+        return _Cond("False", Reason.PODS_NOT_READY, f"{where}: its Deployment does not exist yet")
+    if report.deployment.available:
+        return _Cond("True", Reason.ENVIRONMENT_AVAILABLE, f"{where}: {report.deployment.message}")
+    found = _pods_condition(Role.ENVIRONMENT, [p for p in pods if not p.deleting], report.replicas,
+                            lambda p: p.phase == "Running" and p.ready, now,
+                            trouble=lambda p, at: _environment_trouble(report.server, p, at))
+    if found.status == "True":  # every pod ready, the Deployment not yet counting them available
+        return _Cond("False", Reason.PODS_NOT_READY, f"{where}: {report.deployment.message}")
+    return _Cond("False", found.reason, f"{where}: {found.message}")
+
+
 def _conditions(lc: Lifecycle, valid: _Cond, redis: RedisHealth, trainers: Sequence[PodView],
                 rollouts: Sequence[PodView], nodes: int, replicas: int, rewards_failure: Optional[str],
                 saved_redis: Optional[Condition], lost: Optional[str], stream: Optional[StreamStatus],
-                now: datetime, reward_source: Optional[str] = None) -> dict[ConditionType, _Cond]:
+                now: datetime, reward_source: Optional[str] = None, environment: Optional[EnvironmentReport] = None,
+                environments: Sequence[PodView] = (), scale_wait: Optional[str] = None) -> dict[ConditionType, _Cond]:
     idle = lc.phase in IDLE_PHASES
     idle_cond = _Cond("False", lc.reason, lc.message)
     conds = {ConditionType.VALID: valid}
@@ -379,7 +492,17 @@ def _conditions(lc: Lifecycle, valid: _Cond, redis: RedisHealth, trainers: Seque
         conds[ConditionType.ROLLOUT_READY] = _pods_condition(
             Role.ROLLOUT, rollouts, replicas, lambda p: p.phase == "Running" and p.ready, now
         )
-    conds[ConditionType.RUNNING] = _running(lc, conds[ConditionType.ROLLOUT_READY], rollouts, lost, now)
+        if scale_wait:
+            pods_message = conds[ConditionType.ROLLOUT_READY].message
+            conds[ConditionType.ROLLOUT_READY] = _Cond("False", Reason.SCALE_UP_WAITING_FOR_QUOTA,
+                                                       f"{pods_message}; {scale_wait}")
+    if environment is not None:
+        conds[ConditionType.ENVIRONMENT_READY] = idle_cond if idle else environment_condition(
+            environment, lc, environments, now)
+    feeders = [(ConditionType.ROLLOUT_READY, _serving(rollouts, now))]
+    if environment is not None:
+        feeders.append((ConditionType.ENVIRONMENT_READY, _serving(environments, now)))
+    conds[ConditionType.RUNNING] = _running(lc, [(ctype, conds[ctype], serving) for ctype, serving in feeders], lost)
     for phase, ctype in ((Phase.RESTARTING, ConditionType.RESTARTING), (Phase.SUSPENDED, ConditionType.SUSPENDED),
                          (Phase.SUCCEEDED, ConditionType.SUCCEEDED), (Phase.FAILED, ConditionType.FAILED)):
         if lc.phase == phase:
@@ -387,18 +510,24 @@ def _conditions(lc: Lifecycle, valid: _Cond, redis: RedisHealth, trainers: Seque
     return conds
 
 
-def _running(lc: Lifecycle, rollout: _Cond, rollouts: Sequence[PodView], lost: Optional[str], now: datetime) -> _Cond:
-    """Running: True in phase Running (reason CheckpointLost, saying ``lost``, when the attempt lost its checkpoint;
-    the message adds when no new document reaches the trainer because of ``rollout``), else False with the phase's
-    reason."""
+def _serving(pods: Sequence[PodView], now: datetime) -> bool:
+    """Whether any of ``pods`` is ready with nothing wrong (:func:`pod_trouble`)."""
+    return any(p.phase == "Running" and p.ready and not p.deleting and pod_trouble(p, now) is None for p in pods)
+
+
+def _running(lc: Lifecycle, feeders: Sequence[tuple[ConditionType, _Cond, bool]], lost: Optional[str]) -> _Cond:
+    """Running: True in phase Running (reason CheckpointLost, saying ``lost``, when the attempt lost its checkpoint),
+    else False with the phase's reason. ``feeders``: (RolloutReady, its condition, whether a rollout pod serves) and on a
+    job with an environment (EnvironmentReady, its condition, whether one of its pods serves): the message adds, for each that is False
+    with no pod serving (or whose rewards all fail), that no new document reaches the trainer. Running waits for
+    neither: the trainer steps on what the stream holds, and the rollout and environment pods recover on their own."""
     if lc.phase != Phase.RUNNING:
         return _Cond("False", lc.reason, lc.message)
     message = f"{lc.message}; {lost}" if lost else lc.message
-    if rollout.reason == Reason.ALL_REWARDS_FAILED or (
-        rollout.reason in _STARVED
-        and not any(p.phase == "Running" and p.ready and pod_trouble(p, now) is None for p in rollouts)
-    ):
-        message += f"; no new document reaches the trainer while RolloutReady is False ({rollout.reason.value})"
+    for ctype, cond, serving in feeders:
+        if cond.reason == Reason.ALL_REWARDS_FAILED or (cond.reason in _STARVED and not serving):
+            message += (f"; no new document reaches the trainer while {ctype.value} is False "
+                        f"({Reason(cond.reason).value})")
     return _Cond("True", Reason.CHECKPOINT_LOST if lost else lc.reason, message)
 
 
@@ -422,6 +551,9 @@ def build_status(
     steps_per_second: Optional[float] = None,
     stream: Optional[StreamStatus] = None,
     reward_source: Optional[str] = None,
+    environment: Optional[EnvironmentReport] = None,
+    rollout_selector: Optional[str] = None,
+    scale_wait: Optional[str] = None,
 ) -> RLTrainingJobStatus:
     """The new status. Conditions keep their lastTransitionTime while their status is unchanged; conditions
     that were True once stay listed (False with the current phase's reason) once they no longer hold.
@@ -434,9 +566,18 @@ def build_status(
     ``steps_per_second``: the trainer's recent rate (:class:`.eta.StepRate`) for the estimated time left, which is
     shown only while Running and kept on a pass that did not read Redis. ``stream``: status.stream
     (:func:`stream_status`; None keeps the saved one). ``reward_source``: why the rollout pods cannot load the reward
-    module from its ConfigMap (:mod:`.reward_source`), RolloutReady=False/RewardSourceMissing; None: they can."""
+    module from its ConfigMap (:mod:`.reward_source`), RolloutReady=False/RewardSourceMissing; None: they can.
+    ``environment``: what EnvironmentReady is made of (:func:`environment_condition`; its pods are the ``pods`` of role
+    environment); None: the job has no environment server or URL, and no EnvironmentReady (an edit that removes the
+    environment removes the condition). ``rollout_selector``: status.rolloutSelector (None keeps the saved one).
+    ``scale_wait``: why a queued job runs fewer rollout pods than its spec asks (:func:`.workload.scale_wait`):
+    RolloutReady=False, ScaleUpWaitingForQuota, the note after what the rollout pods' readiness says.
+    status.capacity (:func:`.capacity.observe`) follows ``progress`` and ``replicas``, is kept on a pass that did not
+    read Redis and removed while the job is idle (nothing runs to measure); status.rolloutReplicas counts the rollout
+    ``pods`` not being deleted."""
     pods = list(pods)
-    old = {cond.type: cond for cond in previous.conditions}
+    old = {cond.type: cond for cond in previous.conditions
+           if environment is not None or cond.type != ConditionType.ENVIRONMENT_READY}
     fresh = _conditions(
         lifecycle,
         valid_condition(problems, kept),
@@ -451,6 +592,9 @@ def build_status(
         stream or previous.stream,
         now,
         reward_source,
+        environment,
+        [p for p in pods if p.role == Role.ENVIRONMENT],
+        scale_wait,
     )
     old_running = old.get(ConditionType.RUNNING)
     if (progress is None and lifecycle.phase == Phase.RUNNING and lifecycle.attempt == previous.attempt
@@ -467,7 +611,14 @@ def build_status(
         start_time=lifecycle.start_time,
         completion_time=lifecycle.completion_time,
         conditions=_condition_list(old, fresh, lifecycle, generation, now),
+        rollout_replicas=sum(p.role == Role.ROLLOUT and not p.deleting for p in pods),
     )
+    if lifecycle.phase in IDLE_PHASES:
+        fields["capacity"] = None
+    elif progress is not None:
+        fields["capacity"] = capacity.observe(progress, replicas, now, previous.capacity)
+    if rollout_selector is not None:
+        fields["rollout_selector"] = rollout_selector
     if stream is not None:
         fields["stream"] = stream
     if progress is not None:

@@ -41,6 +41,7 @@ PLURALS = {
     "Service": "services",
     "Pod": "pods",
     "Deployment": "deployments",
+    "NetworkPolicy": "networkpolicies",
     "Node": "nodes",
     "PersistentVolumeClaim": "persistentvolumeclaims",
     "Event": "events",

@@ -60,7 +60,8 @@ class PodView:
     """A rollout pod's ``rljob.dev/reward-source-hash`` label: the content of the reward ConfigMap it was made with."""
     container: str = ""
     """Name of the container the next fields describe: the first that waits for a reason other than being created,
-    else the first that exited with an error, else the first that restarted."""
+    else the first that exited with an error, else the first that restarted, else the first main container that runs
+    (then only ``running_since`` is set)."""
     waiting_reason: str = ""
     """Its waiting reason unless it is being created (:data:`STARTING_REASONS`): CrashLoopBackOff,
     CreateContainerConfigError, ImagePullBackOff, ErrImagePull ..."""
@@ -165,8 +166,12 @@ def _container_fields(status: Mapping[str, Any]) -> dict[str, Any]:
     failed = [cs for cs in containers if ((cs.get("state") or {}).get("terminated") or {}).get("exitCode")]
     restarted = [cs for cs in containers if cs.get("restartCount")]
     chosen = next(iter(stuck or failed or restarted), None)
-    if chosen is None:
-        return {}
+    if chosen is None:  # all well so far: when the first main container runs, since when (is it ready by now?)
+        running = next((cs for cs in status.get("containerStatuses") or [] if (cs.get("state") or {}).get("running")),
+                       None)
+        if running is None:
+            return {}
+        return {"container": running.get("name", ""), "running_since": _time(running["state"]["running"].get("startedAt"))}
     state = chosen.get("state") or {}
     wait = _waiting(chosen) if chosen in stuck else {}
     terminated = state.get("terminated") or (chosen.get("lastState") or {}).get("terminated") or {}
@@ -266,12 +271,14 @@ def node_view(name: str, node: Optional[Mapping[str, Any]]) -> NodeView:
 
 @dataclass(frozen=True)
 class DeploymentView:
-    """A child Deployment (the managed Redis): available = at least one ready replica of the current template."""
+    """A child Deployment (the managed Redis, an environment server): available = every replica it wants (at least
+    one) ready; ``replicas``: how many it wants (``spec.replicas``)."""
 
     name: str
     available: bool
     message: str
     owner_uid: str = ""
+    replicas: int = 1
 
 
 def deployment_view(deployment: Mapping[str, Any]) -> DeploymentView:
@@ -292,7 +299,7 @@ def deployment_view(deployment: Mapping[str, Any]) -> DeploymentView:
     if not available and failure.get("message"):  # its pod cannot even be created, e.g. a PriorityClass not found
         message += f"; {failure.get('reason') or 'ReplicaFailure'}: {failure['message']}"
     return DeploymentView(name=meta.get("name", ""), available=available, message=message,
-                          owner_uid=controller_uid(deployment))
+                          owner_uid=controller_uid(deployment), replicas=wanted)
 
 
 CLAIM_PROBLEM_REASONS = frozenset({"FailedBinding"})

@@ -4,6 +4,12 @@
   (a custom collector, so the number is never stale; ``phase="Unknown"`` for jobs without a status yet);
 - ``rljob_operator_job_restarts{job_namespace,job_name}``: each job's status.restarts (gang restarts over the job's
   life, whichever operator process decided them), listed at scrape time as well;
+- each job's ``status.capacity`` (DESIGN §6 "Capacity signals"), listed at scrape time, labelled
+  ``job_namespace``, ``job_name`` (:data:`CAPACITY_GAUGES`): ``rljob_operator_job_data_wait_share``,
+  ``rljob_operator_job_rollout_held_share``, ``rljob_operator_job_rollout_tokens_per_second``,
+  ``rljob_operator_job_rollout_tokens_per_second_per_replica``, ``rljob_operator_job_stream_entries{state}``
+  (``pending``, ``undelivered``) and ``rljob_operator_job_rollout_replicas_reporting``; a value not reported has no
+  sample (never a 0), and a job that runs no pod has none;
 - ``rljob_operator_gang_restarts_total``: trainer gang restarts decided by this process;
 - ``rljob_operator_reconcile_duration_seconds``: wall time of one reconcile pass (seconds);
 - ``rljob_operator_reconcile_errors_total{kind}``: passes that ended in an error, by exception class
@@ -37,6 +43,38 @@ def count_phases(jobs: list[dict[str, Any]]) -> dict[str, int]:
     return {**{phase.value: 0 for phase in Phase}, "Unknown": 0, **tally}
 
 
+CAPACITY_GAUGES = (
+    ("rljob_operator_job_data_wait_share", "Share of its time the trainer waited for documents (status.capacity).",
+     (("dataWaitShare", ()),)),
+    ("rljob_operator_job_rollout_held_share", "Rollout replicas' mean share of time held by back-pressure.",
+     (("heldShare", ()),)),
+    ("rljob_operator_job_rollout_tokens_per_second", "Tokens sampled per second by the rollout replicas reporting.",
+     (("tokensPerSecond", ()),)),
+    ("rljob_operator_job_rollout_tokens_per_second_per_replica", "Their tokens per second per replica.",
+     (("tokensPerSecondPerReplica", ()),)),
+    ("rljob_operator_job_stream_entries", "Stream entries of the trainer's consumer group: pending (delivered, not "
+     "acked) and undelivered (documents).", (("pending", ("pending",)), ("undelivered", ("undelivered",)))),
+    ("rljob_operator_job_rollout_replicas_reporting", "Rollout replicas with a capacity report of the last 60 s.",
+     (("replicasReporting", ()),)),
+)
+"""(metric name, help, ((status.capacity field, extra label values), ...)); the one extra label is ``state``."""
+
+
+def capacity_families(jobs: list[dict[str, Any]]) -> list[GaugeMetricFamily]:
+    """The gauges of :data:`CAPACITY_GAUGES` for ``jobs`` (as listed), a sample per reported value."""
+    families = []
+    for name, documentation, fields in CAPACITY_GAUGES:
+        extra = ["state"] if fields[0][1] else []
+        family = GaugeMetricFamily(name, documentation, labels=["job_namespace", "job_name", *extra])
+        for job in jobs:
+            meta, reported = job.get("metadata") or {}, (job.get("status") or {}).get("capacity") or {}
+            for field, values in fields:
+                if reported.get(field) is not None:
+                    family.add_metric([meta.get("namespace", ""), meta.get("name", ""), *values], reported[field])
+        families.append(family)
+    return families
+
+
 class JobsCollector(Collector):
     """Lists the jobs at scrape time by running ``list_jobs`` on the operator's event loop.
 
@@ -66,6 +104,7 @@ class JobsCollector(Collector):
             restarts.add_metric([meta.get("namespace", ""), meta.get("name", "")],
                                 (job.get("status") or {}).get("restarts") or 0)
         yield restarts
+        yield from capacity_families(jobs)
 
 
 class OperatorMetrics:

@@ -9,7 +9,7 @@ Everything decided here comes from :mod:`.admission` and the pure modules (:mod:
    an invalid edit is fixed the last valid one) with the config it runs, resolved once and used by every later step,
    its problems, or children of an earlier job of the same name to wait for;
 2. apply the static children of a valid spec (Redis Secret and data claim create-only, ConfigMap, Services, Redis
-   Deployment), only when their rendering changed since this process last applied them (:mod:`.applied_hash`); a child the
+   Deployment, the environment server's NetworkPolicy), only when their rendering changed since this process last applied them (:mod:`.applied_hash`); a child the
    API server refuses as the spec's fault (400/422; 403 for a pod naming a PriorityClass, ServiceAccount or
    RuntimeClass that does not exist) makes the job Invalid in this pass (admission is asked again); a managed Redis
    moved between an emptyDir and its claim is told in a RedisReplaced Event;
@@ -18,13 +18,16 @@ Everything decided here comes from :mod:`.admission` and the pure modules (:mod:
    created or deleted that the watch has not reported yet), Redis's health and the progress hashes (planned again
    with the rollout hash's reward-failure streak when it holds one: past its deadline the job fails; a running gang
    whose trainer has not reported the attempt's start there stays Starting) and the reward
-   ConfigMap's content (:mod:`.reward_source`: rollout pods made from other content are outdated) — with the plan's
-   pods created first: trainer pods only of the saved attempt, so the status that records the gang as created is
-   written once they exist, and a refused pod makes the job Invalid in the same pass;
+   ConfigMap's content (:mod:`.reward_source`: rollout pods made from other content are outdated) — with the
+   environment server's Deployment applied at the replicas the plan's phase and Kueue's hold give it
+   (:func:`.environment.replicas`), then the plan's pods created: trainer pods only of the saved attempt, so the status
+   that records the gang as created is written once they exist; a refused Deployment or pod makes the job Invalid in
+   the same pass;
 4. write the status once (merge patch with a resourceVersion precondition: a stale view is refused, not written),
    then post Events for its transitions;
 5. act on what needs the status saved first: delete pods (a gang restart's new attempt number is saved before its
-   pods go), release the Redis client of an idle job, delete a finished job past its TTL.
+   pods go), scale the environment server of a job with no valid spec to 0, release the Redis client of an idle job,
+   delete a finished job past its TTL.
 
 Per-job state that lives only in this process is a :class:`~rljob_operator.runtime.JobRuntime` held in kopf's
 ``memo``.
@@ -45,7 +48,8 @@ from rljob_api.protocol import Backlog, Progress
 from rljob_api.status import RLTrainingJobStatus, StreamStatus
 from rljob_api.validation import data_parallel_size
 
-from rljob_operator import account, admission, children, gang, job_status, queueing, render, resolution
+from rljob_operator import (account, admission, capacity, children, environment, gang, job_status, queueing, render,
+                            resolution, rollout_scaling)
 from rljob_operator.redis_io import reads as redis_reads
 from rljob_operator.admission import Decision
 from rljob_operator.kube_api import ApiError
@@ -130,6 +134,8 @@ class _Pass:
     runtime: JobRuntime
     ctx: Context
     now: datetime
+    environment: Optional[DeploymentView] = None
+    """The environment server's Deployment as observed (None: the job has none, or not yet)."""
     previous: RLTrainingJobStatus = field(init=False)
     before: gang.Lifecycle = field(init=False)
     lost_backlog: Optional[Backlog] = field(default=None, init=False)
@@ -155,16 +161,19 @@ class _Pass:
         """:func:`.admission.decide` with the record of the job's config: read from its ConfigMap once per process
         (:func:`.resolution.known_record`: the pass's one API read for admission), then kept in the runtime."""
         recorded = await resolution.known_record(self.body, self.runtime, self.ctx.api)
-        return admission.decide(self.body, self.before, self.pods(), self.redis, self.runtime, recorded)
+        return admission.decide(self.body, self.before, self.pods(), self.redis, self.runtime, recorded,
+                                environment=self.environment)
 
     def stream(self, spec: RLTrainingJobSpec, config: JobConfig) -> StreamStatus:
         """status.stream for ``spec`` (:func:`.job_status.stream_status`) from the pass's ``config``."""
         return job_status.stream_status(config, render.redis_password_ref(self.job(spec)))
 
     def status(self, lifecycle: gang.Lifecycle, **report: Any) -> RLTrainingJobStatus:
-        """The new status (:func:`.status.build_status`) for ``lifecycle`` and the rest of the ``report``."""
+        """The new status (:func:`.status.build_status`) for ``lifecycle`` and the rest of the ``report``, with the
+        rollout pods' selector."""
         return job_status.build_status(self.previous, generation=self.meta.get("generation"), lifecycle=lifecycle,
-                                   now=self.now, **report)
+                                   now=self.now, rollout_selector=render.selector_text(self.meta["name"], c.Role.ROLLOUT),
+                                   **report)
 
 
 @dataclass(frozen=True)
@@ -187,6 +196,8 @@ class _Outcome:
     """A queued job's Workload and Kueue's decision (:mod:`.queueing`), followed up after the status write."""
     pods: tuple[PodView, ...] = ()
     """The job's pods the pass decided on (an evicted Workload's quota goes back once none is left)."""
+    stop_environment: bool = False
+    """Scale the environment server's Deployment to 0 (a job with no valid spec runs nothing)."""
 
 
 async def reconcile(
@@ -197,8 +208,11 @@ async def reconcile(
     ctx: Context,
     *,
     children_only: bool = False,
+    environment_deployment: Optional[DeploymentView] = None,
 ) -> float:
     """Run one pass for the job ``body`` (see the module docstring). Returns seconds until the next pass.
+
+    ``environment_deployment``: the job's environment server Deployment as observed (None: none).
 
     ``children_only``: stop once the static children are applied, before any write to the job itself (a new job's
     first pass while kopf is still adding its finalizer: a status write now would race kopf's patch).
@@ -209,7 +223,8 @@ async def reconcile(
     """
     # A snapshot: a kopf daemon's body is a live view that follows the watch during the pass, and a status computed
     # from the old object must be written with the old resourceVersion (refused as stale), never with a newer one.
-    this = _Pass(runtime.catch_up(dict(body)), list(indexed_pods), redis_deployment, runtime, ctx, ctx.clock())
+    this = _Pass(runtime.catch_up(dict(body)), list(indexed_pods), redis_deployment, runtime, ctx, ctx.clock(),
+                 environment_deployment)
     if (runtime.rejected and admission.missing_reference(runtime.rejected[1])
             and time.monotonic() - runtime.rejected_at >= RETRY_REFUSED_S):
         runtime.rejected = None  # what the pod named may exist by now: try again (refused, it is recorded again)
@@ -278,16 +293,21 @@ def _invalid(this: _Pass, decision: Decision, pods: list[PodView], base: Optiona
     valid = job_status.valid_condition(decision.problems, decision.note)
     lifecycle = base if finished else replace(base, phase=Phase.INVALID, reason=valid.reason, message=valid.message)
     health = redis_reads.invalid_health(decision.spec, this.redis, this.runtime, pods, this.now)
+    spec_environment = decision.spec.rollout.environment if decision.spec is not None else None
     new = this.status(lifecycle, problems=decision.problems, data_parallel_size=None, redis=health, pods=pods,
-                      nodes=0, replicas=0, progress=None, kept=decision.note)
+                      nodes=0, replicas=0, progress=None, kept=decision.note,
+                      environment=environment.report(this.job(decision.spec), spec_environment, this.environment, 0)
+                      if decision.spec is not None else None)
     stray = () if finished else tuple((p.name, p.uid) for p in admission.live_workers(pods))
     return _Outcome(new, delay=this.ctx.idle_interval_s, delete=stray, release=True,
-                    restarts=base.restarts - this.before.restarts)
+                    restarts=base.restarts - this.before.restarts,
+                    stop_environment=this.environment is not None and this.environment.replicas > 0)
 
 
 async def _run(this: _Pass, decision: Decision) -> _Outcome:
     """The gang's plan for the spec to run, with its pods created (see the module docstring)."""
     spec, config, runtime, ctx = decision.run, decision.config, this.runtime, this.ctx
+    spec = rollout_scaling.with_replicas(spec, rollout_scaling.replicas_to_run(spec, this.previous.autoscaling))
     job = this.job(spec)
     pods = this.pods()
     source = await read_reward_source(spec, job.namespace, ctx)
@@ -296,6 +316,8 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
     stream_lost = this.previous.stream_lost_attempt == this.before.attempt
     queued = await queueing.decide(job, config, this.body, this.before, runtime, ctx)
     hold = queued.hold if queued is not None else None
+    if queued is not None and queued.rollouts is not None and queued.rollouts < spec.rollout.replicas:
+        spec = rollout_scaling.with_replicas(spec, queued.rollouts)  # a scale-up waits for its Workload slice
     plan = gang.plan(job.name, spec, this.before, pods, hashes, this.now, nodes=nodes, stream_lost=stream_lost,
                      hold=hold, trained_step=this.previous.step)
     claim = await redis_reads.read_claim(job.name, job.namespace, config, this.redis, ctx)
@@ -318,7 +340,14 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
     manifests += [render.rollout_pod(job, config, i, source.hash) for i in plan.create_rollouts]
     if queued is not None:
         manifests = [queued.admit(m, c.Role(m["metadata"]["labels"][c.LABEL_ROLE])) for m in manifests]
-    error = await children.create_pods(manifests, this.body, runtime, ctx)
+    server = environment.server_of(config)
+    serving = environment.replicas(server, plan.lifecycle.phase, hold is not None) if server is not None else 0
+    place = (lambda template: queued.admit(template, c.Role.ENVIRONMENT)) if queued is not None and hold is None \
+        else None
+    error = await children.apply_environment(job, config, serving, place, this.environment is not None, this.body,
+                                             runtime, ctx)
+    if error is None:
+        error = await children.create_pods(manifests, this.body, runtime, ctx)
     lifecycle, problems, note = plan.lifecycle, decision.problems, decision.note
     if error is not None and admission.refusal_of_spec(error.status, error.message):
         runtime.reject(this.meta.get("generation"), error.message)
@@ -331,14 +360,17 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
     lifecycle = gang.require_redis(lifecycle, *redis_reads.known(health, this.previous))
     lifecycle = gang.require_started(lifecycle, fetched, this.before)
     new = this.status(lifecycle, problems=problems, data_parallel_size=data_parallel_size(spec), redis=health,
-                      pods=job_status.name_secret_fields(pods, job_status.secret_fields(spec)), nodes=spec.trainer.nodes,
+                      pods=job_status.name_spec_fields(pods, spec), nodes=spec.trainer.nodes,
                       replicas=spec.rollout.replicas, progress=fetched, max_steps=spec.trainer.max_steps,
                       steps_per_second=runtime.step_rate.per_second(),
                       checkpoint_volume=spec.trainer.checkpoint.volume,
                       reward_deadline_s=spec.rollout.reward_failure_deadline_seconds, kept=note,
-                      stream=this.stream(spec, config), reward_source=source.problem)
+                      stream=this.stream(spec, config), reward_source=source.problem,
+                      scale_wait=queued.scale_wait if queued is not None else None,
+                      environment=environment.report(job, config.spec.rollout.environment, this.environment, serving))
     if fetched is not None:
         new = _stream_identity(this, new, fetched, forgot)
+    new, scaled = _autoscale(this, spec, new, fetched)
     uids = {p.name: p.uid for p in pods}
     idle = plan.lifecycle.phase in job_status.IDLE_PHASES
     # A job Kueue holds with no pod left waits for its Workload, whose changes wake it (handlers.WORKLOADS).
@@ -350,9 +382,24 @@ async def _run(this: _Pass, decision: Decision) -> _Outcome:
         new, delay=interval,
         delete=tuple((name, uids.get(name, "")) for name in plan.delete), delete_job=plan.delete_job, release=idle,
         force_delete=plan.force_delete,
-        events=_pass_events(this, plan.lifecycle, forgot),
+        events=_pass_events(this, plan.lifecycle, forgot) + scaled,
         restarts=plan.lifecycle.restarts - this.before.restarts, error=error, queued=queued, pods=tuple(pods),
     )
+
+
+def _autoscale(this: _Pass, spec: RLTrainingJobSpec, new: RLTrainingJobStatus,
+               fetched: Optional[Progress]) -> tuple[RLTrainingJobStatus, tuple[job_status.Event, ...]]:
+    """The autoscaler's turn (:mod:`.rollout_scaling`) for a running job with ``spec.rollout.autoscaling``: ``new``
+    with ``status.autoscaling``, and the RolloutsScaled Event of a change. Without autoscaling the status has none."""
+    if spec.rollout.autoscaling is None:
+        return (new if new.autoscaling is None else new.model_copy(update={"autoscaling": None})), ()
+    replicas = spec.rollout.replicas  # replicas_to_run, already in the pass's spec
+    measured = capacity.signals(new.capacity) if fetched is not None else None  # none while idle (capacity removed)
+    auto, decision = rollout_scaling.decide(spec, new.autoscaling, replicas, measured, this.now, new.start_time)
+    events = ()
+    if decision is not None and decision.changed:
+        events = (job_status.Event("Normal", Reason.ROLLOUTS_SCALED.value, decision.reason),)
+    return new.model_copy(update={"autoscaling": auto}), events
 
 
 def _phase_message(new: RLTrainingJobStatus) -> str:
@@ -407,6 +454,8 @@ async def _act(this: _Pass, outcome: _Outcome) -> None:
     if outcome.restarts > 0:
         this.ctx.on_restart(outcome.restarts)
     await children.delete_pods(namespace, outcome.delete, this.runtime, this.ctx)
+    if outcome.stop_environment:
+        await children.stop_environment(name, namespace, this.runtime, this.ctx)
     for event in outcome.events:
         this.ctx.post_event(this.body, event)
     for stuck in outcome.force_delete:

@@ -14,6 +14,8 @@ Children of a job ``J`` in namespace ``N`` (names from :mod:`rljob_api.names`, a
   ``J-trainer-0.J-trainer.N.svc.cluster.local`` resolves before the gang is ready.
 - trainer pods ``J-trainer-<i>``: ``torchrun`` with a fixed node count and static rendezvous at pod 0.
 - rollout pods ``J-rollout-<i>``: ``python -m rljob_rollout``.
+- with ``spec.rollout.environment.server``, the environment server's Deployment, Service and NetworkPolicy
+  ``J-environment``: :mod:`.environment`.
 
 A role's ``spec.<role>.podTemplate`` is merged onto its pods (the managed Redis's: onto its Deployment's pod template)
 by :mod:`.overrides`, which refuses what rljob sets itself (:func:`override_problems`).
@@ -79,7 +81,7 @@ ROLLOUT_ONLY_FIELDS = (
     "image", "backend", "replicas", "gpus_per_replica", "resources", "node_selector", "tolerations",
     "prompts_per_batch", "samples_per_prompt", "max_lag", "sampling.top_p", "sampling.max_new_tokens",
     "task.dataset_path", "task.reward_function", "task.reward_source", "task.digits", "advantage",
-    "filter_zero_variance", "seed", "reward_failure_deadline_seconds", "pod_template",
+    "filter_zero_variance", "seed", "reward_failure_deadline_seconds", "pod_template", "environment", "autoscaling",
 )
 """Fields (or whole sections) of ``spec.rollout`` that no trainer process reads: left out of the trainer pods'
 :func:`role_config_hash`. Every rollout field is in exactly one of the two lists (tests check it), so a new field
@@ -100,10 +102,17 @@ TRAINER_ONLY_FIELDS = (
 so that an edit of one (a learning rate, the checkpoint interval, the topology) restarts the gang alone and keeps the
 rollout pods, whose engines take long to start. The data-parallel size, derived from the topology, is left out of it
 too."""
-ROLLOUT_POD_IGNORES = ("replicas", "reward_failure_deadline_seconds")
+ENVIRONMENT_SERVER_POD_FIELDS = ("image", "command", "args", "replicas", "resources", "env", "node_selector",
+                                 "tolerations")
+"""Fields of ``spec.rollout.environment.server`` that only the environment server's Deployment is made of: the rollout
+workers read its ``port`` alone (the Service's address), so an edit of one of these rolls the server's pods and
+replaces no rollout pod."""
+ROLLOUT_POD_IGNORES = ("replicas", "autoscaling", "reward_failure_deadline_seconds",
+                       *(f"environment.server.{path}" for path in ENVIRONMENT_SERVER_POD_FIELDS))
 """Fields of ``spec.rollout`` left out of the rollout pods' :func:`role_config_hash`: a kept replica runs the same
-whatever the replica count (a worker checks only that its index is below it, and pods above it are deleted), and
-only the operator reads the reward-failure deadline."""
+whatever the replica count (a worker checks only that its index is below it, and pods above it are deleted), only
+the operator reads the autoscaling policy and the reward-failure deadline, and the environment server's pod fields
+make its Deployment alone."""
 REDIS_POD_ONLY_FIELDS = ("pod_template",)
 """Fields of ``spec.redis`` that only the managed Redis Deployment is made of (no trainer or rollout process reads
 them): left out of both pod roles' :func:`role_config_hash`, so that an edit replaces the Redis pod alone."""
@@ -238,9 +247,12 @@ def changed_fields(before: JobConfig, after: JobConfig, role: c.Role) -> tuple[s
 
 def copy_field(target: dict[str, Any], source: Mapping[str, Any], path: str) -> None:
     """Set the field at dotted ``path`` of the dump ``target`` to its value in the dump ``source``, or remove it where
-    ``source`` leaves it out (a field omitted at its default, :func:`~rljob_api.spec.omitted_at_default`)."""
+    ``source`` leaves it out (a field omitted at its default, :func:`~rljob_api.spec.omitted_at_default`). A section
+    on the way that neither dump holds (an optional block such as ``rollout.environment`` unset) is left absent."""
     *parents, leaf = path.split(".")
     for part in parents:
+        if not isinstance(target.get(part), dict) and not isinstance(source.get(part), dict):
+            return  # neither dump has the section (an optional block left out): nothing to reset
         target, source = target.setdefault(part, {}), source.get(part) or {}
     if leaf in source:
         target[leaf] = source[leaf]
@@ -261,15 +273,26 @@ def config_hashes(config: JobConfig) -> ConfigHashes:
 
 def labels(job: Job, role: c.Role) -> dict[str, str]:
     """Labels on every child: job name (label-safe, ≤ 63 characters), role, managed-by."""
-    return {c.LABEL_JOB_NAME: names.job_label(job.name), c.LABEL_ROLE: role.value, **MANAGED_BY}
+    return {**selector(job, role), **MANAGED_BY}
+
+
+def _selector(job_name: str, role: c.Role) -> dict[str, str]:
+    return {c.LABEL_JOB_NAME: names.job_label(job_name), c.LABEL_ROLE: role.value}
 
 
 def selector(job: Job, role: c.Role) -> dict[str, str]:
     """Label selector of one role's pods."""
-    return {c.LABEL_JOB_NAME: names.job_label(job.name), c.LABEL_ROLE: role.value}
+    return _selector(job.name, role)
 
 
-def _meta(name: str, job: Job, role: c.Role, extra: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
+def selector_text(job_name: str, role: c.Role) -> str:
+    """:func:`selector` of the job named ``job_name`` as a label selector string (``kubectl get pods -l``, the /scale
+    subresource's status.selector), e.g. ``rljob.dev/job-name=demo,rljob.dev/role=rollout``."""
+    return ",".join(f"{key}={value}" for key, value in _selector(job_name, role).items())
+
+
+def child_meta(name: str, job: Job, role: c.Role, extra: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
+    """``metadata`` of the child ``name`` of ``job`` in ``role``: its namespace and :func:`labels` (plus ``extra``)."""
     return {"name": name, "namespace": job.namespace, "labels": {**labels(job, role), **(extra or {})}}
 
 
@@ -277,7 +300,7 @@ def _meta(name: str, job: Job, role: c.Role, extra: Optional[Mapping[str, str]] 
 def config_map(job: Job, config: JobConfig, generation: Optional[int] = None) -> dict[str, Any]:
     """ConfigMap holding ``config.json`` (the canonical JSON the hash covers), annotated with the job ``generation``
     it was resolved from and the role hashes of its pods (what :mod:`.resolution` reads back)."""
-    meta = _meta(names.config_map(job.name), job, c.Role.CONFIG)
+    meta = child_meta(names.config_map(job.name), job, c.Role.CONFIG)
     meta["annotations"] = {
         c.ANNOTATION_ROLE_CONFIG_HASHES: canonical_json(role_hashes(config)),
         **({c.ANNOTATION_RESOLVED_GENERATION: str(generation)} if generation is not None else {}),
@@ -291,7 +314,7 @@ def redis_secret(job: Job, password: str) -> dict[str, Any]:
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
-        "metadata": _meta(names.redis_secret(job.name), job, c.Role.REDIS),
+        "metadata": child_meta(names.redis_secret(job.name), job, c.Role.REDIS),
         "stringData": {REDIS_PASSWORD_KEY: password},
     }
 
@@ -329,7 +352,7 @@ def redis_claim(job: Job, config: JobConfig) -> Optional[dict[str, Any]]:
     if persistence.storage_class_name is not None:
         spec["storageClassName"] = persistence.storage_class_name
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-            "metadata": _meta(names.redis_claim(job.name), job, c.Role.REDIS), "spec": spec}
+            "metadata": child_meta(names.redis_claim(job.name), job, c.Role.REDIS), "spec": spec}
 
 
 def redis_deployment(job: Job, config: JobConfig) -> dict[str, Any]:
@@ -339,7 +362,7 @@ def redis_deployment(job: Job, config: JobConfig) -> dict[str, Any]:
     :data:`REDIS_LOCK_FILE` held) on the claim :func:`redis_claim`; without, ``redis-server`` with an append-only
     file on an emptyDir, exactly as operators before persistence rendered it (so their Deployments are not
     re-applied)."""
-    meta = _meta(names.redis_name(job.name), job, c.Role.REDIS)
+    meta = child_meta(names.redis_name(job.name), job, c.Role.REDIS)
     ref = SecretKeyRef(name=names.redis_secret(job.name), key=REDIS_PASSWORD_KEY)
     persistence = redis_persistence(config)
     if persistence is None:
@@ -413,7 +436,7 @@ def _service(name: str, job: Job, role: c.Role, ports, *, publish_not_ready: boo
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(name, job, role),
+        "metadata": child_meta(name, job, role),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": publish_not_ready,
@@ -610,7 +633,7 @@ def _pod(job, config, name, role, index, container, node_selector, tolerations, 
         spec["nodeSelector"] = dict(node_selector)
     if tolerations:
         spec["tolerations"] = [dict(t) for t in tolerations]
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": _meta(name, job, role, pod_labels), "spec": spec}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": child_meta(name, job, role, pod_labels), "spec": spec}
 
 
 def _env(job: Job, index: int, *, attempt: Optional[int]) -> list[dict[str, Any]]:

@@ -52,6 +52,9 @@ class JobRuntime:
     applied: Optional[str] = None
     """Digest of the static children this process last applied or found as rendered (re-applied only when it
     changes)."""
+    environment_applied: Optional[str] = None
+    """Applied hash of the environment server's Deployment this process last applied or found as rendered
+    (:func:`.children.apply_environment`)."""
     rejected: Optional[tuple[int, str]] = None
     """(generation, message) of a child the API server refused (422); cleared by a new generation, or (a pod naming
     an object that does not exist) once it is :data:`RETRY_REFUSED_S` old."""

@@ -1,4 +1,4 @@
-"""`rljob watch`: a live view of one RLTrainingJob's status (phase, step, reward, staleness, conditions); plain lines
+"""`rljob watch`: a live view of one RLTrainingJob's status (phase, step, reward, staleness, conditions, capacity); plain lines
 as they change when the output is not a terminal.
 
 Reads only the job object through the API server, so it works on any cluster the kubeconfig reaches.
@@ -15,6 +15,8 @@ from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
 from rljob_api import constants as c
+
+from rljob_operator.capacity import describe as capacity_line
 
 FINAL_PHASES = {c.Phase.SUCCEEDED.value, c.Phase.FAILED.value}
 
@@ -70,8 +72,8 @@ def render(job: dict[str, Any]) -> Group:
         attempts.add_column(column)
     for record in (status.get("attempts") or [])[-SHOWN_ATTEMPTS:]:
         attempts.add_row(_fmt(record.get("attempt")), attempt_line(record).split(": ", 1)[1])
-    totals = totals_line(status)
-    return Group(bar, figures, conditions, attempts, *([totals] if totals else []))
+    extra = [line for line in (capacity_line(status.get("capacity")), totals_line(status)) if line]
+    return Group(bar, figures, conditions, attempts, *extra)
 
 
 SHOWN_ATTEMPTS = 5
@@ -130,8 +132,8 @@ def figures_line(job: dict[str, Any]) -> str:
 def plain_lines(job: dict[str, Any], shown: dict[str, Any], now: str) -> list[str]:
     """What a file or a pipe gets for ``job`` (no live redraw there): the figures line when it changed since the lines
     in ``shown`` (updated), then one line per condition whose status, reason or message changed, per attempt record
-    that changed (:func:`attempt_line`) and the document totals when they changed (:func:`totals_line`), each
-    prefixed with ``now`` (HH:MM:SS)."""
+    that changed (:func:`attempt_line`), the capacity signals (:func:`rljob_operator.capacity.describe`) and the
+    document totals (:func:`totals_line`) when they changed, each prefixed with ``now`` (HH:MM:SS)."""
     lines = []
     figures = figures_line(job)
     if shown.get("figures") != figures:
@@ -148,10 +150,10 @@ def plain_lines(job: dict[str, Any], shown: dict[str, Any], now: str) -> list[st
         if shown.setdefault("attempts", {}).get(record.get("attempt")) != line:
             shown["attempts"][record.get("attempt")] = line
             lines.append(f"{now} {job['metadata']['name']} {line}")
-    totals = totals_line(status)
-    if totals and shown.get("totals") != totals:
-        shown["totals"] = totals
-        lines.append(f"{now} {job['metadata']['name']} {totals}")
+    for key, line in (("capacity", capacity_line(status.get("capacity"))), ("totals", totals_line(status))):
+        if line and shown.get(key) != line:
+            shown[key] = line
+            lines.append(f"{now} {job['metadata']['name']} {line}")
     return lines
 
 

@@ -5,26 +5,44 @@ A job with the label ``kueue.x-k8s.io/queue-name: Q`` is one Kueue workload, as 
 has it (Kueue's Configuration ``integrations.externalFrameworks: [RLTrainingJob.v1alpha1.rljob.dev]``): the operator
 creates and owns the Workload ``<job>-workload`` (kueue.x-k8s.io/v1beta2) in LocalQueue Q with
 
-- pod set ``trainer`` (count ``spec.trainer.nodes``) and pod set ``rollout`` (count ``spec.rollout.replicas``, left
-  out of a trainer-only job), their templates stripped to what Kueue reads for quota and flavor fit (containers'
-  names and resources, node selector, tolerations, affinity, priority class, runtime class, overhead, scheduler). The managed Redis is
-  not in it: small, CPU-only, and kept through evictions so that the stream survives;
+- pod set ``trainer`` (count ``spec.trainer.nodes``), pod set ``rollout`` (count ``spec.rollout.replicas``, with
+  autoscaling its ``maxReplicas``; left out of a trainer-only job) and, for a job whose environment server the operator runs, pod set ``environment``
+  (count ``spec.rollout.environment.server.replicas``), their templates stripped to what Kueue reads for quota and
+  flavor fit (containers' names and resources, node selector, tolerations, affinity, priority class, runtime class,
+  overhead, scheduler). The managed Redis is not in it: small, CPU-only, and kept through evictions so that the stream
+  survives;
 - the priority of the WorkloadPriorityClass named by the job's ``kueue.x-k8s.io/priority-class`` label;
 - ``spec.active`` false while ``runPolicy.suspend`` is true (Kueue then evicts it and releases the quota).
 
 Kueue decides; the operator follows (:func:`decision`):
 
-- not admitted: no trainer or rollout pod exists (those of an earlier admission are deleted); phase Pending with
-  reason WaitingForAdmission quoting Kueue's QuotaReserved condition;
+- not admitted: no trainer, rollout or environment server pod exists (those of an earlier admission are deleted, the
+  environment server's Deployment scaled to 0); phase Pending with reason WaitingForAdmission quoting Kueue's
+  QuotaReserved condition;
 - admitted: the pods start, each with the node labels and tolerations of the ResourceFlavors its pod set was
-  assigned (and the admission checks' pod set updates) merged into it (:func:`admitted_pod`);
+  assigned (and the admission checks' pod set updates) merged into it (:func:`admitted_pod`; for the environment
+  server, into its Deployment's pod template);
 - evicted (preempted, its ClusterQueue stopped, deactivated, ...): every trainer and rollout pod is deleted as by a
-  suspend — not counted against ``backoffLimit``, ``runPolicy.suspend`` untouched — and once none is left the
-  operator gives the quota back (:func:`release_patch`, what Kueue's own job reconciler writes); Kueue requeues it;
+  suspend — not counted against ``backoffLimit``, ``runPolicy.suspend`` untouched — and the environment server scaled
+  to 0; once none of those pods is left the operator gives the quota back (:func:`release_patch`, what Kueue's own job
+  reconciler writes); Kueue requeues it;
 - finished (Succeeded or Failed): the Workload is marked Finished (:func:`finish_patch`), which frees its quota.
 
-A Workload whose pod sets no longer match the spec (Kueue keeps them immutable) is deleted and made again: its pods
-go, and the job queues anew.
+Every Workload is elastic (annotation ``kueue.x-k8s.io/elastic-job: "true"``, Kueue's workload slices, behind its
+alpha feature gate ElasticJobsViaWorkloadSlices), so that a change of the rollout pod set's count alone (``kubectl
+scale``, an HPA or KEDA through ``/scale``) restarts nothing (:func:`resize`):
+
+- a decrease lowers the count of the admitted Workload in place (Kueue's webhook allows it with the gate on); the
+  surplus rollout pods go;
+- an increase creates a new slice ``<job>-workload-<hash>`` annotated as the replacement for the admitted one
+  (:func:`new_slice`): Kueue counts only the difference against the quota, and when it admits the new slice it
+  finishes the old one (reason WorkloadSliceReplaced). Until then the job runs on the old slice's count
+  (:func:`scale_wait` says why); the extra rollout pods start once the new slice is admitted;
+- a Workload not admitted yet, and every other change of the pod sets (a template, the trainer's nodes, the environment
+  server), is deleted and made again: its pods go, and the job queues anew.
+
+The job's Workloads are found by its job-name label and controller reference (:func:`slices`); finished slices stay
+until the job is deleted (owner references).
 """
 
 from __future__ import annotations
@@ -45,6 +63,7 @@ FLAVOR_KIND = "ResourceFlavor"
 PRIORITY_CLASS_KIND = "WorkloadPriorityClass"
 TRAINER_POD_SET = c.Role.TRAINER.value
 ROLLOUT_POD_SET = c.Role.ROLLOUT.value
+ENVIRONMENT_POD_SET = c.Role.ENVIRONMENT.value
 
 QUOTA_FIELDS = ("nodeSelector", "tolerations", "affinity", "priorityClassName", "runtimeClassName", "overhead",
                 "schedulerName")
@@ -64,6 +83,18 @@ INADMISSIBLE = "Inadmissible"
 is stopped (the message says which), or its resource claims cannot be counted."""
 REQUEUED_REASONS = ("Preempted", "NodeFailures")
 """Eviction reasons after which Kueue's own job reconciler marks a Workload Requeued=True."""
+ELASTIC_JOB = "kueue.x-k8s.io/elastic-job"
+"""Kueue's annotation (value ``"true"``) of an elastic Workload: with Kueue's feature gate ElasticJobsViaWorkloadSlices
+on, its pod set counts may be lowered while admitted, and a replacement slice raises them."""
+SLICE_REPLACEMENT_FOR = "kueue.x-k8s.io/workload-slice-replacement-for"
+"""On a new Workload slice: ``<namespace>/<name>`` of the admitted slice it replaces once Kueue admits it."""
+SLICE_REPLACED = "WorkloadSliceReplaced"
+"""Kueue's Finished reason of a slice its replacement took over."""
+ELASTIC_GATE = "ElasticJobsViaWorkloadSlices"
+GATE_OFF_AFTER_S = 10.0
+"""Seconds a replacement slice may hold quota while the slice it replaces is not finished before the operator finishes
+that one itself: with the gate on Kueue finishes it at admission; with the gate off Kueue admitted the new slice in
+full and never will."""
 
 
 _OBJECT_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -113,13 +144,16 @@ def _stripped(pod: Mapping[str, Any]) -> dict[str, Any]:
     return {"spec": kept}
 
 
-def pod_sets(trainer: Mapping[str, Any], nodes: int, rollout: Optional[Mapping[str, Any]], replicas: int
-             ) -> list[dict[str, Any]]:
+def pod_sets(trainer: Mapping[str, Any], nodes: int, rollout: Optional[Mapping[str, Any]], replicas: int,
+             environment: Optional[tuple[Mapping[str, Any], int]] = None) -> list[dict[str, Any]]:
     """The Workload's pod sets: ``nodes`` pods like the trainer manifest ``trainer``, ``replicas`` like ``rollout``
-    (none when 0)."""
+    (none when 0), and with an environment server (``environment``: its pod template and replicas) that many like
+    it."""
     sets = [{"name": TRAINER_POD_SET, "count": nodes, "template": _stripped(trainer)}]
     if replicas > 0 and rollout is not None:
         sets.append({"name": ROLLOUT_POD_SET, "count": replicas, "template": _stripped(rollout)})
+    if environment is not None and environment[1] > 0:
+        sets.append({"name": ENVIRONMENT_POD_SET, "count": environment[1], "template": _stripped(environment[0])})
     return sets
 
 
@@ -145,10 +179,31 @@ def render(job: str, namespace: str, labels: Mapping[str, str], sets: list[dict[
             "name": names.workload(job),
             "namespace": namespace,
             "labels": {c.LABEL_JOB_NAME: names.job_label(job), "app.kubernetes.io/managed-by": c.FIELD_MANAGER},
-            "annotations": {c.ANNOTATION_WORKLOAD_PODSETS_HASH: canonical_hash(sets, digits=16)},
+            "annotations": {c.ANNOTATION_WORKLOAD_PODSETS_HASH: canonical_hash(sets, digits=16),
+                            c.ANNOTATION_WORKLOAD_SHAPE_HASH: _shape_hash(sets), ELASTIC_JOB: "true"},
         },
         "spec": spec,
     }
+
+
+def _shape_hash(sets: list[Mapping[str, Any]]) -> str:
+    """The hash of pod sets with the rollout pod set's count left out: equal for Workloads that differ in it alone."""
+    return canonical_hash([{key: value for key, value in s.items() if (s["name"], key) != (ROLLOUT_POD_SET, "count")}
+                           for s in sets], digits=16)
+
+
+def _annotation(workload: Mapping[str, Any], key: str) -> Optional[str]:
+    return ((workload.get("metadata") or {}).get("annotations") or {}).get(key)
+
+
+def _key(workload: Mapping[str, Any]) -> str:
+    """``<namespace>/<name>``: how Kueue names a Workload in :data:`SLICE_REPLACEMENT_FOR`."""
+    return f"{workload['metadata'].get('namespace')}/{workload['metadata']['name']}"
+
+
+def rollout_count(workload: Mapping[str, Any]) -> int:
+    """The count of a Workload's rollout pod set (0: it has none)."""
+    return next((s["count"] for s in workload["spec"]["podSets"] if s["name"] == ROLLOUT_POD_SET), 0)
 
 
 def _condition(workload: Mapping[str, Any], ctype: str) -> Optional[Mapping[str, Any]]:
@@ -208,9 +263,7 @@ def decision(workload: Mapping[str, Any], flavors: Mapping[str, Mapping[str, Any
             "again")), release=reserved, finished=finished)
     if _true(workload, ADMITTED) and reserved:
         return Decision(None, assignments=_assignments(workload, flavors), finished=finished)
-    cond = _condition(workload, QUOTA_RESERVED) if not _true(workload, QUOTA_RESERVED) else _condition(workload, ADMITTED)
-    said = f"{cond.get('type')}={cond.get('status')} ({cond.get('reason')}): {cond.get('message')}" if cond else \
-        "Kueue has not looked at it yet"
+    cond, said = _waiting(workload)
     if workload["spec"].get("active") is False:
         said = "inactive while runPolicy.suspend is true"
     elif cond is not None and cond.get("type") == QUOTA_RESERVED and cond.get("reason") == INADMISSIBLE:
@@ -221,6 +274,14 @@ def decision(workload: Mapping[str, Any], flavors: Mapping[str, Mapping[str, Any
             f"{c.LABEL_KUEUE_QUEUE_NAME}; nothing runs until then")), finished=finished)
     return Decision(Hold(Reason.WAITING_FOR_ADMISSION,
                          f"waiting for Kueue to admit Workload {name} in LocalQueue {queue}: {said}"), finished=finished)
+
+
+def _waiting(workload: Mapping[str, Any]) -> tuple[Optional[Mapping[str, Any]], str]:
+    """The condition that keeps a Workload from being admitted (QuotaReserved, else Admitted) and Kueue's words."""
+    cond = _condition(workload, QUOTA_RESERVED) if not _true(workload, QUOTA_RESERVED) else _condition(workload, ADMITTED)
+    said = f"{cond.get('type')}={cond.get('status')} ({cond.get('reason')}): {cond.get('message')}" if cond else \
+        "Kueue has not looked at it yet"
+    return cond, said
 
 
 def _assignments(workload: Mapping[str, Any], flavors: Mapping[str, Mapping[str, Any]]):
@@ -260,9 +321,7 @@ def admitted_pod(pod: dict[str, Any], pod_set: str, decided: Decision) -> dict[s
 
 def outdated(workload: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
     """Whether the Workload's pod sets differ from the ``wanted`` rendering's (compared by their hash annotation)."""
-    def podsets_hash(obj: Mapping[str, Any]) -> Optional[str]:
-        return ((obj.get("metadata") or {}).get("annotations") or {}).get(c.ANNOTATION_WORKLOAD_PODSETS_HASH)
-    return podsets_hash(workload) != podsets_hash(wanted)
+    return _hash(workload) != _hash(wanted)
 
 
 def spec_patch(workload: Mapping[str, Any], wanted: Mapping[str, Any]) -> Optional[dict[str, Any]]:
@@ -316,6 +375,148 @@ def release_patch(workload: Mapping[str, Any], now: datetime) -> dict[str, Any]:
 
 def finish_patch(workload: Mapping[str, Any], succeeded: bool, message: str, now: datetime) -> dict[str, Any]:
     """The status (merge patch) marking the Workload Finished (reason Succeeded or Failed): Kueue frees its quota."""
+    return _finished(workload, "Succeeded" if succeeded else "Failed", message, now)
+
+
+def _finished(workload: Mapping[str, Any], reason: str, message: str, now: datetime) -> dict[str, Any]:
     conditions = (workload.get("status") or {}).get("conditions") or []
-    finished = _cond(workload, FINISHED, True, "Succeeded" if succeeded else "Failed", message, now)
-    return {"status": {"conditions": _set(conditions, finished)}}
+    return {"status": {"conditions": _set(conditions, _cond(workload, FINISHED, True, reason, message, now))}}
+
+
+@dataclass(frozen=True)
+class Slices:
+    """A job's Workloads as slices (:func:`slices`).
+
+    ``current``: the slice the job runs on or waits for (None: none, or only ones being deleted); ``pending``: a
+    scale-up slice that replaces ``current`` once Kueue admits it; ``replaced``: a slice whose replacement (now
+    ``current``) Kueue admitted but that is not finished yet; ``others``: further unfinished slices (left by an
+    interrupted replacement: to delete); ``deleting``: the names of those being deleted; ``present``: every slice not
+    being deleted, finished ones too.
+    """
+
+    current: Optional[Mapping[str, Any]]
+    pending: Optional[Mapping[str, Any]] = None
+    replaced: Optional[Mapping[str, Any]] = None
+    others: tuple[Mapping[str, Any], ...] = ()
+    deleting: tuple[str, ...] = ()
+    present: tuple[Mapping[str, Any], ...] = ()
+
+
+def _created(workload: Mapping[str, Any]) -> tuple[str, str]:
+    return workload["metadata"].get("creationTimestamp") or "", workload["metadata"]["name"]
+
+
+def _replaced(workload: Mapping[str, Any]) -> bool:
+    """Whether Kueue finished the slice for its replacement (:data:`SLICE_REPLACED`)."""
+    return (_condition(workload, FINISHED) or {}).get("reason") == SLICE_REPLACED
+
+
+def slices(workloads: Iterable[Mapping[str, Any]]) -> Slices:
+    """The slices among ``workloads`` (a job's own): the oldest unfinished slice that replaces no other unfinished one
+    is current, the unfinished one that replaces it pending (current once admitted; Kueue finishes the replaced slice
+    just before it writes the admission, and in between the replaced one stays current); with none unfinished, the
+    newest that no replacement finished (the one a finished job marked), so that finished slices never count."""
+    present = tuple(w for w in workloads if not w["metadata"].get("deletionTimestamp"))
+    deleting = tuple(sorted(w["metadata"]["name"] for w in workloads if w["metadata"].get("deletionTimestamp")))
+    live = sorted((w for w in present if not _true(w, FINISHED)), key=_created)
+    if not live:
+        ended = sorted(present, key=lambda w: (not _replaced(w), _created(w)))
+        return Slices(ended[-1] if ended else None, deleting=deleting, present=present)
+    keys = {_key(w) for w in live}
+    current = next((w for w in live if _annotation(w, SLICE_REPLACEMENT_FOR) not in keys), live[0])
+    pending = next((w for w in live if _annotation(w, SLICE_REPLACEMENT_FOR) == _key(current)), None)
+    others = tuple(w for w in live if w is not current and w is not pending)
+    if pending is not None and _true(pending, QUOTA_RESERVED) and _true(pending, ADMITTED):
+        return Slices(pending, replaced=current, others=others, deleting=deleting, present=present)
+    replaced = next((w for w in present if _key(w) == _annotation(current, SLICE_REPLACEMENT_FOR)), None)
+    if replaced is not None and _replaced(replaced) and not _true(current, ADMITTED):
+        return Slices(replaced, current, others=others, deleting=deleting, present=present)  # Kueue is admitting it
+    return Slices(current, pending, others=others, deleting=deleting, present=present)
+
+
+@dataclass(frozen=True)
+class Resize:
+    """What the wanted Workload does to a job's current and pending slices (:func:`resize`).
+
+    ``remake``: delete every slice and queue anew, saying this; ``shrink``: a merge patch lowering the current slice's
+    rollout count in place; ``grow``: a new slice to create; ``regrow``: a merge patch of the pending slice's rollout
+    count; ``drop_pending``: delete the pending slice.
+    """
+
+    remake: Optional[str] = None
+    shrink: Optional[dict[str, Any]] = None
+    grow: Optional[dict[str, Any]] = None
+    regrow: Optional[dict[str, Any]] = None
+    drop_pending: bool = False
+
+
+def _hash(workload: Mapping[str, Any]) -> Optional[str]:
+    return _annotation(workload, c.ANNOTATION_WORKLOAD_PODSETS_HASH)
+
+
+def resize(current: Mapping[str, Any], pending: Optional[Mapping[str, Any]], wanted: Mapping[str, Any]) -> Resize:
+    """How the job's slices follow ``wanted`` (:func:`.render`'s Workload): unchanged pod sets keep the current slice
+    (a pending one is dropped: scaled back); a change of the rollout count alone on an admitted slice lowers it in place
+    or makes (or re-aims) a replacement slice; anything else, or any change before admission, remakes the Workload."""
+    if not outdated(current, wanted):
+        return Resize(drop_pending=pending is not None)
+    shape = _annotation(wanted, c.ANNOTATION_WORKLOAD_SHAPE_HASH)
+    if _annotation(current, c.ANNOTATION_WORKLOAD_SHAPE_HASH) != shape or not _true(current, QUOTA_RESERVED):
+        return Resize(remake=(
+            f"the job's pod sets changed, so its Workload {current['metadata']['name']} (immutable once queued) is "
+            "replaced and the job queues again"))
+    if rollout_count(wanted) < rollout_count(current):
+        return Resize(shrink=_counts_patch(current, wanted), drop_pending=pending is not None)
+    if pending is None:
+        return Resize(grow=new_slice(current, wanted))
+    if not outdated(pending, wanted):
+        return Resize()
+    if _annotation(pending, c.ANNOTATION_WORKLOAD_SHAPE_HASH) == shape and not _true(pending, QUOTA_RESERVED):
+        return Resize(regrow=_counts_patch(pending, wanted))
+    return Resize(drop_pending=True)
+
+
+def _counts_patch(workload: Mapping[str, Any], wanted: Mapping[str, Any]) -> dict[str, Any]:
+    """A merge patch giving ``workload``'s rollout pod set the count of ``wanted``'s (the other pod sets as they
+    are)."""
+    count = rollout_count(wanted)
+    sets = [{**s, "count": count} if s["name"] == ROLLOUT_POD_SET else s for s in workload["spec"]["podSets"]]
+    return {"metadata": {"annotations": {c.ANNOTATION_WORKLOAD_PODSETS_HASH: _hash(wanted)}},
+            "spec": {"podSets": sets}}
+
+
+def new_slice(current: Mapping[str, Any], wanted: Mapping[str, Any]) -> dict[str, Any]:
+    """The slice replacing ``current`` with ``wanted``'s pod sets, in ``current``'s LocalQueue: named
+    ``<wanted's name>-<hash of current's uid and wanted's pod sets>``, annotated as ``current``'s replacement."""
+    meta = wanted["metadata"]
+    suffix = canonical_hash([current["metadata"].get("uid"), _hash(wanted)], digits=5)
+    return {**wanted, "metadata": {**meta, "name": f"{meta['name']}-{suffix}",
+                                   "annotations": {**meta["annotations"], SLICE_REPLACEMENT_FOR: _key(current)}},
+            "spec": {**wanted["spec"], "queueName": current["spec"].get("queueName", wanted["spec"]["queueName"])}}
+
+
+def scale_wait(current: Mapping[str, Any], pending: Mapping[str, Any]) -> str:
+    """What a job says while its scale-up slice ``pending`` waits and it runs on ``current`` (Kueue's words)."""
+    _, said = _waiting(pending)
+    return (f"spec.rollout.replicas {rollout_count(pending)} waits for Kueue to admit Workload slice "
+            f"{pending['metadata']['name']} in LocalQueue {pending['spec'].get('queueName')}: {said}; the job runs "
+            f"{rollout_count(current)} rollout pods on Workload {current['metadata']['name']} meanwhile")
+
+
+def gate_off(name: str, refusal: str) -> str:
+    """The hold of a job whose admitted Workload ``name`` Kueue refused to shrink in place (``refusal``: its words)."""
+    return (f"Kueue refused to lower the rollout pod set's count of its admitted Workload {name} in place ({refusal}): "
+            f"its feature gate {ELASTIC_GATE} is off, so the Workload is replaced and the job queues again, its gang "
+            "resuming from the newest checkpoint once admitted (turn the gate on to scale without a restart)")
+
+
+def replaced_patch(replaced: Mapping[str, Any], current: Mapping[str, Any], now: datetime) -> Optional[dict[str, Any]]:
+    """The status (merge patch) finishing ``replaced`` once its replacement ``current`` has held quota for
+    :data:`GATE_OFF_AFTER_S` and Kueue has not finished it (its gate is off: it admitted ``current`` in full); None
+    before."""
+    since = (_condition(current, QUOTA_RESERVED) or {}).get("lastTransitionTime")
+    if since is None or (now - datetime.fromisoformat(since.replace("Z", "+00:00"))).total_seconds() < GATE_OFF_AFTER_S:
+        return None
+    return _finished(replaced, "OutOfSync", (
+        f"replaced by Workload slice {current['metadata']['name']}, which Kueue admitted in full without finishing "
+        f"this one (its feature gate {ELASTIC_GATE} is off)"), now)

@@ -32,10 +32,14 @@ def replica_index(config: JobConfig, environ: Optional[dict[str, str]] = None) -
     """This pod's replica index from env ``RLJOB_REPLICA_INDEX`` (default 0 for a single replica).
 
     Raises:
-        ValueError: missing with several replicas, not an integer, or outside [0, replicas).
+        ValueError: missing with several replicas, not an integer, or outside [0, replicas) (with autoscaling, the
+            larger of replicas and maxReplicas: the operator runs the autoscaler's count).
     """
     env = os.environ if environ is None else environ
-    replicas = config.spec.rollout.replicas
+    autoscaling = config.spec.rollout.autoscaling
+    replicas = config.spec.rollout.replicas if autoscaling is None else max(config.spec.rollout.replicas,
+                                                                            autoscaling.max_replicas)
+    field = "spec.rollout.replicas" if autoscaling is None else "spec.rollout.autoscaling.maxReplicas"
     raw = env.get(c.ENV_REPLICA_INDEX)
     if raw is None:
         if replicas == 1:
@@ -46,24 +50,28 @@ def replica_index(config: JobConfig, environ: Optional[dict[str, str]] = None) -
     except ValueError:
         raise ValueError(f"env {c.ENV_REPLICA_INDEX}: not an integer: {raw!r}") from None
     if not 0 <= index < replicas:
-        raise ValueError(f"env {c.ENV_REPLICA_INDEX}: {index} is outside [0, spec.rollout.replicas = {replicas})")
+        raise ValueError(f"env {c.ENV_REPLICA_INDEX}: {index} is outside [0, {field} = {replicas})")
     return index
 
 
 def reward_file(config: JobConfig, environ: Optional[dict[str, str]] = None) -> Optional[str]:
-    """The file of ``spec.rollout.task.rewardSource`` in this container, from env ``RLJOB_REWARD_SOURCE`` (the operator
-    sets it where it mounts the file); None without a reward source.
+    """The file of ``spec.rollout.task.rewardSource`` (or ``environment.python.source``: the two never go together) in
+    this container, from env ``RLJOB_REWARD_SOURCE`` (the operator sets it where it mounts the file); None without
+    one.
 
     Raises:
         ValueError: a reward source but no env.
     """
     env = os.environ if environ is None else environ
-    if config.spec.rollout.task.reward_source is None:
+    rollout = config.spec.rollout
+    python = rollout.environment.python if rollout.environment is not None else None
+    if rollout.task.reward_source is None and (python is None or python.source is None):
         return None
     file = env.get(c.ENV_REWARD_SOURCE)
     if not file:
-        raise ValueError(f"env {c.ENV_REWARD_SOURCE}: required with spec.rollout.task.rewardSource (the operator sets "
-                         "it on rollout pods)")
+        field = "task.rewardSource" if rollout.task.reward_source is not None else "environment.python.source"
+        raise ValueError(f"env {c.ENV_REWARD_SOURCE}: required with spec.rollout.{field} (the operator sets it on "
+                         "rollout pods)")
     return file
 
 

@@ -10,6 +10,8 @@ The tasks (``spec.rollout.task.name``):
 * ``math`` — JSONL records ``{"question": str, "answer": str | number}`` (GSM8K layout: the answer text ends
   in ``#### <number>``), or ``{"prompt": str, "answer": ...}`` to give the prompt text verbatim. Reward 1.0
   when the number extracted from the completion equals the reference, else 0.0 (:func:`extract_number`).
+* ``environment`` — multi-turn episodes against ``spec.rollout.environment`` (:mod:`rljob_rollout.environments`):
+  a prompt is a seed, a sample an episode, its reward the environment's.
 * ``custom`` — JSONL records with a ``prompt`` string (any other keys are passed through), scored by the user
   function named in ``rewardFunction`` as ``module:function``, imported with :mod:`importlib` (the module
   must be importable in the rollout image, e.g. installed or on ``PYTHONPATH``), or with ``rewardSource`` loaded
@@ -83,6 +85,11 @@ class Task(ABC):
     @abstractmethod
     def reward(self, prompt: Prompt, completion_ids: Sequence[int], completion_text: str) -> float:
         """The reward of one completion (finite float). May raise; the worker drops the sample and counts it."""
+
+    def score(self, prompt: Prompt, completion: Any, tokenizer: Any) -> float:
+        """The reward of ``completion`` (a :class:`~rljob_rollout.backends.base.Completion`): :meth:`reward` of its ids
+        and their text (decoded, special tokens skipped). May raise, as :meth:`reward`."""
+        return self.reward(prompt, completion.token_ids, tokenizer.decode(completion.token_ids, skip_special_tokens=True))
 
 
 def _single_token(tokenizer: Any, text: str) -> int:
@@ -334,10 +341,14 @@ def _failed_at(error: BaseException, module_file: str) -> tuple[str, Optional[in
     return (frames[-1].filename, frames[-1].lineno) if frames else (module_file, None)
 
 
-def load_reward_module(module_name: str, file: str, source: Optional[RewardSourceSpec] = None) -> Any:
+def load_reward_module(module_name: str, file: str, source: Optional[RewardSourceSpec] = None, *,
+                       field: str = "spec.rollout.task.rewardSource",
+                       name_field: str = "spec.rollout.task.rewardFunction") -> Any:
     """Load the Python source ``file`` (any name: a ConfigMap key need not end in ``.py``) as the module
     ``module_name`` (``sys.modules`` holds it under that name), with ``file``'s directory first on ``sys.path`` so
-    that it imports the files beside it. ``source``: the spec's ``rewardSource``, named in errors.
+    that it imports the files beside it. ``source``: the spec's ``rewardSource`` (or ``environment.python.source``),
+    named in errors; ``field`` and ``name_field``: the spec fields of the source and of the module's name, which the
+    messages name.
 
     Raises:
         ValueError: ``module_name`` is a module this process has imported already (a standard or installed one, which
@@ -348,10 +359,10 @@ def load_reward_module(module_name: str, file: str, source: Optional[RewardSourc
             SyntaxError: '(' was never closed".
     """
     if module_name in sys.modules:
-        raise ValueError(f"spec.rollout.task.rewardFunction: the module name {module_name!r} is taken by a module the "
+        raise ValueError(f"{name_field}: the module name {module_name!r} is taken by a module the "
                          "rollout process has imported already; give the reward module another name")
     if not posixpath.isfile(file):
-        raise ValueError(f"spec.rollout.task.rewardSource: no file at {file}{_source_origin(source, file, file)}")
+        raise ValueError(f"{field}: no file at {file}{_source_origin(source, file, file)}")
     directory = posixpath.dirname(file)
     if directory not in sys.path:
         sys.path.insert(0, directory)
@@ -365,7 +376,7 @@ def load_reward_module(module_name: str, file: str, source: Optional[RewardSourc
         failed, line = _failed_at(error, file)
         where = f"{failed}:{line}" if line else failed
         message = error.msg if isinstance(error, SyntaxError) else str(error)
-        raise ValueError(f"spec.rollout.task.rewardSource: {where}{_source_origin(source, file, failed)}: "
+        raise ValueError(f"{field}: {where}{_source_origin(source, file, failed)}: "
                          f"{protocol.reward_error_key(type(error).__name__, message)}") from error
     return module
 
@@ -433,6 +444,10 @@ def build_task(spec: TaskSpec, tokenizer: Any, seed: int, reward_file: Optional[
     """
     if spec.name in DigitsTask.ORDERS:
         return DigitsTask(tokenizer, digits=spec.digits, order=DigitsTask.ORDERS[spec.name], seed=seed)
+    if spec.name == "environment":
+        from rljob_rollout.environments.task import EnvironmentTask
+
+        return EnvironmentTask(seed)
     if not spec.dataset_path:
         raise ValueError(f"spec.rollout.task.datasetPath: required for task {spec.name!r}")
     if spec.name == "math":

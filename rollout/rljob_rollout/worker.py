@@ -45,6 +45,16 @@ raises on everything then costs about one batch a minute instead of a GPU genera
 wait is spent polling the events stream, so weight updates and ``training_finished`` are handled during it (and the
 heartbeats go on); a loaded update does not end the wait.
 
+Stopping (SIGTERM: a scale-down or a deletion of the pod): the worker takes no new prompt, leaves the weight group at
+once (its members deleted, so no update waits for it), then for up to :data:`DRAIN_S` collects, scores and writes the
+groups still in flight (each group's documents in one transaction: never half a group); samples still in flight then
+are dropped and counted (``samples_dropped_at_stop`` in the rollout hash, ``rljob_rollout_samples_dropped_at_stop_total``).
+
+Seeds: prompts are drawn with ``rollout.seed`` + the replica index at the first start of a replica index in a job, so
+runs are reproducible; every later start of the same index (a re-created pod, a restarted container) counts its starts
+in the rollout hash (``starts:{replica}``) and mixes the count in (:func:`replica_seed`), so it never replays the
+prompts its predecessor drew.
+
 Outages: Redis errors (after the client's own retries) make the loop wait with jittered exponential backoff
 (0.5 s doubling to 30 s) and try again, forever — no crash loop; an unreachable trainer only makes transfers
 fail, and the worker keeps its weights and waits for the next ``weights_ready``.
@@ -66,6 +76,7 @@ from rljob_api import protocol
 from rljob_api.config import JobConfig
 from rljob_rollout.advantages import filter_zero_variance, group_advantages
 from rljob_rollout.backoff import Backoff
+from rljob_rollout.capacity import CapacityClock, sampled_tokens
 from rljob_rollout.backends.base import Completion, GenerationBackend, Group, UpdateOutcome
 from rljob_rollout.worker_metrics import RolloutMetrics
 from rljob_rollout.tasks import InvalidReward, Prompt, Task
@@ -93,6 +104,10 @@ REWARD_BACKOFF_CAP_S = 60.0
 """Waits between batches whose every reward failed (seconds; doubling, module docstring)."""
 
 
+DRAIN_S = 10.0
+"""After SIGTERM (a scale-down, a deletion), how long the worker goes on collecting, scoring and writing its groups in
+flight (seconds), after it has left the weight group; what is still in flight then is dropped and counted. Well within
+a pod's default 30 s grace period."""
 COLLECT_WAIT_S = 0.05
 """Longest wait for a finished group while groups are in flight (seconds): the delay, at most, before the worker sees a
 weights_ready event then."""
@@ -117,6 +132,42 @@ def room_wait_ms(checks_since_update: int) -> int:
     """How long to wait for events (milliseconds) before checking back-pressure and max lag again, when the worker was
     held back ``checks_since_update`` times since its last weight update: 5, 10, 20, 40, 80, 160, then 250 ms."""
     return min(WAIT_FOR_ROOM_MS, RECHECK_AFTER_UPDATE_MS << min(checks_since_update, 16))
+
+
+def replica_seed(seed: int, replica_index: int, start: int) -> int:
+    """The seed of a rollout worker's prompts and sampling: ``seed + replica_index`` at the index's first ``start``
+    (1), else a 63-bit integer drawn by numpy's SeedSequence from (seed, index, start), so each start of an index
+    draws other prompts.
+
+    Raises:
+        ValueError: ``start`` below 1.
+    """
+    if start < 1:
+        raise ValueError(f"start must be >= 1, got {start}")
+    if start == 1:
+        return seed + replica_index
+    import numpy as np
+
+    return int(np.random.SeedSequence([seed, replica_index, start]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+
+
+def _count_start(client: redis.Redis, config: JobConfig, replica_index: int) -> int:
+    """Count this start of ``replica_index`` in the rollout hash (``starts:{replica}``) and return the count; a Redis
+    outage is waited out as the loop does.
+
+    Raises:
+        redis.AuthenticationError / RedisTLSError: a wrong password or CA bundle (never retried).
+    """
+    outage = Backoff(OUTAGE_BACKOFF_INITIAL_S, OUTAGE_BACKOFF_CAP_S)
+    while True:
+        try:
+            return int(client.hincrby(config.keys.rollout, f"{protocol.ROLLOUT_STARTS_PREFIX}{replica_index}", 1))
+        except (redis.AuthenticationError, RedisTLSError):
+            raise
+        except redis.RedisError as error:
+            wait = outage.next_wait()
+            log.warning("rollout: Redis unavailable at start (%s); retrying in %.1f s", error, wait)
+            time.sleep(wait)
 
 
 def finished_for(event: Event, max_steps: int) -> bool:
@@ -171,13 +222,18 @@ class RolloutWorker:
         self._submitted: dict[int, Submitted] = {}
         self._next_key = 0
         self._written_at = 0.0  # time.monotonic() of the last write: the rate's start
+        self.capacity = CapacityClock()
+        self.drain_s = DRAIN_S
         self._failed: Optional[BatchReport] = None  # groups with no scored sample since the last report
         self._failed_groups = 0  # groups with no scored sample in a row
 
     @classmethod
     def from_config(cls, config: JobConfig, replica_index: int, reward_file: Optional[str] = None) -> "RolloutWorker":
-        """Build the worker of a rollout pod: Redis client, tokenizer, task, backend (seed = rollout seed + i).
-        ``reward_file``: the file of ``spec.rollout.task.rewardSource`` in this container.
+        """Build the worker of a rollout pod: tokenizer, backend (sampling seed = rollout seed + i), Redis client, this
+        start counted, and the task (its prompts drawn with :func:`replica_seed` of the start).
+        ``reward_file``: the file of ``spec.rollout.task.rewardSource`` (or ``environment.python.source``) in this
+        container. With ``spec.rollout.environment`` the backend is wrapped in an episode runner
+        (:func:`rljob_rollout.environments.build_runner`).
 
         Raises:
             StartFailure: a model that cannot be loaded or a backend this image cannot run (rljob_wire.model.load_from,
@@ -189,11 +245,25 @@ class RolloutWorker:
         from rljob_rollout.tasks import build_task
         from rljob_wire.connection import connect
 
-        seed = config.spec.rollout.seed + replica_index
         tokenizer = build_tokenizer(config.spec.model, config.spec.rollout.task)
-        task = build_task(config.spec.rollout.task, tokenizer, seed, reward_file)
-        backend = build_backend(config, tokenizer, seed)
-        return cls(config, replica_index, client=connect(config), backend=backend, task=task, tokenizer=tokenizer)
+        # The model first: one that cannot load is reported even while Redis is unreachable.
+        backend = build_backend(config, tokenizer, config.spec.rollout.seed + replica_index)
+        try:
+            client = connect(config)
+            start = _count_start(client, config, replica_index)
+            # Built once per process (a reward module is loaded once), with this start's seed (module docstring).
+            task = build_task(config.spec.rollout.task, tokenizer,
+                              replica_seed(config.spec.rollout.seed, replica_index, start), reward_file)
+        except BaseException:
+            backend.close()
+            raise
+        worker = cls(config, replica_index, client=client, backend=backend, task=task, tokenizer=tokenizer)
+        if config.spec.rollout.environment is not None:
+            from rljob_rollout.environments import build_runner
+
+            worker.backend = build_runner(config, backend, tokenizer, version=lambda: worker.version,
+                                          observe=worker.metrics.observe_episode, code_file=reward_file)
+        return worker
 
     @property
     def version(self) -> Optional[int]:
@@ -239,9 +309,29 @@ class RolloutWorker:
                     wait = outage.next_wait()
                     log.warning("rollout: Redis unavailable (%s); retrying in %.1f s", error, wait)
                     self._stop.wait(wait)
+            self.subscriber.leave()  # at once: no weight update waits for a worker on its way out
+            self._drain(self.drain_s)
             return 0
         finally:
             self.subscriber.leave()
+
+    def _drain(self, seconds: float = DRAIN_S) -> None:
+        """Write the groups in flight that finish within ``seconds``; count the samples of the rest as dropped."""
+        deadline = time.monotonic() + seconds
+        try:
+            while self.backend.in_flight and time.monotonic() < deadline:
+                self._write(self.backend.finished(timeout_s=min(COLLECT_WAIT_S, max(0.0, deadline - time.monotonic()))))
+        except redis.RedisError as error:
+            log.warning("rollout: stopping: could not write the groups in flight: %s", error)
+        dropped = self.backend.in_flight * self.spec.samples_per_prompt
+        if not dropped:
+            return
+        self.metrics.dropped_at_stop.inc(dropped)
+        log.warning("rollout: stopping: %d samples still in flight after %.0f s dropped", dropped, seconds)
+        try:
+            self.writer.count_dropped_at_stop(dropped)
+        except redis.RedisError as error:
+            log.warning("rollout: could not count %d samples dropped at stop: %s", dropped, error)
 
     def step(self) -> bool:
         """One iteration (module docstring). Returns True when training has finished. Raises redis.RedisError."""
@@ -261,6 +351,7 @@ class RolloutWorker:
         if self.backend.in_flight:
             self._write(self.backend.finished(timeout_s=COLLECT_WAIT_S))
         if self.version is None or self._stop.is_set() or time.monotonic() < self._generate_after:
+            self.capacity.release()  # idle for another reason than back-pressure
             return False
         if self._top_up() and not self.backend.continuous:
             self._write(self.backend.finished(timeout_s=0))  # generated here, with the weights they were submitted under
@@ -278,6 +369,9 @@ class RolloutWorker:
         self.metrics.observe_backlog(state)
         reason = self.writer.wait_reason(state, in_flight)
         if reason is not None:
+            self.capacity.hold()
+            if self.capacity.due():
+                self._report_capacity()
             if reason != self._last_wait_reason:
                 log.info("rollout: waiting: %s", reason)
             self._last_wait_reason = reason
@@ -285,10 +379,17 @@ class RolloutWorker:
             self._recheck_at = time.monotonic() + room_wait_ms(self._held_since_update) / 1000 if in_flight else 0.0
             self.metrics.waiting.set(1)
             return 0
+        self.capacity.release()
         self._last_wait_reason = None
         self._recheck_at = 0.0
         self.metrics.waiting.set(0)
         return self._submit(min(free, -(-self.writer.room(state, in_flight) // group_size)))
+
+    def _report_capacity(self) -> None:
+        """Report the capacity while held (no batch is written meanwhile): the rollout hash and the gauges."""
+        capacity = self.capacity.sample()
+        self.writer.report_capacity(capacity)
+        self.metrics.observe_capacity(capacity)
 
     def _submit(self, count: int) -> int:
         """Submit ``count`` groups of the task's next prompts under the current version; returns ``count``."""
@@ -296,7 +397,7 @@ class RolloutWorker:
         for prompt in self.task.next_prompts(count):
             key, self._next_key = self._next_key, self._next_key + 1
             self._submitted[key] = Submitted(prompt, self.version, now)
-            self.backend.submit(key, prompt.token_ids, self.spec.samples_per_prompt, self.sampling)
+            self.backend.submit_prompt(key, prompt, self.spec.samples_per_prompt, self.sampling)
         return count
 
     def _handle_events(self, events: list[Event]) -> bool:
@@ -364,6 +465,8 @@ class RolloutWorker:
         finished = [(submitted, group) for submitted, group in finished if group is not None]
         if not finished:
             return 0
+        self.capacity.generated(sum(sampled_tokens(completion.token_ids, completion.masked_spans)
+                                    for _, group in finished for completion in group))
         now = time.monotonic()
         seconds = now - max(self._written_at, min(submitted.at for submitted, _ in finished))
         self._written_at = now
@@ -380,7 +483,8 @@ class RolloutWorker:
             for (completion, reward), advantage in zip(group, advantages):
                 versions = completion_versions(completion, submitted.version)
                 documents.append(make_document(submitted.prompt.token_ids, completion.token_ids, completion.logprobs,
-                                               reward=reward, advantage=float(advantage), model_version=versions))
+                                               reward=reward, advantage=float(advantage), model_version=versions,
+                                               masked_spans=completion.masked_spans))
                 newest.append(max(versions, default=submitted.version))
         samples = [(completion, reward, submitted.version) for submitted, group in scored for completion, reward in group]
         reward_versions = [max(completion_versions(completion, version), default=version)
@@ -400,8 +504,10 @@ class RolloutWorker:
         written = self.writer.write(documents, newest)
         if written < len(documents):
             self.metrics.abandoned.inc(len(documents) - written)
-        self.writer.report(report)
+        capacity = self.capacity.sample()
+        self.writer.report(report, capacity)
         self.metrics.observe_batch(report, written)
+        self.metrics.observe_capacity(capacity)
         if report.rewards:
             self.reward_backoff.reset()
             self._generate_after = 0.0
@@ -418,9 +524,8 @@ class RolloutWorker:
         :func:`rljob_api.protocol.reward_error_key` ("Class: message")."""
         group = []
         for completion in completions:
-            text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
             try:
-                reward = float(self.task.reward(prompt, completion.token_ids, text))
+                reward = float(self.task.score(prompt, completion, self.tokenizer))
                 if not math.isfinite(reward):
                     raise InvalidReward(f"reward {reward} is not finite")
             except Exception as error:  # noqa: BLE001 - user code: any exception drops only this sample

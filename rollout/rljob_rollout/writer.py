@@ -44,7 +44,8 @@ own WATCH/MULTI/EXEC transaction, so the hash stays bounded); ``reward`` / ``rew
 version of the writer's last batch, unless that version was pruned; ``samples_generated``,
 ``documents_written``, ``reward_errors`` and ``reward_errors:{class}``, ``groups_filtered`` and
 ``samples_filtered`` (zero-variance filter), ``all_rewards_failed`` (see the constant), ``worker:{replica}`` =
-JSON {version, samples_per_second, updated_at}, ``updated_at``.
+the worker's :class:`~rljob_api.protocol.WorkerReport` (its last batch's version and rate, and its capacity:
+:mod:`rljob_rollout.capacity`), ``updated_at``.
 
 Reward-failure streak: a batch with no scored sample extends the hash's ``all_rewards_failed`` record
 (:func:`rljob_api.protocol.after_failing_batch`: since when, how many batches and samples, the failures by
@@ -54,11 +55,10 @@ the record always describes failures with no scored sample, from any worker, in 
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import numpy as np
@@ -68,23 +68,29 @@ from rljob_api import protocol
 from rljob_api.config import JobConfig
 from rljob_wire.codec import Document, encode_document
 
+from rljob_rollout.capacity import Capacity
+
 log = logging.getLogger(__name__)
 
 def make_document(prompt_ids: Sequence[int], completion_ids: Sequence[int], completion_logprobs: Sequence[float],
-                  *, reward: float, advantage: float, model_version: int | Sequence[int]) -> Document:
-    """One stream document: prompt + completion tokens, the prompt's labels masked.
+                  *, reward: float, advantage: float, model_version: int | Sequence[int],
+                  masked_spans: Sequence[tuple[int, int]] = ()) -> Document:
+    """One stream document: prompt + completion tokens, the labels of the prompt and of ``masked_spans`` masked.
 
     Args:
         model_version: the weights version (documents) of every completion token ([N] ints), or one for all of them.
             The prompt's tokens get the first completion token's: the weights that first read the prompt.
+        masked_spans: half-open ``(begin, end)`` ranges of the completion (completion coordinates) the model did not
+            sample (an episode's observations, :attr:`~rljob_rollout.backends.base.Completion.masked_spans`).
 
     Returns:
         :class:`Document` with tokens [T] int64 (T = P + N), old_log_probabilities [T] float32 (0 on the P
         prompt tokens, the sampling log-probabilities on the N completion tokens), model_version [T] int64,
-        loss_masking_spans ``[(0, P)]``, the advantage and raw reward.
+        loss_masking_spans ``[(0, P)]`` (none for an empty prompt) then each masked span shifted by P, the advantage and
+        raw reward.
 
     Raises:
-        ValueError: per-token versions whose count is not N.
+        ValueError: per-token versions whose count is not N; a masked span outside [0, N] or inverted.
     """
     num_prompt = len(prompt_ids)
     tokens = np.asarray(list(prompt_ids) + list(completion_ids), dtype=np.int64)
@@ -97,7 +103,13 @@ def make_document(prompt_ids: Sequence[int], completion_ids: Sequence[int], comp
             raise ValueError(f"make_document: {len(model_version)} versions for {len(completion_ids)} completion tokens")
         first = model_version[0] if len(model_version) else 0
         versions = np.asarray([first] * num_prompt + list(model_version), dtype=np.int64)
-    return Document(tokens, old, versions, [(0, num_prompt)], float(advantage), float(reward))
+    spans = [(0, num_prompt)] if num_prompt else []
+    for begin, end in masked_spans:
+        if not 0 <= begin <= end <= len(completion_ids):
+            raise ValueError(f"make_document: masked span [{begin}, {end}) outside the {len(completion_ids)} "
+                             "completion tokens")
+        spans.append((num_prompt + begin, num_prompt + end))
+    return Document(tokens, old, versions, spans, float(advantage), float(reward))
 
 
 @dataclass(frozen=True)
@@ -208,6 +220,7 @@ class DocumentWriter:
         self.max_pending = config.spec.redis.max_pending
         self.max_ahead = max(config.spec.rollout.max_lag, config.spec.trainer.batch.documents_per_step)
         self._worker_field = f"{protocol.ROLLOUT_WORKER_PREFIX}{replica_index}"
+        self._worker = protocol.WorkerReport()  # the last batch's version and rate
         self._last_failed = False  # this writer's last batch had no scored sample
 
     def snapshot(self) -> StreamBacklog:
@@ -305,9 +318,27 @@ class DocumentWriter:
                         max(versions or [0]))
         return len(kept)
 
-    def report(self, batch: BatchReport) -> None:
+    def count_dropped_at_stop(self, samples: int) -> None:
+        """Add ``samples`` to the rollout hash's ``samples_dropped_at_stop``. Raises RedisError."""
+        self._client.hincrby(self._keys.rollout, protocol.ROLLOUT_SAMPLES_DROPPED_AT_STOP, samples)
+
+    def report_capacity(self, capacity: Capacity) -> None:
+        """Write this worker's :class:`~rljob_api.protocol.WorkerReport` with ``capacity`` between batches (while
+        back-pressure holds it), its last batch's version and rate kept. Raises RedisError."""
+        self._client.hset(self._keys.rollout, self._worker_field, self._worker_report(capacity, time.time()).to_field())
+
+    def _worker_report(self, capacity: Optional[Capacity], now: Optional[float] = None) -> protocol.WorkerReport:
+        report = self._worker if now is None else replace(self._worker, updated_at=now)
+        if capacity is None:
+            return report
+        return replace(report, held_share=round(capacity.held_share, 4),
+                       tokens_per_second=round(capacity.tokens_per_second, 1),
+                       held_seconds=round(capacity.held_seconds, 3), window_s=round(capacity.window_s, 3))
+
+    def report(self, batch: BatchReport, capacity: Optional[Capacity] = None) -> None:
         """Add one batch to the rollout hash, prune per-version reward pairs beyond the newest
-        ``reward_versions_kept``, and set or delete the reward-failure streak (module docstring). Raises RedisError."""
+        ``reward_versions_kept``, set or delete the reward-failure streak (module docstring), and write this worker's
+        :class:`~rljob_api.protocol.WorkerReport` with ``capacity``. Raises RedisError."""
         key, version = self._keys.rollout, batch.version
         stale: list[str] = []
 
@@ -344,12 +375,8 @@ class DocumentWriter:
         total, count = self._client.transaction(add, key)[:2]
         self._last_failed = not batch.rewards
         now = time.time()
-        mapping = {
-            self._worker_field: json.dumps(
-                {"version": version, "samples_per_second": batch.samples_generated / max(batch.seconds, 1e-9), "updated_at": now}
-            ),
-            protocol.ROLLOUT_UPDATED_AT: repr(now),
-        }
+        self._worker = protocol.WorkerReport(version, batch.samples_generated / max(batch.seconds, 1e-9), now)
+        mapping = {self._worker_field: self._worker_report(capacity).to_field(), protocol.ROLLOUT_UPDATED_AT: repr(now)}
         if count and f"{protocol.ROLLOUT_REWARD_COUNT_PREFIX}{version}" not in stale:
             mapping[protocol.ROLLOUT_REWARD] = repr(float(total) / int(count))
             mapping[protocol.ROLLOUT_REWARD_VERSION] = str(version)

@@ -214,10 +214,10 @@ def test_the_divisibility_refusals_name_the_numbers_from_one_template_for_the_op
         fields = {name for _, name, _, _ in string.Formatter().parse(message.template) if name}
         assert fields == set(message.values)
     assert rules.cel_decimal("self.nodes", 4096) == (
-        "(self.nodes>=1000?'0123456789'.substring(self.nodes/1000%10,self.nodes/1000%10+1):'')+"
-        "(self.nodes>=100?'0123456789'.substring(self.nodes/100%10,self.nodes/100%10+1):'')+"
-        "(self.nodes>=10?'0123456789'.substring(self.nodes/10%10,self.nodes/10%10+1):'')+"
-        "'0123456789'.substring(self.nodes%10,self.nodes%10+1)")
+        "(self.nodes>=1000?\"0123456789\".substring(self.nodes/1000%10).substring(0,1):\"\")+"
+        "(self.nodes>=100?\"0123456789\".substring(self.nodes/100%10).substring(0,1):\"\")+"
+        "(self.nodes>=10?\"0123456789\".substring(self.nodes/10%10).substring(0,1):\"\")+"
+        "\"0123456789\".substring(self.nodes%10).substring(0,1)")
     assert rules.DOCUMENTS_PER_STEP_MESSAGE.text(
         documentsPerStep=512, dataParallel=3, nodes=1, processesPerNode=3, tensorParallel=1, pipelineParallel=1
     ).startswith("documentsPerStep 512 is not divisible by the data-parallel size 3 = nodes 1 × processesPerNode 3 / "

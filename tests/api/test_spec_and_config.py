@@ -83,6 +83,17 @@ def test_code_checks_name_fields():
     ]
 
 
+def test_a_completion_longer_than_the_tiny_models_positions_is_named_with_both_numbers():
+    assert check_spec(spec(model={"source": "tiny", "tiny": {"maxPositionEmbeddings": 64}},
+                           rollout={"sampling": {"maxNewTokens": 64}})) == []
+    (problem,) = check_spec(spec(model={"source": "tiny", "tiny": {"maxPositionEmbeddings": 64}},
+                                 rollout={"sampling": {"maxNewTokens": 65}}))
+    assert str(problem) == (
+        "spec.rollout.sampling.maxNewTokens: 65 is more than the model's 64 positions "
+        "(spec.model.tiny.maxPositionEmbeddings), which hold the prompt and the completion: set maxNewTokens below 64, "
+        "or raise maxPositionEmbeddings")
+
+
 @pytest.mark.parametrize("image", ["rljob/trainer-cpu:0.1.0", "registry.k8s.io/pause:3.10.1", "localhost:5000/a/b:t",
                                    "nvcr.io/nvidia/pytorch:24.01-py3", "redis@sha256:" + "ab" * 32])
 def test_image_references_a_kubelet_can_pull_pass(image):
@@ -151,7 +162,7 @@ def test_unacknowledged_documents_between_checkpoints_must_fit_under_max_pending
     assert "512 × 9 = 4608 must not exceed spec.redis.maxPending = 4096" in problem.message
 
 
-@pytest.mark.parametrize("example", ["rljob-cpu.yaml", "rljob-vllm-cpu.yaml", "rljob.yaml"])
+@pytest.mark.parametrize("example", ["rljob-cpu.yaml", "rljob-vllm-cpu.yaml", "rljob.yaml", "rljob-environment-cpu.yaml"])
 def test_examples_pass_the_code_checks(example):
     from pathlib import Path
 

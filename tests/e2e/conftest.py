@@ -465,10 +465,12 @@ print(json.dumps({
 """
 
 
-def redis_snapshot(cluster: Cluster, namespace: str, job: dict[str, Any], diagnose: Callable[[], str]) -> dict[str, Any]:
-    """Read a job's Redis (progress and rollout hashes, stream length, consumer groups, checkpoint hash) from
-    inside the cluster: a one-off pod of the job's trainer image with the job's Redis password, whose output is
-    read with ``kubectl logs`` (works on any cluster; the pod is deleted afterwards)."""
+def redis_snapshot(cluster: Cluster, namespace: str, job: dict[str, Any], diagnose: Callable[[], str],
+                   script: str = _REDIS_SNAPSHOT) -> Any:
+    """Read a job's Redis (by default progress and rollout hashes, stream length, consumer groups, checkpoint hash)
+    from inside the cluster: a one-off pod of the job's trainer image with the job's Redis password runs ``script``
+    (Python; the environment has HOST, PORT, REDIS_PASSWORD and KEYS, the job's RedisKeys as JSON) and prints JSON
+    as its last line, read with ``kubectl logs`` (works on any cluster; the pod is deleted afterwards)."""
     from rljob_api.config import RedisKeys
     from rljob_api.spec import RLTrainingJobSpec
     from rljob_operator import render
@@ -487,7 +489,7 @@ def redis_snapshot(cluster: Cluster, namespace: str, job: dict[str, Any], diagno
     cluster.apply({
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod},
         "spec": {"restartPolicy": "Never", "automountServiceAccountToken": False, "containers": [{
-            "name": "read", "image": spec.trainer.image, "command": ["python", "-c", _REDIS_SNAPSHOT], "env": env}]},
+            "name": "read", "image": spec.trainer.image, "command": ["python", "-c", script], "env": env}]},
     }, namespace)
     try:
         phase = wait_for(lambda: (cluster.get("pod", pod, "-n", namespace) or {}).get("status", {}).get("phase")

@@ -11,7 +11,9 @@ fake ``nvidia.com/gpu`` (4 per node), which the ClusterQueues below count.
   before any of attempt 1 exists, attempt 1 going on from the step after the checkpoint it loaded, no document lost;
   Succeeded, the trainer pod beside its native sidecar too, and the Workload Finished;
 - a job preempted by a higher-priority one (its pods deleted, nothing counted) that resumes from its checkpoint and
-  succeeds once the other one has finished.
+  succeeds once the other one has finished;
+- a job scaled 1 → 2 → 1 rollout replicas through Kueue's Workload slices (the scale-up waiting for quota first),
+  its trainer gang never restarted.
 
 The jobs share what they can (one job takes the queue, the overrides, the reward edit and the gang restart) because each
 costs minutes on 2 cores. On ``--cluster=existing`` the cluster must run Kueue already (with RLTrainingJob as an
@@ -366,3 +368,62 @@ def test_a_preempted_job_resumes_from_its_checkpoint_once_the_higher_priority_jo
     resumed = cluster.kubectl("logs", "-n", namespace, "low-trainer-0").stdout
     assert "checkpoint: loaded" in resumed, resumed[-3000:]
     assert workload_condition(workload(cluster, namespace, "low"), "Requeued").get("status") == "True"
+
+
+def test_a_queued_job_scales_its_rollouts_through_workload_slices_restarting_nothing(
+        cluster, operator, kueue, namespace, diagnostics):
+    """Issue 28 item 4 on real kubelets: a queued, admitted job scaled 1 → 2 rollout replicas while its ClusterQueue
+    has no GPU to spare waits for quota (RolloutReady ScaleUpWaitingForQuota, the gang untouched, no second rollout
+    pod); once the quota grows Kueue admits the new Workload slice and finishes the old one (WorkloadSliceReplaced),
+    the second rollout pod loads the trainer's weights; scaled back to 1 the slice shrinks in place. The trainer pods,
+    the first rollout pod and the attempt never change, and training goes on throughout."""
+    name = "elastic"
+    diagnostics.job = name
+    cq = queues(cluster, namespace, gpus=3)  # the trainer's 2 GPUs and one rollout pod's 1
+    cluster.apply(queued(checkpointed_job(cluster, namespace, name, 5, gpu_spec(100_000, 2))), namespace)
+
+    def job() -> dict:
+        return get_job(cluster, namespace, name)
+
+    def running(role: str) -> dict[str, str]:
+        return {p["metadata"]["name"]: p["metadata"]["uid"] for p in cluster.items(
+            "pods", namespace, f"{c.LABEL_ROLE}={role}") if not p["metadata"].get("deletionTimestamp")}
+
+    def slices() -> list[dict]:
+        return cluster.items("workloads.kueue.x-k8s.io", namespace)
+
+    wait_for(lambda: (job().get("status") or {}).get("step", 0) >= 2 or None, 300, "step 2", diagnostics)
+    trainers, rollouts = running("trainer"), running("rollout")
+    assert len(trainers) == 1 and list(rollouts) == [f"{name}-rollout-0"], (trainers, rollouts)
+    (first,) = slices()
+
+    cluster.kubectl("scale", "rljob", name, "-n", namespace, "--replicas=2")
+    waiting = wait_for(lambda: condition(j := job(), c.ConditionType.ROLLOUT_READY).get("reason")
+                       == c.Reason.SCALE_UP_WAITING_FOR_QUOTA.value and j, 120, "the scale-up waiting for quota",
+                       diagnostics)
+    assert "insufficient" in condition(waiting, c.ConditionType.ROLLOUT_READY)["message"], waiting["status"]
+    assert phase(waiting) == "Running" and running("rollout") == rollouts and running("trainer") == trainers
+
+    cluster.kubectl("patch", "clusterqueue", cq, "--type=json", "-p", json.dumps([{
+        "op": "replace", "path": "/spec/resourceGroups/0/flavors/0/resources/2/nominalQuota", "value": 4}]))
+    second = f"{name}-rollout-1"
+    wait_for(lambda: "rollout: loaded weights of step" in cluster.kubectl("logs", "-n", namespace, second,
+                                                                          check=False).stdout or None,
+             300, f"{second} to load the trainer's weights", diagnostics)
+    by_name = {w["metadata"]["name"]: w for w in slices()}
+    assert workload_condition(by_name[first["metadata"]["name"]], "Finished").get("reason") == "WorkloadSliceReplaced"
+    (grown,) = [w for n, w in by_name.items() if n != first["metadata"]["name"]]
+    assert workload_condition(grown, "Admitted").get("status") == "True", grown.get("status")
+    assert {p["name"]: p["count"] for p in grown["spec"]["podSets"]}["rollout"] == 2, grown["spec"]["podSets"]
+    step_grown = job()["status"]["step"]
+
+    cluster.kubectl("scale", "rljob", name, "-n", namespace, "--replicas=1")
+    wait_for(lambda: running("rollout") == rollouts or None, 120, f"{second} gone", diagnostics)
+    shrunk = cluster.get("workloads.kueue.x-k8s.io", grown["metadata"]["name"], "-n", namespace)
+    assert shrunk["metadata"]["uid"] == grown["metadata"]["uid"]  # in place
+    assert {p["name"]: p["count"] for p in shrunk["spec"]["podSets"]}["rollout"] == 1, shrunk["spec"]["podSets"]
+    wait_for(lambda: (job().get("status") or {}).get("step", 0) > step_grown or None, 120,
+             "training to go on after the scale-down", diagnostics)
+    status = job()["status"]
+    assert (status["attempt"], status["restarts"]) == (0, 0), status
+    assert running("trainer") == trainers and running("rollout") == rollouts

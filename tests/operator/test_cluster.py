@@ -120,6 +120,12 @@ def job_manifest(name: str, **spec_overrides) -> dict:
     return {"apiVersion": "rljob.dev/v1alpha1", "kind": "RLTrainingJob", "metadata": {"name": name}, "spec": spec}
 
 
+def external_redis(kube: Kube, namespace: str, server) -> dict:
+    """spec.redis of a job on the test's Redis ``server`` (its password in a Secret ``shared-redis``, created here)."""
+    kube.run("create", "secret", "generic", "shared-redis", "-n", namespace, f"--from-literal=password={server.password}")
+    return {"mode": "external", "url": server.url, "passwordSecretRef": {"name": "shared-redis", "key": "password"}}
+
+
 @pytest.fixture(scope="module")
 def kube(control_plane) -> Kube:
     return Kube(control_plane)
@@ -506,11 +512,7 @@ def test_an_invalid_edit_keeps_the_running_pods_on_the_last_valid_spec_until_fix
 
 
 def test_progress_hashes_reach_status_and_printer_columns(kube, operator, namespace, redis_server):
-    kube.run("create", "secret", "generic", "shared-redis", "-n", namespace,
-             f"--from-literal=password={redis_server.password}")
-    kube.apply(job_manifest("prog", redis={"mode": "external", "url": redis_server.url,
-                                           "passwordSecretRef": {"name": "shared-redis", "key": "password"}}),
-               namespace)
+    kube.apply(job_manifest("prog", redis=external_redis(kube, namespace, redis_server)), namespace)
     prefix = f"rljob:{namespace}:prog:"
     client = redis_server.client()
     client.hset(prefix + "progress", mapping={"step": 5, "documents_seen": 320, "model_version": 320,
@@ -798,8 +800,10 @@ def test_crash_looping_and_unstartable_containers_are_named_on_the_job(kube, ope
     assert rollout["message"] == (
         "0/1 rollout pods ready; failing: loop-rollout-0: container rollout CrashLoopBackOff, 4 restarts; last run: "
         f"exit code 2 (Error): {log_tail.strip()}")
+    # The two trainer pods' statuses are two writes: a pass can see the first alone, so wait until both are named.
     trainer = wait_for(lambda: (r := kube.condition(namespace, "loop", "TrainerReady")).get("reason")
-                       == "ContainerCannotStart" and r, "TrainerReady=False/ContainerCannotStart")
+                       == "ContainerCannotStart" and "waiting for" not in r.get("message", "") and r,
+                       "TrainerReady=False/ContainerCannotStart naming both trainer pods")
     assert trainer["message"] == ('0/2 trainer pods ready; cannot start: loop-trainer-0, loop-trainer-1: container '
                                   'trainer CreateContainerConfigError: secret "nosuch" not found')
     def warnings():

@@ -65,12 +65,22 @@ def test_descriptions_start_with_what_the_field_does_not_with_its_name():
 
 def test_schema_is_structural_no_refs_unions_or_unknown_field_passthrough():
     text = crd.crd_yaml()
-    for forbidden in ("$ref", "anyOf: [{type: null", "type: 'null'", "title:", "x-kubernetes-preserve-unknown-fields",
-                      "allOf", "oneOf", "x-kubernetes-patch", "int-or-string\n"):
+    for forbidden in ("$ref", "anyOf: [{type: null", "type: 'null'", "title:", "allOf", "oneOf", "x-kubernetes-patch",
+                      "int-or-string\n"):
         assert forbidden not in text
     assert yaml.safe_load(text) == crd.crd()  # the flow-style parts read back as the same schema
-    for _, node in _walk(_schema(), "root"):
+    passthrough = []
+    for path, node in _walk(_schema(), "root"):
         assert not ("properties" in node and "additionalProperties" in node)
+        if "x-kubernetes-preserve-unknown-fields" in node:
+            passthrough.append(path)
+    # only inside the Container properties a role's containers entry may not set: a CEL rule refuses any value of them
+    # (test_pod_template_fields_carry_kubernetes_schemas_without_nested_descriptions), so nothing unchecked is stored
+    refused = ("lifecycle", "livenessProbe", "ports[]", "readinessProbe", "resizePolicy[]", "resources",
+               "restartPolicyRules[]", "startupProbe", "volumeDevices[]")
+    assert sorted(passthrough) == sorted(f"root.spec.{field}.podTemplate.spec.containers[].{name}"
+                                         for field in crd.POD_TEMPLATE_ROLES for name in refused)
+    assert text.count("x-kubernetes-preserve-unknown-fields") == len(passthrough)
 
 
 def test_defaults_enums_and_bounds_come_from_the_models():
@@ -130,7 +140,7 @@ def test_cel_rules_sit_next_to_their_fields():
 
 def test_status_subresource_columns_and_names():
     version = crd.crd()["spec"]["versions"][0]
-    assert version["subresources"] == {"status": {}}
+    assert version["subresources"]["status"] == {}
     columns = [(col["name"], col["jsonPath"], col.get("priority", 0)) for col in version["additionalPrinterColumns"]]
     assert columns == [
         ("Phase", ".status.phase", 0),
@@ -191,9 +201,19 @@ def test_pod_template_fields_carry_kubernetes_schemas_without_nested_description
         own = ("name", "env", "envFrom", "volumeMounts", "securityContext")
         others = [name for name in kubernetes if name not in own]
         assert {"image", "command", "args", "ports", "resources", "livenessProbe", "restartPolicy"} <= set(others)
-        for name in others:
+        for name in others:  # typed as Kubernetes types them, their content not checked: any value is refused
             assert isinstance(override["items"]["properties"][name], crd.Vendored), name
-            assert override["items"]["properties"][name] == kubernetes[name], name
+            assert override["items"]["properties"][name] == crd.refused_shape(kubernetes[name]), name
+            assert override["items"]["properties"][name]["type"] == kubernetes[name]["type"], name
+        assert override["items"]["properties"]["command"] == {"type": "array", "items": {"type": "string"}}
+        assert override["items"]["properties"]["livenessProbe"] == {"type": "object",
+                                                                     "x-kubernetes-preserve-unknown-fields": True}
+        assert override["items"]["properties"]["ports"] == {"type": "array", "items": {
+            "type": "object", "x-kubernetes-preserve-unknown-fields": True}}
+        # rljob's own additions keep Kubernetes' whole schema
+        for name in ("env", "envFrom", "volumeMounts", "securityContext"):
+            assert {k: v for k, v in override["items"]["properties"][name].items() if k != "description"} == \
+                kubernetes[name], name
         assert override["items"]["properties"]["name"] == {
             "type": "string", "description": override["items"]["properties"]["name"]["description"],
             "minLength": 1, "maxLength": 63}  # bounded, with maxItems, so that the API server can bound the CEL cost
@@ -206,3 +226,15 @@ def test_pod_template_fields_carry_kubernetes_schemas_without_nested_description
         assert fields_rule["rule"].startswith(
             f"self.name != '{container}' || !(has(self.args) || has(self.command) || has(self.image) || ")
         assert template["properties"]["metadata"]["properties"]["labels"]["additionalProperties"] == {"type": "string"}
+
+
+def test_the_scale_subresource_scales_the_rollout_replicas_through_fields_the_schema_has():
+    version = crd.crd()["spec"]["versions"][0]
+    assert sorted(version["subresources"]) == ["scale", "status"]
+    assert version["subresources"]["scale"] == {"specReplicasPath": ".spec.rollout.replicas",
+                                                "statusReplicasPath": ".status.rolloutReplicas",
+                                                "labelSelectorPath": ".status.rolloutSelector"}
+    schema = _schema()["properties"]
+    assert schema["spec"]["properties"]["rollout"]["properties"]["replicas"]["type"] == "integer"
+    assert schema["status"]["properties"]["rolloutReplicas"]["type"] == "integer"
+    assert schema["status"]["properties"]["rolloutSelector"]["type"] == "string"

@@ -234,3 +234,92 @@ def test_suspending_a_queued_job_deactivates_its_workload_and_resuming_queues_it
     assert kube.json("get", "workloads.kueue.x-k8s.io", "pause-workload", "-n", namespace)["spec"]["active"] is True
     status = kube.job(namespace, "pause")["status"]
     assert (status["restarts"], status["failedAttempts"]) == (0, 0)
+
+
+def slices(kube: Kube, namespace: str, job: str) -> dict[str, dict]:
+    """The job's Workloads by name."""
+    return {w["metadata"]["name"]: w for w in kube.json("get", "workloads.kueue.x-k8s.io", "-n", namespace)["items"]
+            if w["metadata"]["labels"].get("rljob.dev/job-name") == job}
+
+
+def finished(wl: dict) -> dict:
+    return next((c for c in (wl.get("status") or {}).get("conditions", [])
+                 if c["type"] == "Finished" and c["status"] == "True"), {})
+
+
+def uids(pods: list[dict], role: str) -> set[str]:
+    return {p["metadata"]["uid"] for p in pods if p["metadata"]["labels"]["rljob.dev/role"] == role}
+
+
+def test_a_scale_of_an_admitted_job_replaces_its_workload_slice_and_restarts_nothing(kube, operator, namespace):
+    """kubectl scale 1→2: a new Workload slice replacing the admitted one is admitted (Kueue finishes the old one,
+    WorkloadSliceReplaced), then the second rollout pod starts; 2→1: the slice's count goes down in place and rollout
+    pod 1 goes. The trainer gang is never touched (same pods, attempt 0)."""
+    queues(kube, namespace, gpus=8)
+    kube.apply(queued_job("grow"), namespace)
+    pods = wait_for(lambda: len(p := live(kube, namespace, "grow")) == 3 and p, "2 trainer + 1 rollout pods")
+    wait_for(lambda: (kube.job(namespace, "grow").get("status") or {}).get("gangCreated"), "the gang created")
+    trainers = uids(pods, "trainer")
+    assert slices(kube, namespace, "grow")["grow-workload"]["metadata"]["annotations"][
+        "kueue.x-k8s.io/elastic-job"] == "true"
+
+    kube.run("scale", "rljob", "grow", "-n", namespace, "--replicas=2")
+    pods = wait_for(lambda: len(p := live(kube, namespace, "grow")) == 4 and p, "2 trainer + 2 rollout pods")
+    assert uids(pods, "trainer") == trainers
+    found = slices(kube, namespace, "grow")
+    assert finished(found.pop("grow-workload"))["reason"] == "WorkloadSliceReplaced"
+    ((name, new),) = found.items()
+    assert name.startswith("grow-workload-") and not finished(new)
+    assert new["metadata"]["annotations"]["kueue.x-k8s.io/workload-slice-replacement-for"] == \
+        f"{namespace}/grow-workload"
+    assert new["metadata"]["ownerReferences"][0]["name"] == "grow"
+    assert [(s["name"], s["count"]) for s in new["spec"]["podSets"]] == [("trainer", 2), ("rollout", 2)]
+    status = kube.job(namespace, "grow")["status"]
+    assert (status["attempt"], status["restarts"]) == (0, 0)
+
+    kube.run("scale", "rljob", "grow", "-n", namespace, "--replicas=1")
+    pods = wait_for(lambda: len(p := live(kube, namespace, "grow")) == 3 and p, "rollout pod 1 gone")
+    assert {p["metadata"]["name"] for p in pods if p["metadata"]["labels"]["rljob.dev/role"] == "rollout"} == {
+        "grow-rollout-0"}
+    assert uids(pods, "trainer") == trainers
+    same = slices(kube, namespace, "grow")[name]
+    assert same["metadata"]["uid"] == new["metadata"]["uid"] and not finished(same)
+    assert [(s["name"], s["count"]) for s in same["spec"]["podSets"]] == [("trainer", 2), ("rollout", 1)]
+    status = kube.job(namespace, "grow")["status"]
+    assert (status["attempt"], status["restarts"]) == (0, 0)
+
+
+def test_a_scale_up_beyond_the_quota_waits_on_the_admitted_count_and_goes_on_when_quota_frees_or_scaled_back(
+        kube, operator, namespace):
+    """5 GPUs: the job (5) runs; scaled to 3 rollout pods (7) the new slice cannot be admitted, so the job keeps its one
+    rollout pod and its gang, RolloutReady says why in Kueue's words; scaled back to 1 the waiting slice goes; scaled to
+    2 again and the quota raised to 6, the second rollout pod starts."""
+    cq = queues(kube, namespace, gpus=5)
+    kube.apply(queued_job("wait"), namespace)
+    pods = wait_for(lambda: len(p := live(kube, namespace, "wait")) == 3 and p, "2 trainer + 1 rollout pods")
+    trainers = uids(pods, "trainer")
+    kube.run("scale", "rljob", "wait", "-n", namespace, "--replicas=3")
+    ready = wait_for(lambda: (r := kube.condition(namespace, "wait", "RolloutReady")).get("reason") ==
+                     "ScaleUpWaitingForQuota" and "insufficient" in r["message"] and r, "the scale-up waiting")
+    assert ready["status"] == "False"
+    assert "spec.rollout.replicas 3 waits for Kueue to admit Workload slice wait-workload-" in ready["message"]
+    assert "QuotaReserved=False (Pending): " in ready["message"]
+    assert ready["message"].endswith("the job runs 1 rollout pods on Workload wait-workload meanwhile")
+    assert kube.job(namespace, "wait")["status"]["phase"] not in ("Pending", "Restarting")
+    pods = live(kube, namespace, "wait")
+    assert len(pods) == 3 and uids(pods, "trainer") == trainers
+
+    kube.run("scale", "rljob", "wait", "-n", namespace, "--replicas=1")
+    wait_for(lambda: list(slices(kube, namespace, "wait")) == ["wait-workload"], "the waiting slice deleted")
+    wait_for(lambda: kube.condition(namespace, "wait", "RolloutReady").get("reason") != "ScaleUpWaitingForQuota",
+             "RolloutReady without the wait")
+
+    kube.run("scale", "rljob", "wait", "-n", namespace, "--replicas=2")
+    wait_for(lambda: kube.condition(namespace, "wait", "RolloutReady").get("reason") == "ScaleUpWaitingForQuota",
+             "the scale-up to 2 waiting")
+    kube.run("patch", "clusterqueue", cq, "--type=json", "-p", json.dumps([{
+        "op": "replace", "path": "/spec/resourceGroups/0/flavors/0/resources/0/nominalQuota", "value": 6}]))
+    pods = wait_for(lambda: len(p := live(kube, namespace, "wait")) == 4 and p, "the second rollout pod")
+    assert uids(pods, "trainer") == trainers
+    status = kube.job(namespace, "wait")["status"]
+    assert (status["attempt"], status["restarts"]) == (0, 0)

@@ -67,6 +67,17 @@ def test_the_api_server_refuses_a_wrong_template_and_explains_its_shape(kube, in
             "others, or run another program as a native sidecar (podTemplate.spec.initContainers with restartPolicy: "
             "Always)") in own
     assert "unknown field" not in own
+    # a refused object field's content is not checked (any value is refused): no "unknown field" inside it either
+    probe = _refused(kube, job(trainer={"podTemplate": {"spec": {"containers": [
+        {"name": "trainer", "livenessProbe": {"httpGet": {"path": "/healthz", "port": 8080}, "periodSeconds": 5},
+         "resources": {"limits": {"memory": "1Gi"}}}]}}}), namespace)
+    assert ("spec.trainer.podTemplate.spec.containers[0]: Forbidden: livenessProbe, resources: rljob renders the "
+            "trainer container itself") in probe
+    assert "unknown field" not in probe
+    # its type is still checked (Kubernetes' type: command is a list)
+    assert ("spec.trainer.podTemplate.spec.containers[0].command: Invalid value: \"string\"") in _refused(
+        kube, job(trainer={"podTemplate": {"spec": {"containers": [{"name": "trainer", "command": "python"}]}}}),
+        namespace)
     assert "spec.trainer.podTemplate.spec.containers[0].env[1]: Duplicate value" in _refused(
         kube, job(trainer={"podTemplate": {"spec": {"containers": [{"name": "trainer", "env": [
             {"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}]}}}), namespace)

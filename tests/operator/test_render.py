@@ -337,18 +337,20 @@ def test_adopt_sets_owner_reference_and_namespace_but_copies_no_labels(owner):
 #: example's by issue 13 (its cosine learning-rate schedule over 300 steps, docs/learning-robustness.md); the rollout
 #: hashes by issue 24 (the trainer fields no rollout process reads, render.TRAINER_ONLY_FIELDS, left out of it). The
 #: vLLM example's since issue 23 (which added it). The rollout hashes again by issue 24 item 4 (the data-parallel size
-#: left out of them: a topology edit restarts the gang alone).
+#: left out of them: a topology edit restarts the gang alone). The environment example's since issue 27 item 5 (which
+#: added it).
 EXAMPLE_HASHES = {
     "grpo-digits-cpu": ("b586aca0a56f9285", "716c7be73f3772b0", "df85cf321229654f"),
     "grpo-digits-vllm": ("359fc53ae6e17646", "e0de11f1c3f5606c", "9d14f2440fcc217a"),
     "grpo-qwen-math": ("dfe81c83a9716c45", "e2d974bfb04919ef", "ccd909a865910293"),
+    "grpo-guess-cpu": ("4650b3a6dd72bb4d", "b8238c74a7f9591f", "a7cc666c1c098cd9"),
 }
 
 
 def test_the_examples_config_hashes_are_those_running_pods_carry():
     examples = Path(__file__).resolve().parents[2] / "examples"
     seen = {}
-    for path in ("rljob-cpu.yaml", "rljob-vllm-cpu.yaml", "rljob.yaml"):
+    for path in ("rljob-cpu.yaml", "rljob-vllm-cpu.yaml", "rljob.yaml", "rljob-environment-cpu.yaml"):
         for doc in yaml.safe_load_all((examples / path).read_text()):
             if doc and doc.get("kind") == "RLTrainingJob":
                 job = render.Job(doc["metadata"]["name"], "default", RLTrainingJobSpec.model_validate(doc["spec"]))

@@ -329,3 +329,20 @@ def test_the_last_checkpoint_is_copied_into_status_and_kept_when_redis_forgets_i
                                                         "time": "2027-01-15T08:00:00Z"}
     forgotten = build(saved, pods, RUNNING, seconds=5, fetched=protocol.parse_progress({}, {}, {}))
     assert forgotten.last_checkpoint == saved.last_checkpoint and forgotten.step == 31
+
+
+def test_an_image_without_rljob_is_named_with_its_field_and_value():
+    spec = make_spec(rollout={"image": "python:3.11-slim"})
+    missing = {"terminated": {"exitCode": 1, "reason": "Error", "message": (
+        "Traceback (most recent call last):\n  ...\n/usr/local/bin/python: No module named rljob_rollout\n"),
+        "startedAt": "2026-01-01T12:00:02Z", "finishedAt": "2026-01-01T12:00:04Z"}}
+    pod = pod_view(kubelet_rollout_pod(restartCount=3, lastState=missing, state={"waiting": {
+        "reason": "CrashLoopBackOff", "message": "back-off 40s restarting failed container"}}))
+    (named,) = job_status.name_spec_fields([pod], spec)
+    assert named.last_failure == (
+        "exit code 1 (Error): /usr/local/bin/python: No module named rljob_rollout (spec.rollout.image "
+        "'python:3.11-slim' has no rljob: build it FROM rljob's trainer image, or install rljob's packages in it)")
+    assert job_status.name_spec_fields([named], spec) == [named]  # told once
+    other = pod_view(kubelet_rollout_pod(restartCount=1, lastState=CRASHED, state={"waiting": {
+        "reason": "CrashLoopBackOff", "message": "back-off 10s"}}))
+    assert job_status.name_spec_fields([other], spec) == [other]  # another failure: nothing added

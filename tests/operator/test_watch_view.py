@@ -101,3 +101,21 @@ def test_the_attempts_and_the_document_totals_are_shown_and_printed_when_they_ch
         "10:00:02 demo attempt 1: DP 4, from the checkpoint of step 10, step 15, 64 redelivered; running"]
     out = text_of(render(state))
     assert "ended PodDeleted" in out and "from the checkpoint of step 10" in out and "1536 lost with the stream" in out
+
+
+def test_the_capacity_signals_are_a_line_of_their_own_printed_when_they_change():
+    state = job("Running", 14)
+    state["status"]["capacity"] = {"dataWaitShare": 0.4, "heldShare": 0.0, "tokensPerSecond": 900.0,
+                                   "tokensPerSecondPerReplica": 450.0, "pending": 64, "undelivered": 0,
+                                   "replicasReporting": 2, "observedAt": "2026-01-01T12:00:00Z"}
+    shown: dict = {}
+    assert plain_lines(state, shown, "10:00:00")[2:] == [
+        "10:00:00 demo capacity: trainer waits 40%, rollouts held 0% (2 replicas reporting), 900 tokens/s (450 per "
+        "replica), backlog 0 undelivered + 64 pending"]
+    state["status"]["capacity"]["observedAt"] = "2026-01-01T12:00:05Z"  # the same values: no line
+    assert plain_lines(state, shown, "10:00:02") == []
+    state["status"]["capacity"].update(heldShare=None, tokensPerSecond=None, tokensPerSecondPerReplica=None,
+                                       replicasReporting=0)
+    assert plain_lines(state, shown, "10:00:04") == [
+        "10:00:04 demo capacity: trainer waits 40%, rollouts: no replica reporting, backlog 0 undelivered + 64 pending"]
+    assert "trainer waits 40%" in text_of(render(state))

@@ -5,9 +5,10 @@ from __future__ import annotations
 from datetime import timedelta
 
 from rljob_api import constants as c
-from rljob_api.constants import Phase, Reason
+from rljob_api.constants import ConditionType, Phase, Reason
+from rljob_api.status import RLTrainingJobStatus
 
-from rljob_operator import gang, queueing, render, workload
+from rljob_operator import gang, job_status, queueing, render, workload
 from rljob_operator.workload import Hold
 
 from operator_helpers import T0, make_job, make_spec, rollout, trainer
@@ -178,3 +179,131 @@ def test_a_hold_deletes_the_pods_like_a_suspend_but_leaves_the_job_pending_and_c
     # admitted (no hold): the gang of the saved attempt is created
     admitted = gang.plan("demo", spec, plan.lifecycle, [], hashes, T0)
     assert admitted.create_trainers == (0, 1) and admitted.lifecycle.attempt == 3
+
+
+def _admitted(wl, name=None, uid="u-0", created="2026-01-01T11:00:00Z", *extra):
+    admitted = _kueue(wl, ("QuotaReserved", "True", "QuotaReserved", "cq"),
+                      ("Admitted", "True", "Admitted", "The workload is admitted"), *extra, admission=ADMISSION)
+    meta = {**admitted["metadata"], "namespace": "ns", "uid": uid, "creationTimestamp": created}
+    return {**admitted, "metadata": {**meta, "name": name or meta["name"]}}
+
+
+def _scaled(replicas, **fields):
+    return _workload(make_job(labels=QUEUE, **{**GPU_JOB, "rollout": {**GPU_JOB["rollout"], "replicas": replicas}},
+                              **fields))
+
+
+def test_a_scale_down_of_an_admitted_workload_lowers_its_rollout_count_in_place():
+    current = _admitted(_scaled(3))
+    step = workload.resize(current, None, _scaled(1))
+    assert step.remake is None and step.grow is None and not step.drop_pending
+    assert [(s["name"], s["count"]) for s in step.shrink["spec"]["podSets"]] == [("trainer", 2), ("rollout", 1)]
+    assert step.shrink["spec"]["podSets"][0] == current["spec"]["podSets"][0]  # the trainer's pod set as Kueue has it
+    assert step.shrink["metadata"]["annotations"] == {
+        c.ANNOTATION_WORKLOAD_PODSETS_HASH: _scaled(1)["metadata"]["annotations"][c.ANNOTATION_WORKLOAD_PODSETS_HASH]}
+    assert workload.resize(current, None, _scaled(3)) == workload.Resize()
+
+
+def test_a_scale_up_of_an_admitted_workload_makes_a_replacement_slice_that_waits_with_kueues_words():
+    current = _admitted(_scaled(3))
+    wanted = _scaled(5)
+    step = workload.resize(current, None, wanted)
+    new = step.grow
+    assert step.remake is None and step.shrink is None
+    assert new["metadata"]["name"].startswith("demo-workload-") and len(new["metadata"]["name"]) == 19
+    assert new["metadata"]["annotations"][workload.SLICE_REPLACEMENT_FOR] == "ns/demo-workload"
+    assert new["metadata"]["annotations"][workload.ELASTIC_JOB] == "true"
+    assert new["metadata"]["labels"] == current["metadata"]["labels"] and new["spec"]["podSets"] == wanted["spec"]["podSets"]
+    assert workload.resize(current, new, wanted) == workload.Resize()  # waits for Kueue
+    assert workload.resize(current, new, _scaled(3)) == workload.Resize(drop_pending=True)  # scaled back
+    assert workload.resize(current, new, _scaled(2)).shrink is not None  # below the running count: in place
+    assert workload.resize(current, new, _scaled(2)).drop_pending
+    regrow = workload.resize(current, new, _scaled(6)).regrow  # the waiting slice is re-aimed
+    assert [s["count"] for s in regrow["spec"]["podSets"]] == [2, 6]
+
+    pending = _kueue({**new, "metadata": {**new["metadata"], "namespace": "ns"}}, (
+        "QuotaReserved", "False", "Pending", "couldn't assign flavors to pod set rollout: insufficient unused quota "
+        "for nvidia.com/gpu in flavor l4, 2 more needed"))
+    assert workload.scale_wait(current, pending) == (
+        f"spec.rollout.replicas 5 waits for Kueue to admit Workload slice {new['metadata']['name']} in LocalQueue "
+        "team-a: QuotaReserved=False (Pending): couldn't assign flavors to pod set rollout: insufficient unused quota "
+        "for nvidia.com/gpu in flavor l4, 2 more needed; the job runs 3 rollout pods on Workload demo-workload "
+        "meanwhile")
+
+
+def test_other_pod_set_changes_and_changes_before_admission_remake_the_workload():
+    current = _admitted(_scaled(3))
+    nodes = _workload(make_job(labels=QUEUE, **{**GPU_JOB, "trainer": {**GPU_JOB["trainer"], "nodes": 4}}))
+    gpus = _workload(make_job(labels=QUEUE, **{**GPU_JOB, "rollout": {**GPU_JOB["rollout"], "gpusPerReplica": 2}}))
+    for wanted in (nodes, gpus):
+        assert workload.resize(current, None, wanted).remake == (
+            "the job's pod sets changed, so its Workload demo-workload (immutable once queued) is replaced and the job "
+            "queues again")
+    queued = _kueue(_scaled(3), ("QuotaReserved", "False", "Pending", "no quota"))
+    assert workload.resize(queued, None, _scaled(5)).remake is not None
+    old = {**current, "metadata": {**current["metadata"], "annotations": {  # made before slices: no shape hash
+        c.ANNOTATION_WORKLOAD_PODSETS_HASH: current["metadata"]["annotations"][c.ANNOTATION_WORKLOAD_PODSETS_HASH]}}}
+    assert workload.resize(old, None, _scaled(5)).remake is not None
+    assert "feature gate ElasticJobsViaWorkloadSlices is off" in workload.gate_off("demo-workload", "field is immutable")
+
+
+def test_the_job_follows_its_admitted_slice_and_never_a_finished_one():
+    first = _admitted(_scaled(3))
+    grown = workload.resize(first, None, _scaled(5)).grow
+    waiting = _kueue({**grown, "metadata": {**grown["metadata"], "namespace": "ns", "uid": "u-1",
+                                            "creationTimestamp": "2026-01-01T11:05:00Z"}},
+                     ("QuotaReserved", "False", "Pending", "no quota"))
+    found = workload.slices([waiting, first])
+    assert (found.current, found.pending, found.replaced) == (first, waiting, None)
+
+    finished = ("Finished", "True", workload.SLICE_REPLACED, "Replaced to accommodate a workload")
+    replaced = _admitted(_scaled(3), None, "u-0", "2026-01-01T11:00:00Z", finished)
+    # Kueue finished the old slice just before it writes the new one's admission: the job stays on the old one
+    found = workload.slices([waiting, replaced])
+    assert (found.current, found.pending) == (replaced, waiting)
+    assert workload.decision(replaced, FLAVORS).hold is None
+    admitted = _admitted(waiting, None, "u-1", "2026-01-01T11:05:00Z")
+    found = workload.slices([admitted, replaced])
+    assert (found.current, found.pending, found.replaced, found.present) == (admitted, None, None, (admitted, replaced))
+    # Kueue admitted the new slice without finishing the old one (its gate off): the operator finishes it
+    found = workload.slices([first, admitted])
+    assert (found.current, found.replaced) == (admitted, first)
+    admitted_at = workload._condition(admitted, "QuotaReserved")["lastTransitionTime"]
+    assert admitted_at == "2026-01-01T11:00:00Z"
+    assert workload.replaced_patch(first, admitted, T0.replace(hour=11, second=5)) is None
+    out = workload.replaced_patch(first, admitted, T0)["status"]["conditions"][-1]
+    assert (out["type"], out["reason"]) == ("Finished", "OutOfSync")
+    # a finished job: the slice it marked, not the one its replacement finished
+    done = _admitted(waiting, None, "u-1", "2026-01-01T11:05:00Z", ("Finished", "True", "Succeeded", "done"))
+    assert workload.slices([replaced, done]).current == done
+    deleting = {**first, "metadata": {**first["metadata"], "deletionTimestamp": "2026-01-01T11:06:00Z"}}
+    assert workload.slices([deleting]) == workload.Slices(None, deleting=("demo-workload",))
+
+
+def test_transfer_ranks_stay_as_the_rollout_scales():
+    ranks = {replicas: [render.job_config(make_job(rollout={"replicas": replicas, "gpusPerReplica": 2}))
+                        .transfer_rank(i, t) for i in range(replicas) for t in range(2)] for replicas in (1, 2, 3)}
+    assert ranks[3][:4] == ranks[2] and ranks[2][:2] == ranks[1] == [1, 2]
+
+
+def test_a_waiting_scale_up_makes_rollout_ready_false_with_a_normal_event_and_leaves_running_alone():
+    running = gang.Lifecycle(phase=Phase.RUNNING, gang_created=True, start_time=T0, reason=Reason.TRAINING,
+                             message="attempt 0: all 2 trainer pods running")
+    wait = ("spec.rollout.replicas 2 waits for Kueue to admit Workload slice demo-workload-1a2b3 in LocalQueue lq: "
+            "QuotaReserved=False (Pending): ...; the job runs 1 rollout pods on Workload demo-workload meanwhile")
+
+    def build(previous, scale_wait):
+        return job_status.build_status(
+            previous, generation=1, lifecycle=running, problems=[], data_parallel_size=2,
+            redis=job_status.RedisHealth(True, "ok"), pods=[trainer(0, 0), trainer(1, 0), rollout(0)], nodes=2,
+            replicas=1, progress=None, now=T0, scale_wait=scale_wait)
+
+    before = build(RLTrainingJobStatus(), None)
+    assert before.condition(ConditionType.ROLLOUT_READY).status == "True"
+    after = build(before, wait)
+    ready = after.condition(ConditionType.ROLLOUT_READY)
+    assert (ready.status, ready.reason, ready.message) == (
+        "False", "ScaleUpWaitingForQuota", f"1/1 rollout pods ready; {wait}")
+    assert after.condition(ConditionType.RUNNING) == before.condition(ConditionType.RUNNING)
+    assert ("Normal", "ScaleUpWaitingForQuota") in [(e.type, e.reason) for e in job_status.transition_events(
+        before, after)]

@@ -33,11 +33,13 @@ def make_config(
     trainer: Optional[dict] = None,
     redis: Optional[dict] = None,
     algorithm: Optional[dict] = None,
+    model: Optional[dict] = None,
 ) -> JobConfig:
-    """A resolved config: tiny model, one CPU rollout replica, trainer master and transfer store on loopback."""
+    """A resolved config: tiny model (or ``model``, the whole ``spec.model``), one CPU rollout replica, trainer master
+    and transfer store on loopback."""
     spec = RLTrainingJobSpec.model_validate(
         {
-            "model": {"source": "tiny", "tiny": tiny or SMALL},
+            "model": model or {"source": "tiny", "tiny": tiny or SMALL},
             "algorithm": algorithm or {},
             "trainer": {"collectiveTimeoutSeconds": 60, **(trainer or {})},
             "rollout": {"promptsPerBatch": 4, "samplesPerPrompt": 4, **(rollout or {})},

@@ -4,6 +4,8 @@ the parsing of TRL's log and the targets. No timing is asserted here."""
 
 from __future__ import annotations
 
+import math
+
 import argparse
 import json
 import os
@@ -190,28 +192,38 @@ def outcomes(variant: str, *seconds: float, reached: bool = True) -> list[ttr.Ou
             for i, s in enumerate(seconds)]
 
 
-def test_summary_is_median_and_spread_of_the_runs_that_reached():
+def test_summary_is_median_and_spread_of_the_runs_that_reached_and_judges_misses_as_never():
     runs = outcomes("streaming", 30.0, 20.0, 40.0) + outcomes("streaming", 99.0, reached=False)
     summary = ttr.summarize(runs, "streaming")
     assert (summary.runs, summary.reached, summary.seconds, summary.documents) == (4, 3, (30.0, 20.0, 40.0),
                                                                                  (1024.0, 512.0, 1536.0))
+    assert summary.judged == 35.0  # median of 20, 30, 40 and never
+    assert ttr.summarize(outcomes("trl", 1.0, 2.0, reached=False) + outcomes("trl", 5.0), "trl").judged == math.inf
 
 
-def test_verdict_needs_both_ratios():
+def test_verdict_reads_the_judged_medians_and_the_overlap_bound():
     a, b, c = outcomes("streaming", 20.0, 22.0, 30.0), outcomes("synchronous", 33.0, 40.0, 50.0), outcomes("trl", 25.0)
     summaries = {s.variant: s for s in (ttr.summarize(a + b + c, v) for v in ttr.VARIANTS)}
     ok, lines = ttr.verdict(summaries)
     assert ok, lines
-    assert lines == ["(a) >= 1.5x sooner than (b): median synchronous / median streaming = 1.82 -> met",
+    assert lines == ["(a) >= 1.50x sooner than (b): median synchronous / median streaming = 1.82 -> met",
                      "(a) sooner than (c): median trl / median streaming = 1.14 -> met"]
     slow_b = {**summaries, "synchronous": ttr.summarize(outcomes("synchronous", 30.0), "synchronous")}
     ok, lines = ttr.verdict(slow_b)
     assert not ok and lines[0].endswith("= 1.36 -> missed")
+    ok, lines = ttr.verdict(slow_b, bound=1.45)  # 90% of the bound (1.305) is below 1.5: 1.36 meets it
+    assert ok and lines[0] == ("(a) >= 1.30x sooner than (b) (the lower of 1.5x and 90% of the overlap bound 1.45): "
+                               "median synchronous / median streaming = 1.36 -> met")
+    assert ttr.verdict(slow_b, bound=3.0)[1][0].startswith("(a) >= 1.50x sooner than (b) (the lower of")
     ok, lines = ttr.verdict({"streaming": summaries["streaming"], "synchronous": summaries["synchronous"]})
     assert not ok and lines[1] == "(a) sooner than (c): not measured"
-    unreached = {**summaries, "trl": ttr.summarize(outcomes("trl", 1.0, reached=False), "trl")}
-    ok, lines = ttr.verdict(unreached)
-    assert not ok and "not every run reached the threshold" in lines[1]
+    never_c = {**summaries, "trl": ttr.summarize(outcomes("trl", 1.0, 2.0, reached=False) + outcomes("trl", 3.0), "trl")}
+    ok, lines = ttr.verdict(never_c)  # TRL's median never reached: streaming is sooner
+    assert ok and lines[1] == ("(a) sooner than (c): median trl / median streaming = never (1/3 trl runs reached it) "
+                               "-> met")
+    never_a = {**summaries, "streaming": ttr.summarize(outcomes("streaming", 9.0, 9.0, reached=False), "streaming")}
+    ok, lines = ttr.verdict(never_a)
+    assert not ok and lines[1] == "(a) sooner than (c): median streaming never reached the threshold (0/2 runs did) -> missed"
 
 
 # --- TRL's tokenizer --------------------------------------------------------------------------------------------------

@@ -142,11 +142,13 @@ def _job(redis_server, tmp_path, mounted):
 @pytest.mark.timeout(180)
 def test_the_rollout_process_scores_with_the_mounted_reward_and_its_helper(redis_server, tmp_path, mounted):
     """The entry point loads reward.py from the mounted directory (it imports scoring.py beside it; the dataset is a
-    key of the same ConfigMap), generates with the trainer's weights and writes rewards 0.125 × 2 for every sample."""
+    key of the same ConfigMap), generates with the trainer's weights and writes rewards 0.125 × 2 for every sample; as
+    the second start of its replica index (a re-created pod), whose task is built once with its own seed."""
     config, path = _job(redis_server, tmp_path, mounted)
     (mounted / "reward.py").write_text(REWARD)
     (mounted / "scoring.py").write_text(SCORING)
     client = redis_server.client()
+    client.hset(config.keys.rollout, f"{protocol.ROLLOUT_STARTS_PREFIX}0", 1)  # a re-created pod: its own prompt seed
     publisher = WeightPublisher(config, client, join_timeout_s=10, transfer_timeout_s=30, poll_interval_s=0.3)
     log = tmp_path / "rollout.log"
     with log.open("w") as out:
@@ -155,6 +157,7 @@ def test_the_rollout_process_scores_with_the_mounted_reward_and_its_helper(redis
         wait_until(lambda: client.hlen(config.keys.members) == 1 or proc.poll() is not None, 90,
                    "the rollout process to join the weight transfer", lambda: log.read_text()[-3000:])
         assert proc.poll() is None, log.read_text()[-3000:]
+        assert client.hget(config.keys.rollout, f"{protocol.ROLLOUT_STARTS_PREFIX}0") == b"2"
         assert publisher.publish(tiny_model(config, 1).named_parameters(), step=0, documents_seen=0) == 1
         wait_until(lambda: protocol.rewards_by_version(client.hgetall(config.keys.rollout)).get(0, (0, 0))[1] >= 32,
                    60, "two batches scored", lambda: log.read_text()[-3000:])

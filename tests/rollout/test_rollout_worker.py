@@ -163,8 +163,19 @@ def test_backpressure_blocks_the_worker_until_entries_are_acked(redis_server, pu
         assert registry.get_sample_value("rljob_rollout_stream_backlog") == 16
         assert registry.get_sample_value("rljob_rollout_stream_ahead") == 16  # none trained (no progress hash)
         assert registry.get_sample_value("rljob_rollout_waiting") == 1
+        held = worker.capacity.held_seconds()
+        assert worker.capacity.held and held >= 2.0  # since the first batch: 1.5 s + 1.0 s and the reads between
         client.xack(config.keys.stream, config.keys.group, *[entry_id for entry_id, _ in delivered[0][1]])
         wait_until(lambda: client.xlen(config.keys.stream) == 32, 30, "the worker resuming after the ack")
+        wait_until(lambda: protocol.worker_reports(client.hgetall(config.keys.rollout)).get(0, protocol.WorkerReport())
+                   .held_seconds, 30, "the second batch's report")
+    report = protocol.worker_reports(client.hgetall(config.keys.rollout))[0]
+    assert held <= report.held_seconds < held + 5.0 and 0.0 < report.held_share <= 1.0
+    sampled = sum(int(doc.label_mask().sum()) for doc in _documents(client, config))  # every sampled token is labelled
+    assert worker.capacity.tokens == sampled and report.tokens_per_second > 0
+    assert report.held_share == pytest.approx(report.held_seconds / report.window_s, abs=0.02)  # the first window
+    assert registry.get_sample_value("rljob_rollout_held_seconds_total") == pytest.approx(report.held_seconds, abs=1e-3)
+    assert registry.get_sample_value("rljob_rollout_held_share") == pytest.approx(report.held_share, abs=1e-4)
 
 
 def test_held_back_right_after_an_update_the_worker_checks_again_soon():

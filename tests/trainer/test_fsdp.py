@@ -14,6 +14,7 @@ import io
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -21,6 +22,8 @@ from safetensors.torch import load_file
 from portutil import free_port
 from rljob_trainer.metrics_registry import TIMINGS
 from rljob_trainer.train import run
+from rljob_wire.codec import Document
+from rljob_wire.model import DigitTokenizer
 from train_harness import Torchrun, json_lines, make_config, make_documents, write_config, write_documents
 
 torch.set_num_threads(1)
@@ -32,14 +35,15 @@ TIMED = {t.name for t in TIMINGS}  # wall-clock figures: present in both records
 pytestmark = pytest.mark.usefixtures("no_torchrun_env")
 
 
-def one_step(redis_server, tmp_path: Path, tag: str, loss: str, ranks: int, parallelism: dict):
-    """Train one step on :data:`DOCUMENTS` seeded documents on ``ranks`` ranks; return (JSON line, exported weights)."""
+def one_step(redis_server, tmp_path: Path, tag: str, loss: str, ranks: int, parallelism: dict, documents=None):
+    """Train one step on ``documents`` (default :data:`DOCUMENTS` seeded ones) on ``ranks`` ranks; return (JSON line,
+    exported weights)."""
     client = redis_server.client()
     client.flushall()
     config = make_config(redis_server, tmp_path / tag, processes=ranks, documents_per_step=DOCUMENTS, max_steps=1,
                          every_steps=1, loss=loss, metrics="full", parallelism=parallelism,
                          micro_batch_tokens=MICRO_BATCH_TOKENS)
-    write_documents(client, config, make_documents(DOCUMENTS, seed=7))
+    write_documents(client, config, documents or make_documents(DOCUMENTS, seed=7))
     if ranks == 1:
         out = io.StringIO()
         result = run(config, client=client, stdout=out)
@@ -87,3 +91,29 @@ def one_step_initial_weights(redis_server, tmp_path: Path) -> dict[str, torch.Te
 
     config = make_config(redis_server, tmp_path / "initial", processes=1)
     return build_model(config.spec.model, DigitTokenizer().vocab_size, config.spec.trainer.seed).state_dict()
+
+
+def short_document(rng: np.random.Generator) -> Document:
+    """A 4-token digit document: <bos>, a prompt digit, the separator, a completion digit (prompt labels masked)."""
+    tokens = np.asarray(DigitTokenizer().encode(f"{rng.integers(0, 10)}|{rng.integers(0, 10)}"), dtype=np.int64)
+    old = np.zeros(len(tokens), dtype=np.float32)
+    old[3] = rng.uniform(-3.0, -1.0)
+    return Document(tokens=tokens, old_log_probabilities=old, model_version=np.zeros(len(tokens), dtype=np.int64),
+                    loss_masking_spans=[(0, 3)], advantage=float(rng.normal()), reward=float(rng.uniform()))
+
+
+@pytest.mark.parametrize("loss", ["grpo", "gspo"])
+def test_fsdp_ranks_with_unequal_micro_batch_counts_match_one_rank(redis_server, tmp_path, loss):
+    """Documents of other lengths: the rank that reads the four 10-token documents packs 4 micro-batches, the other
+    the four 4-token ones 1; FSDP reduce-scatters in every backward, so without the padding backwards (which add
+    nothing to the gradients) the second rank would leave the first waiting in its second backward."""
+    rng = np.random.default_rng(3)
+    documents = make_documents(4, seed=11) + [short_document(rng) for _ in range(4)]  # the first reader takes 4 long
+    reference_line, reference = one_step(redis_server, tmp_path, "reference", loss, 1, {"strategy": "ddp"}, documents)
+    line, weights = one_step(redis_server, tmp_path, "case", loss, 2, {"strategy": "fsdp"}, documents)
+    assert line["documents_seen"] == reference_line["documents_seen"] == 8
+    for name, value in reference_line["metrics"].items():
+        if name not in TIMED:
+            assert line["metrics"][name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+    for name, tensor in reference.items():
+        torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=1e-6, msg=name)

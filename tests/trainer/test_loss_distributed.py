@@ -19,6 +19,7 @@ import torch.distributed as dist
 from rljob_trainer.loss import Corrections, count_labels_and_documents, grpo_loss, gspo_loss, scale_for_gradient_mean
 from rljob_trainer.loss_metrics import MetricsInputError, StepMetrics
 from rljob_trainer.metrics_registry import DEAD_LETTERED_PREFIX, STREAM_COUNTERS
+from rljob_trainer.parallel import reduce_small
 from train_harness import JOIN_TIMEOUT_S, init_gloo, leave_rank, run_ranks
 
 torch.set_num_threads(1)
@@ -258,3 +259,33 @@ def test_step_totals_are_summed_over_ranks_at_every_level(tmp_path):
     none, basic = per_rank[0]
     assert none == expected
     assert {k: basic[k] for k in expected} == expected and basic["num_tokens"] == 0.0
+
+
+def small_reduction_worker(rank: int, world_size: int, tmp_dir: str) -> None:
+    init_gloo(rank, world_size, tmp_dir)
+    total = torch.tensor([0.1 * (rank + 1), 2.0**-40 * rank, 2.0**50 + rank], dtype=torch.float64)
+    maximum = torch.tensor([float(rank), -float(rank), float("-inf")], dtype=torch.float64)
+    gathered = reduce_small(total.clone(), maximum.clone())
+    reduced = reduce_small(total.clone(), maximum.clone(), gather_max_world=1)  # two all-reduces
+    counts = reduce_small(torch.tensor([rank, 7], dtype=torch.int64))[0]
+    Path(f"{tmp_dir}/small_{rank}.json").write_text(json.dumps(
+        [[t.tolist() for t in gathered], [t.tolist() for t in reduced], counts.tolist()]))
+    dist.destroy_process_group()
+
+
+def test_small_reductions_through_a_gather_equal_the_all_reduces_and_agree_on_every_rank(tmp_path):
+    run_ranks(small_reduction_worker, 3, tmp_path)
+    per_rank = [json.loads((tmp_path / f"small_{r}.json").read_text()) for r in range(3)]
+    assert per_rank[0] == per_rank[1] == per_rank[2]  # exactly, not just close
+    (gathered_sum, gathered_max), (reduced_sum, reduced_max), counts = per_rank[0]
+    assert gathered_max == reduced_max == [2.0, 0.0, float("-inf")]
+    assert gathered_sum == pytest.approx(reduced_sum, rel=1e-15) and gathered_sum[2] == 3 * 2.0**50 + 3
+    assert gathered_sum[0] == pytest.approx(0.6, rel=1e-15) and gathered_sum[1] == 3 * 2.0**-40
+    assert counts == [3, 21]
+
+
+def test_small_reduction_without_a_group_returns_its_inputs_and_refuses_mixed_dtypes():
+    total = torch.tensor([1.5])
+    assert reduce_small(total) == (total, None)
+    with pytest.raises(ValueError, match="maximum is torch.float64 on cpu, total torch.float32 on cpu"):
+        reduce_small(total, torch.zeros(1, dtype=torch.float64))

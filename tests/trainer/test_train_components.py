@@ -114,6 +114,7 @@ def test_rank_zero_progress_writes_hash_json_line_and_prometheus(redis_server, t
             weight_sync_layout="packed",
         )
         progress.report(record)
+        progress.flush()
         stored = {k.decode(): v.decode() for k, v in client.hgetall(config.keys.progress).items()}
         assert stored["step"] == "7" and stored["documents_seen"] == "56" and stored["model_version"] == "56"
         assert float(stored["tokens_per_second"]) == 1234.5
@@ -132,9 +133,28 @@ def test_rank_zero_progress_writes_hash_json_line_and_prometheus(redis_server, t
 
         redis_server.stop()  # a Redis outage costs one progress write, never the training step
         progress.report(StepRecord(step=8, documents_seen=64, model_version=64, tokens_per_second=1.0))
+        progress.flush()
         assert json.loads(out.getvalue().splitlines()[-1])["step"] == 8
     finally:
         progress.close()
+        progress.close()
+
+
+def test_rank_zero_progress_reports_off_the_step_in_order_and_raises_a_failure_at_the_next_call(redis_server, tmp_path):
+    config = make_config(redis_server, tmp_path, metrics_port=0)
+    out = io.StringIO()
+    progress = RankZeroProgress(config, redis_server.client(), stdout=out)
+    try:
+        for step in range(1, 6):
+            progress.report(StepRecord(step=step, documents_seen=8 * step, model_version=8 * step, tokens_per_second=1.0))
+        progress.flush()
+        assert [json.loads(line)["step"] for line in out.getvalue().splitlines()] == [1, 2, 3, 4, 5]
+        assert redis_server.client().hget(config.keys.progress, "step") == b"5"
+        out.close()  # the next report's line cannot be written: its error surfaces, in the trainer's thread
+        progress.report(StepRecord(step=6, documents_seen=48, model_version=48, tokens_per_second=1.0))
+        with pytest.raises(ValueError, match="I/O operation on closed file"):
+            progress.flush()
+    finally:
         progress.close()
 
 

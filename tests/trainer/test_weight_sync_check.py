@@ -51,3 +51,26 @@ def test_without_a_gpu_it_says_so_and_exits_2():
     result = _run(CUDA_VISIBLE_DEVICES="")
     assert result.returncode == 2, f"{result.stdout}\n{result.stderr[-3000:]}"
     assert "no CUDA device is visible: run on a GPU machine, or pass --dry-run-cpu" in result.stdout
+
+
+def _figures(ours: float, casts: list[float]) -> dict:
+    return {"bytes": 254e6, "parameters": 127e6, "tensors": 102, "load_start": 0.3, "load_end": 0.4,
+            "raw": [0.050, 0.047], "raw_per_tensor": [0.060], "raw_layout": [0.070], "ours": [ours], "per_tensor": [0.15],
+            "copies": [0.02], "casts": casts, "bucket_bytes": 64 * 2**20, "staging": 134e6, "late_joiner_copy": 254e6,
+            "rollout_digest_ddp": "d", "expected_digest": "d", "published_digest": "d", "rollout_digest_per_tensor": "d",
+            "phases": [{"announce": 1.0, "join": 1.0, "group": 0.5, "tensors": 60.0, "end": 20.0, "other": 1.0}]}
+
+
+def test_a_publication_in_another_dtype_is_judged_against_the_raw_broadcast_plus_the_cast():
+    sys.path.insert(0, str(SCRIPT.parents[1]))
+    import weight_sync
+
+    args = weight_sync.parse_args(["--dtype", "bfloat16", "--no-fsdp"])
+    # 0.047 s raw + 0.025 s cast = 0.072 s: 80% of it at 0.090 s, 78% at 0.092 s.
+    text, met = weight_sync.report(args, _figures(0.090, [0.030, 0.025]))
+    assert met and "80% of the faster raw + the cast >= 80%: met" in text
+    assert "the bound is the faster raw way + this cast: 0.072 s" in text
+    text, met = weight_sync.report(args, _figures(0.092, [0.025]))
+    assert not met and "78% of the faster raw + the cast >= 80%: MISSED" in text
+    text, met = weight_sync.report(weight_sync.parse_args(["--no-fsdp"]), _figures(0.058, []))  # float32: no cast
+    assert met and "81% of the faster raw >= 80%: met" in text

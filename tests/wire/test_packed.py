@@ -92,3 +92,11 @@ def test_bucket_buffers_are_kept_between_updates_and_grown_when_needed():
     assert first[0] == first[2] and first[1] == first[3] and first[0] != first[1]
     assert [buckets.get(b, 60, torch.device("cpu")).data_ptr() for b in range(2)] == first[:2]  # smaller: same memory
     assert buckets.get(0, 200, torch.device("cpu")).numel() == 200 and buckets.nbytes == 300
+
+
+def test_whole_bucket_buffers_keep_one_slot_per_bucket_across_updates():
+    buckets = BucketBuffers(whole=True)
+    first = [buckets.get(b, 100, torch.device("cpu")).data_ptr() for b in range(4)]
+    assert len(set(first)) == 4 and buckets.nbytes == 400  # every bucket of the update lasts until the next one
+    assert [buckets.get(b, 100, torch.device("cpu")).data_ptr() for b in range(4)] == first  # the next update: same
+    assert buckets.get(5, 10, torch.device("cpu")).numel() == 10 and buckets.nbytes == 410  # more buckets: grown

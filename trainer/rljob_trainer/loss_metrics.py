@@ -47,7 +47,7 @@ same :class:`MetricsInputError` instead of some ranks hanging.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,7 @@ import torch.distributed as dist
 from rljob_trainer import loss as losses
 from rljob_trainer.loss import NO_CORRECTIONS, Corrections, DocumentSegments, PolicyLossOutput
 from rljob_trainer.metrics_registry import STEP_TOTALS, MetricsLevel, metric_definitions, metrics_level
+from rljob_trainer.parallel import reduce_small
 
 if TYPE_CHECKING:
     from rljob_api.config import JobConfig
@@ -124,6 +125,8 @@ def token_entropy(
 
 
 _REQUIRED_INPUTS = ("reward", "model_version", "logits or entropy")
+_CORRECTION_FIELDS = {"dual_clip": ("dual_clipped",), "importance_sampling": ("weight", "truncated"), "kl": ("kl_ref",)}
+"""The :class:`~rljob_trainer.loss.PolicyLossOutput` fields the metrics of each correction term read."""
 
 
 class StepMetrics:
@@ -212,6 +215,7 @@ class StepMetrics:
         self._maxes = torch.full((len(self._max_names),), -torch.inf, **f64)
         self._mins = torch.full((len(self._min_names),), torch.inf, **f64)
         self._missing = {name: 0 for name in self._required}
+        self._pending: list[_MicroBatchInputs] = []
 
     @torch.no_grad()
     def update(
@@ -231,6 +235,9 @@ class StepMetrics:
         ref_logprobs: torch.Tensor | None = None,
     ) -> None:
         """Add one micro-batch (T tokens) to the step's metrics. Never raises for a missing input.
+
+        What the metrics read of it (a few [T] tensors, detached; no logits) is kept until :meth:`reduce`, which
+        computes the metrics of the step's micro-batches in one pass.
 
         Args:
             new_logprobs, old_logprobs, advantages: [T] float, as for the loss (``new_logprobs`` is detached).
@@ -271,9 +278,29 @@ class StepMetrics:
             self._missing[name] += not present[name]
         if segments.index.numel() == 0:
             return
-        per_token = self._per_token(
-            loss_output, new_logprobs, old_logprobs, advantages, documents_seen, reward, model_version, logits, entropy
-        )
+        for term, fields in _CORRECTION_FIELDS.items():
+            if term in self.corrections.terms:
+                for field in fields:
+                    _read(loss_output, field)  # raises now, not at the step's reduction
+        if self.level == "full" and entropy is None and logits is not None:  # now: the logits are not kept
+            entropy = token_entropy(logits, temperature=self.temperature, label_mask=segments.label_mask)
+        self._pending.append(_MicroBatchInputs(
+            loss_output._replace(loss=None), new_logprobs.detach().reshape(-1), old_logprobs.reshape(-1),
+            advantages.reshape(-1), None if reward is None else reward.reshape(-1),
+            None if model_version is None else _staleness(documents_seen, model_version),
+            None if entropy is None else entropy.reshape(-1)))
+
+    def fold(self) -> None:
+        """Fold the micro-batches added since the last fold into the step's sums and extremes, all at once: the
+        tensor operations run once per step instead of once per micro-batch (their count, not their size, is what
+        they cost on a small batch). :meth:`reduce` folds first; calling it before is optional (to time it apart).
+        Local: no collective."""
+        if not self._pending:
+            return
+        batch, self._pending = _MicroBatchInputs.concatenate(self._pending), []
+        per_token = self._per_token(batch)
+        loss_output, segments = batch.output, batch.output.segments
+        reward, model_version = batch.reward, batch.staleness
         doc_means = losses.document_means(torch.stack([per_token[name] for name in self._mean_names], 1), segments)
         by_token = torch.stack([per_token[name] for name in self._token_names], 1)
         token_sums = torch.where(segments.label_mask[:, None], by_token, 0.0).sum(0)
@@ -303,37 +330,27 @@ class StepMetrics:
             ref_logprobs=ref_logprobs,
         )
 
-    def _per_token(
-        self,
-        output: PolicyLossOutput,
-        new_logprobs: torch.Tensor,
-        old_logprobs: torch.Tensor,
-        advantages: torch.Tensor,
-        documents_seen: int | torch.Tensor,
-        reward: torch.Tensor | None,
-        model_version: torch.Tensor | None,
-        logits: torch.Tensor | None,
-        entropy: torch.Tensor | None,
-    ) -> dict[str, torch.Tensor]:
-        """{sum metric: [T] float64} of one micro-batch, whose document means (or, for the metrics of
+    def _per_token(self, batch: _MicroBatchInputs) -> dict[str, torch.Tensor]:
+        """{sum metric: [T] float64} of the micro-batches in ``batch``, whose document means (or, for the metrics of
         ``per != "document"``, sums over labelled tokens) the step adds up (DESIGN §4)."""
         f64 = torch.float64
-        new_lp = new_logprobs.detach().reshape(-1).to(f64)
+        output, reward, entropy = batch.output, batch.reward, batch.entropy
+        new_lp = batch.new_logprobs.to(f64)
         log_ratio = output.log_ratio.to(f64)
         zeros = torch.zeros_like(new_lp)
-        staleness = zeros if model_version is None else _staleness(documents_seen, model_version).to(zeros.device)
+        staleness = zeros if batch.staleness is None else batch.staleness.to(zeros.device)
         # Tokens sampled with the weights the trainer holds now (staleness exactly 0: an int64 difference).
-        current = torch.zeros_like(new_lp, dtype=torch.bool) if model_version is None else staleness == 0
+        current = torch.zeros_like(new_lp, dtype=torch.bool) if batch.staleness is None else staleness == 0
         token_log_ratio = torch.where(current, output.token_log_ratio.to(f64), 0.0)
         per_token = {
             "new_logprobs": new_lp,
-            "old_logprobs": old_logprobs.reshape(-1).to(f64),
+            "old_logprobs": batch.old_logprobs.to(f64),
             "ratio_new_old": output.ratio.to(f64),
             # k3 = r - log r - 1 written as expm1(log r) - log r, in float64 from the loss's log-ratio: the
             # difference of the loss's float32 ratio and 1 would cancel for small log-ratios.
             "kl_new_old": torch.expm1(log_ratio) - log_ratio,
             "clipped_ratio_fraction": output.clipped.to(f64),
-            "advantage": advantages.reshape(-1).to(f64),
+            "advantage": batch.advantages.to(f64),
             "train_samples_reward": zeros if reward is None else reward.reshape(-1).to(f64),
             "staleness": staleness,
             "num_tokens": torch.ones_like(new_lp),
@@ -350,9 +367,7 @@ class StepMetrics:
         if "kl" in terms:
             per_token["kl_ref"] = _read(output, "kl_ref").to(f64)
         if self.level == "full":
-            if entropy is None and logits is not None:
-                entropy = token_entropy(logits, temperature=self.temperature, label_mask=output.segments.label_mask)
-            per_token["entropy"] = zeros if entropy is None else entropy.reshape(-1).to(f64)
+            per_token["entropy"] = zeros if entropy is None else entropy.to(f64)
         return per_token
 
     def _update_extremes(
@@ -391,9 +406,9 @@ class StepMetrics:
             totals: this rank's value of every step total of ``STEP_TOTALS`` (float or float scalar tensor
                 on any device), summed over the ranks; exactly those names. The trainer passes them every step.
 
-        Collectives, identical on every rank: one SUM all-reduce (the metric sums, the totals, the per-rank
-        missing-input counts) whenever metrics are on or ``totals`` is given, then one MAX all-reduce (the
-        maxima and the negated minima) when metrics are on.
+        Collectives, identical on every rank: one :func:`~rljob_trainer.parallel.reduce_small` (the sum of the
+        metric sums, the totals and the per-rank missing-input counts; with metrics on, the maximum of the maxima
+        and the negated minima) whenever metrics are on or ``totals`` is given; none with one rank.
 
         Returns:
             {metric name: value} in registration order, then the totals in ``STEP_TOTALS`` order; identical
@@ -402,25 +417,23 @@ class StepMetrics:
         Raises:
             ValueError: ``totals`` does not name exactly the step totals (before any collective).
             MetricsInputError: some rank lacked an input in some micro-batch; every rank of the group raises
-                it with the same message (after the SUM all-reduce, before the MAX).
+                it with the same message (after the reduction).
         """
         total_names, total_values = self._totals(totals)
         if not self.enabled and totals is None:
             return {}
+        self.fold()
         distributed = dist.is_available() and dist.is_initialized()
         world, rank = (dist.get_world_size(group), dist.get_rank(group)) if distributed else (1, 0)
         missing = torch.zeros(len(self._required), world, dtype=torch.float64, device=self.device)
         missing[:, rank] = torch.tensor([float(self._missing[name]) for name in self._required], dtype=torch.float64)
         sums = torch.cat([self._sums, total_values, missing.reshape(-1)])
-        extremes = torch.cat([self._maxes, -self._mins])  # min(x) = -max(-x): one MAX all-reduce for both
+        extremes = torch.cat([self._maxes, -self._mins])  # min(x) = -max(-x): one maximum for both
         self.reset()
 
-        if distributed:
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        sums, reduced = reduce_small(sums, extremes if self.enabled else None, group)
         self._raise_if_missing(sums[sums.numel() - missing.numel() :].reshape(missing.shape))
-        if distributed and self.enabled:
-            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
-        return self._named(sums.tolist(), extremes.tolist(), total_names)
+        return self._named(sums.tolist(), (extremes if reduced is None else reduced).tolist(), total_names)
 
     def _totals(self, totals: Mapping[str, float | torch.Tensor] | None) -> tuple[tuple[str, ...], torch.Tensor]:
         """(names in ``STEP_TOTALS`` order, [len(names)] float64 on the metrics' device)."""
@@ -467,6 +480,52 @@ class StepMetrics:
             "Entries without reward or model_version must be dead-lettered at decode time (DESIGN §4).",
             by_input,
         )
+
+
+class _MicroBatchInputs(NamedTuple):
+    """What the metrics read of one micro-batch (T tokens), or of several concatenated: the loss output without its
+    loss (no autograd graph is kept), [T] log-probabilities (float, detached), advantages, rewards, staleness
+    (float64, ``documents_seen - model_version``) and entropy; None where the micro-batch lacked the input."""
+
+    output: PolicyLossOutput
+    new_logprobs: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    reward: torch.Tensor | None
+    staleness: torch.Tensor | None
+    entropy: torch.Tensor | None
+
+    @staticmethod
+    def concatenate(parts: list[_MicroBatchInputs]) -> _MicroBatchInputs:
+        """One batch of ``parts`` in order: tokens concatenated, each part's document ids shifted past the previous
+        parts' (its segments become documents of the whole). An input some part lacks is None where every part lacks
+        it, else zeros in the parts that lack it (a step with mixed presence raises in :meth:`StepMetrics.reduce`
+        whatever the values)."""
+        if len(parts) == 1:
+            return parts[0]
+
+        def cat(values: list[torch.Tensor | None], like: list[torch.Tensor]) -> torch.Tensor | None:
+            if all(v is None for v in values):
+                return None
+            return torch.cat([torch.zeros_like(t, dtype=torch.float64) if v is None else v
+                              for v, t in zip(values, like, strict=True)])
+
+        outputs = [p.output for p in parts]
+        segments = [o.segments for o in outputs]
+        offsets = torch.tensor([0] + [s.labelled_tokens.shape[0] for s in segments[:-1]]).cumsum(0).tolist()
+        merged = DocumentSegments(
+            torch.cat([s.index + offset for s, offset in zip(segments, offsets, strict=True)]),
+            torch.cat([s.label_mask for s in segments]),
+            torch.cat([s.labelled_tokens for s in segments]),
+            torch.cat([s.has_labels for s in segments]),
+        )
+        tokens = [p.new_logprobs for p in parts]
+        fields = {name: cat([getattr(o, name) for o in outputs], tokens) for name in PolicyLossOutput._fields
+                  if name not in ("loss", "segments")}
+        return _MicroBatchInputs(
+            outputs[0]._replace(segments=merged, **fields), torch.cat(tokens), torch.cat([p.old_logprobs for p in parts]),
+            torch.cat([p.advantages for p in parts]), cat([p.reward for p in parts], tokens),
+            cat([p.staleness for p in parts], tokens), cat([p.entropy for p in parts], tokens))
 
 
 def _read(output: PolicyLossOutput, field: str) -> torch.Tensor:

@@ -101,9 +101,9 @@ STREAM_COUNTERS: tuple[str, ...] = tuple(m.name for m in STEP_TOTALS if m.name !
 """The reader counters among :data:`STEP_TOTALS` (:class:`~rljob_trainer.stream.reader.ReaderCounters` fields)."""
 
 class TimingDef(NamedTuple):
-    """A wall-clock duration in a step record's ``metrics``: measured by global rank 0, not reduced over ranks, not
-    reproducible between runs (compare metrics across runs without :data:`TIMINGS`). Present only in the records
-    its ``when`` names."""
+    """A wall-clock figure in a step record's ``metrics`` (a duration in milliseconds, or a share of wall time):
+    measured by global rank 0, not reduced over ranks, not reproducible between runs (compare metrics across runs
+    without :data:`TIMINGS`). Present only in the records its ``when`` names."""
 
     name: str
     when: str
@@ -123,6 +123,7 @@ COLLECTIVES = "collectives_time_ms"
 OPTIMIZER = "optimizer_time_ms"
 WEIGHT_SYNC_WAIT = "weight_sync_wait_time_ms"
 STEP_OTHER = "step_other_time_ms"
+DATA_WAIT_SHARE = "data_wait_share"
 _HOST_CLOCK = ("; global rank 0's time.perf_counter, no device synchronisation added: on a GPU a phase ends when the "
                "host has queued its work, and device work still queued is counted in the next phase that waits for it")
 TIMINGS: tuple[TimingDef, ...] = (
@@ -151,12 +152,14 @@ TIMINGS: tuple[TimingDef, ...] = (
               "all-reduce in the last backward, FSDP's all-gathers and reduce-scatters: not separable without "
               "synchronising the device)" + _HOST_CLOCK),
     TimingDef(METRICS_UPDATE, "every step",
-              "milliseconds of StepMetrics.update in every micro-batch (with the entropy at level full); 0 at level "
-              "none. Their cross-rank reduction is in collectives_time_ms" + _HOST_CLOCK),
+              "milliseconds of StepMetrics.update in every micro-batch (with the entropy at level full) and of the "
+              "step's metrics computed from them at once (StepMetrics.fold); 0 at level none. Their cross-rank "
+              "reduction is in collectives_time_ms" + _HOST_CLOCK),
     TimingDef(COLLECTIVES, "every step",
               "milliseconds of the step's collectives outside the backward, each with the read of its result: the "
-              "count all-reduce that gives the loss its global normaliser, and StepMetrics.reduce (one SUM, and one "
-              "MAX with metrics on). On a GPU this is where the host first waits for the backward" + _HOST_CLOCK),
+              "counts' sum that gives the loss its global normaliser, and StepMetrics.reduce (the sums and, with "
+              "metrics on, the maxima: one all-gather up to 16 ranks, parallel.reduce_small; none at one rank). On a "
+              "GPU this is where the host first waits for the backward" + _HOST_CLOCK),
     TimingDef(OPTIMIZER, "every step",
               "milliseconds of the gradient clip (its norm: an all-reduce under FSDP, read on the host), the learning "
               "rate, AdamW's step and zero_grad" + _HOST_CLOCK),
@@ -165,10 +168,10 @@ TIMINGS: tuple[TimingDef, ...] = (
               "thread still reading the weights: WeightPublisher.settle)"),
     TimingDef(STEP_OTHER, "every step",
               "step_time_ms less every step phase: the loop's own bookkeeping (stream counters, the record)"),
-    TimingDef(CHECKPOINT_BLOCKING, "the steps that checkpoint",
-              "milliseconds the training loop stood still for the step's checkpoint: waiting for the previous save, a "
-              "barrier, the snapshot of model and optimizer state to host memory, the RNG files, the gather of covered "
-              "entry ids and the start of the background write"),
+    TimingDef(DATA_WAIT_SHARE, "every step",
+              "the share of the last 30 s (rljob_trainer.data_wait.DataWaitWindow) global rank 0 spent waiting for "
+              "documents: data_wait_time_ms over the wall time from step start to step start, 0..1; what rollouts "
+              "that do not keep up cost the trainer, the autoscaling signal (DESIGN §6 'Capacity signals')"),
     TimingDef(CHECKPOINT_BLOCKING, "the steps that checkpoint",
               "milliseconds the training loop stood still for the step's checkpoint: waiting for the previous save, a "
               "barrier, the snapshot of model and optimizer state to host memory, the RNG files, the gather of covered "

@@ -15,6 +15,7 @@ import os
 import sys
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Optional, Protocol, TextIO
 
@@ -37,6 +38,8 @@ class Progress(Protocol):
 
     def report(self, record: StepRecord) -> None: ...
 
+    def flush(self) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -45,6 +48,9 @@ class NoOpProgress:
 
     def report(self, record: StepRecord) -> None:
         """Ignore ``record``."""
+
+    def flush(self) -> None:
+        """Nothing is in flight."""
 
     def close(self) -> None:
         """Nothing to release."""
@@ -62,6 +68,11 @@ class RankZeroProgress:
     (:mod:`rljob_trainer.trackers`: TensorBoard, W&B, MLflow) get every record on their own thread.
 
     A Redis error while writing the hash is logged and skipped: the next step writes it again.
+
+    The report runs on a thread of its own (``rljob-progress``), records in order, so that its Redis round trip
+    and its Python work leave the training step: :meth:`report` returns at once and raises what an earlier report
+    raised (:class:`~rljob_trainer.fence.Fenced`: a later gang attempt owns the job, one step later than a
+    report in line would); :meth:`flush` waits for the reports made so far.
 
     Raises:
         OSError: the metrics port cannot be bound.
@@ -103,6 +114,8 @@ class RankZeroProgress:
         )
         address = os.environ.get(c.ENV_POD_IP, "0.0.0.0")
         self._server, self._thread = start_http_server(config.metrics_port, addr=address, registry=self.registry)
+        self._reporter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rljob-progress")
+        self._in_flight: list[Future[None]] = []
 
     @property
     def port(self) -> int:
@@ -110,7 +123,28 @@ class RankZeroProgress:
         return self._server.server_address[1]
 
     def report(self, record: StepRecord) -> None:
-        """Publish ``record`` to the progress hash, stdout and the gauges."""
+        """Queue ``record`` for the progress hash, stdout, the gauges and the trackers (see the class docstring).
+
+        Raises:
+            Whatever an earlier report raised on the reporting thread (other than a Redis error, which is logged).
+        """
+        self._raise_finished()
+        self._in_flight.append(self._reporter.submit(self._publish, record))
+
+    def flush(self) -> None:
+        """Wait until every record reported so far is published.
+
+        Raises:
+            Whatever a report raised on the reporting thread.
+        """
+        while self._in_flight:
+            self._in_flight.pop(0).result()
+
+    def _raise_finished(self) -> None:
+        while self._in_flight and self._in_flight[0].done():
+            self._in_flight.pop(0).result()
+
+    def _publish(self, record: StepRecord) -> None:
         for name in self._scalars:
             self._scalars[name].set(getattr(record, name))
         for name, value in record.metrics.items():
@@ -132,7 +166,15 @@ class RankZeroProgress:
             log.warning("progress: could not write %s after step %d: %s", self._key, record.step, err)
 
     def close(self) -> None:
-        """Log what the trackers still hold and close them, stop the Prometheus endpoint (idempotent)."""
+        """Publish what is still queued (a failure is logged), log what the trackers still hold and close them, stop
+        the Prometheus endpoint (idempotent)."""
+        try:
+            self.flush()
+        except Exception as error:  # noqa: BLE001 - closing must release the rest
+            log.warning("progress: a step report failed: %s", error)
+        finally:
+            self._in_flight.clear()
+            self._reporter.shutdown(wait=True)
         if self._trackers is not None:
             self._trackers.close()
         if self._thread.is_alive():

@@ -5,14 +5,18 @@ One optimizer step on every data-parallel rank (DESIGN §4, §6):
 1. read ``documentsPerStep / DP`` documents from the stream (this rank's consumer; with ``algorithm.maxStaleness``,
    documents staler than it are dropped, counted, acked with the next checkpoint, and replaced by reading on) and pack
    them into micro-batches of at most ``microBatchTokens`` tokens; segment each micro-batch into documents once;
-2. all-reduce the step's counts (labelled tokens, documents, tokens) so the loss divides by the GLOBAL
+2. sum the step's counts (labelled tokens, documents, tokens) over the ranks, and take the most micro-batches any
+   rank packed, in one collective (:func:`~rljob_trainer.parallel.reduce_small`), so the loss divides by the GLOBAL
    normaliser (labelled tokens for GRPO, documents for GSPO);
 3. per micro-batch: the frozen reference policy's log-probabilities when ``algorithm.klCoef`` > 0 (no gradient),
    the trained policy's at the sampling temperature, the loss with ``spec.algorithm``'s corrections × DP (undoing
    the gradient mean over data-parallel ranks; ddp all-reduces in the last backward only, fsdp reduce-scatters every
-   backward, :meth:`DataParallelModel.micro_batch`), backward, and the metrics from what the loss returned;
+   backward, :meth:`DataParallelModel.micro_batch`), backward, and the metrics from what the loss returned; under
+   fsdp a rank that packed fewer micro-batches than another (documents of other lengths) then runs padding
+   backwards (log-probabilities × 0) until it has run as many, so every rank calls the same collectives;
 4. every reduction after the loss (metrics, the loss value, the stream counters) in ``StepMetrics.reduce``: one
-   SUM every step, one MAX when metrics are on; then gradient clipping and AdamW with the learning rate of
+   sum every step and a maximum when metrics are on, one collective for both up to 16 ranks; then gradient clipping
+   and AdamW with the learning rate of
    :func:`~rljob_trainer.optim.step_learning_rate` (warm-up, then constant, linear or cosine decay);
 5. ``documents_seen`` += the step's documents (those that entered the loss); the new model_version is
    ``documents_seen``; every rank takes part in the weight publication (:func:`~rljob_trainer.weight_publisher.publish_weights`:
@@ -64,12 +68,13 @@ from rljob_trainer.checkpoint import (
 )
 from rljob_trainer.loss_metrics import StepMetrics, token_entropy
 from rljob_trainer.loading import load_model
-from rljob_trainer.metrics_registry import (CHECKPOINT_BLOCKING, CHECKPOINT_SAVE, COLLECTIVES, DATA_WAIT, DECODE,
-                                            FORWARD_BACKWARD, GRAD_NORM, LEARNING_RATE, METRICS_UPDATE, OPTIMIZER,
-                                            PACK, STEP_OTHER, STEP_PHASES, STEP_TIME, STREAM_COUNTERS, WEIGHT_SYNC,
-                                            WEIGHT_SYNC_WAIT, DEAD_LETTERED_PREFIX)
+from rljob_trainer.data_wait import DataWaitWindow
+from rljob_trainer.metrics_registry import (CHECKPOINT_BLOCKING, CHECKPOINT_SAVE, COLLECTIVES, DATA_WAIT,
+                                            DATA_WAIT_SHARE, DECODE, FORWARD_BACKWARD, GRAD_NORM, LEARNING_RATE,
+                                            METRICS_UPDATE, OPTIMIZER, PACK, STEP_OTHER, STEP_PHASES, STEP_TIME,
+                                            STREAM_COUNTERS, WEIGHT_SYNC, WEIGHT_SYNC_WAIT, DEAD_LETTERED_PREFIX)
 from rljob_wire.model import build_tokenizer, sequence_logprobs
-from rljob_trainer.parallel import DataParallelModel, Distributed
+from rljob_trainer.parallel import DataParallelModel, Distributed, reduce_small
 from rljob_trainer.fence import claim, gang_attempt
 from rljob_trainer.optim import build_optimizer, step_learning_rate
 from rljob_trainer.progress_report import (Progress, build_progress, publish_checkpointed, publish_start,
@@ -184,6 +189,7 @@ class Trainer:
         self.step = 0
         self.documents_seen = 0
         self.metrics = StepMetrics.from_config(config, device=where.device)
+        self.data_wait = DataWaitWindow()
         self.publisher: Optional[WeightPublisher] = None
         self.reader = StreamReader(
             client,
@@ -246,6 +252,7 @@ class Trainer:
             if finished and finished[-1].save_ms is not None:  # rank 0; the newest if two finished since the last step
                 timings[CHECKPOINT_SAVE] = finished[-1].save_ms
             self.progress.report(dataclasses.replace(record, metrics={**record.metrics, **timings}))
+        self.progress.flush()  # the last step is in the progress hash before training_finished is announced
         export_dir = None
         if self.config.spec.trainer.export.safetensors:
             export_dir = self.checkpoints.export(self.model, self.tokenizer)
@@ -293,6 +300,7 @@ class Trainer:
         """Read and train one optimizer step and publish the weights (collective); return its record, which
         :meth:`fit` reports after the step's checkpoint. See the module docstring."""
         clock = PhaseClock()
+        self.data_wait.step_started()
         decoded = self.reader.decode_seconds
         # Exactly documents_per_rank (>= 1) valid documents: every rank has at least one micro-batch, so every
         # rank joins the gradient reduction of each backward.
@@ -311,20 +319,32 @@ class Trainer:
             sizes = counts.new_tensor([mb.num_documents, mb.num_tokens])
             counts += torch.cat([torch.stack([seg.num_labels, seg.num_documents]), sizes])
         clock.lap(PACK)
-        dist.all_reduce(counts)  # the normalisers: the step's only all-reduce outside the metrics
+        # The normalisers, and the most micro-batches any rank packed: one collective, the step's only reduction
+        # outside the metrics.
+        packed = counts.new_tensor([len(micro_batches)])
+        counts, most = reduce_small(counts, packed)
         global_labels, global_documents, step_documents, step_tokens = counts.tolist()
+        # FSDP reduce-scatters in every backward: a rank with fewer micro-batches (documents of other lengths) runs
+        # padding backwards so that every rank calls as many collectives (DDP all-reduces in the last one only).
+        padding = int(most.item()) - len(micro_batches) if self.parallel.sharded else 0
         clock.lap(COLLECTIVES)
 
         self.parallel.module.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.where.device)
         self._metrics_ms = 0.0
+        backwards = len(micro_batches) + padding
         for index, (mb, seg) in enumerate(zip(micro_batches, segments)):
-            with self.parallel.micro_batch(last=index == len(micro_batches) - 1):
+            with self.parallel.micro_batch(last=index == backwards - 1):
                 loss = self._micro_batch_loss(mb, seg, global_labels, global_documents)
                 losses.scale_for_gradient_mean(loss, self.where.world_size).backward()
             loss_sum += loss.detach().double()
+        for index in range(len(micro_batches), backwards):
+            with self.parallel.micro_batch(last=index == backwards - 1):
+                self._padding_backward(micro_batches[-1])
         clock.lap(FORWARD_BACKWARD)
         clock.move(self._metrics_ms, FORWARD_BACKWARD, METRICS_UPDATE)
+        self.metrics.fold()
+        clock.lap(METRICS_UPDATE)
 
         # Every rank, every step, whatever the level; before the optimizer step: a mixed-presence error raised here
         # (on every rank) leaves the weights untouched.
@@ -352,17 +372,26 @@ class Trainer:
         self.step += 1
         self.documents_seen += step_documents
         publication = self._publish()
+        wait_share = self.data_wait.waited(clock.ms[DATA_WAIT])
         record = StepRecord(
             step=self.step,
             documents_seen=self.documents_seen,
             model_version=self.documents_seen,
             tokens_per_second=step_tokens / elapsed,
-            metrics={"loss": step_loss, GRAD_NORM: float(grad_norm), LEARNING_RATE: lr, **reduced,
+            metrics={"loss": step_loss, GRAD_NORM: float(grad_norm), LEARNING_RATE: lr, DATA_WAIT_SHARE: wait_share,
+                     **reduced,
                      **clock.timings(**{WEIGHT_SYNC: publication.duration_ms})},
             stream=stream,
             weight_sync_layout=publication.layout,
         )
         return record
+
+    def _padding_backward(self, mb: MicroBatch) -> None:
+        """A forward and backward of ``mb`` that adds nothing to the gradients (its log-probabilities × 0): the
+        collectives of one micro-batch for a rank that packed fewer than another (:meth:`train_step`)."""
+        with self.parallel.autocast():
+            padded = sequence_logprobs(self.parallel.module, mb.input_ids, mb.attention_mask, self.temperature)
+        (padded.sum() * 0.0).backward()
 
     def _micro_batch_loss(
         self, mb: MicroBatch, segments: losses.DocumentSegments, global_labels: int, global_documents: int

@@ -158,21 +158,32 @@ def view(bucket: torch.Tensor, entry: Entry) -> torch.Tensor:
 
 
 class BucketBuffers:
-    """Two uint8 buffers one end keeps across updates (slot k % 2 holds bucket k), grown when a bucket needs more
-    and replaced when the device changes. Fresh memory costs a page fault per page on every update on some machines
-    (docs/weight-sync.md), kept memory does not. Bytes held: :attr:`nbytes` (two buckets)."""
+    """uint8 buffers one end keeps across updates, grown when a bucket needs more and replaced when the device changes.
+    Fresh memory costs a page fault per page on every update on some machines (docs/weight-sync.md), kept memory does
+    not. By default two slots (slot k % 2 holds bucket k): a bucket's bytes last until bucket k + 2 arrives. With
+    ``whole=True`` one slot per bucket: every bucket of an update lasts until the next update, so a receiver that
+    stages the whole update before loading it reads its tensors in place (no copy out of the buckets). Bytes held:
+    :attr:`nbytes` (two buckets, or the largest update's buckets)."""
 
-    def __init__(self) -> None:
-        self._slots: list[Optional[torch.Tensor]] = [None, None]
+    def __init__(self, whole: bool = False) -> None:
+        self.whole = whole
+        self._slots: list[Optional[torch.Tensor]] = [] if whole else [None, None]
 
     def get(self, bucket: int, nbytes: int, device: torch.device) -> torch.Tensor:
-        """uint8 [nbytes] on ``device`` in slot ``bucket % 2``; contents undefined."""
-        slot = self._slots[bucket % 2]
+        """uint8 [nbytes] on ``device`` in the slot of ``bucket``; contents undefined."""
+        index = bucket if self.whole else bucket % 2
+        if index >= len(self._slots):
+            self._slots.extend([None] * (index + 1 - len(self._slots)))
+        slot = self._slots[index]
         if slot is None or slot.numel() < nbytes or slot.device != torch.device(device):
-            self._slots[bucket % 2] = None
+            self._slots[index] = None
             del slot  # freed before its replacement is allocated
-            slot = self._slots[bucket % 2] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            slot = self._slots[index] = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return slot[:nbytes]
+
+    def __len__(self) -> int:
+        """Slots held (2, or one per bucket of the largest update with ``whole``)."""
+        return len(self._slots)
 
     @property
     def nbytes(self) -> int:

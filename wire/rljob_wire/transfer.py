@@ -551,8 +551,10 @@ def receive_update(
     """A rollout process's side of one update: join, receive every tensor, hand each to ``sink``.
 
     ``sink(name, tensor)`` gets each tensor once it has arrived, in the order sent ([shape] of the sent dtype, on
-    ``device``): with ``buffers`` that name's buffer (overwritten by the next update, see :class:`ReceiveBuffers`);
-    else, in a packed update received with ``staging``, a view into a kept bucket buffer that is valid only until
+    ``device``): in a packed update received with a ``whole`` ``staging`` (:class:`~rljob_wire.packed.BucketBuffers`),
+    a view into its bucket, valid until the next update (a tensor sent alone: ``buffers``' buffer, if given); else
+    with ``buffers`` that name's buffer (overwritten by the next update, see :class:`ReceiveBuffers`); else, in a
+    packed update received with two-slot ``staging``, a view into a kept bucket buffer that is valid only until
     ``sink`` returns; else a tensor of its own. The receive of the next tensor (per-tensor: after reading its
     metadata) or bucket (packed) is posted before the current one is waited for (gloo sends a tensor only once its
     receiver has posted it), so without ``buffers`` two received tensors or buckets exist at once. If ``sink`` raises,
@@ -687,7 +689,7 @@ def _receive_packed(group: Any, device: torch.device, seconds: float, deliver: C
         else:
             for entry in manifest.in_bucket(bucket):
                 tensor = view(target, entry)
-                if buffers is not None:
+                if buffers is not None and not (staging is not None and staging.whole):
                     tensor = buffers.get(entry.name, entry.shape, entry.dtype, device).copy_(tensor)
                 deliver(entry.name, tensor)
         if bucket + 2 < buckets:

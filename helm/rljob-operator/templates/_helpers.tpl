@@ -45,18 +45,28 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   resources: ["pods"]
   verbs: ["get", "list", "watch", "create", "delete"]
 # ConfigMap and Services: server-side apply (create + patch); read back once per job after an operator start, so
-# children already as rendered are not applied again.
+# children already as rendered are not applied again. The environment server's Service is deleted when an edit removes
+# spec.rollout.environment.server.
 - apiGroups: [""]
-  resources: ["configmaps", "services"]
+  resources: ["configmaps"]
   verbs: ["get", "create", "patch"]
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["get", "create", "patch", "delete"]
 # The generated Redis password Secret (create-only), the Redis passwords and TLS CA bundles (read for progress).
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get", "create"]
-# Managed Redis: server-side apply, watched for readiness, read back once per job after an operator start.
+# Managed Redis and environment servers: server-side apply, watched for readiness, read back once per job after an
+# operator start; an environment server's is scaled to 0 while its job cannot run, deleted when an edit removes it.
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["get", "list", "watch", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# The environment server's NetworkPolicy (ingress from the job's rollout pods only, egress DNS only): server-side apply,
+# read back once per job after an operator start, deleted with the server.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "create", "patch", "delete"]
 # The managed Redis's data claim (spec.redis.persistence): created once, read while Redis is not ready (RedisReady
 # names a claim that cannot bind), deleted when persistence is switched off.
 - apiGroups: [""]

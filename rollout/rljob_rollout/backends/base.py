@@ -14,13 +14,16 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import torch
 
 from rljob_api.spec import SamplingSpec
 from rljob_api.protocol import TransferTicket
 from rljob_wire.transfer import StoreAddress
+
+if TYPE_CHECKING:
+    from rljob_rollout.tasks import Prompt
 
 
 @dataclass(frozen=True)
@@ -35,12 +38,16 @@ class Completion:
         versions: [N] the weights version (documents) that sampled each token, with every token before it computed
             by those weights too (DESIGN §3 "In-flight weight updates"); None from a backend whose weights change only
             between generations: every token then has the version the group was submitted under.
+        masked_spans: half-open ``(begin, end)`` ranges of ``token_ids`` the model did not sample (an environment's
+            observations in an episode, :mod:`rljob_rollout.environments.episodes`): their log-probabilities are 0
+            and their labels masked in the document. Empty for a backend's own completions.
     """
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str
     versions: Optional[tuple[int, ...]] = None
+    masked_spans: tuple[tuple[int, int], ...] = ()
 
 
 Group = Optional[list[Completion]]
@@ -84,6 +91,12 @@ class GenerationBackend(ABC):
     def submit(self, key: int, prompt_token_ids: Sequence[int], n: int, sampling: SamplingSpec) -> None:
         """Start sampling ``n`` completions of one prompt; :meth:`finished` returns them under ``key``."""
         self._submitted.append((key, prompt_token_ids, n, sampling))
+
+    def submit_prompt(self, key: int, prompt: "Prompt", n: int, sampling: SamplingSpec) -> None:
+        """:meth:`submit` of a task's prompt (its token ids): what the worker calls, so that an episode runner
+        (:class:`~rljob_rollout.environments.episodes.EpisodeRunner`), which reads the prompt's seed, stands in for a
+        backend."""
+        self.submit(key, prompt.token_ids, n, sampling)
 
     def finished(self, timeout_s: float) -> list[tuple[int, Group]]:
         """Groups that finished (``(key, completions)``), waiting up to ``timeout_s`` seconds for the first one.

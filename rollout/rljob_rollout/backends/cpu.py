@@ -8,9 +8,10 @@ distribution that :func:`rljob_wire.model.sequence_logprobs` recomputes (see :mo
 
 Weight updates are staged: every tensor of an update is received into host memory first and loaded only when
 the whole update has arrived and matches the model's parameters, so a failed transfer leaves the old weights
-(and their version) intact. The staging buffers are kept from one update to the next
-(:class:`~rljob_wire.transfer.ReceiveBuffers`): a second copy of the published weights held for good, in
-exchange for no fresh memory (and its page faults) per update. So is the transfer group, while the trainer keeps
+(and their version) intact. The staging buffers are kept from one update to the next (a packed update's buckets,
+:class:`~rljob_wire.packed.BucketBuffers` ``whole``, its tensors read in place; a per-tensor update's
+:class:`~rljob_wire.transfer.ReceiveBuffers`): a second copy of the published weights held for good, in exchange for
+no fresh memory (and its page faults) per update. So is the transfer group, while the trainer keeps
 it too (:class:`~rljob_wire.transfer.GroupKeeper`).
 """
 
@@ -45,7 +46,8 @@ class CpuBackend(GenerationBackend):
         device: where the model runs (``cpu``; a CUDA device works too, without vLLM's speed).
 
     Attributes:
-        staging: the buffers weight updates are received into (on CPU, in the sent dtype), kept between updates.
+        staging: the buffers per-tensor weight updates are received into (on CPU, in the sent dtype), kept between
+            updates; ``buckets`` those of packed updates.
         groups: the transfer group kept between updates.
     """
 
@@ -65,8 +67,10 @@ class CpuBackend(GenerationBackend):
         self.eos_token_id = eos_token_id
         self.max_rows = max_rows
         self.staging = ReceiveBuffers()
-        self.buckets = BucketBuffers()  # a packed update's two buckets, unpacked into ``staging``
+        self.buckets = BucketBuffers(whole=True)  # a packed update's buckets, its tensors read in place
         self.groups = GroupKeeper()
+        self.max_positions: Optional[int] = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        """The longest sequence the model runs (tokens), from its config; None when it has none."""
 
     @classmethod
     def from_config(cls, config: JobConfig, tokenizer: Any, seed: int) -> "CpuBackend":

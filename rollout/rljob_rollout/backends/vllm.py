@@ -5,8 +5,10 @@ vLLM is imported lazily (only when this backend is built), so the trainer image 
 * Engine: ``AsyncLLM`` from ``AsyncEngineArgs(model, tensor_parallel_size=max(1, gpusPerReplica),
   skip_tokenizer_init=True, generation_config="vllm", logprobs_mode=..., worker_extension_cls=WeightReceiverExtension,
   dtype=...)``, driven from an event loop on a thread of its own: prompts go in as token ids (the worker's own
-  tokenizer made them), the checkpoint's generation defaults are ignored so only ``spec.rollout.sampling`` applies,
-  and each worker process joins rljob's weight transfer itself (:mod:`.vllm_worker`). A ``tiny`` model is saved to a
+  tokenizer made them), the checkpoint's generation defaults are ignored so only ``spec.rollout.sampling`` applies
+  (but for its end-of-sequence ids: vLLM 0.32 adds those of the checkpoint's generation_config.json, else of its
+  config.json, to ``stop_token_ids``, so a completion may also end at one the tokenizer does not name), and each
+  worker process joins rljob's weight transfer itself (:mod:`.vllm_worker`). A ``tiny`` model is saved to a
   temporary directory first.
 * Continuous batching: every group (one prompt, ``n`` samples) is its own request, submitted while others run and
   returned as soon as its samples finish (:meth:`VllmBackend.submit`, :meth:`VllmBackend.finished`), so a long
@@ -214,6 +216,8 @@ class VllmBackend(GenerationBackend):
             self._stop_loop()
             raise
         self._engine_processes = [p for p in multiprocessing.active_children() if p not in before]
+        self.max_positions: Optional[int] = getattr(getattr(self.engine, "model_config", None), "max_model_len", None)
+        """The longest sequence the engine runs (tokens, vLLM's max_model_len); None when it does not say."""
 
     @staticmethod
     def _cpu_kv_cache(model: ModelSpec, where: str, revision: Optional[str], parameters: Optional[int], hf_config: Any,
