@@ -35,8 +35,9 @@ from .conftest import check_trained_once, condition, get_job, load_example, phas
 
 pytestmark = pytest.mark.e2e
 
-MAX_STEPS = 40
-"""Steps: enough for the scale-up, the environment pod's death and the scale-down to happen while it trains."""
+MAX_STEPS = 100
+"""Steps: enough for the scale-up, the environment pod's death and the scale-down to happen while it trains (40 were
+all done before the scale-down on a machine at about a step a second)."""
 PER_STEP = 128
 """Documents per step: 8 seeds × 16 episodes (the example's 512 learn; this checks the mechanics, faster)."""
 STREAM_READ = 200

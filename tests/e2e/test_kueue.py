@@ -398,10 +398,10 @@ def test_a_queued_job_scales_its_rollouts_through_workload_slices_restarting_not
     (first,) = slices()
 
     cluster.kubectl("scale", "rljob", name, "-n", namespace, "--replicas=2")
-    waiting = wait_for(lambda: condition(j := job(), c.ConditionType.ROLLOUT_READY).get("reason")
-                       == c.Reason.SCALE_UP_WAITING_FOR_QUOTA.value and j, 120, "the scale-up waiting for quota",
-                       diagnostics)
-    assert "insufficient" in condition(waiting, c.ConditionType.ROLLOUT_READY)["message"], waiting["status"]
+    # First "Kueue has not looked at it yet", then Kueue's own reason once it has (the quota it lacks).
+    waiting = wait_for(lambda: (cond := condition(j := job(), c.ConditionType.ROLLOUT_READY)).get("reason")
+                       == c.Reason.SCALE_UP_WAITING_FOR_QUOTA.value and "insufficient" in cond.get("message", "") and j,
+                       120, "the scale-up waiting for quota, Kueue saying which", diagnostics)
     assert phase(waiting) == "Running" and running("rollout") == rollouts and running("trainer") == trainers
 
     cluster.kubectl("patch", "clusterqueue", cq, "--type=json", "-p", json.dumps([{
