@@ -3,14 +3,16 @@ judged on the simulation, benchmarks/autoscale.py): the operator sizes the rollo
 and workers measure, and the count settles without reversals.
 
 The job, per seed: the CPU example (examples/rljob-cpu.yaml: 2 trainer pods × 1 rank, 512 documents a step) made
-rollout-bound: each rollout batch is 4 prompts × 16 samples (64 documents, an eighth of a step), ``spec.rollout.
-autoscaling`` from 1 to :data:`MAX_REPLICAS` replicas with a cooldown of :data:`COOLDOWN_S`, seeds ``trainer.seed`` and
-``rollout.seed`` = the seed, no checkpoint claim, Redis without persistence. It runs ``--minutes``, the status polled
-every :data:`POLL_S` seconds (``status.autoscaling.replicas``, ``status.capacity``, the step), then is deleted.
+rollout-bound: each rollout batch is 4 prompts × 16 samples (64 documents, an eighth of a step) and each rollout pod
+is limited to :data:`ROLLOUT_CPU`, ``spec.rollout.autoscaling`` from 1 to :data:`MAX_REPLICAS` replicas with a
+cooldown of :data:`COOLDOWN_S`, seeds ``trainer.seed`` and ``rollout.seed`` = the seed, no checkpoint claim, Redis
+without persistence. It runs ``--minutes``, the status polled every :data:`POLL_S` seconds
+(``status.autoscaling.replicas``, ``status.capacity``, the step), then is deleted.
 
-On 2 cores an extra replica adds no real capacity (the trainer's ranks, the workers and the control plane share them),
-so the trainer keeps waiting and the law, which adds replicas while the trainer waits and the rollouts are not held,
-should go up to the bound and stay there; on a larger machine it would settle lower. Either way, per seed:
+One replica at its CPU limit leaves the trainer waiting, so the law, which adds replicas while the trainer waits and
+the rollouts are not held, adds them until the trainer stops waiting, the rollouts are held, or the bound is reached;
+where it stops depends on the machine (on 2 cores the trainer's ranks, the workers and the control plane share them).
+Either way, per seed:
 
 - **decisions**: the count's changes (each a ``RolloutsScaled`` Event, printed with the law's numbers);
 - **balanced**: the count did not change during the last :data:`SETTLED_COOLDOWNS` cooldowns of the run, reached in at
@@ -44,6 +46,11 @@ NAME = "autoscale"
 MAX_REPLICAS = 3
 COOLDOWN_S = 90
 """A rollout pod's start (about 20 s on 2 cores) plus the 30 s window its first report needs, with a margin."""
+ROLLOUT_CPU = "200m"
+"""Each rollout pod's CPU request and limit (the kubelet's CFS quota): a replica's capacity is bounded whatever the
+machine, so one replica cannot keep the trainer fed and another adds capacity until the cores run out. Without it, on
+a faster 2-core machine one unbounded replica outran the trainer (held 38% of the time, the trainer waiting 4%) and
+the law rightly never added one: a run that judges nothing."""
 POLL_S = 5.0
 SETTLED_COOLDOWNS = 2
 TARGET_DECISIONS = 5
@@ -122,6 +129,7 @@ def job_manifest(seed: int) -> dict[str, Any]:
     spec = merge(load_example("rljob-cpu.yaml")["spec"], {
         "trainer": {"maxSteps": 1_000_000, "seed": seed, "checkpoint": {"everySteps": 5, "keepLast": 1}},
         "rollout": {"replicas": 1, "promptsPerBatch": 4, "maxLag": 2048, "seed": seed,
+                    "resources": {"requests": {"cpu": ROLLOUT_CPU}, "limits": {"cpu": ROLLOUT_CPU}},
                     "autoscaling": {"minReplicas": 1, "maxReplicas": MAX_REPLICAS, "cooldownSeconds": COOLDOWN_S}},
         "redis": {"persistence": {"enabled": False}},
         "runPolicy": {"backoffLimit": 10},
