@@ -420,8 +420,29 @@ def _listed(counts: Mapping[str, int]) -> str:
     return ", ".join(f"{kind} ×{n}" for kind, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
-_FIX = ("fix the reward code or spec.rollout.task (rewardFunction, datasetPath); the rollout pods' logs hold the "
-        "tracebacks")
+EPISODE_ERROR_KINDS = ("EnvironmentTimeout", "EnvironmentFailed", "ObservationError", "EpisodeAborted")
+"""The exception classes a multi-turn episode is dropped with (``rljob_rollout.environments.sessions``): failures of
+the environment the episode ran against, not of a reward function — a streak of them points to
+spec.rollout.environment."""
+
+_REWARD_FIX = "fix the reward code or spec.rollout.task (rewardFunction, datasetPath)"
+_ENVIRONMENT_FIX = ("fix the environment or spec.rollout.environment (url, or server image, port and command; "
+                    "turnTimeoutSeconds, episodeTimeoutSeconds; the EnvironmentReady condition says whether its server "
+                    "answers)")
+
+
+def _failure_source(kinds: Iterable[str]) -> tuple[str, str, str]:
+    """(what failed, where, the remedy) for failures of these exception classes: the environment when every class
+    is one of :data:`EPISODE_ERROR_KINDS`, the reward function when none is, both otherwise."""
+    episode = [kind in EPISODE_ERROR_KINDS for kind in kinds]
+    logs = "; the rollout pods' logs hold the errors"
+    if episode and all(episode):
+        return "its episode against the environment", "spec.rollout.environment's episodes", _ENVIRONMENT_FIX + logs
+    if any(episode):
+        return ("its episode or reward function", "spec.rollout's episodes and reward function",
+                f"{_REWARD_FIX}, or {_ENVIRONMENT_FIX}{logs}")
+    return ("its reward function", "spec.rollout.task's reward function",
+            _REWARD_FIX + "; the rollout pods' logs hold the tracebacks")
 
 
 @dataclass(frozen=True)
@@ -503,7 +524,9 @@ class RewardFailures:
         return listed + (f" (and {self.other_errors} samples of other errors)" if self.other_errors else "")
 
     def ready_message(self, deadline_s: Optional[int] = None, started: Optional[float] = None) -> str:
-        """RolloutReady=False/AllRewardsFailed's message: what failed, since when, and (``deadline_s``:
+        """RolloutReady=False/AllRewardsFailed's message: what failed (the reward function, or for environment
+        errors (:data:`EPISODE_ERROR_KINDS`) the episodes against spec.rollout.environment), since when, and
+        (``deadline_s``:
         spec.rollout.rewardFailureDeadlineSeconds; ``started``: the job's startTime, unix seconds) when the job
         fails if no sample scores. Stable while a streak lasts (no count of batches), so it is not rewritten on
         every batch."""
@@ -511,8 +534,9 @@ class RewardFailures:
         which = f"every one of the {samples} samples" if isinstance(samples, int) and samples > 0 else "every sample"
         batch = f" (weights version {self.version})" if self.version is not None else ""
         last = _listed(self.last_errors) or "error kind unknown"
-        message = (f"{which} of a rollout worker's last batch{batch} failed its reward function: {last}; no document "
-                   f"reaches the trainer until rewards succeed again: {_FIX}")
+        what, _, fix = _failure_source(self.last_errors or map(reward_error_class, self.errors))
+        message = (f"{which} of a rollout worker's last batch{batch} failed {what}: {last}; no document "
+                   f"reaches the trainer until rewards succeed again: {fix}")
         begin = self.failing_since(started)
         if begin is not None:
             message += f"; failing since {_utc(begin)}"
@@ -523,15 +547,17 @@ class RewardFailures:
 
     def failed_message(self, deadline_s: int, started: Optional[float] = None) -> str:
         """Failed/RewardsFailing's message, e.g. "ZeroDivisionError: division by zero ×512 in spec.rollout.task's
-        reward function since 2026-01-01T12:00:00Z: ..."."""
+        reward function since 2026-01-01T12:00:00Z: ...", or "... in spec.rollout.environment's episodes ..." with the
+        environment's remedy when every failure is an environment error (:data:`EPISODE_ERROR_KINDS`)."""
         begin = self.failing_since(started)
         since = f" since {_utc(begin)}" if begin is not None else ""
         seconds = self.failing_seconds(started)
         lasted = f" for {seconds:.0f} s" if seconds is not None else ""
         batches = f"{self.batches} rollout batch" + ("" if self.batches == 1 else "es")
-        return (f"{self.describe()} in spec.rollout.task's reward function{since}: every sample of "
+        _, where, fix = _failure_source(map(reward_error_class, self.errors or self.last_errors))
+        return (f"{self.describe()} in {where}{since}: every sample of "
                 f"{batches} failed{lasted}, reaching spec.rollout.rewardFailureDeadlineSeconds = "
-                f"{deadline_s}; {_FIX} (kept when runPolicy.cleanPodPolicy is None)")
+                f"{deadline_s}; {fix} (kept when runPolicy.cleanPodPolicy is None)")
 
 
 def after_failing_batch(previous: Optional[RewardFailures], *, version: int, samples: int, errors: Mapping[str, int],

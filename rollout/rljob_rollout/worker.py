@@ -514,8 +514,8 @@ class RolloutWorker:
         else:
             wait = self.reward_backoff.next_wait()
             self._generate_after = time.monotonic() + wait
-            log.error("rollout: every sample failed its reward function (%s); nothing written; next groups in %.1f s "
-                      "(back-off)", dict(errors), wait)
+            log.error("rollout: every sample of the batch failed its reward function or episode (%s); nothing "
+                      "written; next groups in %.1f s (back-off)", dict(errors), wait)
         self.batches += 1
         return written
 

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from rljob_api import protocol
-from rljob_api.protocol import REWARD_ERROR_KINDS_KEPT, REWARD_FAILURE_GAP_S, RewardFailures, after_failing_batch
+from rljob_api.protocol import (EPISODE_ERROR_KINDS, REWARD_ERROR_KINDS_KEPT, REWARD_FAILURE_GAP_S, RewardFailures,
+                                after_failing_batch)
 
 T = 1767268800.0  # 2026-01-01T12:00:00Z
 ZERO = "ZeroDivisionError: division by zero"
@@ -110,3 +111,35 @@ def test_the_messages_name_the_failures_the_time_and_the_field():
     assert record.ready_message().endswith("tracebacks; failing since 2026-01-01T12:00:00Z")
     one = RewardFailures(since=T, updated_at=T, batches=1, samples=16, errors={ZERO: 16})
     assert "every sample of 1 rollout batch failed for 0 s" in one.failed_message(1)
+
+
+def test_environment_failures_point_to_the_environment_not_the_reward_code():
+    unreachable = "EnvironmentFailed: cannot reach http://nowhere.invalid:8000"
+    record = RewardFailures(since=T, updated_at=T + 30, batches=3, samples=48,
+                            errors={"EnvironmentTimeout: step took over 30 s": 40, unreachable: 8}, version=2,
+                            last_samples=16, last_errors={"EnvironmentTimeout": 12, "EnvironmentFailed": 4})
+    ready = record.ready_message(600)
+    assert ready.startswith("every one of the 16 samples of a rollout worker's last batch (weights version 2) failed "
+                            "its episode against the environment: EnvironmentTimeout ×12, EnvironmentFailed ×4; ")
+    assert "fix the environment or spec.rollout.environment (url, or server image, port and command; " in ready
+    assert "EnvironmentReady" in ready and "rewardFunction" not in ready
+    failed = record.failed_message(600)
+    assert failed.startswith("EnvironmentTimeout: step took over 30 s ×40, " + unreachable + " ×8 in "
+                             "spec.rollout.environment's episodes since 2026-01-01T12:00:00Z: every sample of 3 "
+                             "rollout batches failed for 30 s")
+    assert "rewardFunction" not in failed
+
+
+def test_mixed_failures_name_both_remedies():
+    record = RewardFailures(since=T, updated_at=T, batches=1, samples=16, errors={ZERO: 8, "EnvironmentFailed": 8},
+                            last_samples=16, last_errors={"ZeroDivisionError": 8, "EnvironmentFailed": 8})
+    message = record.ready_message()
+    assert "failed its episode or reward function: " in message
+    assert "fix the reward code or spec.rollout.task (rewardFunction, datasetPath), or fix the environment" in message
+    assert "in spec.rollout's episodes and reward function" in record.failed_message(600)
+
+
+def test_the_episode_error_kinds_are_the_rollout_workers_classes():
+    from rljob_rollout.environments.sessions import EpisodeError
+
+    assert set(EPISODE_ERROR_KINDS) == {c.__name__ for c in EpisodeError.__subclasses__()}
