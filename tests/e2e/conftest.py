@@ -137,6 +137,19 @@ class Cluster:
             text += ("--- previous container\n" if previous else "") + proc.stdout + proc.stderr
         return text
 
+    def control_plane_log_lines(self, namespace: str, keep: int = 30) -> list[str]:
+        """The local control plane's kube-controller-manager and kube-scheduler log lines that name ``namespace``
+        (the last ``keep`` of each), as "<component> log:\n..." entries; none on another cluster."""
+        cp = getattr(self.nodes, "cp", None)
+        out = []
+        for component in ("kube-controller-manager", "kube-scheduler") if cp is not None else ():
+            try:
+                lines = (cp.log_dir / f"{component}.log").read_text(errors="replace").splitlines()
+            except OSError as e:
+                lines = [f"(unreadable: {e})"]
+            out.append(f"{component} log:\n" + "\n".join([ln for ln in lines if namespace in ln][-keep:]))
+        return out
+
     def logged_pods(self, namespace: str, prefix: str = "") -> list[str]:
         """Pods of ``namespace`` whose names start with ``prefix`` (their logs go with them when deleted)."""
         return sorted(p["metadata"]["name"] for p in self.items("pods", namespace)
@@ -280,6 +293,11 @@ class Diagnostics:
                                                      f"{c.LABEL_ATTEMPT},{c.LABEL_ROLE}", check=False).stdout)
         out.append("events:\n" + self.cluster.kubectl("get", "events", "-n", ns, "--sort-by=.lastTimestamp",
                                                        check=False).stdout[-6000:])
+        claims = self.cluster.kubectl("get", "pvc", "-n", ns, "-o", "wide", check=False).stdout
+        if claims.strip():
+            out.append("claims:\n" + claims + "volumes:\n"
+                       + self.cluster.kubectl("get", "pv", "-o", "wide", check=False).stdout[-3000:])
+            out += self.cluster.control_plane_log_lines(ns)
         out.append("operator logs:\n" + self.operator.logs())
         for pod in self.cluster.logged_pods(ns):
             out.append(self.cluster.pod_log(ns, pod, 40))

@@ -146,7 +146,9 @@ def test_a_deleted_redis_pod_comes_back_with_its_stream_and_the_job_trains_on(cl
     }), namespace)
     trainer0, rollout0 = f"{name}-trainer-0", f"{name}-rollout-0"
     with Recorder(cluster, namespace, "rljobs") as jobs, Recorder(cluster, namespace, "pods") as pods:
-        redis_pod = wait_for(lambda: _ready(p := _redis_pod(cluster, namespace)) and p, 300, "the Redis pod",
+        # 420 s: kube-scheduler retries a pod it found unschedulable (claims not yet bound) on the claims' update
+        # events, and at the latest after 5 minutes; one CI run waited out those 5 minutes.
+        redis_pod = wait_for(lambda: _ready(p := _redis_pod(cluster, namespace)) and p, 420, "the Redis pod",
                              diagnostics)
         volumes = {v["name"]: v for v in redis_pod["spec"]["volumes"]}
         assert volumes["data"]["persistentVolumeClaim"] == {"claimName": f"{name}-redis-data"}, volumes
