@@ -526,9 +526,8 @@ class RewardFailures:
     def ready_message(self, deadline_s: Optional[int] = None, started: Optional[float] = None) -> str:
         """RolloutReady=False/AllRewardsFailed's message: what failed (the reward function, or for environment
         errors (:data:`EPISODE_ERROR_KINDS`) the episodes against spec.rollout.environment), since when, and
-        (``deadline_s``:
-        spec.rollout.rewardFailureDeadlineSeconds; ``started``: the job's startTime, unix seconds) when the job
-        fails if no sample scores. Stable while a streak lasts (no count of batches), so it is not rewritten on
+        (``deadline_s``: spec.rollout.rewardFailureDeadlineSeconds; ``started``: the job's startTime, unix seconds)
+        when the job fails if no sample scores. Stable while a streak lasts (no count of batches), so it is not rewritten on
         every batch."""
         samples = self.last_samples
         which = f"every one of the {samples} samples" if isinstance(samples, int) and samples > 0 else "every sample"
