@@ -427,8 +427,8 @@ spec.rollout.environment."""
 
 _REWARD_FIX = "fix the reward code or spec.rollout.task (rewardFunction, datasetPath)"
 _ENVIRONMENT_FIX = ("fix the environment or spec.rollout.environment (url, or server image, port and command; "
-                    "turnTimeoutSeconds, episodeTimeoutSeconds; the EnvironmentReady condition says whether its server "
-                    "answers)")
+                    "turnTimeoutSeconds, episodeTimeoutSeconds; EnvironmentReady says whether the server's pods accept "
+                    "connections, not whether it replies: EnvironmentTimeout is a server that did not reply in time)")
 
 
 def _failure_source(kinds: Iterable[str]) -> tuple[str, str, str]:
