@@ -29,7 +29,8 @@ from rljob_wire.transfer import LAYOUT_KEY, STORE_PREFIX, StoreAddress, connect_
 from source_tree import REPO
 
 BUCKET = 1024
-"""Bytes per bucket in these tests: the tiny model's tensors fill several buckets, and the embedding goes alone."""
+"""Bytes per bucket in these tests: the tiny model's MLP weights go alone, its other matrices fill buckets of their own
+(at least 1024 // 8 bytes) and its norms share one."""
 
 
 def _job(redis_server, tmp_path: Path, **publisher_options):
@@ -69,7 +70,10 @@ def test_packed_only_when_every_receiver_reads_it_and_bit_identical_to_per_tenso
     config, path, client, publisher = _job(redis_server, tmp_path, serve_late_joiners=False)
     model = tiny_model(config, seed=1)
     manifest = plan([(n, tuple(t.shape), t.dtype) for n, t in model.state_dict().items()], BUCKET)
-    assert len(manifest.bucket_sizes) >= 3 and any(manifest.alone(b) for b in range(len(manifest.bucket_sizes)))
+    buckets = range(len(manifest.bucket_sizes))
+    assert any(manifest.alone(b) for b in buckets)  # larger than a bucket
+    assert any(manifest.sole(b) and not manifest.alone(b) for b in buckets)  # its own bucket, sent from its memory
+    assert any(len(manifest.in_bucket(b)) > 1 for b in buckets)  # shared
     receivers = [_receiver(path, 0, tmp_path, redis_server.password),
                  _receiver(path, 1, tmp_path, redis_server.password, per_tensor_only=True)]
     try:

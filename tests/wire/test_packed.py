@@ -18,16 +18,31 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8
 
 def test_tensors_share_buckets_at_aligned_offsets_and_a_large_one_goes_alone():
     manifest = plan([("a", (3,), torch.float32), ("b", (10,), torch.bfloat16), ("big", (100,), torch.float32),
-                     ("c", (0,), torch.float32), ("d", (2, 2), torch.int64)], bucket_bytes=128)
+                     ("c", (0,), torch.float32), ("d", (2, 2), torch.int64)], bucket_bytes=128, own_bytes=129)
     rows = [(e.name, e.bucket, e.offset, e.nbytes) for e in manifest.entries]
     assert rows == [("a", 0, 0, 12), ("b", 0, 64, 20), ("big", 1, 0, 400), ("c", 2, 0, 0), ("d", 2, 0, 32)]
     assert manifest.bucket_sizes == (84, 400, 32)
     assert [manifest.alone(b) and manifest.alone(b).name for b in range(3)] == [None, "big", None]
     assert manifest.nbytes == 12 + 20 + 400 + 32
+    assert [manifest.sole(b) and manifest.sole(b).name for b in range(3)] == [None, "big", None]
+
+
+def test_a_tensor_of_at_least_own_bytes_fills_a_bucket_of_its_own():
+    tensors = [("a", (3,), torch.float32), ("b", (2,), torch.float32), ("mid", (8,), torch.float32),
+               ("c", (2,), torch.float32), ("big", (100,), torch.float32), ("d", (1,), torch.int64)]
+    manifest = plan(tensors, bucket_bytes=128, own_bytes=32)
+    assert [(e.name, e.bucket, e.offset) for e in manifest.entries] == [
+        ("a", 0, 0), ("b", 0, 64), ("mid", 1, 0), ("c", 2, 0), ("big", 3, 0), ("d", 4, 0)]
+    assert manifest.bucket_sizes == (72, 32, 8, 400, 8)
+    assert [manifest.alone(b) and manifest.alone(b).name for b in range(5)] == [None, None, None, "big", None]
+    # sole: a bucket holding one tensor's bytes and nothing else, which rank 0 may send from the tensor's memory
+    assert [manifest.sole(b) and manifest.sole(b).name for b in range(5)] == [None, "mid", "c", "big", "d"]
+    assert plan(tensors, bucket_bytes=256) == plan(tensors, bucket_bytes=256, own_bytes=32)  # default: an eighth
+    assert plan(tensors, bucket_bytes=64).bucket_sizes[:2] == (12, 8)  # at 64 // 8 = 8 bytes, "a" and "b" fill their own
 
 
 def test_a_tensor_that_does_not_fit_the_rest_of_a_bucket_opens_the_next():
-    manifest = plan([("a", (20,), torch.float32), ("b", (40,), torch.float32), ("c", (4,), torch.float32)], 256)
+    manifest = plan([("a", (20,), torch.float32), ("b", (40,), torch.float32), ("c", (4,), torch.float32)], 256, 257)
     assert [(e.bucket, e.offset) for e in manifest.entries] == [(0, 0), (1, 0), (1, 192)]  # b at 128 would end at 288
     assert manifest.bucket_sizes == (80, 208)
 
@@ -54,6 +69,8 @@ def test_a_malformed_manifest_is_refused_naming_what_is_wrong(bad, match):
 def test_plan_refuses_a_tiny_bucket_and_a_name_twice():
     with pytest.raises(ValueError, match="at least 64"):
         plan([("a", (1,), torch.float32)], 32)
+    with pytest.raises(ValueError, match="own_bytes must be at least 1"):
+        plan([("a", (1,), torch.float32)], 1024, own_bytes=0)
     with pytest.raises(ValueError, match="'a' twice"):
         plan([("a", (1,), torch.float32), ("a", (2,), torch.float32)], 1024)
 
@@ -61,10 +78,12 @@ def test_plan_refuses_a_tiny_bucket_and_a_name_twice():
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.lists(st.integers(0, 40), min_size=0, max_size=3), st.sampled_from(DTYPES)),
                 max_size=30),
-       st.integers(ALIGN, 4096))
-def test_every_tensor_round_trips_through_its_bucket_without_overlapping_another(specs, bucket_bytes):
+       st.integers(ALIGN, 4096), st.one_of(st.none(), st.integers(1, 5000)))
+def test_every_tensor_round_trips_through_its_bucket_without_overlapping_another(specs, bucket_bytes, own_bytes):
     tensors = [(f"t{i}", tuple(shape), dtype) for i, (shape, dtype) in enumerate(specs)]
-    manifest = plan(tensors, bucket_bytes)
+    manifest = plan(tensors, bucket_bytes, own_bytes)
+    own = own_bytes if own_bytes is not None else max(bucket_bytes // 8, 1)
+    assert all(manifest.sole(e.bucket) == e for e in manifest.entries if e.nbytes >= own or e.nbytes > bucket_bytes)
     assert [(e.name, e.shape, e.dtype) for e in manifest.entries] == tensors  # the order sent
     assert [e.bucket for e in manifest.entries] == sorted(e.bucket for e in manifest.entries)
     generator = torch.Generator().manual_seed(len(tensors))

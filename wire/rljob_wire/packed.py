@@ -8,7 +8,9 @@ update is formed, rank 0 sends
    whole update's :class:`Manifest`: every tensor's name, shape, dtype, bucket and byte offset, and every bucket's size;
 2. one broadcast per bucket, in order: a uint8 tensor of the bucket's size holding its tensors' bytes at their
    offsets (each offset a multiple of :data:`ALIGN`), or, for a tensor larger than a bucket, that tensor alone, in its
-   own dtype and shape.
+   own dtype and shape. A tensor of at least ``own_bytes`` (:func:`plan`) fills a bucket of its own: rank 0 sends its
+   bytes from the tensor's own memory when it needs no cast, so the large tensors of a model cost no copy (packing
+   them would save no collective worth a copy: docs/weight-sync.md), and receivers read it as any other bucket.
 
 So a receiver knows every receive it must post before the first bucket arrives, and gloo (which sends a tensor only
 once its receiver has posted it) never waits for a receiver that is reading metadata. Each end keeps two bucket
@@ -33,6 +35,9 @@ LAYOUTS = (LAYOUT_PACKED, LAYOUT_PER_TENSOR)
 """The layouts rljob's receivers read (their ready records and heartbeats announce them)."""
 DEFAULT_BUCKET_BYTES = 64 << 20
 """Bytes per bucket unless the publisher is told otherwise (docs/weight-sync.md)."""
+OWN_BUCKET_SHARE = 8
+"""By default a tensor of at least ``bucket_bytes // OWN_BUCKET_SHARE`` bytes fills a bucket of its own (:func:`plan`):
+8 MiB at the default bucket size (docs/weight-sync.md)."""
 ALIGN = 64
 """Every tensor starts at a multiple of this many bytes of its bucket (any dtype's alignment, a cache line)."""
 
@@ -76,6 +81,13 @@ class Manifest:
         (entry,) = self.in_bucket(bucket)
         return entry
 
+    def sole(self, bucket: int) -> Optional[Entry]:
+        """The entry that fills bucket ``bucket`` by itself (sent alone, or in a bucket of its own), else None."""
+        entries = self.in_bucket(bucket)
+        if len(entries) == 1 and entries[0].offset == 0 and entries[0].nbytes == self.bucket_sizes[bucket] > 0:
+            return entries[0]
+        return None
+
     def in_bucket(self, bucket: int) -> list[Entry]:
         """The entries of bucket ``bucket``, in the order sent."""
         return self._by_bucket.get(bucket, [])
@@ -117,16 +129,22 @@ def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return math.prod(int(d) for d in shape) * _element_size(dtype)
 
 
-def plan(tensors: Sequence[tuple[str, Sequence[int], torch.dtype]], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Manifest:
+def plan(tensors: Sequence[tuple[str, Sequence[int], torch.dtype]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+         own_bytes: Optional[int] = None) -> Manifest:
     """The manifest of an update of ``tensors`` ((name, shape, dtype) in the order they will be sent): consecutive
     tensors share a bucket while they fit in ``bucket_bytes`` (each at an offset aligned to :data:`ALIGN`); a tensor
-    larger than ``bucket_bytes`` travels alone (it closes the bucket before it).
+    of at least ``own_bytes`` bytes (None: ``bucket_bytes // OWN_BUCKET_SHARE``) fills a bucket of its own, and one
+    larger than ``bucket_bytes`` travels alone (both close the bucket before them).
 
     Raises:
-        ValueError: ``bucket_bytes`` < :data:`ALIGN`, or a name twice.
+        ValueError: ``bucket_bytes`` < :data:`ALIGN`, ``own_bytes`` < 1, or a name twice.
     """
     if bucket_bytes < ALIGN:
         raise ValueError(f"packed weight transfer: bucket_bytes must be at least {ALIGN}, got {bucket_bytes}")
+    if own_bytes is None:
+        own_bytes = max(bucket_bytes // OWN_BUCKET_SHARE, 1)
+    if own_bytes < 1:
+        raise ValueError(f"packed weight transfer: own_bytes must be at least 1, got {own_bytes}")
     entries: list[Entry] = []
     sizes: list[int] = []
     names: set[str] = set()
@@ -137,7 +155,7 @@ def plan(tensors: Sequence[tuple[str, Sequence[int], torch.dtype]], bucket_bytes
         names.add(name)
         shape = tuple(int(d) for d in shape)
         nbytes = _nbytes(shape, dtype)
-        if nbytes > bucket_bytes:
+        if nbytes >= own_bytes or nbytes > bucket_bytes:
             entries.append(Entry(name, shape, dtype, len(sizes), 0))
             sizes.append(nbytes)
             used = None

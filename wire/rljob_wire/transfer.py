@@ -262,8 +262,8 @@ class UpdateSender:
     in the manifest's order and copies (casts) each into its bucket, kept in two :class:`~rljob_wire.packed.BucketBuffers`
     slots, and starts a bucket's broadcast once its last tensor is in; before a slot is written again the bucket it
     held has arrived, so at most two buckets are in flight and the sent tensors may change as soon as :meth:`send`
-    returns. A tensor larger than a bucket is sent as it is (after a cast, if any) and must stay alive and unchanged
-    like a per-tensor one.
+    returns. A tensor larger than a bucket, or one filling a bucket of its own that needs no cast, is sent from its
+    own memory and must stay alive and unchanged like a per-tensor one.
 
     Attributes:
         joined: the transfer ranks in the group (ascending; group ranks 1, 2, ...).
@@ -352,6 +352,12 @@ class UpdateSender:
         if manifest.alone(entry.bucket) is not None:
             outgoing = tensor.to(device=self._device, dtype=entry.dtype).contiguous()
             self._push([self._start(outgoing)])
+            return
+        if manifest.sole(entry.bucket) is not None and tensor.dtype == entry.dtype and tensor.is_contiguous() and (
+                tensor.device == self._device):
+            while len(self._in_flight) > 1:  # at most two buckets in flight, as with staged ones
+                self._wait_oldest()
+            self._push([self._start(tensor.reshape(-1).view(torch.uint8))])  # its own memory: no copy
             return
         entries = manifest.in_bucket(entry.bucket)
         if entry is entries[0]:
