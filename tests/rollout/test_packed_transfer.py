@@ -18,25 +18,27 @@ import pytest
 import torch
 from torch.distributed import PrefixStore
 
-from rollout_harness import make_config, tiny_model, wait_until
+from rollout_harness import SMALL, make_config, tiny_model, wait_until
 from test_rollout_weights import JOIN_S, TRANSFER_S, _live_ranks, _next_update, _receiver, _stop, _tickets
 from rljob_rollout.backends.base import UpdateOutcome
 from rljob_rollout.backends.cpu import CpuBackend
 from rljob_rollout.weight_subscriber import WeightSubscriber
 from rljob_trainer.weight_publisher import WeightPublisher, publish_weights
-from rljob_wire.packed import plan
+from rljob_wire.packed import OWN_BUCKET_SHARE, plan
 from rljob_wire.transfer import LAYOUT_KEY, STORE_PREFIX, StoreAddress, connect_store
 from source_tree import REPO
 
-BUCKET = 1024
-"""Bytes per bucket in these tests: the tiny model's MLP weights go alone, its other matrices fill buckets of their own
-(at least 1024 // 8 bytes) and its norms share one."""
+MODEL = {**SMALL, "intermediateSize": 128}
+"""The tiny model of these tests: width 16, so matrices of 896 (the embedding) to 8192 bytes (the MLP's, float32)."""
+BUCKET = 4096
+"""Bytes per bucket in these tests: :data:`MODEL`'s MLP weights go alone, its other matrices fill buckets of their own
+(at least ``BUCKET // OWN_BUCKET_SHARE`` = 128 bytes) and its norms (64 bytes) share one."""
 
 
 def _job(redis_server, tmp_path: Path, **publisher_options):
     """A job's config (also written to ``tmp_path/config.json`` for the receivers), a client and a publisher that
     packs in buckets of :data:`BUCKET`."""
-    config = make_config(redis_server)
+    config = make_config(redis_server, tiny=MODEL)
     path = tmp_path / "config.json"
     path.write_text(config.to_json())
     client = redis_server.client()
@@ -70,6 +72,7 @@ def test_packed_only_when_every_receiver_reads_it_and_bit_identical_to_per_tenso
     config, path, client, publisher = _job(redis_server, tmp_path, serve_late_joiners=False)
     model = tiny_model(config, seed=1)
     manifest = plan([(n, tuple(t.shape), t.dtype) for n, t in model.state_dict().items()], BUCKET)
+    assert BUCKET // OWN_BUCKET_SHARE == 128
     buckets = range(len(manifest.bucket_sizes))
     assert any(manifest.alone(b) for b in buckets)  # larger than a bucket
     assert any(manifest.sole(b) and not manifest.alone(b) for b in buckets)  # its own bucket, sent from its memory
@@ -180,7 +183,7 @@ def test_the_cpu_backend_unpacks_every_update_into_the_same_buffers(redis_server
     one cast to bf16 on the way: into the buckets, or (the MLP's weights, larger than a bucket) into the late-joiner
     copy and sent from there; that copy holds the published bytes in the model's order once the publisher has
     settled."""
-    config = make_config(redis_server)
+    config = make_config(redis_server, tiny=MODEL)
     client = redis_server.client()
     publisher = WeightPublisher(config, client, join_timeout_s=JOIN_S, transfer_timeout_s=TRANSFER_S,
                                 poll_interval_s=3600, bucket_bytes=BUCKET)

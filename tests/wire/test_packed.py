@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rljob_wire.packed import ALIGN, BucketBuffers, Manifest, plan, view
+from rljob_wire.packed import ALIGN, OWN_BUCKET_SHARE, BucketBuffers, Manifest, plan, view
 from rljob_wire.transfer import _AllowListUnpickler
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool)
@@ -37,8 +37,8 @@ def test_a_tensor_of_at_least_own_bytes_fills_a_bucket_of_its_own():
     assert [manifest.alone(b) and manifest.alone(b).name for b in range(5)] == [None, None, None, "big", None]
     # sole: a bucket holding one tensor's bytes and nothing else, which rank 0 may send from the tensor's memory
     assert [manifest.sole(b) and manifest.sole(b).name for b in range(5)] == [None, "mid", "c", "big", "d"]
-    assert plan(tensors, bucket_bytes=256) == plan(tensors, bucket_bytes=256, own_bytes=32)  # default: an eighth
-    assert plan(tensors, bucket_bytes=64).bucket_sizes[:2] == (12, 8)  # at 64 // 8 = 8 bytes, "a" and "b" fill their own
+    assert plan(tensors, 32 * 32) == plan(tensors, 32 * 32, own_bytes=32)  # the default: bucket_bytes // OWN_BUCKET_SHARE
+    assert plan(tensors, 8 * 32).bucket_sizes[:2] == (12, 8)  # at 8 bytes, "a" and "b" fill their own
 
 
 def test_a_tensor_that_does_not_fit_the_rest_of_a_bucket_opens_the_next():
@@ -82,7 +82,7 @@ def test_plan_refuses_a_tiny_bucket_and_a_name_twice():
 def test_every_tensor_round_trips_through_its_bucket_without_overlapping_another(specs, bucket_bytes, own_bytes):
     tensors = [(f"t{i}", tuple(shape), dtype) for i, (shape, dtype) in enumerate(specs)]
     manifest = plan(tensors, bucket_bytes, own_bytes)
-    own = own_bytes if own_bytes is not None else max(bucket_bytes // 8, 1)
+    own = own_bytes if own_bytes is not None else max(bucket_bytes // OWN_BUCKET_SHARE, 1)
     assert all(manifest.sole(e.bucket) == e for e in manifest.entries if e.nbytes >= own or e.nbytes > bucket_bytes)
     assert [(e.name, e.shape, e.dtype) for e in manifest.entries] == tensors  # the order sent
     assert [e.bucket for e in manifest.entries] == sorted(e.bucket for e in manifest.entries)

@@ -35,9 +35,10 @@ LAYOUTS = (LAYOUT_PACKED, LAYOUT_PER_TENSOR)
 """The layouts rljob's receivers read (their ready records and heartbeats announce them)."""
 DEFAULT_BUCKET_BYTES = 64 << 20
 """Bytes per bucket unless the publisher is told otherwise (docs/weight-sync.md)."""
-OWN_BUCKET_SHARE = 8
+OWN_BUCKET_SHARE = 32
 """By default a tensor of at least ``bucket_bytes // OWN_BUCKET_SHARE`` bytes fills a bucket of its own (:func:`plan`):
-8 MiB at the default bucket size (docs/weight-sync.md)."""
+2 MiB at the default bucket size, so only small tensors (norms, biases, small projections) share buckets
+(docs/weight-sync.md)."""
 ALIGN = 64
 """Every tensor starts at a multiple of this many bytes of its bucket (any dtype's alignment, a cache line)."""
 

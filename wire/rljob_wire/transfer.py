@@ -671,12 +671,17 @@ def _receive_packed(group: Any, device: torch.device, seconds: float, deliver: C
         raise ValueError(f"packed weight transfer: malformed manifest ({error})") from None
     posted: dict[int, tuple[torch.Tensor, Any]] = {}
 
+    direct = buffers is not None and not (staging is not None and staging.whole)  # each tensor into its buffer
+
     def post(bucket: int) -> None:
-        alone = manifest.alone(bucket)
+        alone, sole = manifest.alone(bucket), manifest.sole(bucket)
         nbytes = manifest.bucket_sizes[bucket]
         if alone is not None:
             target = (buffers.get(alone.name, alone.shape, alone.dtype, device) if buffers is not None
                       else torch.empty(alone.shape, dtype=alone.dtype, device=device))
+        elif sole is not None and direct:
+            assert buffers is not None
+            target = buffers.get(sole.name, sole.shape, sole.dtype, device).reshape(-1).view(torch.uint8)  # no copy
         elif staging is not None:
             target = staging.get(bucket, nbytes, device)
         else:
@@ -690,12 +695,16 @@ def _receive_packed(group: Any, device: torch.device, seconds: float, deliver: C
         target, work = posted.pop(bucket)
         if work is not None:
             _wait(work, seconds)
+        sole = manifest.sole(bucket)
         if manifest.alone(bucket) is not None:
             deliver(manifest.alone(bucket).name, target)
+        elif sole is not None and direct:
+            deliver(sole.name, target.view(sole.dtype).view(sole.shape))
         else:
             for entry in manifest.in_bucket(bucket):
                 tensor = view(target, entry)
-                if buffers is not None and not (staging is not None and staging.whole):
+                if direct:
+                    assert buffers is not None
                     tensor = buffers.get(entry.name, entry.shape, entry.dtype, device).copy_(tensor)
                 deliver(entry.name, tensor)
         if bucket + 2 < buckets:
