@@ -89,7 +89,11 @@ def test_packed_only_when_every_receiver_reads_it_and_bit_identical_to_per_tenso
         client.hdel(config.keys.members, "2")  # gone: no longer invited
         # Only receivers that read packed: packed, float32 and then cast to bfloat16 on the way.
         assert _publish(publisher, model, 20) == 1 and publisher.last_layout == "packed"
+        assert publisher.last_manifest is not None and publisher.last_manifest.bucket_sizes == manifest.bucket_sizes
         assert _publish(publisher, model, 30, dtype=torch.bfloat16) == 1 and publisher.last_layout == "packed"
+        # A cast copies anyway: no bucket of its own, only tensors larger than a bucket leave the shared ones.
+        assert publisher.last_manifest == plan([(n, tuple(t.shape), torch.bfloat16) for n, t in model.state_dict().items()],
+                                               BUCKET, own_bytes=BUCKET + 1)
         packed, packed_bf16 = _received(tmp_path, 0, 20), _received(tmp_path, 0, 30)
         tickets = _tickets(client, config)
         assert [(t.members, t.layout, _layout(config, t)) for t in tickets] == [

@@ -103,6 +103,7 @@ class WeightPublisher:
             group's teardown).
         last_layout: the layout of the last publication's update (``packed`` or ``per-tensor``; None when it had no
             receiver).
+        last_manifest: the packed plan of the last publication's update (None unless it went packed).
 
     Raises:
         ValueError: ``join_timeout_s + transfer_timeout_s`` >= the DP collective timeout (names all three).
@@ -146,6 +147,7 @@ class WeightPublisher:
         self._copier: Optional[threading.Thread] = None  # the late-joiner copy of the last publication
         self.last_phases: dict[str, float] = {}
         self.last_layout: Optional[str] = None
+        self.last_manifest: Optional[Manifest] = None
         self.bucket_bytes = bucket_bytes
         self._staging = BucketBuffers()  # the packed layout's two buckets, kept between updates
         self._manifests: dict[tuple, Manifest] = {}  # the last plan, by the tensors it was made for
@@ -211,9 +213,9 @@ class WeightPublisher:
           a bucket, are sent as they are, without waiting for one before the next one's metadata goes out, and
           copied (cast) after the broadcast on a background thread: call :meth:`settle` before the weights change
           (the next optimizer step);
-        - ``transient`` tensors (gathered from shards), and on CPU per-tensor tensors that need a cast, are copied
-          (cast) into the late-joiner copy and sent from there, each dropped before the next is asked for, so the
-          next one is gathered while this one is on the wire;
+        - ``transient`` tensors (gathered from shards), and on CPU tensors that need a cast and travel per-tensor or
+          in a packed bucket of their own, are copied (cast) into the late-joiner copy and sent from there, each
+          dropped before the next is asked for, so the next one is gathered while this one is on the wire;
         - otherwise (a GPU tensor to cast, per-tensor) the converted tensor is sent and copied at the same time.
 
         Args:
@@ -243,7 +245,7 @@ class WeightPublisher:
             self._preempt.clear()
             clock = [time.perf_counter()]
             members = self._live_or_none()
-            manifest = self._manifest(tensors, dtype)
+            manifest = self._manifest(tensors, dtype, transient)
             iterator = iter(named_tensors)
             first = next(iterator, None)
             device = first[1].device if first is not None and first[1].is_cuda else torch.device("cpu")
@@ -253,14 +255,15 @@ class WeightPublisher:
             sender = self._open(ticket, device, manifest, step) if announced and ticket.members else None
             join_s, reused = (sender.join_s, sender.reused) if sender is not None else (0.0, False)
             self.last_layout = sender.layout if sender is not None else None
+            self.last_manifest = manifest if self.last_layout == LAYOUT_PACKED else None
             clock.append(time.perf_counter())
             pairs = iterator if first is None else _chain_first(first, iterator)
             del first
             self._current = None
             if self._snapshot is not None:
                 self._snapshot.begin()
-            alone = frozenset(e.name for e in manifest.entries if manifest.alone(e.bucket)) if manifest else frozenset()
-            later, sender = self._send_all(pairs, sender, ticket, step, device, dtype, transient, alone)
+            sole = frozenset(e.name for e in manifest.entries if manifest.sole(e.bucket)) if manifest else frozenset()
+            later, sender = self._send_all(pairs, sender, ticket, step, device, dtype, transient, sole)
             clock.append(time.perf_counter())
             received = self._end(sender, ticket, step)
             sender = None  # a group that failed is torn down here
@@ -300,11 +303,12 @@ class WeightPublisher:
 
     def _send_all(
         self, pairs: Iterator[tuple[str, torch.Tensor]], sender: Optional[UpdateSender], ticket: TransferTicket,
-        step: int, device: torch.device, dtype: Optional[torch.dtype], transient: bool, alone: frozenset[str],
+        step: int, device: torch.device, dtype: Optional[torch.dtype], transient: bool, sole: frozenset[str],
     ) -> tuple[list[tuple[str, torch.Tensor]], Optional[UpdateSender]]:
         """Consume ``pairs`` completely, sending each tensor while ``sender`` works and keeping the late-joiner
-        copy (see :meth:`publish`). ``alone``: the names a packed update sends alone (larger than a bucket): cast
-        on CPU, those go through the late-joiner copy rather than fresh memory.
+        copy (see :meth:`publish`). ``sole``: the names a packed update sends from their own memory (alone, or in a
+        bucket of their own): cast on CPU, those go through the late-joiner copy rather than a bucket slot or fresh
+        memory.
 
         Returns:
             The model's own tensors to copy after the broadcast, and the sender (None once it failed).
@@ -314,7 +318,7 @@ class WeightPublisher:
         for name, tensor in pairs:
             name, tensor = unwrapped_name(name), tensor.detach()
             out_dtype = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
-            cast_later = sender is None or (packed and (device.type == "cuda" or name not in alone))  # into a bucket
+            cast_later = sender is None or (packed and (device.type == "cuda" or name not in sole))  # into a bucket
             stable = not transient and tensor.device == device and (tensor.dtype == out_dtype or cast_later)
             if stable:
                 later.append((name, tensor))
@@ -456,16 +460,21 @@ class WeightPublisher:
             return {}
 
     def _manifest(self, tensors: Optional[Iterable[tuple[str, tuple[int, ...], torch.dtype]]],
-                  dtype: Optional[torch.dtype]) -> Optional[Manifest]:
+                  dtype: Optional[torch.dtype], transient: bool = False) -> Optional[Manifest]:
         """The packed plan of a publication of ``tensors`` sent in ``dtype`` (None: without ``tensors`` or
-        ``bucket_bytes``); the last one is kept, since the model's tensors stay the same from step to step."""
+        ``bucket_bytes``); the last one is kept, since the model's tensors stay the same from step to step. An update
+        that casts tensors on their way (not ``transient``: gathered tensors come cast) gives none a bucket of its
+        own: a cast is a copy anyway, and it pipelines best into full buckets (docs/weight-sync.md)."""
         if tensors is None or self.bucket_bytes is None:
             return None
+        tensors = list(tensors)
         key = tuple((unwrapped_name(name), tuple(shape), dtype if dtype is not None and d.is_floating_point else d)
                     for name, shape, d in tensors)
-        if (self.bucket_bytes, key) not in self._manifests:
-            self._manifests = {(self.bucket_bytes, key): plan(key, self.bucket_bytes)}
-        return self._manifests[(self.bucket_bytes, key)]
+        casts = not transient and dtype is not None and any(d.is_floating_point and d != dtype for _, _, d in tensors)
+        own = self.bucket_bytes + 1 if casts else None
+        if (self.bucket_bytes, own, key) not in self._manifests:
+            self._manifests = {(self.bucket_bytes, own, key): plan(key, self.bucket_bytes, own)}
+        return self._manifests[(self.bucket_bytes, own, key)]
 
     def _ticket(self, infos: Mapping[int, MemberInfo], members: list[int], backend: str,
                 manifest: Optional[Manifest] = None) -> TransferTicket:
