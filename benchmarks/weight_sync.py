@@ -248,7 +248,8 @@ def raw_round(group: Any, flat: torch.Tensor, tensors: list[torch.Tensor], mode:
 class GpuReceiver:
     """The rollout end on a GPU (``--device cuda`` or ``cuda-receiver``): ``receive_update`` onto its GPU with the
     group kept, as vLLM's worker extension receives an NCCL update, each tensor unpacked (a packed update: copied out
-    of its bucket) into a buffer of its own kept across updates; no vLLM, so nothing is loaded into a model."""
+    of its bucket, or received in place when it fills a bucket of its own) into a buffer of its own kept across
+    updates; no vLLM, so nothing is loaded into a model."""
 
     def __init__(self, device: torch.device) -> None:
         from rljob_wire.packed import BucketBuffers

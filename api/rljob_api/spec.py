@@ -308,6 +308,15 @@ class TrainerSpec(ApiModel):
         description="TensorBoard event files of every step's metrics, written by global rank 0. Unset (the default): "
         "none.",
     )
+    weight_sync_bucket_megabytes: Optional[int] = Field(
+        None,
+        ge=1,
+        le=4096,
+        exclude_if=omitted_at_default(None),
+        description="Bucket size, in MiB, of the packed weight publication to rljob's rollout backends (unset: 64). "
+        "Trainer rank 0 keeps two buckets on the device it publishes from, a vLLM rollout process up to five during "
+        "an update (docs/field-reference.md).",
+    )
     max_steps: int = Field(100, ge=1, description="Optimizer steps, then training_finished.")
     seed: int = Field(0, ge=0, description="Model init and data-order seed.")
     collective_timeout_seconds: int = Field(

@@ -96,7 +96,8 @@ pods too."""
 TRAINER_ONLY_FIELDS = (
     "image", "backend", "nodes", "processes_per_node", "parallelism", "activation_checkpointing", "tensor_parallel",
     "pipeline_parallel", "resources", "node_selector", "tolerations", "pod_template", "optimizer", "checkpoint",
-    "export", "tensorboard", "collective_timeout_seconds", "rendezvous_timeout_seconds", "data_timeout_seconds",
+    "export", "tensorboard", "weight_sync_bucket_megabytes", "collective_timeout_seconds", "rendezvous_timeout_seconds",
+    "data_timeout_seconds",
 )
 """Fields of ``spec.trainer`` that no rollout process reads: left out of the rollout pods' :func:`role_config_hash`,
 so that an edit of one (a learning rate, the checkpoint interval, the topology) restarts the gang alone and keeps the

@@ -212,6 +212,7 @@ def test_fields_left_at_their_defaults_leave_the_resolved_config_and_its_hash_as
     assert "schedule" not in document["spec"]["trainer"]["optimizer"]
     assert "minLearningRate" not in document["spec"]["trainer"]["optimizer"]
     assert "tensorboard" not in document["spec"]["trainer"]
+    assert "weightSyncBucketMegabytes" not in document["spec"]["trainer"]
     filled = spec(algorithm={"importanceSampling": {"enabled": False, "cap": 2.0}, "klCoef": 0.0, "klEstimator": "k3"},
                   trainer={"optimizer": {"schedule": "constant", "minLearningRate": 0.0}})
     assert resolve("demo", "ns", filled, RedisConnection(host="r")).to_json() == before.to_json()
@@ -226,6 +227,17 @@ def test_fields_left_at_their_defaults_leave_the_resolved_config_and_its_hash_as
     assert board.config_hash() != before.config_hash() and JobConfig.from_json(board.to_json()) == board
     decayed = resolve("demo", "ns", spec(trainer={"optimizer": {"schedule": "cosine"}}), RedisConnection(host="r"))
     assert json.loads(decayed.to_json())["spec"]["trainer"]["optimizer"]["schedule"] == "cosine"
+    buckets = resolve("demo", "ns", spec(trainer={"weightSyncBucketMegabytes": 16}), RedisConnection(host="r"))
+    assert json.loads(buckets.to_json())["spec"]["trainer"]["weightSyncBucketMegabytes"] == 16
+    assert buckets.config_hash() != before.config_hash() and JobConfig.from_json(buckets.to_json()) == buckets
+
+
+@pytest.mark.parametrize("value", [0, -1, 4097, 1.5])
+def test_the_weight_sync_bucket_size_is_a_whole_number_of_mib_from_1_to_4096(value):
+    with pytest.raises(ValidationError) as err:
+        spec(trainer={"weightSyncBucketMegabytes": value})
+    (error,) = err.value.errors()
+    assert (".".join(str(part) for part in error["loc"]), error["input"]) == ("trainer.weightSyncBucketMegabytes", value)
 
 
 @pytest.mark.parametrize("tensorboard", [{"logDir": "runs/tb"}, {"logDir": ""}, {}])

@@ -77,7 +77,7 @@ def test_packed_only_when_every_receiver_reads_it_and_bit_identical_to_per_tenso
     assert any(manifest.alone(b) for b in buckets)  # larger than a bucket
     assert any(manifest.sole(b) and not manifest.alone(b) for b in buckets)  # its own bucket, sent from its memory
     assert any(len(manifest.in_bucket(b)) > 1 for b in buckets)  # shared
-    receivers = [_receiver(path, 0, tmp_path, redis_server.password),
+    receivers = [_receiver(path, 0, tmp_path, redis_server.password, kept_buffers=True),
                  _receiver(path, 1, tmp_path, redis_server.password, per_tensor_only=True)]
     try:
         wait_until(lambda: _live_ranks(publisher, {1, 2}), 60, "both receivers heartbeating")

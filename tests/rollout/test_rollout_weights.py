@@ -35,7 +35,7 @@ JOIN_S, TRANSFER_S = 3.0, 8.0
 
 
 def _receiver(config_path: Path, replica: int, out: Path, password: str, die_after: int | None = None,
-              fresh_groups: bool = False, per_tensor_only: bool = False) -> subprocess.Popen:
+              fresh_groups: bool = False, per_tensor_only: bool = False, kept_buffers: bool = False) -> subprocess.Popen:
     """A receiver process (transfer_receiver.py) as transfer rank 1 + ``replica``."""
     env = dict(os.environ, REDIS_PASSWORD=password, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = pythonpath(env)
@@ -46,6 +46,8 @@ def _receiver(config_path: Path, replica: int, out: Path, password: str, die_aft
         args.append("--fresh-groups")
     if per_tensor_only:
         args.append("--per-tensor-only")
+    if kept_buffers:
+        args.append("--kept-buffers")
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
 
 

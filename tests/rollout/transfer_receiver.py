@@ -1,11 +1,14 @@
 """A weight-transfer receiver process for the tests: heartbeats, follows events, saves every update it gets.
 
-``python transfer_receiver.py CONFIG REPLICA OUT_DIR [--die-after K] [--fresh-groups] [--per-tensor-only]``: each complete update with
+``python transfer_receiver.py CONFIG REPLICA OUT_DIR [--die-after K] [--fresh-groups] [--per-tensor-only]
+[--kept-buffers]``: each complete update with
 documents_seen v is saved as ``OUT_DIR/<replica>-<v>.pt`` (a dict name -> tensor). With ``--die-after K`` the process
 exits at once (``os._exit``) after receiving K tensors of its second update: a pod lost in the middle of a transfer.
 It keeps its transfer group between updates as the rollout backends do (a ``GroupKeeper``), or with
 ``--fresh-groups`` keeps none, as an older receiver did; with ``--per-tensor-only`` it announces no layout (heartbeats
-and ready records), as a receiver before the packed layout. Each update's layout (the transfer store's) is appended to
+and ready records), as a receiver before the packed layout; with ``--kept-buffers`` it receives into buffers kept
+across updates, one per name, and two bucket slots (``ReceiveBuffers`` and ``BucketBuffers()``: a packed tensor with a
+bucket of its own lands in its buffer directly). Each update's layout (the transfer store's) is appended to
 ``OUT_DIR/<replica>.layouts``. Exits 0 on training_finished.
 """
 
@@ -22,8 +25,9 @@ from torch.distributed import PrefixStore
 from rljob_api.config import JobConfig
 from rljob_wire.connection import connect
 from rljob_rollout.weight_subscriber import WeightSubscriber
-from rljob_wire.packed import LAYOUTS
-from rljob_wire.transfer import LAYOUT_KEY, STORE_PREFIX, GroupKeeper, TransferFailed, connect_store, receive_update
+from rljob_wire.packed import LAYOUTS, BucketBuffers
+from rljob_wire.transfer import (LAYOUT_KEY, STORE_PREFIX, GroupKeeper, ReceiveBuffers, TransferFailed, connect_store,
+                                 receive_update)
 
 
 def layout_of(subscriber: WeightSubscriber, ticket) -> str:
@@ -40,6 +44,7 @@ def main() -> int:
     parser.add_argument("--die-after", type=int)
     parser.add_argument("--fresh-groups", action="store_true")
     parser.add_argument("--per-tensor-only", action="store_true")
+    parser.add_argument("--kept-buffers", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     config = JobConfig.load(args.config)
@@ -48,6 +53,7 @@ def main() -> int:
     subscriber.follow_from_now()
     subscriber.start_heartbeats(interval_s=0.5)
     groups = None if args.fresh_groups else GroupKeeper()
+    buffers, staging = (ReceiveBuffers(), BucketBuffers()) if args.kept_buffers else (None, None)
     updates = 0
     while True:
         for event in subscriber.poll(block_ms=200):
@@ -65,7 +71,7 @@ def main() -> int:
 
             try:
                 if receive_update(subscriber.address, event.ticket, subscriber.transfer_ranks[0], device=torch.device("cpu"),
-                                  sink=sink, groups=groups, layouts=layouts):
+                                  sink=sink, groups=groups, layouts=layouts, buffers=buffers, staging=staging):
                     with (args.out / f"{args.replica}.layouts").open("a") as log:
                         log.write(f"{event.documents_seen} {layout_of(subscriber, event.ticket)}\n")
                     final = args.out / f"{args.replica}-{event.documents_seen}.pt"

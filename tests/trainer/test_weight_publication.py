@@ -172,3 +172,36 @@ def test_the_models_own_tensors_are_copied_after_the_broadcast_and_settle_waits_
     finally:
         receiver.stop()
         publisher.close()
+
+
+@pytest.mark.parametrize("megabytes, bucket_bytes", [(None, 64 << 20), (1, 1 << 20)])
+def test_the_trainer_packs_in_buckets_of_spec_trainer_weight_sync_bucket_megabytes(
+        redis_server, tmp_path, monkeypatch, megabytes, bucket_bytes):
+    """The trainer's start-of-attempt publication to a packed receiver uses ``trainer.weightSyncBucketMegabytes``
+    (unset: 64 MiB) and delivers the model bit for bit."""
+    from rljob_trainer.parallel import init_distributed, shutdown_distributed
+    from rljob_trainer.trainer import Trainer
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    config = make_config(redis_server, tmp_path / "ckpt", processes=1, parallelism={"strategy": "ddp"})
+    config.spec.trainer.weight_sync_bucket_megabytes = megabytes
+    client = redis_server.client()
+    receiver = WeightReceiver(config, client)
+    trainer = None
+    where = init_distributed(config)
+    try:
+        wait_until(lambda: client.hlen(config.keys.members) == 1, 30, "the rollout member heartbeating")
+        trainer = Trainer(config, where, client)
+        trainer.resume()
+        publisher = trainer.publisher
+        assert publisher is not None and publisher.last_layout == "packed"
+        assert publisher.last_manifest is not None and publisher.last_manifest.bucket_bytes == bucket_bytes
+        wait_until(lambda: 0 in receiver.received, 30, "the start's update at the rollout member")
+        for name, value in trainer.model.state_dict().items():
+            assert torch.equal(receiver.received[0][name.removeprefix("module.")], value), name
+    finally:
+        receiver.stop()
+        if trainer is not None:
+            trainer.close()
+        shutdown_distributed()

@@ -84,6 +84,7 @@ from rljob_trainer.stream.batch import MicroBatch, flat_from_padded, pack_docume
 from rljob_trainer.stream.reader import StreamReader, ack_entries, trim_acked
 from rljob_trainer.stream.redistribute import redistribute_pending
 from rljob_trainer.weight_publisher import Publication, WeightPublisher, publish_weights
+from rljob_wire.packed import DEFAULT_BUCKET_BYTES
 
 log = logging.getLogger("rljob_trainer.train")  # the name the logs have always carried
 
@@ -229,7 +230,9 @@ class Trainer:
             publish_start(self.client, self.config, self.step, self.documents_seen, lost, attempt=gang_attempt())
         start_reading(self.reader, self.where)  # after the acks and publish_start above: it begins with a barrier
         if self.where.is_rank_zero:
-            self.publisher = WeightPublisher(self.config, self.client)
+            bucket_mb = self.config.spec.trainer.weight_sync_bucket_megabytes
+            self.publisher = WeightPublisher(self.config, self.client, bucket_bytes=(
+                DEFAULT_BUCKET_BYTES if bucket_mb is None else bucket_mb << 20))
         publication = self._publish()
         log.info("weights: start of the attempt published in %.0f ms", publication.duration_ms)
         return committed
