@@ -525,7 +525,8 @@ class RewardFailures:
 
     def ready_message(self, deadline_s: Optional[int] = None, started: Optional[float] = None) -> str:
         """RolloutReady=False/AllRewardsFailed's message: what failed (the reward function, or for environment
-        errors (:data:`EPISODE_ERROR_KINDS`) the episodes against spec.rollout.environment), since when, and
+        errors (:data:`EPISODE_ERROR_KINDS`) the episodes against spec.rollout.environment) with the streak's most
+        frequent error and its message (:func:`reward_error_key`), since when, and
         (``deadline_s``: spec.rollout.rewardFailureDeadlineSeconds; ``started``: the job's startTime, unix seconds)
         when the job fails if no sample scores. Stable while a streak lasts (no count of batches), so it is not rewritten on
         every batch."""
@@ -533,6 +534,9 @@ class RewardFailures:
         which = f"every one of the {samples} samples" if isinstance(samples, int) and samples > 0 else "every sample"
         batch = f" (weights version {self.version})" if self.version is not None else ""
         last = _listed(self.last_errors) or "error kind unknown"
+        quoted = [key for key, _ in sorted(self.errors.items(), key=lambda kv: (-kv[1], kv[0])) if ": " in key]
+        if quoted:
+            last += f" (most often in this streak: {quoted[0]})"
         what, _, fix = _failure_source(self.last_errors or map(reward_error_class, self.errors))
         message = (f"{which} of a rollout worker's last batch{batch} failed {what}: {last}; no document "
                    f"reaches the trainer until rewards succeed again: {fix}")

@@ -514,8 +514,9 @@ class RolloutWorker:
         else:
             wait = self.reward_backoff.next_wait()
             self._generate_after = time.monotonic() + wait
-            log.error("rollout: every sample of the batch failed its reward function or episode (%s); nothing "
-                      "written; next groups in %.1f s (back-off)", dict(errors), wait)
+            log.error("rollout: every one of the %d samples of the batch failed its reward function or episode (%s); "
+                      "nothing written; next groups in %.1f s (back-off)", report.samples_generated,
+                      dict(report.errors_by_class), wait)
         self.batches += 1
         return written
 

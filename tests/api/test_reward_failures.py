@@ -104,9 +104,10 @@ def test_the_messages_name_the_failures_the_time_and_the_field():
         "tracebacks (kept when runPolicy.cleanPodPolicy is None)")
     assert record.ready_message(600, T + 60) == (
         "every one of the 16 samples of a rollout worker's last batch (weights version 64) failed its reward "
-        "function: ZeroDivisionError ×16; no document reaches the trainer until rewards succeed again: fix the reward "
-        "code or spec.rollout.task (rewardFunction, datasetPath); the rollout pods' logs hold the tracebacks; failing "
-        "since 2026-01-01T12:01:00Z: the job fails (RewardsFailing) if no sample scores by 2026-01-01T12:11:00Z "
+        "function: ZeroDivisionError ×16 (most often in this streak: ZeroDivisionError: division by zero); no "
+        "document reaches the trainer until rewards succeed again: fix the reward code or spec.rollout.task "
+        "(rewardFunction, datasetPath); the rollout pods' logs hold the tracebacks; failing since 2026-01-01T12:01:00Z: "
+        "the job fails (RewardsFailing) if no sample scores by 2026-01-01T12:11:00Z "
         "(spec.rollout.rewardFailureDeadlineSeconds = 600)")
     assert record.ready_message().endswith("tracebacks; failing since 2026-01-01T12:00:00Z")
     one = RewardFailures(since=T, updated_at=T, batches=1, samples=16, errors={ZERO: 16})
@@ -120,7 +121,8 @@ def test_environment_failures_point_to_the_environment_not_the_reward_code():
                             last_samples=16, last_errors={"EnvironmentTimeout": 12, "EnvironmentFailed": 4})
     ready = record.ready_message(600)
     assert ready.startswith("every one of the 16 samples of a rollout worker's last batch (weights version 2) failed "
-                            "its episode against the environment: EnvironmentTimeout ×12, EnvironmentFailed ×4; ")
+                            "its episode against the environment: EnvironmentTimeout ×12, EnvironmentFailed ×4 (most "
+                            "often in this streak: EnvironmentTimeout: step took over 30 s); ")
     assert "fix the environment or spec.rollout.environment (url, or server image, port and command; " in ready
     assert "EnvironmentReady" in ready and "rewardFunction" not in ready
     failed = record.failed_message(600)
@@ -135,6 +137,7 @@ def test_mixed_failures_name_both_remedies():
                             last_samples=16, last_errors={"ZeroDivisionError": 8, "EnvironmentFailed": 8})
     message = record.ready_message()
     assert "failed its episode or reward function: " in message
+    assert "EnvironmentFailed ×8, ZeroDivisionError ×8 (most often in this streak: " + ZERO + ")" in message  # no message: not quoted
     assert "fix the reward code or spec.rollout.task (rewardFunction, datasetPath), or fix the environment" in message
     assert "in spec.rollout's episodes and reward function" in record.failed_message(600)
 

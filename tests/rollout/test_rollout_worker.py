@@ -239,7 +239,7 @@ def test_a_raising_reward_function_drops_only_its_samples(redis_server, publishe
     assert registry.get_sample_value("rljob_rollout_model_version") == 0
 
 
-def test_a_job_where_every_reward_fails_says_so_and_writes_nothing(redis_server, publisher_for, custom_task):
+def test_a_job_where_every_reward_fails_says_so_and_writes_nothing(redis_server, publisher_for, custom_task, caplog):
     config = make_config(redis_server, rollout={"task": custom_task("always_fails"), "sampling": {"maxNewTokens": 4}})
     client = redis_server.client()
     publisher = publisher_for(config)
@@ -251,6 +251,9 @@ def test_a_job_where_every_reward_fails_says_so_and_writes_nothing(redis_server,
     failed = json.loads(client.hget(config.keys.rollout, protocol.ROLLOUT_ALL_REWARDS_FAILED))
     assert failed["errors"] == {"KeyError": 16} and failed["version"] == 0
     assert client.xlen(config.keys.stream) == 0
+    said = [r.getMessage() for r in caplog.records if "every one of the" in r.getMessage()]
+    assert said and all(m.startswith("rollout: every one of the 16 samples of the batch failed its reward function "
+                                     "or episode ({'KeyError': 16})") for m in said), said  # the batch the hash holds
 
 
 def test_rewards_that_all_fail_back_off_exponentially_serve_weights_meanwhile_and_recover(
@@ -281,7 +284,7 @@ def test_rewards_that_all_fail_back_off_exponentially_serve_weights_meanwhile_an
     assert "error" not in result
 
     failing = [r for r in caplog.records if "(back-off)" in r.getMessage()]
-    waits = [r.args[1] for r in failing]
+    waits = [r.args[2] for r in failing]
     assert len(waits) == 4, [r.getMessage() for r in failing]  # the 5th batch scored
     for n, wait in enumerate(waits):
         assert JITTER_LOW * schedule.nominal(n) <= wait <= schedule.nominal(n), (n, wait)
