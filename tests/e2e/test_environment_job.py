@@ -144,7 +144,11 @@ def test_episodes_on_an_operator_run_environment_through_scaling_and_its_pods_de
 
     # 2. Documents as the trainer reads them.
     wait_for(lambda: step() >= 3 or None, 300, "step 3", diagnostics)
-    documents = redis_snapshot(cluster, namespace, job(), diagnostics, script=_STREAM_HEAD)
+    # A checkpoint's commit trims the entries it covers: just after one (every 10 steps) the head may hold fewer than
+    # _check_documents reads, until the rollouts write more.
+    documents = wait_for(
+        lambda: d if len(d := redis_snapshot(cluster, namespace, job(), diagnostics, script=_STREAM_HEAD)) >= 50 else None,
+        120, "50 documents at the head of the stream", diagnostics)
     newest = _check_documents(documents, tokenizer)
     # status.modelVersion is the operator's last read of the trainer's progress: it catches up with the documents'
     # versions (weights the trainer published), never the other way round
