@@ -94,6 +94,10 @@ def test_packed_only_when_every_receiver_reads_it_and_bit_identical_to_per_tenso
         # A cast copies anyway: no bucket of its own, only tensors larger than a bucket leave the shared ones.
         assert publisher.last_manifest == plan([(n, tuple(t.shape), torch.bfloat16) for n, t in model.state_dict().items()],
                                                BUCKET, own_bytes=BUCKET + 1)
+        # From a GPU neither (a copy runs at memory speed there; fewer NCCL broadcasts win). No GPU needed to plan.
+        float32 = [(n, tuple(t.shape), t.dtype) for n, t in model.state_dict().items()]
+        assert publisher._manifest(float32, None, device=torch.device("cuda", 0)) == plan(float32, BUCKET, BUCKET + 1)
+        assert publisher._manifest(float32, None) == manifest
         packed, packed_bf16 = _received(tmp_path, 0, 20), _received(tmp_path, 0, 30)
         tickets = _tickets(client, config)
         assert [(t.members, t.layout, _layout(config, t)) for t in tickets] == [

@@ -30,8 +30,10 @@ is made after the broadcast on a background thread, so the rollout does not wait
 :meth:`WeightPublisher.settle` before the next optimizer step changes them. Gathered (FSDP) or cast tensors are
 copied as they come and sent from the copy.
 
-Memory of rank 0 during a publication: the late-joiner copy plus one tensor in flight (a gathered, cast or
-moved tensor; none with DDP at the model's dtype, whose parameters are sent as they are).
+Memory of rank 0 during a publication: the late-joiner copy plus, per-tensor, one tensor in flight (a gathered,
+cast or moved tensor; none with DDP at the model's dtype, whose parameters are sent as they are); packed, two bucket
+buffers and at most two tensors sent from their own memory (gathered ones kept alive until they have arrived) besides
+the one being made.
 
 Timeouts: ``join_timeout_s + transfer_timeout_s`` must stay below the trainer's DP collective timeout. The
 other DP ranks wait for rank 0 meanwhile: with DDP at their next collective, for the whole publication; with FSDP
@@ -245,10 +247,10 @@ class WeightPublisher:
             self._preempt.clear()
             clock = [time.perf_counter()]
             members = self._live_or_none()
-            manifest = self._manifest(tensors, dtype, transient)
             iterator = iter(named_tensors)
             first = next(iterator, None)
             device = first[1].device if first is not None and first[1].is_cuda else torch.device("cpu")
+            manifest = self._manifest(tensors, dtype, transient, device)
             ticket = self._ticket(members, sorted(members), "nccl" if device.type == "cuda" else "gloo", manifest)
             announced = self._announce(step, documents_seen, ticket)
             clock.append(time.perf_counter())
@@ -363,7 +365,7 @@ class WeightPublisher:
         if self._snapshot is not None:
             self._snapshot.store(name, outgoing)  # while it is on the wire
         if sender.layout == LAYOUT_PER_TENSOR:
-            sender.wait()  # one tensor in flight: it may be freed before the next is made (packed: it was copied)
+            sender.wait()  # one tensor in flight (packed: copied into a bucket, or kept alive by the sender's queue)
 
     def _copy_later(self, pairs: list[tuple[str, torch.Tensor]], step: int, documents_seen: int,
                     dtype: Optional[torch.dtype]) -> None:
@@ -460,18 +462,22 @@ class WeightPublisher:
             return {}
 
     def _manifest(self, tensors: Optional[Iterable[tuple[str, tuple[int, ...], torch.dtype]]],
-                  dtype: Optional[torch.dtype], transient: bool = False) -> Optional[Manifest]:
-        """The packed plan of a publication of ``tensors`` sent in ``dtype`` (None: without ``tensors`` or
-        ``bucket_bytes``); the last one is kept, since the model's tensors stay the same from step to step. An update
-        that casts tensors on their way (not ``transient``: gathered tensors come cast) gives none a bucket of its
-        own: a cast is a copy anyway, and it pipelines best into full buckets (docs/weight-sync.md)."""
+                  dtype: Optional[torch.dtype], transient: bool = False,
+                  device: torch.device = torch.device("cpu")) -> Optional[Manifest]:
+        """The packed plan of a publication of ``tensors`` sent in ``dtype`` from ``device`` (None: without ``tensors``
+        or ``bucket_bytes``); the last one is kept, since the model's tensors stay the same from step to step.
+
+        Tensors get buckets of their own (:func:`rljob_wire.packed.plan`'s ``own_bytes``) only from a CPU that casts
+        nothing on the way (``transient`` tensors come cast from the gather): there a bucket copy costs as much as the
+        send, while a cast is a copy anyway and pipelines best into full buckets, and on a GPU a copy runs at memory
+        speed and fewer, larger broadcasts win (docs/weight-sync.md)."""
         if tensors is None or self.bucket_bytes is None:
             return None
         tensors = list(tensors)
         key = tuple((unwrapped_name(name), tuple(shape), dtype if dtype is not None and d.is_floating_point else d)
                     for name, shape, d in tensors)
         casts = not transient and dtype is not None and any(d.is_floating_point and d != dtype for _, _, d in tensors)
-        own = self.bucket_bytes + 1 if casts else None
+        own = self.bucket_bytes + 1 if casts or device.type != "cpu" else None
         if (self.bucket_bytes, own, key) not in self._manifests:
             self._manifests = {(self.bucket_bytes, own, key): plan(key, self.bucket_bytes, own)}
         return self._manifests[(self.bucket_bytes, own, key)]
