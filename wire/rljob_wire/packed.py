@@ -37,8 +37,8 @@ DEFAULT_BUCKET_BYTES = 64 << 20
 """Bytes per bucket unless the publisher is told otherwise (docs/weight-sync.md)."""
 OWN_BUCKET_SHARE = 32
 """By default a tensor of at least ``bucket_bytes // OWN_BUCKET_SHARE`` bytes fills a bucket of its own (:func:`plan`):
-2 MiB at the default bucket size, so only small tensors (norms, biases, small projections) share buckets
-(docs/weight-sync.md)."""
+2 MiB at the default bucket size; smaller tensors (norms, biases) share buckets between the large ones
+(docs/weight-sync.md). The publisher plans none from a GPU or when it casts (``own_bytes`` above the bucket size)."""
 ALIGN = 64
 """Every tensor starts at a multiple of this many bytes of its bucket (any dtype's alignment, a cache line)."""
 
