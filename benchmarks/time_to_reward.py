@@ -195,6 +195,8 @@ def run_rljob(variant: str, seed: int, args: argparse.Namespace, work: Path) -> 
     overrides: dict[str, Any] = {"rollout": {"task": {"name": args.task}}}
     if variant == "synchronous":
         overrides["rollout"]["maxLag"] = 0
+    if args.strategy is not None:
+        overrides["trainer"] = {"parallelism": {"strategy": args.strategy}}
     spec = rp.local_spec(rp.example_spec(), seed=seed, max_steps=args.max_steps, overrides=overrides)
     per_step = spec["trainer"]["batch"]["documentsPerStep"]
     run = rp.run_pipeline(spec, work, cores=args.cores, timeout_s=args.timeout,
@@ -293,6 +295,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="taskset -c list for every process (default: every core this process may use)")
     parser.add_argument("--trl-python", default=sys.executable,
                         help="the Python with the benchmark extra (trl) installed (default: this one)")
+    parser.add_argument("--strategy", choices=("fsdp", "ddp"), default=None,
+                        help="the rljob variants' spec.trainer.parallelism.strategy (default: the example's); results "
+                             "are kept apart by it (TRL's data parallelism is DDP whatever it is)")
     parser.add_argument("--timeout", type=rp.positive_float, default=1200, help="seconds per run before it is killed")
     parser.add_argument("--results", type=Path, default=None, help="JSON lines of finished runs (resumable)")
     parser.add_argument("--work-dir", type=Path, default=None, help="keep every run's logs here (default: a temp dir)")
@@ -308,7 +313,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     work_root = args.work_dir or Path(tempfile.mkdtemp(prefix="rljob-time-to-reward-"))
     results = rp.ResultFile(args.results or work_root / "results.jsonl")
     print(f"time to reward {args.threshold}: task {args.task}, seeds 0-{args.seeds - 1}, variants {variants}, "
-          f"cores {args.cores}, load average {rp.load_average()}, results {results.path}", flush=True)
+          f"cores {args.cores}, strategy {args.strategy or 'as the example'}, load average {rp.load_average()}, "
+          f"results {results.path}", flush=True)
     outcomes: list[Outcome] = []
     code = 0
     rp.stop_on_signals()
@@ -317,6 +323,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         for seed in range(args.seeds):
             for variant in variants:
                 key = f"{args.task}/{variant}/{seed}/{args.threshold}"
+                if args.strategy is not None and variant != "trl":
+                    key += f"/{args.strategy}"
                 if key in done:
                     record = {k: v for k, v in done[key].items() if k not in ("key", "load")}
                     outcomes.append(Outcome(**record))

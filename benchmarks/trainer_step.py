@@ -308,8 +308,8 @@ class StampedProgress:
         self.stamps: list[float] = []
         self.metrics: list[dict[str, float]] = []
 
-    def report(self, record: Any) -> None:
-        self.inner.report(record)
+    def report(self, record: Any, publication: Any = None) -> None:
+        self.inner.report(record, publication)
         self.stamps.append(time.perf_counter())
         self.metrics.append(dict(record.metrics))
 

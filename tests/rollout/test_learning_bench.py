@@ -295,6 +295,7 @@ def test_the_robustness_sweep_refuses_bad_arguments_naming_the_option(argv, mess
                          "'digits-sort')"),
     (["--max-steps", "0"], "argument --max-steps: must be a whole number >= 1, got 0"),
     (["--variants", "streaming,async"], "--variants: unknown ['async']; choose from ('streaming', 'synchronous', 'trl')"),
+    (["--strategy", "zero3"], "argument --strategy: invalid choice: 'zero3' (choose from 'fsdp', 'ddp')"),
 ])
 def test_time_to_reward_refuses_bad_arguments_naming_the_option(argv, message, capsys):
     assert refused(ttr.main, argv, capsys) == f"{Path(sys.argv[0]).name}: error: {message}"

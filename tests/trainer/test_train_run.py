@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 from portutil import free_port
 from rljob_trainer.checkpoint import COMMIT_FILE, committed_checkpoints
 from rljob_trainer.metrics_registry import (CHECKPOINT_BLOCKING, CHECKPOINT_SAVE, FORWARD_BACKWARD, STEP_OTHER,
-                                            STEP_PHASES, STEP_TIME, WEIGHT_SYNC)
+                                            STEP_PHASES, STEP_TIME, WEIGHT_SYNC, WEIGHT_SYNC_OVERLAPPED,
+                                            WEIGHT_SYNC_WAIT)
 from rljob_wire.model import DigitTokenizer, build_model
 from rljob_trainer.stream.reader import DataTimeout
 from rljob_trainer.train import run
@@ -153,6 +154,61 @@ def test_two_rank_run_trains_checkpoints_reports_and_matches_one_rank(redis_serv
         assert torch.equal(receiver.received[0][name], value), name
     for name, value in two_ranks.items():
         assert torch.equal(receiver.received[12][name], value), name
+
+
+def test_ddp_publishes_beside_the_next_step_and_reports_each_step_once_its_weights_are_out(redis_server, tmp_path):
+    """An unsharded model on CPU publishes on rank 0's publisher thread while the next step runs (trainer.py,
+    ``Trainer.overlaps_publication``): every update still reaches the rollout member with the weights of its step, the
+    events keep their order, and each step's record comes after its publication, with its wall time; 2 DDP ranks
+    train what one in-process rank trains."""
+    ddp = {"strategy": "ddp"}
+    config = make_config(redis_server, tmp_path / "ckpt", processes=2, documents_per_step=4, max_steps=3,
+                         every_steps=2, parallelism=ddp)
+    client = redis_server.client()
+    docs = make_documents(12, seed=1)
+    write_documents(client, config, docs)
+    receiver = WeightReceiver(config, client)
+    try:
+        trainer = Torchrun(write_config(config, tmp_path / "config.json"), 2, free_port(), redis_server.password, tmp_path, "run")
+        assert trainer.wait(240) == 0, trainer.logs()
+        trainer.kill()
+        wait_until(lambda: receiver.finished or receiver.error, 30, "training_finished at the receiver")
+    finally:
+        receiver.stop()
+    assert receiver.error is None, receiver.error
+
+    lines = json_lines(trainer)
+    assert [(x["step"], x["documents_seen"]) for x in lines] == [(1, 4), (2, 8), (3, 12)]
+    for line in lines:
+        m = line["metrics"]
+        assert line["weight_sync_layout"] == "packed", line
+        # The step spent only the publication's start; its wall time ran beside the next step.
+        assert 0 < m[WEIGHT_SYNC] < m[WEIGHT_SYNC_OVERLAPPED], m
+        assert m[WEIGHT_SYNC_WAIT] >= 0
+        assert sum(m[name] for name in STEP_PHASES) == pytest.approx(m[STEP_TIME], rel=1e-9)
+    progress = {k.decode(): v.decode() for k, v in client.hgetall(config.keys.progress).items()}
+    assert WEIGHT_SYNC_OVERLAPPED in json.loads(progress["metrics"])  # the last record waited for its publication
+    assert read_events(client, config) == [
+        {"type": "weights_ready", "step": s, "documents_seen": 4 * s} for s in range(4)
+    ] + [{"type": "training_finished", "step": 3, "documents_seen": 12}]
+
+    exported = load_file(tmp_path / "ckpt" / "export" / "model.safetensors")
+    assert sorted(receiver.received) == [0, 4, 8, 12]
+    for name, value in exported.items():
+        assert torch.equal(receiver.received[12][name], value), name  # the last step's weights, bit for bit
+    assert not torch.equal(receiver.received[4]["lm_head.weight"], receiver.received[8]["lm_head.weight"])
+
+    client.flushall()
+    single = make_config(redis_server, tmp_path / "single", processes=1, documents_per_step=4, max_steps=3,
+                         parallelism=ddp)
+    write_documents(client, single, docs)
+    out = io.StringIO()
+    result = run(single, client=client, stdout=out)
+    records = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert all(r["metrics"][WEIGHT_SYNC_OVERLAPPED] > 0 and r["weight_sync_layout"] is None for r in records)  # no member
+    one_rank = load_file(Path(result.export_dir) / "model.safetensors")
+    for name in exported:
+        torch.testing.assert_close(exported[name], one_rank[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_gspo_with_full_metrics_in_process(redis_server, tmp_path):

@@ -205,3 +205,47 @@ def test_the_trainer_packs_in_buckets_of_spec_trainer_weight_sync_bucket_megabyt
         if trainer is not None:
             trainer.close()
         shutdown_distributed()
+
+
+def test_a_publication_in_the_background_sends_its_weights_and_settle_raises_what_it_raised(
+        redis_server, tmp_path, monkeypatch):
+    """What the trainer does for an unsharded model on CPU (``Trainer.overlaps_publication``): the step's publication
+    runs on the publisher's thread and ``settle`` (before the next optimizer step) waits for it; a publication fenced
+    by a later gang attempt raises ``Fenced`` there, and sends nothing."""
+    from rljob_trainer import fence
+
+    monkeypatch.setenv("RLJOB_ATTEMPT", "3")
+    config = make_config(redis_server, tmp_path / "ckpt", processes=1)
+    client = redis_server.client()
+    fence.claim(client, config.keys)  # attempt 3 owns the job
+    receiver = WeightReceiver(config, client)
+    model = build_model(config.spec.model, DigitTokenizer().vocab_size, seed=SEED)
+    publisher = WeightPublisher(config, client, join_timeout_s=10, poll_interval_s=3600)
+    try:
+        wait_until(lambda: 1 in publisher.live_members(), 30, "the rollout member heartbeating")
+        expected = {name: t.clone() for name, t in model.state_dict().items()}
+        started = publisher.in_background(lambda: publish_weights(model, publisher, step=1, documents_seen=10))
+        publisher.settle()
+        assert started.done()
+        publication = started.result()
+        assert (publication.receivers, publication.layout) == (1, "packed") and publication.duration_ms > 0
+        wait_until(lambda: 10 in receiver.received, 30, "update 10 at the rollout member")
+        copy = dict(publisher.late_joiner_copy.items())
+        for name, tensor in expected.items():
+            assert torch.equal(receiver.received[10][name], tensor) and torch.equal(copy[name], tensor), name
+
+        fence.claim(client, config.keys, attempt=4)  # a later attempt takes the job over
+        fenced = publisher.in_background(lambda: publish_weights(model, publisher, step=2, documents_seen=20))
+        with pytest.raises(fence.Fenced, match="attempt 4 owns the job"):
+            publisher.settle()
+        assert isinstance(fenced.exception(), fence.Fenced)
+        publisher.settle()  # raised once: the next step's settle waits for nothing
+        assert 20 not in receiver.received and [e["documents_seen"] for e in _ready_events(client, config)] == [10]
+    finally:
+        receiver.stop()
+        publisher.close()
+
+
+def _ready_events(client, config: JobConfig) -> list[dict]:
+    return [e for e in (json.loads(f[b"event"]) for _, f in client.xrange(config.keys.events))
+            if e["type"] == "weights_ready"]

@@ -122,19 +122,28 @@ METRICS_UPDATE = "metrics_time_ms"
 COLLECTIVES = "collectives_time_ms"
 OPTIMIZER = "optimizer_time_ms"
 WEIGHT_SYNC_WAIT = "weight_sync_wait_time_ms"
+WEIGHT_SYNC_OVERLAPPED = "weight_sync_overlapped_time_ms"
 STEP_OTHER = "step_other_time_ms"
 DATA_WAIT_SHARE = "data_wait_share"
 _HOST_CLOCK = ("; global rank 0's time.perf_counter, no device synchronisation added: on a GPU a phase ends when the "
                "host has queued its work, and device work still queued is counted in the next phase that waits for it")
 TIMINGS: tuple[TimingDef, ...] = (
     TimingDef(WEIGHT_SYNC, "every step",
-              "milliseconds of the step's weight publication on global rank 0, named as Fast-LLM logs it: the "
-              "weights_ready event, the join, the gathers of sharded parameters, the sends to the rollout and the "
-              "late-joiner copy of gathered or cast tensors (rljob_trainer.weight_publisher.publish_weights; a DDP model's "
-              "own tensors are copied afterwards on a thread, waited for before the next optimizer step)"),
+              "milliseconds the step spent on its weight publication on global rank 0, named as Fast-LLM logs it. "
+              "Within the step (sharded parameters, or a GPU): the whole publication, the weights_ready event, the "
+              "join, the gathers of sharded parameters, the sends to the rollout and the late-joiner copy of gathered "
+              "or cast tensors (rljob_trainer.weight_publisher.publish_weights; a DDP model's own tensors are copied "
+              "afterwards on a thread, waited for before the next optimizer step). Beside the next step (an "
+              "unsharded model on CPU, Trainer.overlaps_publication): its start only; the publication's own wall time "
+              "is weight_sync_overlapped_time_ms"),
+    TimingDef(WEIGHT_SYNC_OVERLAPPED, "every step whose publication ran beside the next step (and did not fail)",
+              "milliseconds of the step's weight publication on global rank 0 from its start to its end, on the "
+              "publisher's thread while the next step reads and computes (what weight_sync_time_ms covers within "
+              "the step); the next step's weight_sync_wait_time_ms is the part it did not hide. The record is "
+              "reported once the publication ended"),
     TimingDef(STEP_TIME, "every step",
               "milliseconds of Trainer.train_step on global rank 0, from the start of the read to the end of the weight "
-              "publication; the step phases (STEP_PHASES) partition it. The checkpoint of the step and its report "
+              "publication (to its start when it runs beside the next step); the step phases (STEP_PHASES) partition it. The checkpoint of the step and its report "
               "come after it"),
     TimingDef(DATA_WAIT, "every step",
               "milliseconds in StreamReader.next_documents less its decoding: the XREADGROUP replies awaited, "
@@ -164,8 +173,9 @@ TIMINGS: tuple[TimingDef, ...] = (
               "milliseconds of the gradient clip (its norm: an all-reduce under FSDP, read on the host), the learning "
               "rate, AdamW's step and zero_grad" + _HOST_CLOCK),
     TimingDef(WEIGHT_SYNC_WAIT, "every step",
-              "milliseconds the optimizer step waited for the previous publication's late-joiner copy (a background "
-              "thread still reading the weights: WeightPublisher.settle)"),
+              "milliseconds the optimizer step waited for the previous step's publication when it runs beside this "
+              "step, and for its late-joiner copy (background threads still reading the weights: "
+              "WeightPublisher.settle)"),
     TimingDef(STEP_OTHER, "every step",
               "step_time_ms less every step phase: the loop's own bookkeeping (stream counters, the record)"),
     TimingDef(DATA_WAIT_SHARE, "every step",

@@ -17,7 +17,7 @@ import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
-from typing import Optional, Protocol, TextIO
+from typing import TYPE_CHECKING, Optional, Protocol, TextIO
 
 import redis
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
@@ -26,9 +26,12 @@ from rljob_api import constants as c
 from rljob_api import protocol
 from rljob_api.config import JobConfig
 from rljob_trainer import fence
-from rljob_trainer.metrics_registry import WEIGHT_SYNC
+from rljob_trainer.metrics_registry import WEIGHT_SYNC, WEIGHT_SYNC_OVERLAPPED
 from rljob_trainer.step_record import StepRecord
 from rljob_trainer.trackers import Trackers, build_trackers
+
+if TYPE_CHECKING:
+    from rljob_trainer.weight_publisher import Publication
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,7 @@ log = logging.getLogger(__name__)
 class Progress(Protocol):
     """A step reporter; see :class:`RankZeroProgress` and :class:`NoOpProgress`."""
 
-    def report(self, record: StepRecord) -> None: ...
+    def report(self, record: StepRecord, publication: Optional[Future[Publication]] = None) -> None: ...
 
     def flush(self) -> None: ...
 
@@ -46,7 +49,7 @@ class Progress(Protocol):
 class NoOpProgress:
     """The reporter of every rank but global rank 0: does nothing."""
 
-    def report(self, record: StepRecord) -> None:
+    def report(self, record: StepRecord, publication: Optional[Future[Publication]] = None) -> None:
         """Ignore ``record``."""
 
     def flush(self) -> None:
@@ -122,14 +125,18 @@ class RankZeroProgress:
         """The TCP port the Prometheus endpoint listens on."""
         return self._server.server_address[1]
 
-    def report(self, record: StepRecord) -> None:
+    def report(self, record: StepRecord, publication: Optional[Future[Publication]] = None) -> None:
         """Queue ``record`` for the progress hash, stdout, the gauges and the trackers (see the class docstring).
+        With ``publication`` (the step's weight publication, running in the background) the record waits for it and
+        goes out with its wall time (``weight_sync_overlapped_time_ms``) and layout: a step is reported after its
+        weights are published, as DESIGN §6 orders it (a publication that failed adds neither; the trainer raises its
+        error).
 
         Raises:
             Whatever an earlier report raised on the reporting thread (other than a Redis error, which is logged).
         """
         self._raise_finished()
-        self._in_flight.append(self._reporter.submit(self._publish, record))
+        self._in_flight.append(self._reporter.submit(self._publish, record, publication))
 
     def flush(self) -> None:
         """Wait until every record reported so far is published.
@@ -144,15 +151,20 @@ class RankZeroProgress:
         while self._in_flight and self._in_flight[0].done():
             self._in_flight.pop(0).result()
 
-    def _publish(self, record: StepRecord) -> None:
+    def _publish(self, record: StepRecord, publication: Optional[Future[Publication]] = None) -> None:
+        if publication is not None and publication.exception() is None:
+            done = publication.result()
+            record = dataclasses.replace(record, metrics={**record.metrics, WEIGHT_SYNC_OVERLAPPED: done.duration_ms},
+                                         weight_sync_layout=done.layout)
         for name in self._scalars:
             self._scalars[name].set(getattr(record, name))
         for name, value in record.metrics.items():
             self._metric.labels(name=name).set(value)
         for name, value in record.stream.items():
             self._stream.labels(counter=name).set(value)
-        if record.weight_sync_layout is not None and WEIGHT_SYNC in record.metrics:
-            self._weight_sync.labels(layout=record.weight_sync_layout).set(record.metrics[WEIGHT_SYNC])
+        synced = record.metrics.get(WEIGHT_SYNC_OVERLAPPED, record.metrics.get(WEIGHT_SYNC))
+        if record.weight_sync_layout is not None and synced is not None:
+            self._weight_sync.labels(layout=record.weight_sync_layout).set(synced)
         if self._trackers is not None:
             self._trackers.log(record)
         line = {"event": "step", **asdict(record)}

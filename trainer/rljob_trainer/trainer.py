@@ -21,7 +21,11 @@ One optimizer step on every data-parallel rank (DESIGN §4, §6):
 5. ``documents_seen`` += the step's documents (those that entered the loss); the new model_version is
    ``documents_seen``; every rank takes part in the weight publication (:func:`~rljob_trainer.weight_publisher.publish_weights`:
    rank 0 announces ``weights_ready`` and sends, under fsdp the others join the gathers of sharded parameters, one
-   tensor at a time), whose duration is the step's ``weight_sync_time_ms``;
+   tensor at a time), whose duration is the step's ``weight_sync_time_ms``. An unsharded model on CPU
+   (:attr:`Trainer.overlaps_publication`) publishes beside the next step instead: rank 0's publisher thread sends
+   while the next step reads, packs and runs forward and backward, and that step waits for it (``settle``) only
+   before its optimizer step changes the weights; the step's record is reported once its publication ended, with
+   its wall time as ``weight_sync_overlapped_time_ms``;
 6. every ``everySteps`` and at ``maxSteps``: a checkpoint (:meth:`Trainer.save_checkpoint`). The loop stops only for
    its snapshot to host memory; the files are written in the background, and once they are durable rank 0's commit
    thread writes the commit file, publishes its documents_seen (``checkpoint_documents_seen``, for the rollout's max
@@ -47,6 +51,7 @@ import dataclasses
 import logging
 import sys
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, TextIO
@@ -192,6 +197,12 @@ class Trainer:
         self.metrics = StepMetrics.from_config(config, device=where.device)
         self.data_wait = DataWaitWindow()
         self.publisher: Optional[WeightPublisher] = None
+        self.overlaps_publication = not self.parallel.sharded and where.device.type == "cpu"
+        """Whether a step's publication runs beside the next step (:meth:`train_step`): an unsharded model on CPU,
+        whose publication runs no collective of the data-parallel group (gloo's groups may run on two threads; NCCL's
+        may not, PyTorch's ``new_group``)."""
+        self.publication_in_flight: Optional[Future[Publication]] = None
+        """Rank 0: the last step's publication while it runs in the background (None once :meth:`fit` reported it)."""
         self.reader = StreamReader(
             client,
             config.keys,
@@ -254,7 +265,10 @@ class Trainer:
             finished = self.checkpoints.wait() if self.step == max_steps else self.checkpoints.poll()
             if finished and finished[-1].save_ms is not None:  # rank 0; the newest if two finished since the last step
                 timings[CHECKPOINT_SAVE] = finished[-1].save_ms
-            self.progress.report(dataclasses.replace(record, metrics={**record.metrics, **timings}))
+            pending, self.publication_in_flight = self.publication_in_flight, None
+            self.progress.report(dataclasses.replace(record, metrics={**record.metrics, **timings}), pending)
+        if self.publisher is not None:
+            self.publisher.settle()  # the last publication, if it runs in the background
         self.progress.flush()  # the last step is in the progress hash before training_finished is announced
         export_dir = None
         if self.config.spec.trainer.export.safetensors:
@@ -374,7 +388,14 @@ class Trainer:
 
         self.step += 1
         self.documents_seen += step_documents
-        publication = self._publish()
+        published: dict[str, float] = {}
+        layout = None
+        if self.publisher is not None and self.overlaps_publication:
+            self.publication_in_flight = self.publisher.in_background(self._publish)
+            clock.lap(WEIGHT_SYNC)
+        else:
+            publication = self._publish()
+            published[WEIGHT_SYNC], layout = publication.duration_ms, publication.layout
         wait_share = self.data_wait.waited(clock.ms[DATA_WAIT])
         record = StepRecord(
             step=self.step,
@@ -383,9 +404,9 @@ class Trainer:
             tokens_per_second=step_tokens / elapsed,
             metrics={"loss": step_loss, GRAD_NORM: float(grad_norm), LEARNING_RATE: lr, DATA_WAIT_SHARE: wait_share,
                      **reduced,
-                     **clock.timings(**{WEIGHT_SYNC: publication.duration_ms})},
+                     **clock.timings(**published)},
             stream=stream,
-            weight_sync_layout=publication.layout,
+            weight_sync_layout=layout,
         )
         return record
 

@@ -35,8 +35,13 @@ cast or moved tensor; none with DDP at the model's dtype, whose parameters are s
 buffers and at most two tensors sent from their own memory (gathered ones kept alive until they have arrived) besides
 the one being made.
 
+Beside the next step: :meth:`WeightPublisher.in_background` runs a publication on the publisher's own thread (the
+trainer does so for an unsharded model on CPU, whose publication runs no collective of the DP group); :meth:`settle`
+waits for it and raises what it raised.
+
 Timeouts: ``join_timeout_s + transfer_timeout_s`` must stay below the trainer's DP collective timeout. The
-other DP ranks wait for rank 0 meanwhile: with DDP at their next collective, for the whole publication; with FSDP
+other DP ranks wait for rank 0 meanwhile: with DDP at their next collective, for the whole publication (for its
+rest when it runs beside the next step, at the collective after that step's :meth:`settle`); with FSDP
 in the next gather, for the join (before the first tensor) and then one tensor's send at a time. Rank 0 waits for
 members at most ``join_timeout_s`` and bounds the rest of an update by ``transfer_timeout_s`` (the group's
 formation and every tensor, :attr:`rljob_wire.transfer.UpdateSender.deadline`), so both waits stay below it;
@@ -58,8 +63,9 @@ import os
 import threading
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, TypeVar
 
 import redis
 import torch
@@ -76,6 +82,7 @@ from rljob_wire.transfer import (GroupKeeper, TransferCancelled, UpdateSender, o
                                     unwrapped_name)
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class WeightPublisher:
@@ -147,6 +154,8 @@ class WeightPublisher:
         self._attempted: dict[tuple[int, str], tuple[int, float]] = {}  # -> (documents_seen, monotonic time)
         self._retry_s = 2 * self.join_timeout_s + 1.0
         self._copier: Optional[threading.Thread] = None  # the late-joiner copy of the last publication
+        self._background: Optional[Future[Any]] = None  # a publication running beside the training step
+        self._publishing: Optional[ThreadPoolExecutor] = None  # its thread, made at the first one
         self.last_phases: dict[str, float] = {}
         self.last_layout: Optional[str] = None
         self.last_manifest: Optional[Manifest] = None
@@ -241,7 +250,7 @@ class WeightPublisher:
             Whatever ``named_tensors`` raises (a failed gather): the late-joiner copy is then marked incomplete.
             rljob_trainer.fence.Fenced: a later gang attempt owns the job (the weights_ready event was refused).
         """
-        self.settle()
+        self._settle_copy()
         self._preempt.set()
         with self._lock:
             self._preempt.clear()
@@ -286,9 +295,30 @@ class WeightPublisher:
             self._copier.start()
         return len(received)
 
+    def in_background(self, publication: Callable[[], T]) -> Future[T]:
+        """Run ``publication`` (a call of :meth:`publish` through :func:`publish_weights`) on the publisher's own
+        thread and return at once (after :meth:`settle`, so one publication runs at a time). The weights it reads must
+        not change before :meth:`settle`; only a publication without collectives of the data-parallel group may run
+        here (an unsharded model: its transfer group is the only process group it uses)."""
+        self.settle()
+        if self._publishing is None:
+            self._publishing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rljob-weights-publish")
+        self._background = self._publishing.submit(publication)
+        return self._background
+
     def settle(self) -> None:
-        """Wait until the last publication's late-joiner copy is complete. Call it before the published weights
-        change (before each optimizer step): until then a background thread may still be reading them."""
+        """Wait until the last publication, and its late-joiner copy, are complete. Call it before the published
+        weights change (before each optimizer step): until then a background thread may still be reading them.
+
+        Raises:
+            Whatever a publication started by :meth:`in_background` raised (rljob_trainer.fence.Fenced).
+        """
+        background, self._background = self._background, None
+        if background is not None:
+            background.result()
+        self._settle_copy()
+
+    def _settle_copy(self) -> None:
         if self._copier is not None:
             self._copier.join()
             self._copier = None
@@ -443,8 +473,15 @@ class WeightPublisher:
         _add_event(self._client, self._keys, protocol.training_finished_event(step, documents_seen))
 
     def close(self) -> None:
-        """Stop the late-joiner thread, drop the kept transfer groups and stop the store server."""
-        self.settle()
+        """Wait for a publication in flight (its failure is logged), stop the late-joiner thread, drop the kept
+        transfer groups and stop the store server."""
+        try:
+            self.settle()
+        except Exception as error:  # noqa: BLE001 - closing must release the rest
+            log.warning("weights: the last publication failed: %s", error)
+        if self._publishing is not None:
+            self._publishing.shutdown(wait=True)
+            self._publishing = None
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.join_timeout_s + self.transfer_timeout_s + 5)
