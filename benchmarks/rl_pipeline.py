@@ -149,7 +149,9 @@ class PipelineRun:
         timed_out: ``timeout_s`` ended the run.
         log_dir: where the processes' logs are.
         extra: ``cpu_seconds`` — CPU seconds (user + system) of the trainer (torchrun and its ranks) and of each rollout
-            process as of the last poll before the end, and ``steps_at_cpu``, the trainer's last reported step.
+            process from the first poll that saw a scored batch to the last poll before the end (start-up, mostly
+            imports, left out), and ``steps_at_cpu``, the trainer steps reported in between (0, and no CPU
+            seconds, when no step was).
     """
 
     points: list[Point]
@@ -486,6 +488,8 @@ def run_pipeline(
         stopped = timed_out = False
         last_echo = 0.0
         cpu: dict[str, float] = {}
+        first: Optional[tuple[dict[str, float], int]] = None  # (CPU seconds, trainer step) at the first scored batch
+        last: Optional[tuple[dict[str, float], int]] = None  # the same at the last poll
         while True:
             now = time.monotonic() - started
             watch.update(protocol.rewards_by_version(client.hgetall(config.keys.rollout)), now)
@@ -493,6 +497,10 @@ def run_pipeline(
                 break
             cpu = {"trainer": cpu_seconds(trainer.pid),
                    **{f"rollout-{i}": cpu_seconds(r.pid) for i, r in enumerate(rollouts)}}
+            # A process of a tree that ended takes its CPU seconds with it: such a reading is not a later one.
+            if watch.points and (last is None or all(cpu[name] >= last[0].get(name, 0.0) for name in cpu)):
+                last = (cpu, int(client.hget(config.keys.progress, protocol.PROGRESS_STEP) or 0))
+                first = first or last
             for index, rollout in enumerate(rollouts):
                 if rollout.poll() not in (None, 0):
                     tail = (work_dir / f"rollout-{index}.stderr").read_text()[-3000:]
@@ -529,8 +537,11 @@ def run_pipeline(
             redis_process.kill()
         shutil.rmtree(redis_dir, ignore_errors=True)
     steps = [json.loads(line) for line in (work_dir / "trainer.stdout").read_text().splitlines() if line.startswith("{")]
-    return PipelineRun(watch.points, steps, seconds, returncode, stopped, timed_out, str(work_dir),
-                       {"cpu_seconds": cpu, "steps_at_cpu": steps[-1]["step"] if steps else 0})
+    spent: dict[str, Any] = {"cpu_seconds": {}, "steps_at_cpu": 0}
+    if first is not None and last is not None and last[1] > first[1]:
+        spent = {"cpu_seconds": {name: last[0][name] - first[0].get(name, 0.0) for name in last[0]},
+                 "steps_at_cpu": last[1] - first[1]}
+    return PipelineRun(watch.points, steps, seconds, returncode, stopped, timed_out, str(work_dir), spent)
 
 
 def load_average() -> str:

@@ -24,9 +24,11 @@ A batch's time is when its reward appeared: rljob's rollout hash, polled every 0
 Targets (judged on an otherwise idle machine), on the medians over the seeds, a run that does not reach the threshold
 within ``--max-steps`` counting as never reaching it: (a) sooner than (c); and (a) sooner than (b) by at least 1.5×
 (PipelineRL reports ~2× against synchronous RL) or by 90% of the overlap bound measured in the same run, whichever is
-lower. The overlap bound: on few cores streaming can only overlap what the cores leave free, at most the synchronous
-step time over the least time an overlapped step can take from the trainer's and the rollout's CPU seconds
-(:func:`overlap_bound`; 1.5× only when both sides cost the same and nothing else does).
+lower. The overlap bound (issue 26's): on few cores streaming can only overlap what the cores leave free; with r and t
+the rollout's and the trainer's CPU seconds per step, measured in the synchronous runs, a synchronous step costs
+r + t / ranks and an overlapped one at least max(r, t / ranks, (r + t) / cores), so at most
+min((2r + t)/(r + t), 1 + t/(2r)) on 2 cores and 2 ranks (:func:`overlap_bound`; 1.5× only when r = t and nothing
+else costs).
 
     python benchmarks/time_to_reward.py                       # 5 seeds × 3 variants (≈ 25 min on 2 idle cores)
     python benchmarks/time_to_reward.py --seeds 1 --variants streaming,synchronous
@@ -96,7 +98,8 @@ def outcome(variant: str, seed: int, points: Sequence[rp.Point], threshold: floa
             max_staleness_steps: Optional[float] = None, cpu: Optional[dict[str, Any]] = None) -> Outcome:
     """The figures of one run from its reward points (module docstring); ``per_step``: documents per optimizer step.
     ``startup`` is the first point's time. ``cpu``: :attr:`rl_pipeline.PipelineRun.extra` (CPU seconds of the trainer
-    and the rollout, and the step they were read at), turned into CPU seconds per step."""
+    and the rollout from the first scored batch to the end, and the trainer steps in between), turned into CPU
+    seconds per step."""
     trainer_cpu = rollout_cpu = None
     if cpu and cpu.get("steps_at_cpu"):
         seconds = cpu["cpu_seconds"]
@@ -115,14 +118,18 @@ def outcome(variant: str, seed: int, points: Sequence[rp.Point], threshold: floa
                    **common)
 
 
-def overlap_bound(sync_seconds_per_step: float, trainer_cpu: float, rollout_cpu: float, cores: int,
+def overlap_bound(trainer_cpu: float, rollout_cpu: float, cores: int,
                   trainer_processes: int = rp.TRAINER_PROCESSES) -> float:
-    """The largest step-time speed-up any overlap of generation and training can give over a synchronous run that
-    takes ``sync_seconds_per_step``, on ``cores`` cores, when a step costs ``trainer_cpu`` CPU seconds over
-    ``trainer_processes`` single-threaded ranks and ``rollout_cpu`` in one single-threaded worker: an overlapped step
-    takes at least max(rollout_cpu, trainer_cpu / trainer_processes, (trainer_cpu + rollout_cpu) / cores) seconds."""
+    """The largest step-time speed-up any overlap of generation and training can give over a synchronous run, on
+    ``cores`` cores, when a step costs ``trainer_cpu`` CPU seconds over ``trainer_processes`` single-threaded ranks and
+    ``rollout_cpu`` in one single-threaded worker: a synchronous step takes rollout_cpu + trainer_cpu /
+    trainer_processes, an overlapped one at least max(rollout_cpu, trainer_cpu / trainer_processes, (trainer_cpu +
+    rollout_cpu) / cores). On 2 cores and 2 ranks that is issue 26's min((2r + t)/(r + t), 1 + t/(2r)). What a
+    synchronous run spends beyond its CPU seconds (waits, round trips) is not in it: the measured ratio can exceed
+    it."""
+    synchronous = rollout_cpu + trainer_cpu / trainer_processes
     floor = max(rollout_cpu, trainer_cpu / trainer_processes, (trainer_cpu + rollout_cpu) / cores)
-    return sync_seconds_per_step / floor
+    return synchronous / floor
 
 
 def trl_points(lines: Sequence[dict[str, Any]], launched: float, documents_per_step: int) -> list[rp.Point]:
@@ -257,12 +264,17 @@ def print_report(outcomes: Sequence[Outcome], variants: Sequence[str], threshold
               f"| {fmt(o.seconds_per_step, '{:.2f}')} | {fmt(o.startup)} | {fmt(o.from_launch)} "
               f"| {fmt(o.max_staleness_steps, '{:.0f}')} | {fmt(o.trainer_cpu_per_step, '{:.2f}')} "
               f"| {fmt(o.rollout_cpu_per_step, '{:.2f}')} |")
-    bounds = [overlap_bound(o.seconds_per_step, o.trainer_cpu_per_step, o.rollout_cpu_per_step, cores)
-              for o in outcomes if o.variant == "synchronous" and o.seconds_per_step and o.trainer_cpu_per_step]
+    synchronous = [o for o in outcomes if o.variant == "synchronous" and o.trainer_cpu_per_step
+                   and o.rollout_cpu_per_step]
+    bounds = [overlap_bound(o.trainer_cpu_per_step, o.rollout_cpu_per_step, cores) for o in synchronous]
     bound = rp.spread(bounds)[0] if bounds else None
     if bounds:
-        print(f"overlap bound on {cores} cores (synchronous s/step over the least an overlapped step can take from its "
-              f"CPU seconds): median {rp.spread(bounds)[0]:.2f} (per run {', '.join(f'{b:.2f}' for b in bounds)})")
+        floors = [o.seconds_per_step / (o.rollout_cpu_per_step + o.trainer_cpu_per_step / rp.TRAINER_PROCESSES)
+                  for o in synchronous if o.seconds_per_step]
+        print(f"overlap bound on {cores} cores (a synchronous step's CPU seconds, rollout + trainer / "
+              f"{rp.TRAINER_PROCESSES} ranks, over the least an overlapped step can take): median {bound:.2f} (per run "
+              f"{', '.join(f'{b:.2f}' for b in bounds)}); the synchronous runs' s/step over their CPU seconds' share: "
+              f"{', '.join(f'{f:.2f}' for f in floors)} (above 1: waits and round trips the bound leaves out)")
     summaries = {v: summarize(outcomes, v) for v in variants}
     print("\nper variant (median, min-max over the runs that reached it):")
     print("| variant | reached | seconds | documents | start-up s |")

@@ -568,9 +568,12 @@ def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
 
 def job_manifest(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     """An RLTrainingJob named ``name``: the CPU example's spec without its checkpoint claim (that claim belongs to
-    the example's own job; :func:`checkpointed_job` makes one per job), with ``spec`` merged in."""
+    the example's own job; :func:`checkpointed_job` makes one per job) and with ``parallelism`` left to its default
+    (fsdp: the gang restarts, resizes and suspensions of these jobs reshard its sharded checkpoints; the example's
+    ddp trains in tests/rollout/test_learn.py and scripts/demo.sh), with ``spec`` merged in."""
     base = load_example("rljob-cpu.yaml")["spec"]  # a fresh parse: changing it changes nothing else
     base["trainer"]["checkpoint"].pop("volume", None)
+    base["trainer"].pop("parallelism", None)
     return {"apiVersion": c.API_VERSION, "kind": c.KIND, "metadata": {"name": name}, "spec": merge(base, spec)}
 
 

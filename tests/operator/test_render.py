@@ -338,9 +338,10 @@ def test_adopt_sets_owner_reference_and_namespace_but_copies_no_labels(owner):
 #: hashes by issue 24 (the trainer fields no rollout process reads, render.TRAINER_ONLY_FIELDS, left out of it). The
 #: vLLM example's since issue 23 (which added it). The rollout hashes again by issue 24 item 4 (the data-parallel size
 #: left out of them: a topology edit restarts the gang alone). The environment example's since issue 27 item 5 (which
-#: added it).
+#: added it). The CPU example's job and trainer hashes by issue 26 (its trainer runs ddp, docs/trainer-step.md; the
+#: rollout reads no parallelism field, so its hash stayed).
 EXAMPLE_HASHES = {
-    "grpo-digits-cpu": ("b586aca0a56f9285", "716c7be73f3772b0", "df85cf321229654f"),
+    "grpo-digits-cpu": ("88229f4e3ef79ec6", "122072e0db915ee6", "df85cf321229654f"),
     "grpo-digits-vllm": ("359fc53ae6e17646", "e0de11f1c3f5606c", "9d14f2440fcc217a"),
     "grpo-qwen-math": ("dfe81c83a9716c45", "e2d974bfb04919ef", "ccd909a865910293"),
     "grpo-guess-cpu": ("4650b3a6dd72bb4d", "b8238c74a7f9591f", "a7cc666c1c098cd9"),

@@ -173,10 +173,15 @@ def test_outcome_counts_from_the_first_scored_batch():
 
 
 def test_overlap_bound_and_core_counts():
-    # synchronous 1.0 s/step; trainer 0.8 CPU s over 2 ranks, rollout 0.5: overlapped >= max(0.5, 0.4, 1.3/2) = 0.65
-    assert ttr.overlap_bound(1.0, trainer_cpu=0.8, rollout_cpu=0.5, cores=2) == pytest.approx(1 / 0.65)
-    # on 8 cores the single-threaded rollout is the floor: 1.0 / 0.5
-    assert ttr.overlap_bound(1.0, trainer_cpu=0.8, rollout_cpu=0.5, cores=8) == 2.0
+    # trainer t = 0.8 CPU s over 2 ranks, rollout r = 0.5: synchronous 0.5 + 0.4 = 0.9 s a step, overlapped at
+    # least max(0.5, 0.4, 1.3/2) = 0.65: issue 26's min((2r + t)/(r + t), 1 + t/(2r)) = min(1.8/1.3, 1.8)
+    assert ttr.overlap_bound(trainer_cpu=0.8, rollout_cpu=0.5, cores=2) == pytest.approx(0.9 / 0.65)
+    assert ttr.overlap_bound(trainer_cpu=0.8, rollout_cpu=0.5, cores=2) == pytest.approx(min(1.8 / 1.3, 1 + 0.8 / 1.0))
+    # on 8 cores the single-threaded rollout is the floor: 0.9 / 0.5 = 1 + t/(2r)
+    assert ttr.overlap_bound(trainer_cpu=0.8, rollout_cpu=0.5, cores=8) == pytest.approx(1.8)
+    # 1.5 only when r = t
+    assert ttr.overlap_bound(trainer_cpu=1.0, rollout_cpu=1.0, cores=2) == pytest.approx(1.5)
+    assert ttr.overlap_bound(trainer_cpu=1.0, rollout_cpu=0.5, cores=2) == pytest.approx(1.0 / 0.75)
     assert [ttr.count_cores(c) for c in ("0,1", "0-3,6", "5")] == [2, 5, 1]
 
 
