@@ -73,12 +73,10 @@ def reference_first_step(config, docs):
     }
 
 
-def test_two_rank_run_trains_checkpoints_reports_and_matches_one_rank(redis_server, tmp_path):
-    config = make_config(redis_server, tmp_path / "ckpt", processes=2, documents_per_step=4, max_steps=3, every_steps=2)
-    client = redis_server.client()
-    docs = make_documents(12, seed=0)
-    ids = write_documents(client, config, docs)
-    receiver = WeightReceiver(config, client)  # a live rollout member: gets the full weights of every update
+def train_two_ranks_with_a_member(redis_server, config, tmp_path: Path) -> tuple[WeightReceiver, Torchrun]:
+    """Train ``config`` to its end under torchrun with 2 ranks while a live rollout member (:class:`WeightReceiver`)
+    receives the full weights of every update; returns both once the member saw training_finished."""
+    receiver = WeightReceiver(config, redis_server.client())
     try:
         trainer = Torchrun(write_config(config, tmp_path / "config.json"), 2, free_port(), redis_server.password, tmp_path, "run")
         assert trainer.wait(240) == 0, trainer.logs()
@@ -87,7 +85,15 @@ def test_two_rank_run_trains_checkpoints_reports_and_matches_one_rank(redis_serv
     finally:
         receiver.stop()
     assert receiver.error is None, receiver.error
+    return receiver, trainer
 
+
+def test_two_rank_run_trains_checkpoints_reports_and_matches_one_rank(redis_server, tmp_path):
+    config = make_config(redis_server, tmp_path / "ckpt", processes=2, documents_per_step=4, max_steps=3, every_steps=2)
+    client = redis_server.client()
+    docs = make_documents(12, seed=0)
+    ids = write_documents(client, config, docs)
+    receiver, trainer = train_two_ranks_with_a_member(redis_server, config, tmp_path)
     lines = json_lines(trainer)
     assert [(x["step"], x["documents_seen"], x["model_version"]) for x in lines] == [(1, 4, 4), (2, 8, 8), (3, 12, 12)]
     for k, line in enumerate(lines):
@@ -167,16 +173,7 @@ def test_ddp_publishes_beside_the_next_step_and_reports_each_step_once_its_weigh
     client = redis_server.client()
     docs = make_documents(12, seed=1)
     write_documents(client, config, docs)
-    receiver = WeightReceiver(config, client)
-    try:
-        trainer = Torchrun(write_config(config, tmp_path / "config.json"), 2, free_port(), redis_server.password, tmp_path, "run")
-        assert trainer.wait(240) == 0, trainer.logs()
-        trainer.kill()
-        wait_until(lambda: receiver.finished or receiver.error, 30, "training_finished at the receiver")
-    finally:
-        receiver.stop()
-    assert receiver.error is None, receiver.error
-
+    receiver, trainer = train_two_ranks_with_a_member(redis_server, config, tmp_path)
     lines = json_lines(trainer)
     assert [(x["step"], x["documents_seen"]) for x in lines] == [(1, 4), (2, 8), (3, 12)]
     for line in lines:
