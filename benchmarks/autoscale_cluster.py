@@ -135,6 +135,7 @@ def job_manifest(seed: int) -> dict[str, Any]:
         "runPolicy": {"backoffLimit": 10},
     })
     spec["trainer"]["checkpoint"].pop("volume", None)
+    spec["trainer"].pop("parallelism", None)  # fsdp, as docs/autoscaling.md measured it
     spec["runPolicy"].pop("activeDeadlineSeconds", None)
     return {"apiVersion": c.API_VERSION, "kind": c.KIND, "metadata": {"name": NAME}, "spec": spec}
 

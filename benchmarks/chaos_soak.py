@@ -431,6 +431,7 @@ def job_manifest() -> tuple[dict[str, Any], dict[str, Any]]:
         "runPolicy": {"backoffLimit": 1000},
     })
     spec["runPolicy"].pop("activeDeadlineSeconds", None)
+    spec["trainer"].pop("parallelism", None)  # the default, fsdp: its restarts reshard sharded checkpoints (as e2e's jobs)
     job = {"apiVersion": c.API_VERSION, "kind": c.KIND, "metadata": {"name": NAME}, "spec": spec}
     return pvc(claim), job
 

@@ -308,8 +308,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--trl-python", default=sys.executable,
                         help="the Python with the benchmark extra (trl) installed (default: this one)")
     parser.add_argument("--strategy", choices=("fsdp", "ddp"), default=None,
-                        help="the rljob variants' spec.trainer.parallelism.strategy (default: the example's); results "
-                             "are kept apart by it (TRL's data parallelism is DDP whatever it is)")
+                        help="the rljob variants' spec.trainer.parallelism.strategy (default: the example's); their "
+                             "results are kept apart by it (TRL's data parallelism is DDP whatever it is)")
     parser.add_argument("--timeout", type=rp.positive_float, default=1200, help="seconds per run before it is killed")
     parser.add_argument("--results", type=Path, default=None, help="JSON lines of finished runs (resumable)")
     parser.add_argument("--work-dir", type=Path, default=None, help="keep every run's logs here (default: a temp dir)")
@@ -322,10 +322,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(f"--trl-python {args.trl_python}: cannot import trl; scripts/install-dev.sh test,benchmark there, "
                      f"or leave trl out of --variants")
     rp.require_psutil()
+    strategy = args.strategy or rp.example_spec()["trainer"].get("parallelism", {}).get("strategy", "fsdp")
     work_root = args.work_dir or Path(tempfile.mkdtemp(prefix="rljob-time-to-reward-"))
     results = rp.ResultFile(args.results or work_root / "results.jsonl")
     print(f"time to reward {args.threshold}: task {args.task}, seeds 0-{args.seeds - 1}, variants {variants}, "
-          f"cores {args.cores}, strategy {args.strategy or 'as the example'}, load average {rp.load_average()}, "
+          f"cores {args.cores}, strategy {strategy}, load average {rp.load_average()}, "
           f"results {results.path}", flush=True)
     outcomes: list[Outcome] = []
     code = 0
@@ -335,8 +336,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         for seed in range(args.seeds):
             for variant in variants:
                 key = f"{args.task}/{variant}/{seed}/{args.threshold}"
-                if args.strategy is not None and variant != "trl":
-                    key += f"/{args.strategy}"
+                if variant != "trl":  # an rljob run is kept with its strategy: the example's may change
+                    key += f"/{strategy}"
                 if key in done:
                     record = {k: v for k, v in done[key].items() if k not in ("key", "load")}
                     outcomes.append(Outcome(**record))

@@ -131,10 +131,35 @@ def test_rank_zero_progress_writes_hash_json_line_and_prometheus(redis_server, t
         assert 'rljob_trainer_stream{counter="redeliveries"} 3.0' in scrape
         assert 'rljob_trainer_weight_sync_time_ms{layout="packed"} 12.5' in scrape
 
-        redis_server.stop()  # a Redis outage costs one progress write, never the training step
-        progress.report(StepRecord(step=8, documents_seen=64, model_version=64, tokens_per_second=1.0))
+        # A step whose publication ran in the background is reported once it ended, with its wall time and layout;
+        # one whose publication raised is not reported at all, and the error comes back to the trainer.
+        from concurrent.futures import Future
+
+        from rljob_trainer.fence import Fenced
+        from rljob_trainer.weight_publisher import Publication
+
+        published: Future = Future()
+        progress.report(StepRecord(step=8, documents_seen=64, model_version=64, tokens_per_second=1.0,
+                                   metrics={"weight_sync_time_ms": 0.1}), published)
+        time.sleep(0.3)
+        assert client.hget(config.keys.progress, "step") == b"7"  # waits for its publication
+        published.set_result(Publication(30.0, 0.0, 1, {}, "per-tensor"))
         progress.flush()
-        assert json.loads(out.getvalue().splitlines()[-1])["step"] == 8
+        assert client.hget(config.keys.progress, "step") == b"8"
+        line = json.loads(out.getvalue().splitlines()[-1])
+        assert line["metrics"] == {"weight_sync_time_ms": 0.1, "weight_sync_overlapped_time_ms": 30.0}
+        assert line["weight_sync_layout"] == "per-tensor"
+        failed: Future = Future()
+        failed.set_exception(Fenced(1, ":2"))
+        progress.report(StepRecord(step=9, documents_seen=72, model_version=72, tokens_per_second=1.0), failed)
+        with pytest.raises(Fenced):
+            progress.flush()
+        assert client.hget(config.keys.progress, "step") == b"8" and json.loads(out.getvalue().splitlines()[-1])["step"] == 8
+
+        redis_server.stop()  # a Redis outage costs one progress write, never the training step
+        progress.report(StepRecord(step=10, documents_seen=80, model_version=80, tokens_per_second=1.0))
+        progress.flush()
+        assert json.loads(out.getvalue().splitlines()[-1])["step"] == 10
     finally:
         progress.close()
         progress.close()

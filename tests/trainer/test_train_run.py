@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from portutil import free_port
 from rljob_trainer.checkpoint import COMMIT_FILE, committed_checkpoints
@@ -193,7 +194,13 @@ def test_ddp_publishes_beside_the_next_step_and_reports_each_step_once_its_weigh
     assert sorted(receiver.received) == [0, 4, 8, 12]
     for name, value in exported.items():
         assert torch.equal(receiver.received[12][name], value), name  # the last step's weights, bit for bit
-    assert not torch.equal(receiver.received[4]["lm_head.weight"], receiver.received[8]["lm_head.weight"])
+    # Version 8 went out while step 3 ran: it holds step 2's weights (its checkpoint's), not step 3's.
+    dcp_to_torch_save(tmp_path / "ckpt" / "step-00000002", tmp_path / "step-2.pt")
+    step_2 = torch.load(tmp_path / "step-2.pt", weights_only=False)["model"]
+    assert step_2.keys() == exported.keys()
+    for name, value in step_2.items():
+        assert torch.equal(receiver.received[8][name], value), name
+    assert not torch.equal(receiver.received[8]["lm_head.weight"], exported["lm_head.weight"])
 
     client.flushall()
     single = make_config(redis_server, tmp_path / "single", processes=1, documents_per_step=4, max_steps=3,

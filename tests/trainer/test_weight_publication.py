@@ -4,6 +4,8 @@ from FSDP2 shards: real gloo process groups, a real Redis, a real rollout member
 from __future__ import annotations
 
 import json
+import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Iterator, Optional
@@ -224,12 +226,28 @@ def test_a_publication_in_the_background_sends_its_weights_and_settle_raises_wha
     try:
         wait_until(lambda: 1 in publisher.live_members(), 30, "the rollout member heartbeating")
         expected = {name: t.clone() for name, t in model.state_dict().items()}
+        release = threading.Event()
+
+        def held() -> Iterator[tuple[str, torch.Tensor]]:  # the second tensor waits for the test
+            for index, pair in enumerate(model.state_dict().items()):
+                if index == 1:
+                    assert release.wait(30)
+                yield pair
+
+        tensors = [(name, tuple(t.shape), t.dtype) for name, t in expected.items()]
+        held_back = publisher.in_background(lambda: publisher.publish(held(), step=0, documents_seen=5, tensors=tensors))
+        time.sleep(0.5)
+        assert not held_back.done()  # it runs on the publisher's thread; the caller went on
+        release.set()
+        publisher.settle()
+        assert held_back.done() and held_back.result() == 1
         started = publisher.in_background(lambda: publish_weights(model, publisher, step=1, documents_seen=10))
         publisher.settle()
         assert started.done()
         publication = started.result()
         assert (publication.receivers, publication.layout) == (1, "packed") and publication.duration_ms > 0
         wait_until(lambda: 10 in receiver.received, 30, "update 10 at the rollout member")
+        assert sorted(receiver.received) == [5, 10]
         copy = dict(publisher.late_joiner_copy.items())
         for name, tensor in expected.items():
             assert torch.equal(receiver.received[10][name], tensor) and torch.equal(copy[name], tensor), name
@@ -240,7 +258,7 @@ def test_a_publication_in_the_background_sends_its_weights_and_settle_raises_wha
             publisher.settle()
         assert isinstance(fenced.exception(), fence.Fenced)
         publisher.settle()  # raised once: the next step's settle waits for nothing
-        assert 20 not in receiver.received and [e["documents_seen"] for e in _ready_events(client, config)] == [10]
+        assert 20 not in receiver.received and [e["documents_seen"] for e in _ready_events(client, config)] == [5, 10]
     finally:
         receiver.stop()
         publisher.close()

@@ -129,8 +129,9 @@ class RankZeroProgress:
         """Queue ``record`` for the progress hash, stdout, the gauges and the trackers (see the class docstring).
         With ``publication`` (the step's weight publication, running in the background) the record waits for it and
         goes out with its wall time (``weight_sync_overlapped_time_ms``) and layout: a step is reported after its
-        weights are published, as DESIGN §6 orders it (a publication that failed adds neither; the trainer raises its
-        error).
+        weights are published, as DESIGN §6 orders it. A step whose publication raised (``Fenced``, a failed gather)
+        is not reported at all: its error is raised by the next :meth:`report` or :meth:`flush`, as the trainer's
+        ``settle`` raises it.
 
         Raises:
             Whatever an earlier report raised on the reporting thread (other than a Redis error, which is logged).
@@ -152,7 +153,7 @@ class RankZeroProgress:
             self._in_flight.pop(0).result()
 
     def _publish(self, record: StepRecord, publication: Optional[Future[Publication]] = None) -> None:
-        if publication is not None and publication.exception() is None:
+        if publication is not None:  # a step whose weights did not go out is not reported: its error is raised
             done = publication.result()
             record = dataclasses.replace(record, metrics={**record.metrics, WEIGHT_SYNC_OVERLAPPED: done.duration_ms},
                                          weight_sync_layout=done.layout)

@@ -635,7 +635,8 @@ class Publication:
     Attributes:
         duration_ms: its wall time (milliseconds); on global rank 0 the whole publication (announce, join, the
             group (kept or new), gathers, sends, the late-joiner copy of gathered or cast tensors), reported as the
-            step metric ``weight_sync_time_ms``; a DDP model's own tensors are copied afterwards on a thread
+            step metric ``weight_sync_time_ms``, or ``weight_sync_overlapped_time_ms`` when it ran beside the next
+            step (:meth:`WeightPublisher.in_background`); a DDP model's own tensors are copied afterwards on a thread
             (:meth:`WeightPublisher.settle`).
         gather_ms: the part spent in ``DTensor.full_tensor()`` (milliseconds; 0 without sharded parameters).
         receivers: rollout processes that received the whole update (global rank 0), None on other ranks.
