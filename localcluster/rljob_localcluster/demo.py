@@ -188,8 +188,10 @@ def report(job: dict[str, Any], env: dict[str, str], bin_dir: Path, d: Path, *, 
     print()
     _say(f"status.lastMetrics (step {status.get('step')}, documentsSeen {status.get('documentsSeen')}, "
          f"modelVersion {status.get('modelVersion')}, rolloutReward {status.get('rolloutReward')})")
-    for key, value in sorted((status.get("lastMetrics") or {}).items()):
-        print(f"  {key:<26} {value:.6g}")
+    metrics = sorted((status.get("lastMetrics") or {}).items())
+    width = max((len(key) for key, _ in metrics), default=0)
+    for key, value in metrics:
+        print(f"  {key:<{width}} {value:.6g}")
     redis_pods = json.loads(_run([*kubectl, "get", "pods", "-l", f"rljob.dev/job-name={name},rljob.dev/role=redis",
                                   "-o", "json"], env, "listing the Redis pod"))["items"]
     pod_ip = (redis_pods[0].get("status") or {}).get("podIP") if redis_pods else None
