@@ -58,7 +58,7 @@ from typing import Any, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rl_pipeline as rp  # noqa: E402 - a sibling module
-from rljob_api.spec import DIGIT_TASKS  # noqa: E402
+from rljob_api.spec import DIGIT_TASKS, RLTrainingJobSpec  # noqa: E402
 
 VARIANTS = ("streaming", "synchronous", "trl")
 TARGET_SYNC_RATIO = 1.5
@@ -269,12 +269,12 @@ def print_report(outcomes: Sequence[Outcome], variants: Sequence[str], threshold
     bounds = [overlap_bound(o.trainer_cpu_per_step, o.rollout_cpu_per_step, cores) for o in synchronous]
     bound = rp.spread(bounds)[0] if bounds else None
     if bounds:
-        floors = [o.seconds_per_step / (o.rollout_cpu_per_step + o.trainer_cpu_per_step / rp.TRAINER_PROCESSES)
-                  for o in synchronous if o.seconds_per_step]
+        overheads = [o.seconds_per_step / (o.rollout_cpu_per_step + o.trainer_cpu_per_step / rp.TRAINER_PROCESSES)
+                     for o in synchronous if o.seconds_per_step]
         print(f"overlap bound on {cores} cores (a synchronous step's CPU seconds, rollout + trainer / "
               f"{rp.TRAINER_PROCESSES} ranks, over the least an overlapped step can take): median {bound:.2f} (per run "
               f"{', '.join(f'{b:.2f}' for b in bounds)}); the synchronous runs' s/step over their CPU seconds' share: "
-              f"{', '.join(f'{f:.2f}' for f in floors)} (above 1: waits and round trips the bound leaves out)")
+              f"{', '.join(f'{f:.2f}' for f in overheads)} (above 1: waits and round trips the bound leaves out)")
     summaries = {v: summarize(outcomes, v) for v in variants}
     print("\nper variant (median, min-max over the runs that reached it):")
     print("| variant | reached | seconds | documents | start-up s |")
@@ -322,7 +322,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(f"--trl-python {args.trl_python}: cannot import trl; scripts/install-dev.sh test,benchmark there, "
                      f"or leave trl out of --variants")
     rp.require_psutil()
-    strategy = args.strategy or rp.example_spec()["trainer"].get("parallelism", {}).get("strategy", "fsdp")
+    strategy = args.strategy or RLTrainingJobSpec.model_validate(rp.example_spec()).trainer.parallelism.strategy
     work_root = args.work_dir or Path(tempfile.mkdtemp(prefix="rljob-time-to-reward-"))
     results = rp.ResultFile(args.results or work_root / "results.jsonl")
     print(f"time to reward {args.threshold}: task {args.task}, seeds 0-{args.seeds - 1}, variants {variants}, "
