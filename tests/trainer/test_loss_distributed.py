@@ -19,7 +19,7 @@ import torch.distributed as dist
 from rljob_trainer.loss import Corrections, count_labels_and_documents, grpo_loss, gspo_loss, scale_for_gradient_mean
 from rljob_trainer.loss_metrics import MetricsInputError, StepMetrics
 from rljob_trainer.metrics_registry import DEAD_LETTERED_PREFIX, STREAM_COUNTERS
-from rljob_trainer.parallel import reduce_small
+from rljob_trainer.parallel import reduce_small, start_reduce_small
 from train_harness import JOIN_TIMEOUT_S, init_gloo, leave_rank, run_ranks
 
 torch.set_num_threads(1)
@@ -268,8 +268,16 @@ def small_reduction_worker(rank: int, world_size: int, tmp_dir: str) -> None:
     gathered = reduce_small(total.clone(), maximum.clone())
     reduced = reduce_small(total.clone(), maximum.clone(), gather_max_world=1)  # two all-reduces
     counts = reduce_small(torch.tensor([rank, 7], dtype=torch.int64))[0]
+    # Started asynchronously, with another collective issued (and finished) while it travels, as the trainer's
+    # forward and gradient clipping do: the same values, whether gathered or all-reduced.
+    started = [start_reduce_small(total.clone(), maximum.clone()),
+               start_reduce_small(total.clone(), maximum.clone(), gather_max_world=1)]
+    between = torch.tensor([float(rank)])
+    dist.all_reduce(between)
+    late = [[t.tolist() for t in pending.wait()] for pending in started]
+    assert all(pending.wait() is pending.wait() for pending in started)  # waited for once
     Path(f"{tmp_dir}/small_{rank}.json").write_text(json.dumps(
-        [[t.tolist() for t in gathered], [t.tolist() for t in reduced], counts.tolist()]))
+        [[t.tolist() for t in gathered], [t.tolist() for t in reduced], counts.tolist(), late, between.item()]))
     dist.destroy_process_group()
 
 
@@ -277,7 +285,8 @@ def test_small_reductions_through_a_gather_equal_the_all_reduces_and_agree_on_ev
     run_ranks(small_reduction_worker, 3, tmp_path)
     per_rank = [json.loads((tmp_path / f"small_{r}.json").read_text()) for r in range(3)]
     assert per_rank[0] == per_rank[1] == per_rank[2]  # exactly, not just close
-    (gathered_sum, gathered_max), (reduced_sum, reduced_max), counts = per_rank[0]
+    (gathered_sum, gathered_max), (reduced_sum, reduced_max), counts, late, between = per_rank[0]
+    assert late == [[gathered_sum, gathered_max], [reduced_sum, reduced_max]] and between == 3.0
     assert gathered_max == reduced_max == [2.0, 0.0, float("-inf")]
     assert gathered_sum == pytest.approx(reduced_sum, rel=1e-15) and gathered_sum[2] == 3 * 2.0**50 + 3
     assert gathered_sum[0] == pytest.approx(0.6, rel=1e-15) and gathered_sum[1] == 3 * 2.0**-40

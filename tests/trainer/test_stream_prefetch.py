@@ -15,7 +15,7 @@ from rljob_api import RLTrainingJobSpec, resolve
 from rljob_api.config import RedisConnection
 from rljob_wire.codec import Document, encode_document
 from rljob_wire.connection import OUTAGE_SECONDS, PipelinedConnection, connect
-from test_stream_reader import firsts, pending_of, reader, wait_pending, write, write_docs
+from test_stream_reader import KEYS, firsts, pending_of, reader, wait_pending, write, write_docs
 
 CONSUMER = "fast_llm_consumer_0"
 BIG_TOKENS = 1 << 20
@@ -73,6 +73,37 @@ def test_read_ahead_needs_a_single_rank(client):
     assert not reader(client, 0, 2).read_ahead
     with pytest.raises(ValueError, match="read_ahead=True with dp_size=2: one rank's read-ahead can take entries"):
         reader(client, 1, 2, read_ahead=True)
+
+
+def test_prefetch_at_two_ranks_asks_for_the_next_share_only(client):
+    # Two ranks of 3 documents a step: each sends its next share's read once both hold their current one (the
+    # trainer: after the step's first collective), so no rank ever holds more than its next step takes.
+    ids = write_docs(client, range(9))
+    ranks = [reader(client, rank, 2, block_ms=3000) for rank in (0, 1)]
+    consumers = [KEYS.consumer(rank) for rank in (0, 1)]
+    first = [r.next_documents(3) for r in ranks]
+    assert [firsts(got) for got in first] == [[0, 1, 2], [3, 4, 5]]
+    ranks[0].prefetch(3)
+    wait_pending(client, consumers[0], 6)
+    ranks[0].prefetch(3)  # held: nothing more is asked for
+    ranks[1].prefetch(3)  # the stream is empty: the read waits in Redis
+    time.sleep(0.2)
+    assert [len(pending_of(client, c)) for c in consumers] == [6, 3]
+    # Prefetched entries are not handed out: no checkpoint covers them before they are trained.
+    assert [r.take_pending_ids() for r in ranks] == [ids_of(first[0]), ids_of(first[1])]
+    more = write_docs(client, range(9, 12))
+    deadline = time.monotonic() + 5
+    while len(pending_of(client, consumers[1])) == 3:  # the waiting read is answered by the first new document(s)
+        assert time.monotonic() < deadline, "the prefetch waiting in Redis took none of the new documents"
+        time.sleep(0.01)
+    second = [r.next_documents(3) for r in ranks]
+    assert [ids_of(got) for got in second] == [ids[6:], more]
+    time.sleep(0.2)
+    assert [len(pending_of(client, c)) for c in consumers] == [6, 6]  # next_documents read nothing ahead
+    with pytest.raises(ValueError, match="n=0: ask for at least one document"):
+        ranks[0].prefetch(0)
+    for r in ranks:
+        r.close()
 
 
 def test_lost_read_ahead_reply_is_reread_after_client_kill(client):

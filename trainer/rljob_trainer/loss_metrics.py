@@ -47,7 +47,7 @@ same :class:`MetricsInputError` instead of some ranks hanging.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import TYPE_CHECKING, Callable, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -55,7 +55,7 @@ import torch.distributed as dist
 from rljob_trainer import loss as losses
 from rljob_trainer.loss import NO_CORRECTIONS, Corrections, DocumentSegments, PolicyLossOutput
 from rljob_trainer.metrics_registry import STEP_TOTALS, MetricsLevel, metric_definitions, metrics_level
-from rljob_trainer.parallel import reduce_small
+from rljob_trainer.parallel import start_reduce_small
 
 if TYPE_CHECKING:
     from rljob_api.config import JobConfig
@@ -419,9 +419,22 @@ class StepMetrics:
             MetricsInputError: some rank lacked an input in some micro-batch; every rank of the group raises
                 it with the same message (after the reduction).
         """
+        return self.start_reduce(group, totals=totals)()
+
+    def start_reduce(
+        self, group: dist.ProcessGroup | None = None, *, totals: Mapping[str, float | torch.Tensor] | None = None
+    ) -> Callable[[], dict[str, float]]:
+        """:meth:`reduce` with its collective started asynchronously
+        (:func:`~rljob_trainer.parallel.start_reduce_small`): returns the function that waits for it and returns
+        what :meth:`reduce` returns, raising what it raises after the reduction (``MetricsInputError``); the
+        accumulator is reset at once. The trainer clips the gradients meanwhile.
+
+        Raises:
+            ValueError: as :meth:`reduce`, before any collective.
+        """
         total_names, total_values = self._totals(totals)
         if not self.enabled and totals is None:
-            return {}
+            return dict
         self.fold()
         distributed = dist.is_available() and dist.is_initialized()
         world, rank = (dist.get_world_size(group), dist.get_rank(group)) if distributed else (1, 0)
@@ -430,10 +443,14 @@ class StepMetrics:
         sums = torch.cat([self._sums, total_values, missing.reshape(-1)])
         extremes = torch.cat([self._maxes, -self._mins])  # min(x) = -max(-x): one maximum for both
         self.reset()
+        pending = start_reduce_small(sums, extremes if self.enabled else None, group)
 
-        sums, reduced = reduce_small(sums, extremes if self.enabled else None, group)
-        self._raise_if_missing(sums[sums.numel() - missing.numel() :].reshape(missing.shape))
-        return self._named(sums.tolist(), (extremes if reduced is None else reduced).tolist(), total_names)
+        def finish() -> dict[str, float]:
+            reduced_sums, reduced = pending.wait()
+            self._raise_if_missing(reduced_sums[reduced_sums.numel() - missing.numel() :].reshape(missing.shape))
+            return self._named(reduced_sums.tolist(), (extremes if reduced is None else reduced).tolist(), total_names)
+
+        return finish
 
     def _totals(self, totals: Mapping[str, float | torch.Tensor] | None) -> tuple[tuple[str, ...], torch.Tensor]:
         """(names in ``STEP_TOTALS`` order, [len(names)] float64 on the metrics' device)."""

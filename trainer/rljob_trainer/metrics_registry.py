@@ -146,8 +146,9 @@ TIMINGS: tuple[TimingDef, ...] = (
               "publication (to its start when it runs beside the next step); the step phases (STEP_PHASES) partition it. The checkpoint of the step and its report "
               "come after it"),
     TimingDef(DATA_WAIT, "every step",
-              "milliseconds in StreamReader.next_documents less its decoding: the XREADGROUP replies awaited, "
-              "staleness drops, dead letters" + _HOST_CLOCK),
+              "milliseconds in StreamReader.next_documents less its decoding: the XREADGROUP replies awaited (the "
+              "step's own read was sent during the previous step, StreamReader.prefetch), staleness drops, dead "
+              "letters" + _HOST_CLOCK),
     TimingDef(DECODE, "every step",
               "milliseconds of decoding the step's stream entries into documents (rljob_wire.codec.decode_entries, "
               "inside the reader)" + _HOST_CLOCK),
@@ -165,10 +166,14 @@ TIMINGS: tuple[TimingDef, ...] = (
               "step's metrics computed from them at once (StepMetrics.fold); 0 at level none. Their cross-rank "
               "reduction is in collectives_time_ms" + _HOST_CLOCK),
     TimingDef(COLLECTIVES, "every step",
-              "milliseconds of the step's collectives outside the backward, each with the read of its result: the "
-              "counts' sum that gives the loss its global normaliser, and StepMetrics.reduce (the sums and, with "
-              "metrics on, the maxima: one all-gather up to 16 ranks, parallel.reduce_small; none at one rank). On a "
-              "GPU this is where the host first waits for the backward" + _HOST_CLOCK),
+              "milliseconds of the step's collectives outside the backward: their start and the wait for their "
+              "result, each started asynchronously (parallel.start_reduce_small) so that it travels while the rank "
+              "computes. The counts' sum that gives the loss its global normaliser (started after the packing, "
+              "waited for in the first micro-batch's loss, or before its forward under FSDP; then the next step's "
+              "read is sent) and "
+              "StepMetrics.start_reduce (the sums and, with metrics on, the maxima: one all-gather up to 16 ranks; "
+              "started after the backward, waited for after the gradient clip); none at one rank. On a GPU the wait "
+              "for the metrics is where the host first waits for the backward" + _HOST_CLOCK),
     TimingDef(OPTIMIZER, "every step",
               "milliseconds of the gradient clip (its norm: an all-reduce under FSDP, read on the host), the learning "
               "rate, AdamW's step and zero_grad" + _HOST_CLOCK),

@@ -6,17 +6,20 @@ One optimizer step on every data-parallel rank (DESIGN §4, §6):
    documents staler than it are dropped, counted, acked with the next checkpoint, and replaced by reading on) and pack
    them into micro-batches of at most ``microBatchTokens`` tokens; segment each micro-batch into documents once;
 2. sum the step's counts (labelled tokens, documents, tokens) over the ranks, and take the most micro-batches any
-   rank packed, in one collective (:func:`~rljob_trainer.parallel.reduce_small`), so the loss divides by the GLOBAL
-   normaliser (labelled tokens for GRPO, documents for GSPO);
+   rank packed, in one collective (:func:`~rljob_trainer.parallel.start_reduce_small`), so the loss divides by the
+   GLOBAL normaliser (labelled tokens for GRPO, documents for GSPO); it is started here and waited for where the
+   first loss needs it (:class:`GlobalCounts`: after the first forward of an unsharded model; under fsdp before it,
+   for the padding below). Once it has arrived every rank holds its documents, so the reader sends the next step's
+   read (:meth:`~rljob_trainer.stream.reader.StreamReader.prefetch`), which arrives while this step computes;
 3. per micro-batch: the frozen reference policy's log-probabilities when ``algorithm.klCoef`` > 0 (no gradient),
    the trained policy's at the sampling temperature, the loss with ``spec.algorithm``'s corrections × DP (undoing
    the gradient mean over data-parallel ranks; ddp all-reduces in the last backward only, fsdp reduce-scatters every
    backward, :meth:`DataParallelModel.micro_batch`), backward, and the metrics from what the loss returned; under
    fsdp a rank that packed fewer micro-batches than another (documents of other lengths) then runs padding
    backwards (log-probabilities × 0) until it has run as many, so every rank calls the same collectives;
-4. every reduction after the loss (metrics, the loss value, the stream counters) in ``StepMetrics.reduce``: one
-   sum every step and a maximum when metrics are on, one collective for both up to 16 ranks; then gradient clipping
-   and AdamW with the learning rate of
+4. every reduction after the loss (metrics, the loss value, the stream counters) in ``StepMetrics.start_reduce``: one
+   sum every step and a maximum when metrics are on, one collective for both up to 16 ranks, travelling while the
+   gradients are clipped and waited for before the optimizer step; then AdamW with the learning rate of
    :func:`~rljob_trainer.optim.step_learning_rate` (warm-up, then constant, linear or cosine decay);
 5. ``documents_seen`` += the step's documents (those that entered the loss); the new model_version is
    ``documents_seen``; every rank takes part in the weight publication (:func:`~rljob_trainer.weight_publisher.publish_weights`:
@@ -79,7 +82,7 @@ from rljob_trainer.metrics_registry import (CHECKPOINT_BLOCKING, CHECKPOINT_SAVE
                                             METRICS_UPDATE, OPTIMIZER, PACK, STEP_OTHER, STEP_PHASES, STEP_TIME,
                                             STREAM_COUNTERS, WEIGHT_SYNC, WEIGHT_SYNC_WAIT, DEAD_LETTERED_PREFIX)
 from rljob_wire.model import build_tokenizer, sequence_logprobs
-from rljob_trainer.parallel import DataParallelModel, Distributed, reduce_small
+from rljob_trainer.parallel import DataParallelModel, Distributed, SmallReduction, start_reduce_small
 from rljob_trainer.fence import claim, gang_attempt
 from rljob_trainer.optim import build_optimizer, step_learning_rate
 from rljob_trainer.progress_report import (Progress, build_progress, publish_checkpointed, publish_start,
@@ -133,6 +136,62 @@ class PhaseClock:
         out = {**self.ms, **measured}
         out = {name: out.get(name, 0.0) for name in STEP_PHASES if name != STEP_OTHER}
         return {STEP_TIME: total, **out, STEP_OTHER: total - sum(out.values())}
+
+
+class GlobalCounts:
+    """A step's counts summed over the data-parallel ranks, from a reduction started before its first forward
+    (:func:`~rljob_trainer.parallel.start_reduce_small` of [labelled tokens, documents with a labelled token,
+    documents, tokens] int64 and [micro-batches packed]): the first property read waits for it, so the values travel
+    while this rank computes, then calls ``then`` (the next step's read: only now does every rank hold its documents;
+    a started collective proves nothing about the other ranks).
+
+    Attributes:
+        waited_ms: how long the wait and ``then`` took (milliseconds; 0 until then): the step's
+            ``collectives_time_ms`` share.
+
+    Raises (on the first read): RuntimeError: the collective failed or timed out; what ``then`` raises.
+    """
+
+    def __init__(self, reduction: SmallReduction, then: Optional[Callable[[], None]] = None) -> None:
+        self._reduction = reduction
+        self._then = then
+        self._values: Optional[list[int]] = None
+        self.waited_ms = 0.0
+
+    def _value(self, index: int) -> int:
+        if self._values is None:
+            started = time.perf_counter()
+            counts, most = self._reduction.wait()
+            self._values = counts.tolist() + ([] if most is None else most.tolist())
+            if self._then is not None:
+                self._then()
+            self.waited_ms = (time.perf_counter() - started) * 1e3
+        return self._values[index]
+
+    @property
+    def labels(self) -> int:
+        """Labelled tokens of the step (GRPO's normaliser)."""
+        return self._value(0)
+
+    @property
+    def labelled_documents(self) -> int:
+        """Documents of the step with a labelled token (GSPO's normaliser)."""
+        return self._value(1)
+
+    @property
+    def documents(self) -> int:
+        """Documents of the step (documents_seen grows by it)."""
+        return self._value(2)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of the step, prompts included (tokens_per_second)."""
+        return self._value(3)
+
+    @property
+    def most_micro_batches(self) -> int:
+        """The most micro-batches any rank packed (FSDP's padding backwards)."""
+        return self._value(4)
 
 
 class _LogitsTap:
@@ -337,13 +396,14 @@ class Trainer:
             counts += torch.cat([torch.stack([seg.num_labels, seg.num_documents]), sizes])
         clock.lap(PACK)
         # The normalisers, and the most micro-batches any rank packed: one collective, the step's only reduction
-        # outside the metrics.
-        packed = counts.new_tensor([len(micro_batches)])
-        counts, most = reduce_small(counts, packed)
-        global_labels, global_documents, step_documents, step_tokens = counts.tolist()
+        # outside the metrics; it travels while the first micro-batch's forward runs (an unsharded model).
+        # Once the counts arrived every rank holds its documents: the next step's read travels while this one computes.
+        last = self.step + 1 == self.config.spec.trainer.max_steps
+        step_counts = GlobalCounts(start_reduce_small(counts, counts.new_tensor([len(micro_batches)])),
+                                   then=None if last else lambda: self.reader.prefetch(self.documents_per_rank))
         # FSDP reduce-scatters in every backward: a rank with fewer micro-batches (documents of other lengths) runs
         # padding backwards so that every rank calls as many collectives (DDP all-reduces in the last one only).
-        padding = int(most.item()) - len(micro_batches) if self.parallel.sharded else 0
+        padding = step_counts.most_micro_batches - len(micro_batches) if self.parallel.sharded else 0
         clock.lap(COLLECTIVES)
 
         self.parallel.module.train()
@@ -352,7 +412,7 @@ class Trainer:
         backwards = len(micro_batches) + padding
         for index, (mb, seg) in enumerate(zip(micro_batches, segments)):
             with self.parallel.micro_batch(last=index == backwards - 1):
-                loss = self._micro_batch_loss(mb, seg, global_labels, global_documents)
+                loss = self._micro_batch_loss(mb, seg, step_counts)
                 losses.scale_for_gradient_mean(loss, self.where.world_size).backward()
             loss_sum += loss.detach().double()
         for index in range(len(micro_batches), backwards):
@@ -360,24 +420,28 @@ class Trainer:
                 self._padding_backward(micro_batches[-1])
         clock.lap(FORWARD_BACKWARD)
         clock.move(self._metrics_ms, FORWARD_BACKWARD, METRICS_UPDATE)
+        if not self.parallel.sharded:  # waited for in the first micro-batch
+            clock.move(step_counts.waited_ms, FORWARD_BACKWARD, COLLECTIVES)
         self.metrics.fold()
         clock.lap(METRICS_UPDATE)
 
         # Every rank, every step, whatever the level; before the optimizer step: a mixed-presence error raised here
         # (on every rank) leaves the weights untouched.
         totals = {"loss": loss_sum, **{name: self._stream_counter(name) for name in STREAM_COUNTERS}}
-        reduced = self.metrics.reduce(totals=totals)
+        reduction = self.metrics.start_reduce(totals=totals)  # travels while the gradients are clipped
         clock.lap(COLLECTIVES)
-        stream = {name: int(reduced.pop(name)) for name in STREAM_COUNTERS}
-        stream = {name: n for name, n in stream.items() if n or not name.startswith(DEAD_LETTERED_PREFIX)}
-        self._dropped_stale = stream["dropped_stale"]
-        step_loss = reduced.pop("loss")
         opt = self.config.spec.trainer.optimizer
         grad_norm = self.parallel.clip_grad_norm(opt.grad_clip if opt.grad_clip > 0 else torch.inf)
         lr = step_learning_rate(self.step, opt, self.config.spec.trainer.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         clock.lap(OPTIMIZER)
+        reduced = reduction()
+        clock.lap(COLLECTIVES)
+        stream = {name: int(reduced.pop(name)) for name in STREAM_COUNTERS}
+        stream = {name: n for name, n in stream.items() if n or not name.startswith(DEAD_LETTERED_PREFIX)}
+        self._dropped_stale = stream["dropped_stale"]
+        step_loss = reduced.pop("loss")
         if self.publisher is not None:
             self.publisher.settle()  # the last publication's late-joiner copy may still be reading the weights
         clock.lap(WEIGHT_SYNC_WAIT)
@@ -387,7 +451,7 @@ class Trainer:
         elapsed = max(time.monotonic() - started, 1e-9)
 
         self.step += 1
-        self.documents_seen += step_documents
+        self.documents_seen += step_counts.documents
         published: dict[str, float] = {}
         layout = None
         if self.publisher is not None and self.overlaps_publication:
@@ -401,7 +465,7 @@ class Trainer:
             step=self.step,
             documents_seen=self.documents_seen,
             model_version=self.documents_seen,
-            tokens_per_second=step_tokens / elapsed,
+            tokens_per_second=step_counts.tokens / elapsed,
             metrics={"loss": step_loss, GRAD_NORM: float(grad_norm), LEARNING_RATE: lr, DATA_WAIT_SHARE: wait_share,
                      **reduced,
                      **clock.timings(**published)},
@@ -418,7 +482,7 @@ class Trainer:
         (padded.sum() * 0.0).backward()
 
     def _micro_batch_loss(
-        self, mb: MicroBatch, segments: losses.DocumentSegments, global_labels: int, global_documents: int
+        self, mb: MicroBatch, segments: losses.DocumentSegments, step_counts: GlobalCounts
     ) -> torch.Tensor:
         """This micro-batch's share of the step loss (global normaliser) and its metrics update, in one pass: the
         metrics read the loss's output (:class:`~rljob_trainer.loss.PolicyLossOutput`) and ``segments``."""
@@ -437,12 +501,12 @@ class Trainer:
         if self.config.spec.algorithm.loss == "grpo":
             output = losses.grpo_loss(
                 new_logprobs, mb.old_logprobs, mb.advantages, mb.label_mask, mb.document_index,
-                num_labels_in_batch=max(global_labels, 1), **common,
+                num_labels_in_batch=max(step_counts.labels, 1), **common,
             )
         else:
             output = losses.gspo_loss(
                 new_logprobs, mb.old_logprobs, mb.advantages, mb.label_mask, mb.document_index,
-                num_documents_in_batch=max(global_documents, 1), **common,
+                num_documents_in_batch=max(step_counts.labelled_documents, 1), **common,
             )
         if self.metrics.enabled:
             metrics_started = time.perf_counter()

@@ -49,7 +49,11 @@ default there. With several ranks, one rank's read-ahead can take entries anothe
 current step; when the rollout is held at its bound (maxPending, or max(maxLag, documentsPerStep) documents
 ahead) exactly at that step, the step would never fill. That would need one more step of room in both bounds
 (``documentsPerStep × (everySteps + 1) <= maxPending`` and a max-lag floor of two steps), so read-ahead is off
-with more than one rank (asking for it raises ``ValueError``).
+with more than one rank (asking for it raises ``ValueError``). What stays safe with several ranks is
+:meth:`StreamReader.prefetch`: the caller sends the next step's read once every rank holds its documents for the
+current one (the trainer: once the step's first collective returned, which no rank enters before its read did). Each
+rank then asks for its own next share only, as it would at the next step, so the ranks together never hold more than
+the next step takes, and no rank's current step can be short of an entry another took.
 
 Connection failures: a failure while an XREADGROUP is in flight may lose a reply whose entries Redis already
 delivered to this consumer. The reader then reconnects with the client's retry and backoff, re-reads this
@@ -307,6 +311,29 @@ class StreamReader:
         self._unacked.update(dict.fromkeys(entry_id for entry_id, _ in out))
         self.counters.documents_read += n
         return out
+
+    def prefetch(self, n: int) -> None:
+        """Send the XREADGROUP for the next call's ``n`` documents now (``BLOCK block_ms``), unless a read is in
+        flight or ``n`` are already held; its reply is taken by that call. With several data-parallel ranks, call it
+        only once every rank holds its documents for the current step (module docstring, "Read-ahead and
+        back-pressure").
+
+        Raises:
+            redis.ConnectionError: Redis unreachable beyond the client's retries (nothing is lost: the next call
+                reads again, re-reading a lost reply's entries first).
+            ValueError: ``n`` < 1.
+        """
+        if n < 1:
+            raise ValueError(f"n={n}: ask for at least one document")
+        if not self._started:
+            self.start()
+
+        def send(count: int, _deadline: float) -> None:
+            held = len(self._ready) + len(self._backlog)
+            if self._connection.in_flight is None and held < count:
+                self._send_read(count - held, self.block_ms)
+
+        self._on_connection(send, n, 0.0)
 
     def _refused(self) -> str:
         """What this reader refused since it started, for :class:`DataTimeout`'s message, e.g. "; refused 12 entries:
