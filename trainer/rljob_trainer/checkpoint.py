@@ -18,8 +18,7 @@ Asynchronous save (:meth:`CheckpointManager.save`): the training loop stops only
 for the previous save to finish, copies its model and optimizer state (its shards under fsdp) to host memory (DCP's
 ``DefaultStager``: one set of host buffers reused by every save, pinned on GPU), writes its RNG file, and the ranks
 gather each consumer's covered entry ids; then ``dcp.async_save`` writes the files from that copy in a background
-thread (fsync per file) and training continues (on CPU once the files are written: there the background thread
-would take the cores and the interpreter from the training loop). The upload's collectives (planning, and the final gather of every
+thread (fsync per file) and training continues. The upload's collectives (planning, and the final gather of every
 rank's write results before rank 0 writes ``.metadata``) run on a gloo process group of their own, so they never
 interleave with the training loop's collectives. When rank 0's upload completes, every rank's files are durable; rank
 0's commit thread then writes the commit file (fsync of the file and the directory), records the step in Redis and
@@ -47,7 +46,6 @@ import re
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_for
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -322,11 +320,6 @@ class CheckpointManager:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         upload = dcp.async_save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(target),
                                 process_group=self._checkpoint_group(), async_stager=self._host_stager())
-        if self.where.device.type == "cpu":
-            # On CPU the write is the CPU's and the GIL's work, taken from the steps it would run beside (the step
-            # after a checkpoint ran up to 2.5x longer): waited for here, where it costs only itself. Errors are
-            # raised where an asynchronous write's would be (poll, wait).
-            wait_for([upload])
         checkpoint = CommittedCheckpoint(
             path=str(target),
             step=step,

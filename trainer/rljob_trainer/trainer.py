@@ -30,8 +30,7 @@ One optimizer step on every data-parallel rank (DESIGN §4, §6):
    before its optimizer step changes the weights; the step's record is reported once its publication ended, with
    its wall time as ``weight_sync_overlapped_time_ms``;
 6. every ``everySteps`` and at ``maxSteps``: a checkpoint (:meth:`Trainer.save_checkpoint`). The loop stops only for
-   its snapshot to host memory; the files are written in the background (on CPU the loop waits for them too), and once
-   they are durable rank 0's commit
+   its snapshot to host memory; the files are written in the background, and once they are durable rank 0's commit
    thread writes the commit file, publishes its documents_seen (``checkpoint_documents_seen``, for the rollout's max
    lag) and the stale drops it covers (``checkpoint_dropped_stale``), XACKs the entries it covers (every rank's) and
    trims acked entries. The final checkpoint is waited for;
