@@ -622,9 +622,11 @@ def test_rollout_changes_never_restart_the_trainer_gang_and_no_status_write_is_r
              "3 rollout pods")
     assert live("rollout")["scale-rollout-0"]["metadata"]["uid"] == rollout0  # scaling keeps the running replica
     kube.run(*patch, json.dumps({"spec": {"rollout": {"replicas": 1, "image": "rollout:2", "samplesPerPrompt": 4}}}))
-    wait_for(lambda: list(live("rollout")) == ["scale-rollout-0"]
-             and live("rollout")["scale-rollout-0"]["spec"]["containers"][0]["image"] == "rollout:2",
-             "1 rollout pod with the new image")
+    def replaced() -> bool:  # one listing: the pod may go between two (its replacement is under way)
+        pods = live("rollout")
+        return list(pods) == ["scale-rollout-0"] and pods["scale-rollout-0"]["spec"]["containers"][0]["image"] == "rollout:2"
+
+    wait_for(replaced, "1 rollout pod with the new image")
     time.sleep(3)  # three active intervals: a restart would have begun
     assert trainer_identity() == trainers
     status = kube.job(namespace, "scale")["status"]

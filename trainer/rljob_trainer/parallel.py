@@ -334,7 +334,7 @@ def wrap_model(model: torch.nn.Module, where: Distributed, trainer: Any, frozen:
         device_ids = [where.device.index] if on_gpu else None
         # Buffers (the rotary frequencies) are built alike on every rank and never trained: DDP's default would
         # broadcast them before every forward, one collective per micro-batch (2 ms a step of the CPU example).
-        return DataParallelModel(DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False), model,
+        return DataParallelModel(DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False), model,
                                  where, compute_dtype)
     if where.mesh is None:
         raise ValueError("rljob trainer: strategy fsdp needs the data-parallel mesh of init_distributed")
