@@ -334,8 +334,8 @@ def wrap_model(model: torch.nn.Module, where: Distributed, trainer: Any, frozen:
         device_ids = [where.device.index] if on_gpu else None
         # Buffers (the rotary frequencies) are built alike on every rank and never trained: DDP's default would
         # broadcast them before every forward, one collective per micro-batch (2 ms a step of the CPU example).
-        return DataParallelModel(DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False), model,
-                                 where, compute_dtype)
+        module = DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
+        return DataParallelModel(module, model, where, compute_dtype)
     if where.mesh is None:
         raise ValueError("rljob trainer: strategy fsdp needs the data-parallel mesh of init_distributed")
     reduce_dtype = torch.bfloat16 if on_gpu and precision.reduce == "bf16" else torch.float32
