@@ -57,7 +57,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, TextIO
+from typing import Any, Callable, NamedTuple, Optional, TextIO
 
 import redis
 import torch
@@ -138,60 +138,53 @@ class PhaseClock:
         return {STEP_TIME: total, **out, STEP_OTHER: total - sum(out.values())}
 
 
+class StepCounts(NamedTuple):
+    """A step's counts summed over the data-parallel ranks."""
+
+    labels: int
+    """Labelled tokens (GRPO's normaliser)."""
+    labelled_documents: int
+    """Documents with a labelled token (GSPO's normaliser)."""
+    documents: int
+    """Documents (documents_seen grows by it)."""
+    tokens: int
+    """Tokens, prompts included (tokens_per_second)."""
+    most_micro_batches: int
+    """The most micro-batches any rank packed (FSDP's padding backwards)."""
+
+
 class GlobalCounts:
-    """A step's counts summed over the data-parallel ranks, from a reduction started before its first forward
+    """A step's :class:`StepCounts`, from a reduction started before its first forward
     (:func:`~rljob_trainer.parallel.start_reduce_small` of [labelled tokens, documents with a labelled token,
-    documents, tokens] int64 and [micro-batches packed]): the first property read waits for it, so the values travel
-    while this rank computes, then calls ``then`` (the next step's read: only now does every rank hold its documents;
-    a started collective proves nothing about the other ranks).
+    documents, tokens] int64 and [micro-batches packed]): :meth:`result` waits for it the first time, so the values
+    travel while this rank computes, then calls ``then`` (the next step's read: only now does every rank hold its
+    documents; a started collective proves nothing about the other ranks).
 
     Attributes:
         waited_ms: how long the wait and ``then`` took (milliseconds; 0 until then): the step's
             ``collectives_time_ms`` share.
-
-    Raises (on the first read): RuntimeError: the collective failed or timed out; what ``then`` raises.
     """
 
     def __init__(self, reduction: SmallReduction, then: Optional[Callable[[], None]] = None) -> None:
         self._reduction = reduction
         self._then = then
-        self._values: Optional[list[int]] = None
+        self._counts: Optional[StepCounts] = None
         self.waited_ms = 0.0
 
-    def _value(self, index: int) -> int:
-        if self._values is None:
+    def result(self) -> StepCounts:
+        """The counts, waiting for them the first time.
+
+        Raises:
+            RuntimeError: the collective failed or timed out; what ``then`` raises.
+        """
+        if self._counts is None:
             started = time.perf_counter()
             counts, most = self._reduction.wait()
-            self._values = counts.tolist() + ([] if most is None else most.tolist())
+            self._counts = StepCounts(*counts.tolist(), *([] if most is None else most.tolist()))
             if self._then is not None:
                 self._then()
             self.waited_ms = (time.perf_counter() - started) * 1e3
-        return self._values[index]
-
-    @property
-    def labels(self) -> int:
-        """Labelled tokens of the step (GRPO's normaliser)."""
-        return self._value(0)
-
-    @property
-    def labelled_documents(self) -> int:
-        """Documents of the step with a labelled token (GSPO's normaliser)."""
-        return self._value(1)
-
-    @property
-    def documents(self) -> int:
-        """Documents of the step (documents_seen grows by it)."""
-        return self._value(2)
-
-    @property
-    def tokens(self) -> int:
-        """Tokens of the step, prompts included (tokens_per_second)."""
-        return self._value(3)
-
-    @property
-    def most_micro_batches(self) -> int:
-        """The most micro-batches any rank packed (FSDP's padding backwards)."""
-        return self._value(4)
+        return self._counts
 
 
 class _LogitsTap:
@@ -403,7 +396,7 @@ class Trainer:
                                    then=None if last else lambda: self.reader.prefetch(self.documents_per_rank))
         # FSDP reduce-scatters in every backward: a rank with fewer micro-batches (documents of other lengths) runs
         # padding backwards so that every rank calls as many collectives (DDP all-reduces in the last one only).
-        padding = step_counts.most_micro_batches - len(micro_batches) if self.parallel.sharded else 0
+        padding = step_counts.result().most_micro_batches - len(micro_batches) if self.parallel.sharded else 0
         clock.lap(COLLECTIVES)
 
         self.parallel.module.train()
@@ -451,7 +444,7 @@ class Trainer:
         elapsed = max(time.monotonic() - started, 1e-9)
 
         self.step += 1
-        self.documents_seen += step_counts.documents
+        self.documents_seen += step_counts.result().documents
         published: dict[str, float] = {}
         layout = None
         if self.publisher is not None and self.overlaps_publication:
@@ -465,7 +458,7 @@ class Trainer:
             step=self.step,
             documents_seen=self.documents_seen,
             model_version=self.documents_seen,
-            tokens_per_second=step_counts.tokens / elapsed,
+            tokens_per_second=step_counts.result().tokens / elapsed,
             metrics={"loss": step_loss, GRAD_NORM: float(grad_norm), LEARNING_RATE: lr, DATA_WAIT_SHARE: wait_share,
                      **reduced,
                      **clock.timings(**published)},
@@ -501,12 +494,12 @@ class Trainer:
         if self.config.spec.algorithm.loss == "grpo":
             output = losses.grpo_loss(
                 new_logprobs, mb.old_logprobs, mb.advantages, mb.label_mask, mb.document_index,
-                num_labels_in_batch=max(step_counts.labels, 1), **common,
+                num_labels_in_batch=max(step_counts.result().labels, 1), **common,
             )
         else:
             output = losses.gspo_loss(
                 new_logprobs, mb.old_logprobs, mb.advantages, mb.label_mask, mb.document_index,
-                num_documents_in_batch=max(step_counts.labelled_documents, 1), **common,
+                num_documents_in_batch=max(step_counts.result().labelled_documents, 1), **common,
             )
         if self.metrics.enabled:
             metrics_started = time.perf_counter()
