@@ -127,27 +127,22 @@ def pack_documents(docs: Sequence[Document], micro_batch_tokens: int) -> list[Mi
 
 def _build(group: list[Document], source_indices: tuple[int, ...]) -> MicroBatch:
     count = len(group)
-    lengths = [len(doc.tokens) for doc in group]
-    longest = max(lengths)
-    input_ids = np.empty((count, longest), dtype=np.int64)
-    attention_mask = np.ones((count, longest), dtype=bool)
-    for row, (doc, length) in enumerate(zip(group, lengths, strict=True)):
-        input_ids[row, :length] = doc.tokens
-        if length < longest:
-            input_ids[row, length:] = 0
-            attention_mask[row, length:] = False
-    length_array = np.array(lengths, dtype=np.int64)
+    lengths = np.fromiter((len(doc.tokens) for doc in group), dtype=np.int64, count=count)
+    # Right padding in row-major order: the True positions of attention_mask, read row by row, are the flat order.
+    attention_mask = np.arange(int(lengths.max()), dtype=np.int64)[None, :] < lengths[:, None]
+    input_ids = np.zeros(attention_mask.shape, dtype=np.int64)
+    input_ids[attention_mask] = np.concatenate([doc.tokens for doc in group])
     advantages = np.array([doc.advantage for doc in group], dtype=np.float32)
     versions = [doc.model_version for doc in group]
     rewards = [doc.reward for doc in group]
     return MicroBatch(
         input_ids=torch.from_numpy(input_ids),
         attention_mask=torch.from_numpy(attention_mask),
-        lengths=torch.from_numpy(length_array),
-        document_index=torch.from_numpy(np.repeat(np.arange(count, dtype=np.int64), length_array)),
+        lengths=torch.from_numpy(lengths),
+        document_index=torch.from_numpy(np.repeat(np.arange(count, dtype=np.int64), lengths)),
         label_mask=torch.from_numpy(label_masks(group)),
         old_logprobs=torch.from_numpy(np.concatenate([doc.old_log_probabilities for doc in group], dtype=np.float32)),
-        advantages=torch.from_numpy(np.repeat(advantages, length_array)),
+        advantages=torch.from_numpy(np.repeat(advantages, lengths)),
         model_version=None
         if any(v is None for v in versions)
         else torch.from_numpy(np.concatenate(versions, dtype=np.int64)),
