@@ -20,9 +20,10 @@ from rljob_trainer.checkpoint import (
     committed_checkpoints,
     resolve_init_from,
     step_dir,
+    waits_for_write,
 )
 from rljob_wire.model import DigitTokenizer, build_model
-from rljob_trainer.parallel import init_distributed, shutdown_distributed
+from rljob_trainer.parallel import init_distributed, shutdown_distributed, wrap_model
 from train_harness import make_config, make_documents, write_documents
 
 torch.set_num_threads(1)
@@ -187,6 +188,31 @@ def test_the_snapshot_is_taken_at_save_and_training_continues_meanwhile(redis_se
         assert not torch.equal(value, model.state_dict()[name]), name  # the live model moved on
     for key, state in fresh_optimizer.state_dict()["state"].items():
         assert torch.equal(state["exp_avg"], moments[key]), key
+    manager.close()
+
+
+def test_a_small_sharded_state_is_written_before_save_returns_on_cpu(redis_server, tmp_path, world_of_one, monkeypatch):
+    """On CPU a sharded (fsdp) state of at most WAITED_WRITE_MAX_BYTES is written before save() returns (its DCP
+    metadata, the upload's last file, is on disk); an unsharded state or a larger one is written beside the steps."""
+    import rljob_trainer.checkpoint as checkpoint
+
+    config = make_config(redis_server, tmp_path / "ckpt", processes=1, parallelism={"strategy": "fsdp"})
+    where = init_distributed(config)
+    model = build_model(config.spec.model, DigitTokenizer().vocab_size, 0)
+    plain = {name: value.clone() for name, value in model.state_dict().items()}
+    sharded = wrap_model(model, where, config.spec.trainer).model
+    optimizer = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
+    train_one_step(sharded, optimizer, 1)
+    size = sum(t.to_local().numel() * t.element_size() for t in sharded.state_dict().values())
+    assert waits_for_write(sharded.state_dict(), {"state": {}}) and not waits_for_write(plain, {"state": {}})
+    monkeypatch.setattr(checkpoint, "WAITED_WRITE_MAX_BYTES", size - 1)
+    assert not waits_for_write(sharded.state_dict())
+    monkeypatch.undo()
+
+    manager = CheckpointManager(config, where, redis_server.client())
+    manager.save(2, 20, sharded, optimizer, ["5-0"])
+    assert (step_dir(manager.root, 2) / ".metadata").is_file()
+    assert [f.checkpoint.step for f in manager.wait()] == [2]
     manager.close()
 
 
