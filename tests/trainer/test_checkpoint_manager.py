@@ -213,6 +213,22 @@ def test_a_small_sharded_state_is_written_before_save_returns_on_cpu(redis_serve
     manager.save(2, 20, sharded, optimizer, ["5-0"])
     assert (step_dir(manager.root, 2) / ".metadata").is_file()
     assert [f.checkpoint.step for f in manager.wait()] == [2]
+
+    # A write the OS refuses fails that save at wait(), as a background write's failure does.
+    import resource
+    import signal
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, hard))
+    try:
+        manager.save(3, 30, sharded, optimizer, ["6-0"])
+        with pytest.raises(CheckpointSaveFailed, match=r"checkpoint of step 3 \(.*step-00000003\) failed"):
+            manager.wait()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    assert not (step_dir(manager.root, 3) / COMMIT_FILE).exists()
     manager.close()
 
 
