@@ -190,7 +190,8 @@ TIMINGS: tuple[TimingDef, ...] = (
     TimingDef(CHECKPOINT_BLOCKING, "the steps that checkpoint",
               "milliseconds the training loop stood still for the step's checkpoint: waiting for the previous save, a "
               "barrier, the snapshot of model and optimizer state to host memory, the RNG files, the gather of covered "
-              "entry ids and the start of the background write"),
+              "entry ids and the start of the background write (on CPU, a small sharded state's whole write: "
+              "checkpoint.WAITED_WRITE_MAX_BYTES)"),
     TimingDef(CHECKPOINT_SAVE, "the first step reported after a checkpoint's commit (the last step for the final one)",
               "milliseconds from the start of a checkpoint's snapshot to the end of its commit: every rank's files "
               "durable, commit file written, checkpoint_documents_seen published, covered entries acked"),
