@@ -203,10 +203,10 @@ def test_a_small_sharded_state_is_written_before_save_returns_on_cpu(redis_serve
     sharded = wrap_model(model, where, config.spec.trainer).model
     optimizer = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
     train_one_step(sharded, optimizer, 1)
-    size = sum(t.to_local().numel() * t.element_size() for t in sharded.state_dict().values())
-    assert waits_for_write(sharded.state_dict(), {"state": {}}) and not waits_for_write(plain, {"state": {}})
+    size = sum(t.numel() * t.element_size() for t in sharded.state_dict().values())
+    assert waits_for_write(1, sharded.state_dict(), {"state": {}}) and not waits_for_write(1, plain, {"state": {}})
     monkeypatch.setattr(checkpoint, "WAITED_WRITE_MAX_BYTES", size - 1)
-    assert not waits_for_write(sharded.state_dict())
+    assert not waits_for_write(1, sharded.state_dict()) and waits_for_write(2, sharded.state_dict())
     monkeypatch.undo()
 
     manager = CheckpointManager(config, where, redis_server.client())

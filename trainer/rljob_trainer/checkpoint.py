@@ -333,7 +333,7 @@ class CheckpointManager:
         durable.torch_save(rng, target / "rng" / f"rank-{self.where.rank}.pt")
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}
-        if self.where.device.type == "cpu" and waits_for_write(model_sd, optim_sd):
+        if self.where.device.type == "cpu" and waits_for_write(self.where.world_size, model_sd, optim_sd):
             upload = self._write_now(state, target)
         else:
             upload = dcp.async_save(state, checkpoint_id=str(target), process_group=self._checkpoint_group(),
@@ -562,11 +562,11 @@ def _group_exists(client: redis.Redis, stream: str, group: str) -> bool:
     return any(protocol.text(g["name"]) == group for g in groups)
 
 
-def waits_for_write(*states: Any) -> bool:
+def waits_for_write(world_size: int, *states: Any) -> bool:
     """Whether a CPU save of ``states`` (state dicts, nested) is written before training goes on: sharded (a DTensor
-    among them) and at most :data:`WAITED_WRITE_MAX_BYTES` of tensor data on this rank (local shards)."""
+    among them) and at most :data:`WAITED_WRITE_MAX_BYTES` of tensor data per rank of ``world_size``. Reckoned from
+    global sizes, so every rank decides alike (each issues the save's collectives the same way)."""
     tensors = [leaf for leaf in tree_leaves(states) if isinstance(leaf, torch.Tensor)]
     if not any(isinstance(tensor, DTensor) for tensor in tensors):
         return False
-    local = (tensor.to_local() if isinstance(tensor, DTensor) else tensor for tensor in tensors)
-    return sum(tensor.numel() * tensor.element_size() for tensor in local) <= WAITED_WRITE_MAX_BYTES
+    return sum(tensor.numel() * tensor.element_size() for tensor in tensors) <= WAITED_WRITE_MAX_BYTES * world_size
