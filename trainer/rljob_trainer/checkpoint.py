@@ -14,20 +14,20 @@ to contain (DESIGN §6). Those ids are XACKed only after the commit file is dura
 and the ack, :func:`acknowledge_covered` acks the ones still pending before any rank re-reads its pending entries, so
 an entry is never trained into two checkpoints.
 
-Asynchronous save (:meth:`CheckpointManager.save`): the training loop stops only for the snapshot. Every rank waits
-for the previous save to finish, copies its model and optimizer state (its shards under fsdp) to host memory (DCP's
+Asynchronous save (:meth:`CheckpointManager.save`): the training loop stops only for the snapshot. Every rank waits for
+the previous save to finish, copies its model and optimizer state (its shards under fsdp) to host memory (DCP's
 ``DefaultStager``: one set of host buffers reused by every save, pinned on GPU), writes its RNG file, and the ranks
-gather each consumer's covered entry ids; then ``dcp.async_save`` writes the files from that copy in a background
-thread (fsync per file) and training continues (on CPU, a sharded state of at most :data:`WAITED_WRITE_MAX_BYTES` on
-the rank is written before training goes on: see that constant). The upload's collectives (planning, and the final gather of every
+gather each consumer's covered entry ids; then ``dcp.async_save`` writes the files from that copy in a background thread
+(fsync per file) and training continues (on CPU, a sharded state of at most :data:`WAITED_WRITE_MAX_BYTES` per rank is
+written before training goes on: see that constant). The upload's collectives (planning, and the final gather of every
 rank's write results before rank 0 writes ``.metadata``) run on a gloo process group of their own, so they never
 interleave with the training loop's collectives. When rank 0's upload completes, every rank's files are durable; rank
-0's commit thread then writes the commit file (fsync of the file and the directory), records the step in Redis and
-runs ``on_commit`` (the trainer: publish ``checkpoint_documents_seen``, XACK every rank's covered entries, trim), then
+0's commit thread then writes the commit file (fsync of the file and the directory), records the step in Redis and runs
+``on_commit`` (the trainer: publish ``checkpoint_documents_seen``, XACK every rank's covered entries, trim), then
 prunes. A failure anywhere (a rank's write, the commit, Redis) is raised by :meth:`CheckpointManager.poll` or
-:meth:`CheckpointManager.wait` on the next call, never dropped: the rank exits non-zero, the gang restarts from the
-last committed checkpoint, and the entries of the failed one, never acked, are delivered again. A crash before the
-commit file is durable leaves an uncommitted directory (pruned later) and the same redelivery.
+:meth:`CheckpointManager.wait` on the next call, never dropped: the rank exits non-zero, the gang restarts from the last
+committed checkpoint, and the entries of the failed one, never acked, are delivered again. A crash before the commit
+file is durable leaves an uncommitted directory (pruned later) and the same redelivery.
 
 Resharding: the model and optimizer state dicts go through ``torch.distributed.checkpoint.state_dict``, so a
 checkpoint written by N ranks loads on M ranks, under either strategy: DDP-replicated tensors are saved once, FSDP2
@@ -79,15 +79,15 @@ EXPORT_DIR = c.EXPORT_SUBDIR
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
 WAITED_WRITE_MAX_BYTES = 64 << 20
-"""On CPU, a checkpoint whose state is sharded (DTensors, fsdp) and holds at most this many bytes on the rank is written
-by ``dcp.save`` before the training loop goes on, not beside it: on CPU the writer thread's work on a sharded state
-took the interpreter and the cores from the steps it ran beside. Measured with ``benchmarks/trainer_step.py`` (c),
-the CPU example under fsdp at 1 rank (2 idle cores): the steps beside the write ran 10-17 ms longer each
-(checkpoints every 5 steps); written before going on (no host copy, no thread), the checkpoint cost 8.2 ms a step
-against a plain ``dcp.save``'s 7.0, and (c)/(c0) went from 81.5% and 83.1% (2 pairs, beside) to 87.8%. Unsharded
-(ddp) writes stay beside the steps: the same pairs under ddp measured no gain from waiting for the background write
-(87.8% and 90.7% beside, 84.4% and 80.3% waited); so do larger ones, whose write is mostly bytes (a 148M-parameter
-model's waited write cost more than it saved, docs/trainer-step.md)."""
+"""On CPU, a checkpoint whose state is sharded (DTensors, fsdp) and holds at most this many bytes per rank (its global
+size over the world size, alike on every rank) is written by ``dcp.save`` before the training loop goes on, not beside
+it: on CPU the writer thread's work on a sharded state took the interpreter and the cores from the steps it ran beside.
+Measured with ``benchmarks/trainer_step.py`` (c), the CPU example under fsdp at 1 rank (2 idle cores): the steps beside
+the write ran 10-17 ms longer each (checkpoints every 5 steps); written before going on (no host copy, no thread), the
+checkpoint cost 8.2 ms a step against a plain ``dcp.save``'s 7.0, and (c)/(c0) went from 81.5% and 83.1% (2 pairs,
+beside) to 87.8%. Unsharded (ddp) writes stay beside the steps: the same pairs under ddp measured no gain from waiting
+for the background write (87.8% and 90.7% beside, 84.4% and 80.3% waited); so do larger ones, whose write is mostly
+bytes (a 148M-parameter model's waited write cost more than it saved, docs/trainer-step.md)."""
 
 
 @dataclass(frozen=True)
@@ -417,7 +417,7 @@ class CheckpointManager:
         upload: Future = Future()
         try:
             dcp.save(state, checkpoint_id=str(target), process_group=self._checkpoint_group())
-        except (Exception, CheckpointException) as error:  # noqa: BLE001 - raised by poll/wait (DCP's is a BaseException)
+        except (Exception, CheckpointException) as error:  # noqa: BLE001 - DCP's is a BaseException
             upload.set_exception(error)
         else:
             upload.set_result(None)
