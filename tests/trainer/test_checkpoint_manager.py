@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import signal
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -35,6 +38,19 @@ def world_of_one(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     yield
     shutdown_distributed()
+
+
+@contextmanager
+def files_limited_to(size_bytes):
+    """Files of this process may not grow beyond ``size_bytes`` (EFBIG instead of SIGXFSZ) inside the block."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size_bytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
 
 
 def model_and_optimizer(config, seed=0):
@@ -215,19 +231,10 @@ def test_a_small_sharded_state_is_written_before_save_returns_on_cpu(redis_serve
     assert [f.checkpoint.step for f in manager.wait()] == [2]
 
     # A write the OS refuses fails that save at wait(), as a background write's failure does.
-    import resource
-    import signal
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, hard))
-    try:
+    with files_limited_to(16 * 1024):
         manager.save(3, 30, sharded, optimizer, ["6-0"])
         with pytest.raises(CheckpointSaveFailed, match=r"checkpoint of step 3 \(.*step-00000003\) failed"):
             manager.wait()
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, previous)
     assert not (step_dir(manager.root, 3) / COMMIT_FILE).exists()
     manager.close()
 
@@ -235,9 +242,6 @@ def test_a_small_sharded_state_is_written_before_save_returns_on_cpu(redis_serve
 def test_a_failed_write_is_raised_and_commits_nothing(redis_server, tmp_path, world_of_one):
     """A write the OS refuses (files limited to 16 KiB: the RNG file fits, the model and optimizer do not) fails the
     save at wait(): no commit file, no Redis record, on_commit not called; the next save commits and prunes it."""
-    import resource
-    import signal
-
     config = make_config(redis_server, tmp_path / "ckpt", processes=1)
     where = init_distributed(config)
     client = redis_server.client()
@@ -245,16 +249,10 @@ def test_a_failed_write_is_raised_and_commits_nothing(redis_server, tmp_path, wo
     manager = CheckpointManager(config, where, client, on_commit=committed.append)
     model, optimizer = model_and_optimizer(config)
     train_one_step(model, optimizer, 1)
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal
-    resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, hard))
-    try:
+    with files_limited_to(16 * 1024):
         manager.save(2, 20, model, optimizer, ["5-0"])
         with pytest.raises(CheckpointSaveFailed, match=r"checkpoint of step 2 \(.*step-00000002\) failed") as failed:
             manager.wait()
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, previous)
     assert "File too large" in repr(failed.value.__cause__)
     assert not (step_dir(manager.root, 2) / COMMIT_FILE).exists() and committed == []
     assert client.hgetall(config.keys.checkpoint) == {}
