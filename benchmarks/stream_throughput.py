@@ -2,7 +2,7 @@
 
 Write side: ``encode_document`` + pipelined XADD, against pipelined XADD of the already-encoded field maps
 (opaque payloads of the same fields and sizes). Read side: ``StreamReader.next_documents`` (XREADGROUP,
-decode, validation) + ``pack_documents``, ``BATCH`` documents per call, against bare XREADGROUP loops over the
+decode, validation) + ``pack_columns``, ``BATCH`` documents per call, against bare XREADGROUP loops over the
 raw stream with the same COUNT, hiredis parser and bytes responses, so the difference is exactly our codec,
 reader and packing. Every path runs in the same process against the same server, one after the other, repeated
 ``--repeats`` times; each path's best run counts. Target: ours >= 50% of raw on both sides.
@@ -17,8 +17,8 @@ gives raw with two XREADGROUPs in flight, which overlaps Redis with the parsing 
 overlap our path does not have (it never keeps two reads in flight).
 
 A second table splits the read side per document, measured in the same run on the raw stream: the
-XREADGROUP round trip with redis-py's reply parsing (what raw pays too), ``decode_entries`` and
-``pack_documents``, one after the other; "read ours" below their sum is what the overlap hides. On the write
+XREADGROUP round trip with redis-py's reply parsing (what raw pays too), ``decode_columns`` and
+``pack_columns``, one after the other; "read ours" below their sum is what the overlap hides. On the write
 side it gives ``encode_document`` alone.
 
 The overlap needs a free core for Redis while this process decodes: on a machine whose cores are busy, Redis and
@@ -57,8 +57,8 @@ import redis
 from rljob_api import RLTrainingJobSpec, resolve
 from rljob_api.config import RedisConnection, RedisKeys
 from rljob_operator.render import REDIS_APPENDFSYNC
-from rljob_trainer.stream.batch import pack_documents
-from rljob_wire.codec import Document, decode_entries, encode_document
+from rljob_trainer.stream.batch import pack_columns
+from rljob_wire.codec import Document, decode_columns, encode_document
 from rljob_trainer.stream.reader import StreamReader
 
 BATCH = 64
@@ -194,7 +194,7 @@ def measure(client: redis.Redis, keys: RedisKeys, docs: list[Document], budget: 
             left = len(docs)
             while left:
                 got = reader.next_documents(min(BATCH, left))
-                pack_documents([doc for _, doc in got], budget)
+                pack_columns(got.columns, budget)
                 left -= len(got)
             assert reader.counters.documents_read == len(docs), reader.counters
             reader.close()
@@ -221,9 +221,10 @@ def read_stages(client: redis.Redis, stream: str, group: str, count: int, budget
         start = time.perf_counter()
         entries = client.xreadgroup(group, "bench", {stream: ">"}, count=min(BATCH, left))[0][1]
         read = time.perf_counter()
-        results = decode_entries([fields for _, fields in entries], require_metrics_fields=True, max_tokens=budget)
+        columns, _, _ = decode_columns([fields for _, fields in entries], require_metrics_fields=True,
+                                       max_tokens=budget)
         decoded = time.perf_counter()
-        pack_documents(results, budget)
+        pack_columns(columns, budget)
         packed = time.perf_counter()
         stages["stage_xreadgroup"] += read - start
         stages["stage_decode"] += decoded - read

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rljob_wire import codec
+from rljob_wire.documents import DocumentColumns
 from rljob_wire.codec import (
     Document,
     DocumentTooLong,
@@ -191,6 +193,20 @@ MALFORMED = [
         MalformedKind.BAD_SPAN,
         "inverted or outside",
     ),
+    ("spans zero", good(data=b'{"advantage": 1, "reward": 1, "loss_masking_spans": 0}'), MalformedKind.BAD_SPAN, "int"),
+    (
+        "bool span",
+        good(data=b'{"advantage": 1, "reward": 1, "loss_masking_spans": [[false, 2]]}'),
+        MalformedKind.BAD_SPAN,
+        "[begin, end]",
+    ),
+    ("huge advantage", good(data=b'{"advantage": 1e999, "reward": 1}'), MalformedKind.NON_FINITE, "advantage"),
+    (
+        "huge integer reward",
+        good(data=b'{"advantage": 1, "reward": ' + b"9" * 400 + b"}"),
+        MalformedKind.NON_FINITE,
+        "reward",
+    ),
     (
         "span shape",
         good(data=b'{"advantage": 1, "reward": 1, "loss_masking_spans": [[1, 2, 3]]}'),
@@ -274,7 +290,6 @@ def test_encode_rejects_length_mismatch():
 def slow_path_variants() -> list[dict]:
     """Entries outside the writer's layout, valid or not: the fast path must leave each to the full parser."""
     return [
-        good(data=b'{"advantage": 1, "reward": 2, "loss_masking_spans": [[0, 2]]}'),  # JSON integers
         {**good(), "chosen_span": b"[0, 1]"},  # unknown field (Fast-LLM's DPO fields)
         {**good(data=b'{"reward": 1.0}'), "advantage": b"0.25"},  # a data key sent as a top-level field
         good(tokens=b"[0, 1, 2, 3]"),  # PipelineRL's JSON-list tokens
@@ -299,19 +314,25 @@ def test_batch_decode_equals_decoding_each_entry_alone():
         else:
             assert isinstance(result, Document), (fields, result)
             assert_same(alone, result)
-    assert sum(isinstance(r, Document) for r in results) == 3 + 4
+    assert sum(isinstance(r, Document) for r in results) == 3 + 3
 
 
 def test_writer_layout_takes_the_fast_path_and_other_layouts_the_parser():
-    """Guards the hot path: what encode_document writes (including raw tokens whose first byte is ``[``) never
-    falls back to the full parser; every other layout does."""
+    """Guards the hot path: what encode_document writes (including raw tokens whose first byte is ``[``, and JSON
+    integers as scalars) never falls back to the full parser; every other layout does, also beside valid entries."""
     bracket = good(tokens=np.array([91, 1, 2, 3]).tobytes())
-    entries = [wire(m) for m in [good(), bracket, good(model_version=None, data=b'{"advantage": 0.5}')]]
-    entries += [wire(m) for m in slow_path_variants()]
-    results: list = [None] * len(entries)
-    codec._decode_common_layout(entries, results, False, None, True, None)
-    assert [isinstance(r, Document) for r in results] == [True] * 3 + [False] * len(slow_path_variants())
-    assert results[1].tokens.tolist() == [91, 1, 2, 3] and results[2].model_version is None
+    integers = good(data=b'{"advantage": 1, "reward": 2, "loss_masking_spans": [[0, 2]]}')
+    fast = [good(), bracket, good(model_version=None, data=b'{"advantage": 0.5}'), integers]
+    entries = [wire(m) for m in fast + slow_path_variants() + fast * 3]
+    parts, rest, errors = codec._decode_common_layout(entries, codec._CommonChecks(math.inf, False, True, None))
+    slow = list(range(4, 4 + len(slow_path_variants())))
+    fast_rows = sorted(row for rows, _ in parts for row in rows.tolist())
+    assert fast_rows == [i for i in range(len(entries)) if i not in slow]
+    assert sorted(rest) == slow and not errors
+    columns = DocumentColumns.concatenate([columns for _, columns in parts])
+    assert columns.document(1).tokens.tolist() == [91, 1, 2, 3] and columns.document(2).model_version is None
+    assert (columns.document(3).advantage, columns.document(3).reward) == (1.0, 2.0)
+    assert type(columns.document(3).advantage) is float
 
 
 def test_raw_bytes_that_start_and_end_like_a_json_list_are_still_binary():
@@ -321,11 +342,11 @@ def test_raw_bytes_that_start_and_end_like_a_json_list_are_still_binary():
     assert decode(message).tokens.tolist() == [91, 0x5D << 56]
 
 
-def test_value_checks_run_per_chunk_and_flag_only_the_bad_entries():
-    """More tokens than one vectorised check covers: bad values in the first and in a later chunk are found,
-    and only those entries are rejected."""
+def test_value_checks_over_a_batch_flag_only_the_bad_entries():
+    """The per-token values are checked over the whole batch at once: bad values in the first and in a later entry are
+    found, and only those entries are rejected."""
     length = 512
-    count = 2 * codec._CHECK_CHUNK_TOKENS // length + 3
+    count = 131
     docs = [Document(np.arange(length), np.full(length, -0.5, np.float32), advantage=0.5) for _ in range(count)]
     messages = [encode_document(doc) for doc in docs]
     messages[3]["old_log_probabilities"] = np.where(np.arange(length) == 7, np.nan, -0.5).astype("<f4").tobytes()

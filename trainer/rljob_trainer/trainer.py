@@ -88,7 +88,7 @@ from rljob_trainer.optim import build_optimizer, step_learning_rate
 from rljob_trainer.progress_report import (Progress, build_progress, publish_checkpointed, publish_start,
                                           stream_identity)
 from rljob_trainer.step_record import StepRecord
-from rljob_trainer.stream.batch import MicroBatch, flat_from_padded, pack_documents
+from rljob_trainer.stream.batch import MicroBatch, flat_from_padded, pack_columns
 from rljob_trainer.stream.reader import StreamReader, ack_entries, trim_acked
 from rljob_trainer.stream.redistribute import redistribute_pending
 from rljob_trainer.weight_publisher import Publication, WeightPublisher, publish_weights
@@ -373,13 +373,13 @@ class Trainer:
         decoded = self.reader.decode_seconds
         # Exactly documents_per_rank (>= 1) valid documents: every rank has at least one micro-batch, so every
         # rank joins the gradient reduction of each backward.
-        entries = self.reader.next_documents(self.documents_per_rank, documents_seen=self.documents_seen)
+        documents = self.reader.next_documents(self.documents_per_rank, documents_seen=self.documents_seen)
         clock.lap(DATA_WAIT)
         clock.move((self.reader.decode_seconds - decoded) * 1e3, DATA_WAIT, DECODE)
         started = time.monotonic()
         micro_batches = [
             mb.to(self.where.device)
-            for mb in pack_documents([doc for _, doc in entries], self.config.spec.trainer.batch.micro_batch_tokens)
+            for mb in pack_columns(documents.columns, self.config.spec.trainer.batch.micro_batch_tokens)
         ]
         # Each micro-batch is segmented once (one device sync); the counts, the loss and the metrics share it.
         segments = [losses.segment_documents(mb.label_mask, mb.document_index) for mb in micro_batches]

@@ -4,6 +4,7 @@ What one pod writes and another reads, in one place that both roles import and n
 
 - :mod:`.codec`: one stream entry = one document (DESIGN §3), byte-compatible with Fast-LLM's and PipelineRL's
   Redis documents (their variants decode too; tests/wire/test_codec.py holds the compatibility cases);
+- :mod:`.documents`: decoded documents, one (``Document``) or a batch as columns (``DocumentColumns``);
 - :mod:`.connection`: the Redis connection every trainer and rollout process opens (password from the environment, TLS, retry with backoff);
 - :mod:`.transfer`: the weight-transfer wire (DESIGN §6): a Redis ticket names a torch.distributed rendezvous, the
   trainer broadcasts the tensors, each rollout receives them (``send_update`` / ``receive_update``);

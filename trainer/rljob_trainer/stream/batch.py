@@ -9,7 +9,7 @@ Alignment (DESIGN §2 "Token alignment"): for a document of length T_d,
 is ``tokens[t]`` itself. The trainer computes the same quantity with
 :func:`rljob_wire.model.sequence_logprobs` (logits at position t-1 scored against ``input_ids[:, t]``,
 0 at t = 0), flattens it, and uses ``label_mask`` (False at t = 0 and inside loss-masking spans, see
-:func:`~rljob_wire.codec.label_masks`) to select the labelled tokens.
+:func:`~rljob_wire.documents.label_masks`) to select the labelled tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from rljob_wire.codec import Document, label_masks
+from rljob_wire.documents import NO_VERSION, Document, DocumentColumns, token_positions
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,15 @@ def flat_from_padded(x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Ten
 
 
 def pack_documents(docs: Sequence[Document], micro_batch_tokens: int) -> list[MicroBatch]:
+    """:func:`pack_columns` of ``docs`` (:meth:`DocumentColumns.from_documents`); ``source_indices`` index ``docs``.
+
+    Raises:
+        ValueError: a document is longer than the budget or has no advantage (names its index).
+    """
+    return pack_columns(DocumentColumns.from_documents(docs), micro_batch_tokens)
+
+
+def pack_columns(columns: DocumentColumns, micro_batch_tokens: int) -> list[MicroBatch]:
     """Pack documents into micro-batches of at most ``micro_batch_tokens`` real tokens each.
 
     Greedy "next fit decreasing": documents sorted by length (longest first, ties in input order) fill the
@@ -98,54 +107,56 @@ def pack_documents(docs: Sequence[Document], micro_batch_tokens: int) -> list[Mi
     micro-batch's padded size B*L may exceed it.
 
     Args:
-        docs: decoded documents; each must have an ``advantage`` and at most ``micro_batch_tokens`` tokens
+        columns: decoded documents; each must have an ``advantage`` and at most ``micro_batch_tokens`` tokens
             (the reader drops or dead-letters any other).
         micro_batch_tokens: token budget per micro-batch (sum of document lengths).
 
     Returns:
-        The micro-batches; every document appears in exactly one, at ``source_indices``.
+        The micro-batches; every document appears in exactly one, at ``source_indices`` (its index in ``columns``).
 
     Raises:
         ValueError: a document is longer than the budget or has no advantage (names its index).
     """
-    lengths = [len(doc.tokens) for doc in docs]
-    for index, (doc, length) in enumerate(zip(docs, lengths, strict=True)):
-        if length > micro_batch_tokens:
-            raise ValueError(f"docs[{index}] has {length} tokens > micro_batch_tokens={micro_batch_tokens}")
-        if doc.advantage is None:
-            raise ValueError(f"docs[{index}] has no advantage")
-    groups: list[list[int]] = []
+    lengths = columns.lengths
+    too_long = np.flatnonzero(lengths > micro_batch_tokens)
+    if len(too_long):
+        index = int(too_long[0])
+        raise ValueError(f"docs[{index}] has {lengths[index]} tokens > micro_batch_tokens={micro_batch_tokens}")
+    no_advantage = np.flatnonzero(np.isnan(columns.advantages))
+    if len(no_advantage):
+        raise ValueError(f"docs[{int(no_advantage[0])}] has no advantage")
+    order = np.argsort(-lengths, kind="stable")
+    groups: list[int] = []  # where each micro-batch starts in ``order``
     used = micro_batch_tokens + 1
-    for index in sorted(range(len(docs)), key=lambda i: -lengths[i]):
-        if used + lengths[index] > micro_batch_tokens:
-            groups.append([])
+    for position, length in enumerate(lengths[order].tolist()):
+        if used + length > micro_batch_tokens:
+            groups.append(position)
             used = 0
-        groups[-1].append(index)
-        used += lengths[index]
-    return [_build([docs[i] for i in group], tuple(group)) for group in groups]
+        used += length
+    bounds = [*groups, len(order)]
+    return [_build(columns, order[begin:end]) for begin, end in zip(bounds[:-1], bounds[1:])]
 
 
-def _build(group: list[Document], source_indices: tuple[int, ...]) -> MicroBatch:
-    count = len(group)
-    lengths = np.fromiter((len(doc.tokens) for doc in group), dtype=np.int64, count=count)
+def _build(columns: DocumentColumns, rows: np.ndarray) -> MicroBatch:
+    count = len(rows)
+    lengths = columns.lengths[rows]
+    positions = token_positions(columns.offsets[rows], lengths)
     # Right padding in row-major order: the True positions of attention_mask, read row by row, are the flat order.
     attention_mask = np.arange(int(lengths.max()), dtype=np.int64)[None, :] < lengths[:, None]
     input_ids = np.zeros(attention_mask.shape, dtype=np.int64)
-    input_ids[attention_mask] = np.concatenate([doc.tokens for doc in group])
-    advantages = np.array([doc.advantage for doc in group], dtype=np.float32)
-    versions = [doc.model_version for doc in group]
-    rewards = [doc.reward for doc in group]
+    input_ids[attention_mask] = columns.tokens[positions]
+    versions = columns.model_version[positions]
+    unversioned = (columns.model_version[columns.offsets[rows]] == NO_VERSION).any()
+    rewards = columns.rewards[rows]
     return MicroBatch(
         input_ids=torch.from_numpy(input_ids),
         attention_mask=torch.from_numpy(attention_mask),
         lengths=torch.from_numpy(lengths),
         document_index=torch.from_numpy(np.repeat(np.arange(count, dtype=np.int64), lengths)),
-        label_mask=torch.from_numpy(label_masks(group)),
-        old_logprobs=torch.from_numpy(np.concatenate([doc.old_log_probabilities for doc in group], dtype=np.float32)),
-        advantages=torch.from_numpy(np.repeat(advantages, lengths)),
-        model_version=None
-        if any(v is None for v in versions)
-        else torch.from_numpy(np.concatenate(versions, dtype=np.int64)),
-        rewards=None if any(r is None for r in rewards) else torch.from_numpy(np.array(rewards, dtype=np.float32)),
-        source_indices=source_indices,
+        label_mask=torch.from_numpy(columns.label_mask[positions]),
+        old_logprobs=torch.from_numpy(columns.old_log_probabilities[positions]),
+        advantages=torch.from_numpy(np.repeat(columns.advantages[rows].astype(np.float32), lengths)),
+        model_version=None if unversioned else torch.from_numpy(versions),
+        rewards=None if np.isnan(rewards).any() else torch.from_numpy(rewards.astype(np.float32)),
+        source_indices=tuple(rows.tolist()),
     )

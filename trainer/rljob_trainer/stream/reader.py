@@ -77,14 +77,8 @@ import redis
 from rljob_api import protocol
 from rljob_api.config import RedisKeys
 from rljob_trainer import fence
-from rljob_wire.codec import (
-    Document,
-    DocumentTooLong,
-    MalformedEntry,
-    MalformedKind,
-    decode_entries,
-    label_masks,
-)
+from rljob_wire.codec import DocumentTooLong, MalformedEntry, MalformedKind, decode_columns
+from rljob_wire.documents import NO_VERSION, Document, DocumentColumns
 from rljob_wire.connection import PipelinedConnection
 
 log = logging.getLogger(__name__)
@@ -118,6 +112,40 @@ class ReaderCounters:
     dropped_stale: int = 0
     """Documents staler than ``max_staleness`` at the step they would have entered, dropped before the loss (acked by
     the next checkpoint)."""
+
+
+@dataclass(frozen=True)
+class ReadDocuments:
+    """Documents read from the stream with their entry ids: ``ids[i]`` is the entry of ``columns.document(i)``.
+    Iterating yields ``(entry id, Document)`` pairs."""
+
+    ids: list[str]
+    columns: DocumentColumns
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> tuple[str, Document]:
+        return self.ids[index], self.columns.document(index % len(self) if index < 0 else index)
+
+    def __iter__(self):
+        return iter(zip(self.ids, self.columns.documents(), strict=True))
+
+    def split(self, count: int) -> tuple["ReadDocuments", "ReadDocuments"]:
+        """(the first ``count`` documents, the others)."""
+        return (ReadDocuments(self.ids[:count], self.columns.head(count)),
+                ReadDocuments(self.ids[count:], self.columns.tail(count)))
+
+    def take(self, keep: np.ndarray) -> "ReadDocuments":
+        """The documents where ``keep`` ([N] bool) is True, in order."""
+        return ReadDocuments([entry_id for entry_id, kept in zip(self.ids, keep.tolist()) if kept],
+                             self.columns.take(keep))
+
+    def __add__(self, other: "ReadDocuments") -> "ReadDocuments":
+        return ReadDocuments(self.ids + other.ids, DocumentColumns.concatenate([self.columns, other.columns]))
+
+
+_NOTHING_READ = ReadDocuments([], DocumentColumns.empty())
 
 
 class StreamReader:
@@ -202,13 +230,13 @@ class StreamReader:
         self._connection = PipelinedConnection(client)
         self._backlog: collections.deque[Entry] = collections.deque()
         """Entries received and not yet decoded, oldest first (redeliveries before new entries)."""
-        self._ready: list[tuple[str, Document]] = []
+        self._ready = _NOTHING_READ
         """Valid documents not yet handed out."""
         self._unacked: dict[str, None] = {}
         self._newest_id = "0"
         """Highest id this reader has received from Redis: entries of a lost reply lie above it."""
         self.decode_seconds = 0.0
-        """Seconds spent decoding entries (:func:`~rljob_wire.codec.decode_entries`) since the reader was made, by
+        """Seconds spent decoding entries (:func:`~rljob_wire.codec.decode_columns`) since the reader was made, by
         ``time.perf_counter``; the trainer reports each step's difference (``decode_time_ms``)."""
 
     # --- start-up ----------------------------------------------------------------------------
@@ -264,7 +292,7 @@ class StreamReader:
         self._backlog.append((entry_id, fields))
 
     # --- reading ---------------------------------------------------------------------------
-    def next_documents(self, n: int, documents_seen: Optional[int] = None) -> list[tuple[str, Document]]:
+    def next_documents(self, n: int, documents_seen: Optional[int] = None) -> ReadDocuments:
         """Exactly ``n`` valid documents with their entry ids, redeliveries first, blocking until they arrive.
 
         Every returned id stays pending (and in :meth:`pending_ids`) until :meth:`ack`. Documents read beyond
@@ -307,8 +335,8 @@ class StreamReader:
             if accepted:
                 self._ready += accepted
                 deadline = time.monotonic() + self.data_timeout_seconds
-        out, self._ready = self._ready[:n], self._ready[n:]
-        self._unacked.update(dict.fromkeys(entry_id for entry_id, _ in out))
+        out, self._ready = self._ready.split(n)
+        self._unacked.update(dict.fromkeys(out.ids))
         self.counters.documents_read += n
         return out
 
@@ -349,32 +377,31 @@ class StreamReader:
         total = sum(self.counters.dead_lettered.values()) + self.counters.dropped_too_long
         return f"; refused {total} {'entry' if total == 1 else 'entries'}: {'; '.join(said)}" if total else ""
 
-    def _drop_stale(self, documents: list[tuple[str, Document]], documents_seen: Optional[int]
-                    ) -> list[tuple[str, Document]]:
+    def _drop_stale(self, documents: ReadDocuments, documents_seen: Optional[int]) -> ReadDocuments:
         """``documents`` without those staler than ``max_staleness`` at ``documents_seen``
-        (:func:`document_staleness`); each dropped one is counted, stays pending with the ids the next checkpoint
+        (:meth:`DocumentColumns.staleness`); each dropped one is counted, stays pending with the ids the next checkpoint
         covers, and is added to the progress hash's ``dropped_stale``. A failed HINCRBY is logged and retried with the
         next drops, never raised: the documents are already accounted for here."""
-        if self.max_staleness is None or not documents:
+        if self.max_staleness is None or not len(documents):
             return documents
-        kept, dropped = [], []
-        for entry_id, document in documents:
-            staleness = document_staleness(document, documents_seen)
-            (dropped if staleness is not None and staleness > self.max_staleness else kept).append((entry_id, document))
-        if dropped:
-            self._unacked.update(dict.fromkeys(entry_id for entry_id, _ in dropped))
-            self.counters.dropped_stale += len(dropped)
-            self._unpublished_drops += len(dropped)
-            log.info("%s: dropped %d documents staler than maxStaleness %d at documents_seen %d", self.consumer,
-                     len(dropped), self.max_staleness, documents_seen)
-            try:
-                fence.write(self.client, self.keys,
-                            [("HINCRBY", self.keys.progress, protocol.PROGRESS_DROPPED_STALE, self._unpublished_drops)])
-                self._unpublished_drops = 0
-            except redis.RedisError as error:
-                log.warning("%s: could not add %d stale drops to %s: %s", self.consumer, self._unpublished_drops,
-                            self.keys.progress, error)
-        return kept
+        staleness, known = documents.columns.staleness(documents_seen)
+        stale = known & (staleness > self.max_staleness)
+        if not stale.any():
+            return documents
+        dropped = [entry_id for entry_id, drop in zip(documents.ids, stale.tolist()) if drop]
+        self._unacked.update(dict.fromkeys(dropped))
+        self.counters.dropped_stale += len(dropped)
+        self._unpublished_drops += len(dropped)
+        log.info("%s: dropped %d documents staler than maxStaleness %d at documents_seen %d", self.consumer,
+                 len(dropped), self.max_staleness, documents_seen)
+        try:
+            fence.write(self.client, self.keys,
+                        [("HINCRBY", self.keys.progress, protocol.PROGRESS_DROPPED_STALE, self._unpublished_drops)])
+            self._unpublished_drops = 0
+        except redis.RedisError as error:
+            log.warning("%s: could not add %d stale drops to %s: %s", self.consumer, self._unpublished_drops,
+                        self.keys.progress, error)
+        return documents.take(~stale)
 
     def close(self) -> None:
         """Give the reader's connection back to the client's pool. Entries of a read still in flight stay pending
@@ -401,7 +428,7 @@ class StreamReader:
         not yet acked again (up to a checkpoint interval's data), on each failure. Ids the reader holds are
         skipped all the same.
         """
-        held = {entry_id for entry_id, _ in self._ready}
+        held = set(self._ready.ids)
         held.update(entry_id for entry_id, _ in self._backlog)
         held.update(self._unacked)
         lost = [e for e in self._read_own_pending(after=self._newest_id) if e[0] not in held]
@@ -447,40 +474,44 @@ class StreamReader:
     def _block_ms(self, deadline: float) -> int:
         return min(self.block_ms, math.ceil((deadline - time.monotonic()) * 1000))
 
-    def _accept(self, entries: list[Entry]) -> list[tuple[str, Document]]:
+    def _accept(self, entries: list[Entry]) -> ReadDocuments:
         """Decode a batch of entries: return the valid ones, dead-letter or drop (and ack) the rest.
 
-        If Redis fails while handling a bad entry, the valid entries decoded so far and every entry not yet
-        handled go back to the front of the queue, so nothing this consumer holds pending is forgotten.
+        If Redis fails while handling a bad entry, the valid entries and every bad entry not yet handled go back to
+        the front of the queue, so nothing this consumer holds pending is forgotten.
         """
         started = time.perf_counter()
-        results = decode_entries(
+        columns, rows, errors = decode_columns(
             [fields for _, fields in entries],
             require_metrics_fields=self.require_metrics_fields,
             max_tokens=self.micro_batch_tokens,
             require_advantage=self.require_advantage,
             vocab_size=self.vocab_size,
         )
+        if self.max_staleness is not None and len(columns):
+            unversioned = columns.model_version[columns.offsets[:-1]] == NO_VERSION
+            if unversioned.any():
+                for index in rows[unversioned].tolist():
+                    errors[index] = MalformedEntry("no `model_version` field while algorithm.maxStaleness is set",
+                                                   MalformedKind.MISSING_FIELD)
+                columns, rows = columns.take(~unversioned), rows[~unversioned]
         self.decode_seconds += time.perf_counter() - started
-        accepted = []
-        for index, ((entry_id, fields), result) in enumerate(zip(entries, results, strict=True)):
-            if isinstance(result, Document) and result.model_version is None and self.max_staleness is not None:
-                result = MalformedEntry("no `model_version` field while algorithm.maxStaleness is set",
-                                        MalformedKind.MISSING_FIELD)
+        bad = sorted(errors)
+        for handled, index in enumerate(bad):
+            entry_id, fields = entries[index]
+            error = errors[index]
             try:
-                if isinstance(result, Document):
-                    accepted.append((entry_id, result))
-                elif isinstance(result, DocumentTooLong):
-                    log.warning("%s: dropping entry %s: %s", self.consumer, entry_id, result.reason)
+                if isinstance(error, DocumentTooLong):
+                    log.warning("%s: dropping entry %s: %s", self.consumer, entry_id, error.reason)
                     fence.write(self.client, self.keys, [("XACK", self.keys.stream, self.keys.group, entry_id)])
                     self.counters.dropped_too_long += 1
                 else:
-                    self._dead_letter(entry_id, fields, result)
+                    self._dead_letter(entry_id, fields, error)
             except BaseException:
-                kept = {entry_id for entry_id, _ in accepted}
-                self._backlog.extendleft(reversed([e for e in entries[:index] if e[0] in kept] + entries[index:]))
+                unhandled = set(rows.tolist()) | set(bad[handled:])
+                self._backlog.extendleft(reversed([e for i, e in enumerate(entries) if i in unhandled]))
                 raise
-        return accepted
+        return ReadDocuments([entries[index][0] for index in rows.tolist()], columns)
 
     def _dead_letter(self, entry_id: str, fields: dict[bytes, bytes], error: MalformedEntry) -> None:
         log.warning("%s: dead-lettering entry %s (%s): %s", self.consumer, entry_id, error.kind, error.reason)
@@ -531,14 +562,10 @@ class StreamReader:
 
 def document_staleness(document: Document, documents_seen: int) -> Optional[int]:
     """``documents_seen`` minus the smallest ``model_version`` of ``document``'s labelled tokens, in documents (an
-    int64 difference: exact), or None when it has no labelled token or no ``model_version``. The version of the
-    oldest weights any of its trained tokens was sampled with decides (DESIGN §4 ``algorithm.maxStaleness``)."""
-    if document.model_version is None:
-        return None
-    labelled = np.asarray(document.model_version)[label_masks([document])]
-    if labelled.size == 0:
-        return None
-    return int(documents_seen) - int(labelled.min())
+    int64 difference: exact), or None when it has no labelled token or no ``model_version``
+    (:meth:`DocumentColumns.staleness` of one document)."""
+    staleness, known = DocumentColumns.from_documents([document]).staleness(documents_seen)
+    return int(staleness[0]) if known[0] else None
 
 
 def ack_entries(client: redis.Redis, keys: RedisKeys, ids: Iterable[str | bytes], batch: int = 1000) -> int:
