@@ -150,10 +150,10 @@ TIMINGS: tuple[TimingDef, ...] = (
               "step's own read was sent during the previous step, StreamReader.prefetch), staleness drops, dead "
               "letters" + _HOST_CLOCK),
     TimingDef(DECODE, "every step",
-              "milliseconds of decoding the step's stream entries into documents (rljob_wire.codec.decode_entries, "
+              "milliseconds of decoding the step's stream entries into documents (rljob_wire.codec.decode_columns, "
               "inside the reader)" + _HOST_CLOCK),
     TimingDef(PACK, "every step",
-              "milliseconds of packing the documents into micro-batches (pack_documents), their copy to the device and "
+              "milliseconds of packing the documents into micro-batches (pack_columns), their copy to the device and "
               "the segmentation of each (segment_documents, which waits for the device once per micro-batch)"
               + _HOST_CLOCK),
     TimingDef(FORWARD_BACKWARD, "every step",

@@ -37,7 +37,7 @@ class MicroBatch:
         advantages: [T] float32, each document's advantage broadcast to its tokens.
         model_version: [T] int64 (documents seen) or None unless every document carries it.
         rewards: [B] float32 raw rewards, or None unless every document carries one.
-        source_indices: position of each row's document in the list given to :func:`pack_documents`.
+        source_indices: position of each row's document in the columns given to :func:`pack_columns`.
     """
 
     input_ids: torch.Tensor
