@@ -57,7 +57,7 @@ def documents(draw) -> Document:
     version = draw(st.none() | st.lists(st.integers(0, 2**62), min_size=length, max_size=length))
     bounds = st.tuples(st.integers(0, length), st.integers(0, length)).map(sorted).map(tuple)
     spans = draw(st.lists(bounds, max_size=3))
-    scalar = st.none() | st.floats(allow_nan=False, allow_infinity=False)
+    scalar = st.none() | st.floats(allow_nan=False, allow_infinity=False, width=32)
     return Document(
         tokens=tokens,
         old_log_probabilities=old,
@@ -201,6 +201,7 @@ MALFORMED = [
         "[begin, end]",
     ),
     ("huge advantage", good(data=b'{"advantage": 1e999, "reward": 1}'), MalformedKind.NON_FINITE, "advantage"),
+    ("float64 reward", good(data=b'{"advantage": 1, "reward": -1e300}'), MalformedKind.NON_FINITE, "float32's range"),
     (
         "huge integer reward",
         good(data=b'{"advantage": 1, "reward": ' + b"9" * 400 + b"}"),
@@ -333,6 +334,25 @@ def test_writer_layout_takes_the_fast_path_and_other_layouts_the_parser():
     assert columns.document(1).tokens.tolist() == [91, 1, 2, 3] and columns.document(2).model_version is None
     assert (columns.document(3).advantage, columns.document(3).reward) == (1.0, 2.0)
     assert type(columns.document(3).advantage) is float
+
+
+def test_bytearray_and_memoryview_values_decode_as_bytes_do():
+    """redis-py returns bytes; a caller holding bytearrays (or a memoryview of ``data``) gets the same documents."""
+    message = wire(good())
+    expected = decode_entry(message, require_metrics_fields=True, max_tokens=None)
+    variants = [{**message, b"tokens": bytearray(message[b"tokens"])},
+                {**message, b"model_version": bytearray(message[b"model_version"])},
+                {**message, b"data": bytearray(message[b"data"])},
+                {**message, b"data": memoryview(message[b"data"])}]
+    results = decode_entries(variants, require_metrics_fields=True, max_tokens=None)
+    for result in results:
+        assert_same(expected, result)
+
+
+def test_a_vocabulary_beyond_int64_still_refuses_negative_ids():
+    entries = [wire(good(tokens=np.array([0, -1, 2, 3]).tobytes())), wire(good())]
+    bad, fine = decode_entries(entries, require_metrics_fields=True, max_tokens=None, vocab_size=2**64)
+    assert bad.kind == "bad_value" and "negative id (-1)" in bad.reason and isinstance(fine, Document)
 
 
 def test_raw_bytes_that_start_and_end_like_a_json_list_are_still_binary():

@@ -82,3 +82,30 @@ def test_a_document_without_model_version_or_advantage_comes_back_without():
     assert second.model_version.tolist() == [4, 5] and second.loss_masking_spans == [(0, 1)]
     assert (second.advantage, second.reward) == (0.5, 1.0)
     assert columns.offsets.tolist() == [0, 3, 5] and columns.label_mask.tolist() == [False, True, True, False, True]
+
+
+def test_presence_of_model_version_is_kept_per_document_even_without_tokens():
+    """An empty document without model_version beside one with it: the micro-batch carries no model_version (not
+    every document has one), and the staleness of a version at the int64 maximum is still known."""
+    from rljob_trainer.stream.batch import pack_columns
+
+    top = 2**63 - 1
+    docs = [Document(np.arange(3), np.zeros(3, np.float32), np.full(3, top), [], advantage=1.0),
+            Document(np.zeros(0, np.int64), np.zeros(0, np.float32), None, [], advantage=1.0)]
+    for order in (docs, docs[::-1]):
+        columns = DocumentColumns.from_documents(order)
+        assert [mb.model_version for mb in pack_columns(columns, 10)] == [None]
+        assert [d.model_version is None for d in columns.documents()] == [d.model_version is None for d in order]
+    staleness, known = DocumentColumns.from_documents(docs).staleness(10)
+    assert known.tolist() == [True, False] and int(staleness[0]) == 10 - top
+
+
+def test_take_refuses_rows_outside_the_documents():
+    columns = DocumentColumns.from_documents([Document(np.arange(2), np.zeros(2, np.float32))] * 2)
+    for rows in ([-1], [2]):
+        try:
+            columns.take(np.array(rows))
+        except IndexError as error:
+            assert "outside [0, 2)" in str(error)
+        else:
+            raise AssertionError(f"take({rows}) returned")

@@ -82,7 +82,8 @@ class MalformedKind(enum.StrEnum):
     BAD_SPAN = "bad_span"
     """A loss-masking span is not ``[begin, end]`` with ``0 <= begin <= end <= T``."""
     NON_FINITE = "non_finite"
-    """NaN or infinity in ``old_log_probabilities``, ``advantage`` or ``reward``."""
+    """NaN or infinity in ``old_log_probabilities``, ``advantage`` or ``reward``, or an ``advantage`` or ``reward``
+    beyond float32's range (the trainer's tensors hold them in float32)."""
     BAD_JSON = "bad_json"
     """``data`` (or a JSON-valued field) is not valid JSON of the expected shape."""
     BAD_VALUE = "bad_value"
@@ -261,6 +262,8 @@ def decode_columns(
 
 _B_FIELDS = tuple(name.encode() for name in (TOKENS, OLD_LOG_PROBABILITIES, MODEL_VERSION, DATA))
 _COMMON_DATA_KEYS = frozenset((LOSS_MASKING_SPANS, ADVANTAGE, REWARD))
+_COMMON_TYPES = (*[frozenset((bytes, bytearray))] * 3, frozenset((bytes, bytearray, memoryview)))
+"""The value types the batch path takes, per field of :data:`_B_FIELDS` (redis-py returns bytes)."""
 _JSON_LAST_BYTES = np.isin(np.arange(256), np.frombuffer(b"] \t\n\r", dtype=np.uint8))
 """[256] bool, True for the bytes a JSON list can end with (``]`` or trailing whitespace): raw bytes that start with
 ``[`` but end otherwise cannot parse as JSON, so they are raw without trying."""
@@ -294,14 +297,16 @@ def _common_rows(entries: Sequence[Mapping[bytes, bytes]], values: list[list[byt
     """[K] int64, ascending: the entries whose fields are in the common layout by name, type and byte length.
 
     That is exactly ``tokens`` and ``old_log_probabilities``, optionally ``model_version`` (absent only while metrics
-    are off) and ``data``, all bytes; 0 < T <= ``max_bytes`` / 8 tokens; T values in each per-token field."""
+    are off) and ``data``: bytes (or bytearray; ``data`` also a memoryview); 0 < T <= ``max_bytes`` / 8 tokens; T
+    values in each per-token field."""
     count = len(entries)
     sizes = []
-    for column in values:
+    for column, allowed in zip(values, _COMMON_TYPES, strict=True):
         if set(map(type, column)) <= {bytes}:
             sizes.append(np.fromiter(map(len, column), dtype=np.int64, count=count))
         else:
-            sizes.append(np.fromiter((len(v) if type(v) is bytes else -1 for v in column), dtype=np.int64, count=count))
+            sizes.append(np.fromiter((len(v) if type(v) in allowed else -1 for v in column), dtype=np.int64,
+                                     count=count))
     tokens, logprobs, versions, data = sizes
     has_version, has_data = versions > 0, data > 0
     ok = (
@@ -345,8 +350,9 @@ def _common_columns(values: list[list[bytes]], rows: np.ndarray, checks: _Common
     finite numbers (present when required; integers are taken as floats, as the full parser takes them).
 
     ``data`` is parsed with orjson (strict RFC 8259, about 4x faster than the standard library here); what it
-    refuses but the standard library accepts (``NaN``, ``Infinity``, lone surrogates, integers beyond 64 bits) is
-    left to the full parser, so the outcome is the same. The per-token values are checked over the whole batch
+    refuses but the standard library accepts (``NaN``, ``Infinity``, lone surrogates) is left to the full parser, and
+    an integer beyond 64 bits, which orjson reads as a float, is a float here too (a scalar: the value the full parser
+    takes; a span bound: not an integer, so the full parser names it), so the outcome is the same. The per-token values are checked over the whole batch
     (token ids in range, finite log-probabilities, non-negative model versions); an entry that fails goes into
     ``errors`` with :func:`_check_values`' message, and out of the returned rows.
     """
@@ -361,9 +367,9 @@ def _common_columns(values: list[list[bytes]], rows: np.ndarray, checks: _Common
     if has_version.all():
         versions = np.frombuffer(b"".join(versions_column), dtype=_TOKEN_DTYPE)
     else:
-        versions = np.full(len(tokens), NO_VERSION, dtype=np.int64)
+        versions = np.full(len(tokens), NO_VERSION, dtype=np.int64)  # absent ones are b"" in the join
         versions[token_positions(offsets[:-1][has_version], lengths[has_version])] = np.frombuffer(
-            b"".join(versions_column), dtype=_TOKEN_DTYPE)  # absent ones are b""
+            b"".join(versions_column), dtype=_TOKEN_DTYPE)
     starts, ends = offsets[:-1], offsets[1:] - 1
     for array, present in ((tokens, None), (logprobs, None), (versions, has_version)):
         raw = array.view(np.uint8).reshape(-1, array.itemsize)
@@ -378,6 +384,7 @@ def _common_columns(values: list[list[bytes]], rows: np.ndarray, checks: _Common
         tokens=tokens,
         old_log_probabilities=logprobs,
         model_version=versions,
+        versioned=has_version,
         label_mask=span_label_mask(lengths, spans, np.diff(span_offsets)),
         offsets=offsets,
         advantages=advantages,
@@ -385,15 +392,12 @@ def _common_columns(values: list[list[bytes]], rows: np.ndarray, checks: _Common
         spans=spans,
         span_offsets=span_offsets,
     )
-    bad = _bad_documents(columns, has_version, checks.vocab_size)
+    bad = _bad_documents(columns, checks.vocab_size)
     if bad is None:
         return rows, columns
     for row, index in zip(rows[bad].tolist(), np.flatnonzero(bad).tolist()):
-        document = columns.document(index)
-        if has_version[index]:
-            document.model_version = versions[offsets[index] : offsets[index + 1]]
         try:
-            _check_values(document, checks.vocab_size)
+            _check_values(columns.document(index), checks.vocab_size)
         except MalformedEntry as error:
             errors[row] = error
     return rows[~bad], columns.take(~bad)
@@ -419,7 +423,7 @@ def _common_data(data_column: list[bytes], lengths: np.ndarray, checks: _CommonC
             array = np.array([math.nan if value is None else value for value in column], dtype=np.float64)
         except OverflowError:  # an integer beyond the float range: the parser names it
             return None
-        if np.isinf(array).any():
+        if (np.abs(array) > _FLOAT32_MAX).any():  # infinite, or so once trained in float32: the parser names it
             return None
         scalars.append(array)
     spans = [_NO_SPANS if span is None else span
@@ -445,19 +449,18 @@ def _common_data(data_column: list[bytes], lengths: np.ndarray, checks: _CommonC
     return scalars[0], scalars[1], span_array, span_offsets
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 _NO_DATA: dict[str, Any] = {}
 _NO_SPANS: list[Any] = []
 _INT64_LIMIT = 2**63
 
 
-def _bad_documents(columns: DocumentColumns, has_version: np.ndarray, vocab_size: Optional[int]
-                   ) -> Optional[np.ndarray]:
-    """None when every document's values pass :func:`_check_values`, else [N] bool, True for each that fails
-    (``has_version``: [N] bool, the documents that carried ``model_version``). Viewed as uint64, a negative int64 is
-    >= 2^63, so one maximum checks both bounds."""
-    token_limit = _INT64_LIMIT if vocab_size is None else vocab_size
+def _bad_documents(columns: DocumentColumns, vocab_size: Optional[int]) -> Optional[np.ndarray]:
+    """None when every document's values pass :func:`_check_values`, else [N] bool, True for each that fails. Viewed
+    as uint64, a negative int64 is >= 2^63, so one maximum checks both bounds."""
+    token_limit = _INT64_LIMIT if vocab_size is None else min(vocab_size, _INT64_LIMIT)
     lengths = columns.lengths
-    carried = None if has_version.all() else np.repeat(has_version, lengths)
+    carried = None if columns.versioned.all() else np.repeat(columns.versioned, lengths)
     versions = columns.model_version if carried is None else columns.model_version[carried]
     if (
         int(columns.tokens.view(np.uint64).max(initial=0)) < token_limit
@@ -516,7 +519,7 @@ def _check_documents(documents: list[tuple[int, Document]], results: list[Any], 
     concatenated arrays, and document by document only when that fails, replacing each bad document in
     ``results`` by its error. Viewed as uint64, a negative int64 is >= 2^63, so one maximum checks both bounds."""
     docs = [doc for _, doc in documents]
-    token_limit = _INT64_LIMIT if vocab_size is None else vocab_size
+    token_limit = _INT64_LIMIT if vocab_size is None else min(vocab_size, _INT64_LIMIT)
     versions = [doc.model_version for doc in docs if doc.model_version is not None]
     if (
         int(np.concatenate([doc.tokens for doc in docs]).view(np.uint64).max()) < token_limit
@@ -649,6 +652,9 @@ def _scalar(name: str, value: Any) -> Optional[float]:
         number = math.inf
     if not math.isfinite(number):
         raise MalformedEntry(f"`{name}` = {number} is not finite", MalformedKind.NON_FINITE)
+    if abs(number) > _FLOAT32_MAX:
+        raise MalformedEntry(f"`{name}` = {number} is beyond float32's range (the loss and the metrics would see "
+                             "infinity)", MalformedKind.NON_FINITE)
     return number
 
 

@@ -20,8 +20,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 NO_VERSION = -1
-""":attr:`DocumentColumns.model_version` of the tokens of a document without ``model_version`` (valid versions are
->= 0, the codec refuses negative ones)."""
+""":attr:`DocumentColumns.model_version` of the tokens of a document without ``model_version`` (which
+:attr:`DocumentColumns.versioned` says; the codec refuses negative versions)."""
 
 
 @dataclass(eq=False)
@@ -113,6 +113,7 @@ class DocumentColumns:
         old_log_probabilities: [T] float32 sampling log-probabilities (see :class:`Document`).
         model_version: [T] int64 documents seen per token, :data:`NO_VERSION` on the tokens of a document that
             carried none.
+        versioned: [N] bool, whether each document carried ``model_version``.
         label_mask: [T] bool, True on labelled tokens (:func:`label_masks`).
         offsets: [N + 1] int64, each document's first token, then T.
         advantages: [N] float64, NaN for a document that carried none (valid ones are finite).
@@ -125,6 +126,7 @@ class DocumentColumns:
     tokens: np.ndarray
     old_log_probabilities: np.ndarray
     model_version: np.ndarray
+    versioned: np.ndarray
     label_mask: np.ndarray
     offsets: np.ndarray
     advantages: np.ndarray
@@ -150,7 +152,7 @@ class DocumentColumns:
         return Document(
             tokens=self.tokens[begin:end],
             old_log_probabilities=self.old_log_probabilities[begin:end],
-            model_version=None if versions[0] == NO_VERSION else versions,
+            model_version=versions if self.versioned[index] else None,
             loss_masking_spans=[
                 (begin, end)
                 for begin, end in self.spans[self.span_offsets[index] : self.span_offsets[index + 1]].tolist()
@@ -166,6 +168,8 @@ class DocumentColumns:
     def take(self, rows: np.ndarray) -> "DocumentColumns":
         """The documents at ``rows`` ([K] int64 indices, or [N] bool), in that order."""
         rows = np.flatnonzero(rows) if rows.dtype == bool else np.asarray(rows, dtype=np.int64)
+        if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= len(self)):
+            raise IndexError(f"rows {int(rows.min())}..{int(rows.max())} outside [0, {len(self)})")
         lengths = self.lengths[rows]
         positions = token_positions(self.offsets[rows], lengths)
         span_counts = np.diff(self.span_offsets)[rows]
@@ -173,6 +177,7 @@ class DocumentColumns:
             tokens=self.tokens[positions],
             old_log_probabilities=self.old_log_probabilities[positions],
             model_version=self.model_version[positions],
+            versioned=self.versioned[rows],
             label_mask=self.label_mask[positions],
             offsets=_offsets(lengths),
             advantages=self.advantages[rows],
@@ -188,6 +193,7 @@ class DocumentColumns:
             tokens=self.tokens[:end],
             old_log_probabilities=self.old_log_probabilities[:end],
             model_version=self.model_version[:end],
+            versioned=self.versioned[:count],
             label_mask=self.label_mask[:end],
             offsets=self.offsets[: count + 1],
             advantages=self.advantages[:count],
@@ -203,6 +209,7 @@ class DocumentColumns:
             tokens=self.tokens[begin:],
             old_log_probabilities=self.old_log_probabilities[begin:],
             model_version=self.model_version[begin:],
+            versioned=self.versioned[count:],
             label_mask=self.label_mask[begin:],
             offsets=self.offsets[count:] - begin,
             advantages=self.advantages[count:],
@@ -221,6 +228,7 @@ class DocumentColumns:
             tokens=np.concatenate([part.tokens for part in parts]),
             old_log_probabilities=np.concatenate([part.old_log_probabilities for part in parts]),
             model_version=np.concatenate([part.model_version for part in parts]),
+            versioned=np.concatenate([part.versioned for part in parts]),
             label_mask=np.concatenate([part.label_mask for part in parts]),
             offsets=_offsets(np.concatenate([part.lengths for part in parts])),
             advantages=np.concatenate([part.advantages for part in parts]),
@@ -253,6 +261,7 @@ class DocumentColumns:
                 np.full(len(doc.tokens), NO_VERSION, dtype=np.int64) if doc.model_version is None
                 else np.asarray(doc.model_version, dtype=np.int64) for doc in docs
             ] or [_NO_INT64]),
+            versioned=np.array([doc.model_version is not None for doc in docs], dtype=bool),
             label_mask=label_masks(docs),
             offsets=_offsets(lengths),
             advantages=np.array([math.nan if doc.advantage is None else doc.advantage for doc in docs], np.float64),
@@ -270,14 +279,15 @@ class DocumentColumns:
             int64 difference: exact; [N] bool, False for a document without a labelled token or without
             ``model_version``, whose staleness is then 0).
         """
-        unlabelled = np.iinfo(np.int64).max
-        oldest = np.full(len(self), unlabelled, dtype=np.int64)
-        lengths = self.lengths
-        if len(self.tokens):
-            versions = np.where(self.label_mask, self.model_version, unlabelled)
-            nonempty = lengths > 0
-            oldest[nonempty] = np.minimum.reduceat(versions, self.offsets[:-1][nonempty])
-        known = (oldest != unlabelled) & (oldest != NO_VERSION)
+        oldest = np.zeros(len(self), dtype=np.int64)
+        labelled = np.zeros(len(self), dtype=bool)
+        nonempty = self.lengths > 0
+        if nonempty.any():
+            starts = self.offsets[:-1][nonempty]
+            versions = np.where(self.label_mask, self.model_version, np.iinfo(np.int64).max)
+            oldest[nonempty] = np.minimum.reduceat(versions, starts)
+            labelled[nonempty] = np.logical_or.reduceat(self.label_mask, starts)
+        known = labelled & self.versioned
         return np.where(known, int(documents_seen) - np.where(known, oldest, 0), 0), known
 
 

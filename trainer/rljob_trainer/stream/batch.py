@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from rljob_wire.documents import NO_VERSION, Document, DocumentColumns, token_positions
+from rljob_wire.documents import Document, DocumentColumns, token_positions
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ def _build(columns: DocumentColumns, rows: np.ndarray) -> MicroBatch:
     input_ids = np.zeros(attention_mask.shape, dtype=np.int64)
     input_ids[attention_mask] = columns.tokens[positions]
     versions = columns.model_version[positions]
-    unversioned = (columns.model_version[columns.offsets[rows]] == NO_VERSION).any()
+    versioned = bool(columns.versioned[rows].all())
     rewards = columns.rewards[rows]
     return MicroBatch(
         input_ids=torch.from_numpy(input_ids),
@@ -156,7 +156,7 @@ def _build(columns: DocumentColumns, rows: np.ndarray) -> MicroBatch:
         label_mask=torch.from_numpy(columns.label_mask[positions]),
         old_logprobs=torch.from_numpy(columns.old_log_probabilities[positions]),
         advantages=torch.from_numpy(np.repeat(columns.advantages[rows].astype(np.float32), lengths)),
-        model_version=None if unversioned else torch.from_numpy(versions),
+        model_version=torch.from_numpy(versions) if versioned else None,
         rewards=None if np.isnan(rewards).any() else torch.from_numpy(rewards.astype(np.float32)),
         source_indices=tuple(rows.tolist()),
     )

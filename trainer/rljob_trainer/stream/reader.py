@@ -78,7 +78,7 @@ from rljob_api import protocol
 from rljob_api.config import RedisKeys
 from rljob_trainer import fence
 from rljob_wire.codec import DocumentTooLong, MalformedEntry, MalformedKind, decode_columns
-from rljob_wire.documents import NO_VERSION, Document, DocumentColumns
+from rljob_wire.documents import Document, DocumentColumns
 from rljob_wire.connection import PipelinedConnection
 
 log = logging.getLogger(__name__)
@@ -489,7 +489,7 @@ class StreamReader:
             vocab_size=self.vocab_size,
         )
         if self.max_staleness is not None and len(columns):
-            unversioned = columns.model_version[columns.offsets[:-1]] == NO_VERSION
+            unversioned = ~columns.versioned
             if unversioned.any():
                 for index in rows[unversioned].tolist():
                     errors[index] = MalformedEntry("no `model_version` field while algorithm.maxStaleness is set",
