@@ -247,12 +247,9 @@ def decode_columns(
         except MalformedEntry as error:
             errors[index] = error
     if parsed:
-        results: list[Any] = [None] * len(entries)
-        _check_documents(parsed, results, vocab_size)
-        parsed = [(index, document) for index, document in parsed if results[index] is None]
-        errors.update((index, results[index]) for index in range(len(entries)) if results[index] is not None)
-        parts.append((np.array([index for index, _ in parsed], dtype=np.int64),
-                      DocumentColumns.from_documents([document for _, document in parsed])))
+        parts.append(_without_bad_values(np.array([index for index, _ in parsed], dtype=np.int64),
+                                         DocumentColumns.from_documents([document for _, document in parsed]),
+                                         vocab_size, errors))
     if len(parts) == 1:
         return parts[0][1], parts[0][0], errors
     rows = np.concatenate([part_rows for part_rows, _ in parts] or [np.zeros(0, dtype=np.int64)])
@@ -392,12 +389,20 @@ def _common_columns(values: list[list[bytes]], rows: np.ndarray, checks: _Common
         spans=spans,
         span_offsets=span_offsets,
     )
-    bad = _bad_documents(columns, checks.vocab_size)
+    return _without_bad_values(rows, columns, checks.vocab_size, errors)
+
+
+def _without_bad_values(rows: np.ndarray, columns: DocumentColumns, vocab_size: Optional[int],
+                        errors: dict[int, MalformedEntry]) -> tuple[np.ndarray, DocumentColumns]:
+    """``rows`` and ``columns`` without the documents whose values fail :func:`_check_values`, checked over the
+    whole batch at once (:func:`_bad_documents`) and document by document only when that fails; each failure goes
+    into ``errors`` at its row."""
+    bad = _bad_documents(columns, vocab_size)
     if bad is None:
         return rows, columns
     for row, index in zip(rows[bad].tolist(), np.flatnonzero(bad).tolist()):
         try:
-            _check_values(columns.document(index), checks.vocab_size)
+            _check_values(columns.document(index), vocab_size)
         except MalformedEntry as error:
             errors[row] = error
     return rows[~bad], columns.take(~bad)
@@ -514,28 +519,8 @@ def _parse(
     return Document(tokens, old_log_probabilities, model_version, spans, advantage, reward)
 
 
-def _check_documents(documents: list[tuple[int, Document]], results: list[Any], vocab_size: Optional[int]) -> None:
-    """Run :func:`_check_values` over ``documents`` (index in ``results``, document): once over their
-    concatenated arrays, and document by document only when that fails, replacing each bad document in
-    ``results`` by its error. Viewed as uint64, a negative int64 is >= 2^63, so one maximum checks both bounds."""
-    docs = [doc for _, doc in documents]
-    token_limit = _INT64_LIMIT if vocab_size is None else min(vocab_size, _INT64_LIMIT)
-    versions = [doc.model_version for doc in docs if doc.model_version is not None]
-    if (
-        int(np.concatenate([doc.tokens for doc in docs]).view(np.uint64).max()) < token_limit
-        and np.isfinite(np.concatenate([doc.old_log_probabilities for doc in docs])).all()
-        and (not versions or int(np.concatenate(versions).view(np.uint64).max()) < _INT64_LIMIT)
-    ):
-        return
-    for index, doc in documents:
-        try:
-            _check_values(doc, vocab_size)
-        except MalformedEntry as error:
-            results[index] = error
-
-
 def _check_values(doc: Document, vocab_size: Optional[int]) -> None:
-    """The per-document form of :func:`_check_documents`, raising the first problem with its numbers."""
+    """The per-document form of :func:`_bad_documents`, raising the first problem with its numbers."""
     low, high = int(doc.tokens.min()), int(doc.tokens.max())
     if low < 0:
         raise MalformedEntry(f"`tokens` holds a negative id ({low})", MalformedKind.BAD_VALUE)

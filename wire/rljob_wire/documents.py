@@ -188,34 +188,27 @@ class DocumentColumns:
 
     def head(self, count: int) -> "DocumentColumns":
         """The first ``count`` documents (views, no copy of the per-token columns)."""
-        end = int(self.offsets[count])
-        return DocumentColumns(
-            tokens=self.tokens[:end],
-            old_log_probabilities=self.old_log_probabilities[:end],
-            model_version=self.model_version[:end],
-            versioned=self.versioned[:count],
-            label_mask=self.label_mask[:end],
-            offsets=self.offsets[: count + 1],
-            advantages=self.advantages[:count],
-            rewards=self.rewards[:count],
-            spans=self.spans[: self.span_offsets[count]],
-            span_offsets=self.span_offsets[: count + 1],
-        )
+        return self._documents(0, count)
 
     def tail(self, count: int) -> "DocumentColumns":
         """The documents after the first ``count`` (views, no copy of the per-token columns)."""
-        begin = int(self.offsets[count])
+        return self._documents(count, len(self))
+
+    def _documents(self, first: int, end: int) -> "DocumentColumns":
+        """Documents ``first`` to ``end - 1`` as views."""
+        tokens = slice(int(self.offsets[first]), int(self.offsets[end]))
+        spans = slice(int(self.span_offsets[first]), int(self.span_offsets[end]))
         return DocumentColumns(
-            tokens=self.tokens[begin:],
-            old_log_probabilities=self.old_log_probabilities[begin:],
-            model_version=self.model_version[begin:],
-            versioned=self.versioned[count:],
-            label_mask=self.label_mask[begin:],
-            offsets=self.offsets[count:] - begin,
-            advantages=self.advantages[count:],
-            rewards=self.rewards[count:],
-            spans=self.spans[self.span_offsets[count] :],
-            span_offsets=self.span_offsets[count:] - self.span_offsets[count],
+            tokens=self.tokens[tokens],
+            old_log_probabilities=self.old_log_probabilities[tokens],
+            model_version=self.model_version[tokens],
+            versioned=self.versioned[first:end],
+            label_mask=self.label_mask[tokens],
+            offsets=self.offsets[first : end + 1] - self.offsets[first],
+            advantages=self.advantages[first:end],
+            rewards=self.rewards[first:end],
+            spans=self.spans[spans],
+            span_offsets=self.span_offsets[first : end + 1] - self.span_offsets[first],
         )
 
     @classmethod
