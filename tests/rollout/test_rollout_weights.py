@@ -26,7 +26,8 @@ from rljob_rollout.backends.base import UpdateOutcome
 from rljob_rollout.backends.cpu import CpuBackend
 from rljob_rollout.weight_subscriber import WeightSubscriber
 from rljob_wire.transfer import (GROUP_KEY, STORE_PREFIX, GroupKeeper, KeptGroup, StoreAddress, TransferFailed, UpdateSender,
-                                    _AllowListUnpickler, _reported_group, connect_store, receive_update, unwrapped_name)
+                                    _AllowListUnpickler, _reported_group, connect_store, receive_update, send_update,
+                                    unwrapped_name)
 from rljob_trainer.weight_publisher import WeightPublisher
 
 HERE = Path(__file__).resolve().parent
@@ -399,3 +400,35 @@ def test_older_receivers_and_an_older_publisher_get_a_new_group_for_every_update
         assert list(received) == [name for name, _ in tensors]
         assert all(torch.equal(received[name], tensor) for name, tensor in tensors)
         assert groups.kept_id("gloo") == ticket.id
+
+
+def test_a_receiver_keeps_its_store_client_and_replaces_it_once_the_trainer_restarts(redis_server):
+    """A kept client serves every update of one store; a new store on the same address (a restarted trainer) costs
+    the receiver no update: the dead client is replaced when setting ready fails."""
+    config = make_config(redis_server)
+    port = free_port()
+    address = StoreAddress("127.0.0.1", port)
+    receiver = GroupKeeper()
+    clients, outcomes, kept = [], [], []
+    for trainer in range(2):
+        store = TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
+        publisher = GroupKeeper()  # the trainer's: a restarted one keeps nothing
+        for update in range(2):
+            ticket = TransferTicket(f"t{trainer}-{update}", (1,), "gloo", 5.0, 10.0)
+            tensors = list(tiny_model(config, seed=10 * trainer + update).state_dict().items())
+            sent: list = []
+            sending = threading.Thread(target=lambda t=ticket, x=tensors: sent.append(
+                send_update(store, t, x, device=torch.device("cpu"), groups=publisher)), daemon=True)
+            sending.start()
+            received: dict[str, torch.Tensor] = {}
+            outcomes.append(receive_update(address, ticket, 1, device=torch.device("cpu"), sink=received.__setitem__,
+                                           groups=receiver))
+            sending.join(30)
+            assert sent == [[1]] and all(torch.equal(received[name], tensor) for name, tensor in tensors)
+            clients.append(receiver.client(address, 5.0))
+            kept.append(receiver.kept_id("gloo"))
+        publisher.close()
+        del store  # the trainer's store server stops
+    assert outcomes == [True] * 4
+    assert clients[0] is clients[1] and clients[2] is clients[3] and clients[1] is not clients[2]
+    assert kept == ["t0-0", "t0-0", "t1-0", "t1-0"]  # the restarted trainer formed a new group, kept again after

@@ -78,7 +78,7 @@ from rljob_api.config import JobConfig, RedisKeys
 from rljob_api.protocol import MEMBER_TTL_S, MemberInfo, TransferTicket, parse_member
 from rljob_trainer import fence
 from rljob_wire.packed import DEFAULT_BUCKET_BYTES, LAYOUT_PACKED, LAYOUT_PER_TENSOR, BucketBuffers, Manifest, plan
-from rljob_wire.transfer import (GroupKeeper, TransferCancelled, UpdateSender, open_update, redis_time, send_update,
+from rljob_wire.transfer import (GroupKeeper, TransferCancelled, UpdateSender, open_update, send_update,
                                     unwrapped_name)
 
 log = logging.getLogger(__name__)
@@ -184,8 +184,11 @@ class WeightPublisher:
         Raises:
             redis.RedisError: Redis unreachable.
         """
-        raw = self._client.hgetall(self._keys.members)
-        now = redis_time(self._client)
+        pipe = self._client.pipeline(transaction=False)  # one round trip: the hash and Redis's clock
+        pipe.hgetall(self._keys.members)
+        pipe.time()
+        raw, (seconds, micros) = pipe.execute()
+        now = seconds + micros / 1e6
         live, dead = {}, []
         for field_name, value in raw.items():
             try:

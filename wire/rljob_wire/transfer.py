@@ -40,13 +40,14 @@ The ready/final/group handshake is rljob's own; upstream (Fast-LLM, PipelineRL) 
 at the trainer's start and keeps it, which is what a kept group does while the members stay the same.
 
 Speed without changing those bytes (docs/weight-sync.md): the group is kept while the members stay the same (no
-rendezvous and no teardown per update); the sender queues each tensor's three broadcasts without waiting, two
-tensors ahead (:class:`UpdateSender`); a receiver reads the next tensor's metadata and posts its broadcast while the
-previous tensor is still arriving, and may receive into buffers it keeps across updates (:class:`ReceiveBuffers`),
-since fresh memory costs page faults on every update. The ticket's ``timeout_s`` (the publisher's
-``transfer_timeout_s``) bounds a whole update on rank 0 (:attr:`UpdateSender.deadline`), not each broadcast, so
-that the other data-parallel ranks, which wait for rank 0 meanwhile, wait at most ``join_timeout_s + timeout_s``
-(DESIGN §3); a receiver allows ``timeout_s`` per broadcast.
+rendezvous and no teardown per update); rank 0 writes step 2's keys in one round trip and a receiver reads them in
+one, through a store client it keeps across updates (:meth:`GroupKeeper.client`); the sender queues each tensor's
+three broadcasts without waiting, two tensors ahead (:class:`UpdateSender`); a receiver reads the next tensor's
+metadata and posts its broadcast while the previous tensor is still arriving, and may receive into buffers it keeps
+across updates (:class:`ReceiveBuffers`), since fresh memory costs page faults on every update. The ticket's
+``timeout_s`` (the publisher's ``transfer_timeout_s``) bounds a whole update on rank 0
+(:attr:`UpdateSender.deadline`), not each broadcast, so that the other data-parallel ranks, which wait for rank 0
+meanwhile, wait at most ``join_timeout_s + timeout_s`` (DESIGN §3); a receiver allows ``timeout_s`` per broadcast.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import redis
 import torch
-from torch.distributed import BroadcastOptions, PrefixStore, ProcessGroupGloo, Store, TCPStore
+from torch.distributed import BroadcastOptions, DistNetworkError, PrefixStore, ProcessGroupGloo, Store, TCPStore
 
 from rljob_api.protocol import TransferTicket
 from rljob_wire.packed import LAYOUT_PACKED, LAYOUT_PER_TENSOR, LAYOUTS, BucketBuffers, Manifest, view
@@ -173,7 +174,8 @@ class KeptGroup:
 
 
 class GroupKeeper:
-    """Where one end of the transfer keeps its group between updates: at most one per backend (``gloo``, ``nccl``).
+    """Where one end of the transfer keeps its group between updates: at most one per backend (``gloo``, ``nccl``),
+    and on a receiver its client of the trainer's store (:meth:`client`).
 
     :func:`open_update` and :func:`receive_update` take the group out for the length of an update and put it back
     only when their side of it completed, so a group that failed is dropped (and destroyed with its last reference).
@@ -182,6 +184,20 @@ class GroupKeeper:
 
     def __init__(self) -> None:
         self._kept: dict[str, KeptGroup] = {}
+        self._client: Optional[tuple[StoreAddress, TCPStore]] = None
+
+    def client(self, address: StoreAddress, timeout_s: float) -> TCPStore:
+        """A client of the trainer's store at ``address``, connected once and kept for the next updates (a connection
+        costs a round trip and the server's accept on every update otherwise). ``timeout_s``: its connect and default
+        wait timeout (seconds). Raises RuntimeError/DistError when the store is not reachable in time."""
+        if self._client is None or self._client[0] != address:
+            self._client = None
+            self._client = (address, connect_store(address, timeout_s))
+        return self._client[1]
+
+    def forget_client(self) -> None:
+        """Drop the kept client (after a failure: the store may have restarted, with a new trainer)."""
+        self._client = None
 
     def take(self, backend: str) -> Optional[KeptGroup]:
         """Remove and return the group kept for ``backend`` (None when there is none)."""
@@ -198,8 +214,9 @@ class GroupKeeper:
         return kept.id if kept is not None else None
 
     def close(self) -> None:
-        """Drop every kept group."""
+        """Drop every kept group and the kept client."""
         self._kept.clear()
+        self._client = None
 
 
 def _ready_value(kept: Optional[KeptGroup], layouts: Sequence[str]) -> str:
@@ -441,9 +458,9 @@ def open_update(
         kept = None  # the members changed: drop the old group before the new one forms
     packed = (manifest is not None and ticket.layout == LAYOUT_PACKED
               and all(LAYOUT_PACKED in _reported_layouts(value) for value in values))
-    scoped.set(GROUP_KEY, kept.id if kept is not None else ticket.id)
-    scoped.set(LAYOUT_KEY, LAYOUT_PACKED if packed else LAYOUT_PER_TENSOR)
-    scoped.set("final", json.dumps(joined))
+    # One round trip; the server sets the keys in this order, so a receiver woken by `final` reads the other two.
+    group_id, layout = kept.id if kept is not None else ticket.id, LAYOUT_PACKED if packed else LAYOUT_PER_TENSOR
+    scoped.multi_set([GROUP_KEY, LAYOUT_KEY, "final"], [group_id, layout, json.dumps(joined)])
     if kept is None:
         timeout = datetime.timedelta(seconds=ticket.timeout_s)
         kept = KeptGroup(ticket.id, tuple(joined), _new_group(ticket.backend, PrefixStore("pg/", scoped), 0, 1 + len(joined), timeout))
@@ -594,17 +611,12 @@ def receive_update(
                 sink_error = error
 
     try:
-        # The publisher writes `final` at most join_timeout_s after announcing, and it is there for good after.
-        scoped = _ticket_store(connect_store(address, ticket.join_timeout_s), ticket)
-        scoped.set(f"ready/{transfer_rank}", _ready_value(kept, layouts))
-        scoped.wait(["final"], datetime.timedelta(seconds=ticket.join_timeout_s + FINAL_MARGIN_S))
-        final = json.loads(scoped.get("final"))
+        scoped = _await_final(address, ticket, transfer_rank, _ready_value(kept, layouts), groups)
+        final, group_id, layout = _read_final(scoped, ticket)
         if transfer_rank not in final:
             if not final and kept is not None and groups is not None:
                 groups.keep(ticket.backend, kept)  # nobody joined: rank 0 kept its group too
             return False
-        group_id = scoped.get(GROUP_KEY).decode() if scoped.check([GROUP_KEY]) else ticket.id  # none: an older publisher
-        layout = scoped.get(LAYOUT_KEY).decode() if scoped.check([LAYOUT_KEY]) else LAYOUT_PER_TENSOR
         if layout not in layouts and layout != LAYOUT_PER_TENSOR:
             raise RuntimeError(f"the publisher sends layout {layout!r}, which this receiver did not announce")
         if kept is not None and kept.id == group_id and kept.members == tuple(final):
@@ -621,12 +633,55 @@ def receive_update(
         else:
             _receive_per_tensor(kept.group, device, seconds, deliver, buffers)
     except Exception as error:  # noqa: BLE001 - store/gloo/NCCL errors come in many classes
+        if groups is not None:
+            groups.forget_client()
         raise TransferFailed(f"weight update {ticket.id} as transfer rank {transfer_rank} failed: {error}", loaded) from error
     if groups is not None:
         groups.keep(ticket.backend, kept)
     if sink_error is not None:
         raise TransferFailed(f"weight update {ticket.id}: loading failed: {sink_error}", loaded) from sink_error
     return True
+
+
+def _await_final(address: StoreAddress, ticket: TransferTicket, transfer_rank: int, value: str,
+                 groups: Optional[GroupKeeper]) -> PrefixStore:
+    """A receiver's steps 1-2 (module docstring): set ``ready/<transfer rank>`` of ``ticket`` to ``value`` and wait for
+    ``final`` (the publisher writes it at most ``join_timeout_s`` after announcing, and it stays). Goes through the
+    keeper's client (a new one without a keeper); one that turns out dead (its trainer restarted: a new store on the
+    same address; a set has no reply, so the wait finds out) is replaced once. Returns the ticket's view of the store.
+
+    Raises:
+        RuntimeError / DistError: the store is not reachable within ``ticket.join_timeout_s``, or ``final`` did not
+            come within ``join_timeout_s`` + :data:`FINAL_MARGIN_S`.
+    """
+    def join(client: TCPStore) -> PrefixStore:
+        scoped = _ticket_store(client, ticket)
+        scoped.set(f"ready/{transfer_rank}", value)
+        scoped.wait(["final"], datetime.timedelta(seconds=ticket.join_timeout_s + FINAL_MARGIN_S))
+        return scoped
+
+    if groups is None:
+        return join(connect_store(address, ticket.join_timeout_s))
+    try:
+        return join(groups.client(address, ticket.join_timeout_s))
+    except DistNetworkError:
+        groups.forget_client()
+    return join(groups.client(address, ticket.join_timeout_s))
+
+
+def _read_final(scoped: PrefixStore, ticket: TransferTicket) -> tuple[list[int], str, str]:
+    """``final``, ``group`` and ``layout`` of an update whose ``final`` is set (step 2 of the module docstring): one
+    round trip when the publisher wrote all three. ``group`` is absent when nobody joined, or both from an older
+    publisher: the ticket's own id and per-tensor then."""
+    keys = ["final", GROUP_KEY, LAYOUT_KEY]
+    if scoped.check(keys[1:]):
+        values: list[Optional[bytes]] = list(scoped.multi_get(keys))
+    else:
+        values = [scoped.get(key) if key == "final" or scoped.check([key]) else None for key in keys]
+    final_value, group_value, layout_value = values
+    assert final_value is not None
+    return (json.loads(final_value), group_value.decode() if group_value is not None else ticket.id,
+            layout_value.decode() if layout_value is not None else LAYOUT_PER_TENSOR)
 
 
 def _receive_per_tensor(group: Any, device: torch.device, seconds: float, deliver: Callable[[str, torch.Tensor], None],
