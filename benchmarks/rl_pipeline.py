@@ -549,6 +549,46 @@ def load_average() -> str:
     return ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+@dataclass(frozen=True)
+class Steadiness:
+    """How steady one core's speed is (:func:`cpu_steadiness`): milliseconds per chunk of the same pure-Python loop.
+
+    Attributes:
+        fastest_ms, median_ms, p90_ms: the fastest chunk, the median and the 90th percentile (milliseconds).
+    """
+
+    fastest_ms: float
+    median_ms: float
+    p90_ms: float
+
+    @property
+    def swing(self) -> float:
+        """p90 / fastest: 1.0 on a steady core; 2.0 when one chunk in ten ran at half the fastest one's speed."""
+        return self.p90_ms / self.fastest_ms
+
+    def __str__(self) -> str:
+        return (f"one core's speed: fastest {self.fastest_ms:.1f} ms, median {self.median_ms:.1f}, p90 {self.p90_ms:.1f} "
+                f"per chunk (swing {self.swing:.2f})")
+
+
+def cpu_steadiness(chunks: int = 40, iterations: int = 300_000) -> Steadiness:
+    """Time ``chunks`` runs of the same loop (``iterations`` integer additions, about 25 ms each on the development
+    machine at its fastest) on this thread. A virtual machine whose host takes its cores away shows it here even
+    when its own load average is low: on 2026-12-06 the development machine, idle (load 0.1, steal 0.1%), ran the
+    same chunk in 25 to 52 ms within a minute, and the bare training step's two blocks of one round differed by up to
+    60%."""
+    import statistics
+
+    times = []
+    for _ in range(chunks):
+        started, total = time.perf_counter(), 0
+        for i in range(iterations):
+            total += i
+        times.append((time.perf_counter() - started) * 1e3)
+    times.sort()
+    return Steadiness(times[0], statistics.median(times), times[min(len(times) - 1, (len(times) * 9) // 10)])
+
+
 def spread(values: Sequence[float]) -> tuple[float, float, float]:
     """(median, min, max) of ``values`` (NaNs when empty)."""
     import statistics

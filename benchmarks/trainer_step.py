@@ -53,9 +53,12 @@ documents of 10 tokens per step, microBatchTokens 1024) at 1 and 2 ranks, DDP an
     python benchmarks/trainer_step.py --quick               # one small case, few steps: to check the script
     python benchmarks/device/trainer_step_gpu.py            # (a) and (b) in bf16 on one GPU
 
-The load average is recorded at the start and the end; above ``--busy-load`` per core at the start (default 0.25:
-0.5 on 2 cores) the figures are printed but not judged. Exit status: 0 when every target holds, 1 when one is missed,
-2 when the machine was too busy to judge or on an error.
+The load average and one core's steadiness (``rl_pipeline.cpu_steadiness``: the same pure-Python loop timed in 40
+chunks) are recorded at the start and the end; above ``--busy-load`` per core at the start (default 0.25: 0.5 on 2
+cores), or with a speed swing (the 90th percentile chunk over the fastest) above ``--unsteady`` (default 1.3) at the
+start or the end, the figures are printed but not judged: on a virtual machine whose host takes its cores away, two
+blocks of the same bare step differ by more than the margins judged. Exit status: 0 when every target holds, 1 when
+one is missed, 2 when the machine was too busy or unsteady to judge, or on an error.
 """
 
 from __future__ import annotations
@@ -749,6 +752,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--busy-load", type=float, default=0.25, help="1-minute load average per core above which "
                         "the figures are not judged (exit 2)")
+    parser.add_argument("--unsteady", type=float, default=1.3, help="a core's speed swing (rl_pipeline.cpu_steadiness: "
+                        "the 90th percentile chunk over the fastest, at the start or the end) above which the figures "
+                        "are not judged (exit 2)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per case")
     parser.add_argument("--role", default="driver", help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
@@ -769,9 +775,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         return receiver_main(args)
     cores = os.cpu_count() or 1
     load_start = os.getloadavg()
+    steadiness = [rp.cpu_steadiness()]
     names = [n for n in args.cases.split(",") if n]
-    print(f"trainer_step: {cores} CPUs, load average {rp.load_average()} at the start; cases {', '.join(names)}; "
-          f"modes {','.join(args.modes)}{' (quick)' if args.quick else ''}", flush=True)
+    print(f"trainer_step: {cores} CPUs, load average {rp.load_average()} at the start, {steadiness[0]}; cases "
+          f"{', '.join(names)}; modes {','.join(args.modes)}{' (quick)' if args.quick else ''}", flush=True)
     results: list[CaseFigures] = []
     redis_process, redis_port, _ = rp.start_redis()
     try:
@@ -801,12 +808,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         redis_process.wait()
     text, met = report(results)  # the cases that finished, also after a failed one
     print(text)
-    print(f"load average {rp.load_average()} at the end")
+    steadiness.append(rp.cpu_steadiness())
+    print(f"load average {rp.load_average()} at the end, {steadiness[-1]}")
     if failed:
         print(failed, flush=True)
         return 2
     if load_start[0] / cores > args.busy_load:
         print(f"trainer_step: not judged: load {load_start[0]:.2f} at the start > {args.busy_load} x {cores} cores")
+        return 2
+    swing = max(s.swing for s in steadiness)
+    if swing > args.unsteady:
+        print(f"trainer_step: not judged: one core's speed swung x{swing:.2f} (> {args.unsteady}) at the start or the end")
         return 2
     print(f"trainer_step: {'every target met' if met else 'a target MISSED'}")
     return 0 if met else 1

@@ -83,4 +83,12 @@ def test_quick_run_prints_every_table():
     for label, _, _ in bench.phase_rows():
         assert f"| {label} | " in out, (label, out)
     assert "target (b) vs (a)" in out and "target (c) vs (c0)" in out, out
-    assert "load average" in out, out
+    assert "load average" in out and out.count("one core's speed: fastest") == 2, out  # at the start and the end
+
+
+def test_steadiness_swing_is_the_90th_percentile_over_the_fastest_chunk():
+    rp = sys.modules["rl_pipeline"]  # loaded by the benchmark's import
+    steady = rp.cpu_steadiness(chunks=10, iterations=1000)
+    assert 0 < steady.fastest_ms <= steady.median_ms <= steady.p90_ms and steady.swing >= 1.0
+    assert rp.Steadiness(25.0, 40.0, 50.0).swing == 2.0
+    assert "fastest 25.0 ms, median 40.0, p90 50.0 per chunk (swing 2.00)" in str(rp.Steadiness(25.0, 40.0, 50.0))
