@@ -29,6 +29,7 @@ from rljob_wire.transfer import (GROUP_KEY, STORE_PREFIX, GroupKeeper, KeptGroup
                                     _AllowListUnpickler, _reported_group, connect_store, receive_update, send_update,
                                     unwrapped_name)
 from rljob_trainer.weight_publisher import WeightPublisher
+from rljob_wire import transfer
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -402,7 +403,7 @@ def test_older_receivers_and_an_older_publisher_get_a_new_group_for_every_update
         assert groups.kept_id("gloo") == ticket.id
 
 
-def test_a_receiver_keeps_its_store_client_and_replaces_it_once_the_trainer_restarts(redis_server):
+def test_a_receiver_keeps_its_store_client_and_replaces_it_once_the_trainer_restarts(redis_server, monkeypatch):
     """A kept client serves every update of one store; a new store on the same address (a restarted trainer) costs
     the receiver no update: the dead client is replaced when setting ready fails."""
     config = make_config(redis_server)
@@ -432,3 +433,15 @@ def test_a_receiver_keeps_its_store_client_and_replaces_it_once_the_trainer_rest
     assert outcomes == [True] * 4
     assert clients[0] is clients[1] and clients[2] is clients[3] and clients[1] is not clients[2]
     assert kept == ["t0-0", "t0-0", "t1-0", "t1-0"]  # the restarted trainer formed a new group, kept again after
+    # No store at all: the dead kept client is replaced once, a new connection is not retried (each connect attempt
+    # costs a whole join timeout).
+    connects = []
+    real_connect = transfer.connect_store
+    monkeypatch.setattr(transfer, "connect_store", lambda *args: connects.append(args) or real_connect(*args))
+    for attempt in ("kept client", "no client"):
+        connects.clear()
+        with pytest.raises(TransferFailed):
+            receive_update(address, TransferTicket(f"down-{attempt}", (1,), "gloo", 1.0, 10.0), 1,
+                           device=torch.device("cpu"), sink=lambda *_: None, groups=receiver)
+        assert len(connects) == 1, attempt
+        assert receiver.kept_client(address) is None

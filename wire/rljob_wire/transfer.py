@@ -190,10 +190,16 @@ class GroupKeeper:
         """A client of the trainer's store at ``address``, connected once and kept for the next updates (a connection
         costs a round trip and the server's accept on every update otherwise). ``timeout_s``: its connect and default
         wait timeout (seconds). Raises RuntimeError/DistError when the store is not reachable in time."""
-        if self._client is None or self._client[0] != address:
+        kept = self.kept_client(address)
+        if kept is None:
             self._client = None
-            self._client = (address, connect_store(address, timeout_s))
-        return self._client[1]
+            kept = connect_store(address, timeout_s)
+            self._client = (address, kept)
+        return kept
+
+    def kept_client(self, address: StoreAddress) -> Optional[TCPStore]:
+        """The client of ``address`` kept from an earlier update, or None."""
+        return self._client[1] if self._client is not None and self._client[0] == address else None
 
     def forget_client(self) -> None:
         """Drop the kept client (after a failure: the store may have restarted, with a new trainer)."""
@@ -647,8 +653,8 @@ def _await_final(address: StoreAddress, ticket: TransferTicket, transfer_rank: i
                  groups: Optional[GroupKeeper]) -> PrefixStore:
     """A receiver's steps 1-2 (module docstring): set ``ready/<transfer rank>`` of ``ticket`` to ``value`` and wait for
     ``final`` (the publisher writes it at most ``join_timeout_s`` after announcing, and it stays). Goes through the
-    keeper's client (a new one without a keeper); one that turns out dead (its trainer restarted: a new store on the
-    same address; a set has no reply, so the wait finds out) is replaced once. Returns the ticket's view of the store.
+    keeper's client (a new one without a keeper); a kept one that turns out dead (its trainer restarted: a new store on
+    the same address; a set has no reply, so the wait finds out) is replaced once, a new one is not retried. Returns the ticket's view of the store.
 
     Raises:
         RuntimeError / DistError: the store is not reachable within ``ticket.join_timeout_s``, or ``final`` did not
@@ -662,10 +668,13 @@ def _await_final(address: StoreAddress, ticket: TransferTicket, transfer_rank: i
 
     if groups is None:
         return join(connect_store(address, ticket.join_timeout_s))
+    kept = groups.kept_client(address)
     try:
         return join(groups.client(address, ticket.join_timeout_s))
     except DistNetworkError:
         groups.forget_client()
+        if kept is None:  # a new connection failed: the store is down, not replaced
+            raise
     return join(groups.client(address, ticket.join_timeout_s))
 
 
