@@ -79,7 +79,7 @@ from rljob_api.protocol import MEMBER_TTL_S, MemberInfo, TransferTicket, parse_m
 from rljob_trainer import fence
 from rljob_wire.packed import DEFAULT_BUCKET_BYTES, LAYOUT_PACKED, LAYOUT_PER_TENSOR, BucketBuffers, Manifest, plan
 from rljob_wire.transfer import (GroupKeeper, TransferCancelled, UpdateSender, open_update, send_update,
-                                    unwrapped_name)
+                                    time_seconds, unwrapped_name)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -187,8 +187,8 @@ class WeightPublisher:
         pipe = self._client.pipeline(transaction=False)  # one round trip: the hash and Redis's clock
         pipe.hgetall(self._keys.members)
         pipe.time()
-        raw, (seconds, micros) = pipe.execute()
-        now = seconds + micros / 1e6
+        raw, reply = pipe.execute()
+        now = time_seconds(reply)
         live, dead = {}, []
         for field_name, value in raw.items():
             try:

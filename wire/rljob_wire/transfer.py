@@ -95,7 +95,12 @@ class StoreAddress:
 
 def redis_time(client: redis.Redis) -> float:
     """Redis's clock, seconds (the one clock both sides of the membership compare)."""
-    seconds, micros = client.time()
+    return time_seconds(client.time())
+
+
+def time_seconds(reply: tuple[int, int]) -> float:
+    """Seconds of a TIME reply ``(seconds, microseconds)`` (redis-py's parsed form, also from a pipeline)."""
+    seconds, micros = reply
     return seconds + micros / 1e6
 
 
@@ -654,7 +659,8 @@ def _await_final(address: StoreAddress, ticket: TransferTicket, transfer_rank: i
     """A receiver's steps 1-2 (module docstring): set ``ready/<transfer rank>`` of ``ticket`` to ``value`` and wait for
     ``final`` (the publisher writes it at most ``join_timeout_s`` after announcing, and it stays). Goes through the
     keeper's client (a new one without a keeper); a kept one that turns out dead (its trainer restarted: a new store on
-    the same address; a set has no reply, so the wait finds out) is replaced once, a new one is not retried. Returns the ticket's view of the store.
+    the same address; a set has no reply, so the wait finds out) is replaced once, a new one is not retried. Returns
+    the ticket's view of the store.
 
     Raises:
         RuntimeError / DistError: the store is not reachable within ``ticket.join_timeout_s``, or ``final`` did not
